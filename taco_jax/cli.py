@@ -1,0 +1,68 @@
+"""`taco-jax` command line: `train` (one run) and `compare` (--comm none vs taco, same seed and data)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    from taco_jax.train.config import TrainConfig  # no jax import at module level
+
+    p = argparse.ArgumentParser(prog="taco-jax", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("train", "train one model"), ("compare", "train with --comm none and taco; plot both")):
+        sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        for f in dataclasses.fields(TrainConfig):
+            if name == "compare" and f.name == "comm":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                sp.add_argument(flag, type=type(f.default), default=f.default)
+        sp.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+        sp.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from taco_jax.parallel.mesh import parse_mesh
+    from taco_jax.train.config import TrainConfig
+
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    try:
+        cfg = TrainConfig(**kwargs)  # validates everything before jax is even imported
+    except ValueError as e:
+        print(f"taco-jax: error: {e}", file=sys.stderr)
+        return 2
+    # A simulated CPU mesh needs its device count fixed before jax is imported; harmless on GPU.
+    n = 1
+    for v in parse_mesh(cfg.mesh).values():
+        n *= v
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    import jax
+
+    if args.distributed:
+        jax.distributed.initialize()
+    from taco_jax.train.loop import compare, train
+
+    try:
+        result = train(cfg, progress=not args.no_progress) if args.command == "train" else \
+            compare(cfg, progress=not args.no_progress)
+    except ValueError as e:
+        print(f"taco-jax: error: {e}", file=sys.stderr)
+        return 2
+    shown = {k: v for k, v in result.items() if k not in ("wire_detail", "config")}
+    print(json.dumps(shown, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Wire bytes of the collectives in a compiled XLA program, per mesh axis (read from HLO text).
+
+Counts bytes *sent per device* for one execution, with the usual bandwidth-optimal algorithms:
+all-gather and all-to-all (P-1)/P of the result, reduce-scatter (P-1)/P of the operand,
+all-reduce 2(P-1)/P (ring), collective-permute the whole operand. Collectives inside loops
+(`while` bodies) are counted once.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import numpy as np
+
+_OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+_LINE = re.compile(r"=\s*(?P<type>\(?[^=]*?\)?)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"\b(?P<dt>pred|[sfu]\d+|bf16|f8e4m3fn|f8e5m2|f8e4m3|f8e5m2fnuz|f8e4m3fnuz)\[(?P<dims>[\d,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_PAIRS = re.compile(r"source_target_pairs=\{(\{\d+,\d+\}(?:,\{\d+,\d+\})*)\}")
+
+
+def _itemsize(dt: str) -> int:
+    if dt == "pred":
+        return 1
+    return max(1, int(re.sub(r"\D", "", dt.split("e")[0]) or 8) // 8) if dt.startswith("f8") is False else 1
+
+
+def _array_bytes(type_str: str) -> tuple[int, str]:
+    total, dts = 0, set()
+    for m in _ARRAY.finditer(type_str):
+        dims = [int(d) for d in m["dims"].split(",") if d]
+        total += int(np.prod(dims, dtype=np.int64)) * _itemsize(m["dt"])
+        dts.add(m["dt"])
+    return total, "+".join(sorted(dts))
+
+
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\(\[(?P<ids>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\))?"
+    r"\s*\{(?P<over>[^}]*)\}"
+)
+
+
+def _iota(dims: list[int], perm: str | None) -> np.ndarray:
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def _groups(line: str) -> list[tuple[int, ...]] | None:
+    if m := _GROUPS_MESH.search(line):  # mesh['axis_0'=4,...], device_ids=([2,4]T(1,0)) {'axis_0'}
+        names = re.findall(r"'([^']+)'=(\d+)", m["axes"])
+        shape = [int(n) for _, n in names]
+        ids = _iota([int(d) for d in m["ids"].split(",")], m["perm"]) if m["ids"] else np.arange(int(np.prod(shape)))
+        ids = ids.reshape(shape)
+        over = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m["over"]]
+        keep = [i for i in range(len(shape)) if i not in over]
+        ids = ids.transpose(keep + over)
+        return [tuple(r) for r in ids.reshape(-1, int(np.prod([shape[i] for i in over]))).tolist()]
+    if m := _GROUPS_LIST.search(line):
+        return [tuple(int(v) for v in g.split(",") if v) for g in re.findall(r"\{([\d,]*)\}", m[1])]
+    if m := _GROUPS_IOTA.search(line):
+        n_groups, size = int(m[1]), int(m[2])
+        ids = _iota([int(d) for d in m[3].split(",")], m[4])
+        return [tuple(r) for r in ids.reshape(n_groups, size).tolist()]
+    return None
+
+
+def mesh_axis_groups(mesh) -> dict[str, set[frozenset[int]]]:
+    """For each mesh axis (and each combination used by XLA), the device-id groups it spans."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    out = {}
+    for i, name in enumerate(mesh.axis_names):
+        moved = np.moveaxis(ids, i, -1).reshape(-1, ids.shape[i])
+        out[name] = {frozenset(r.tolist()) for r in moved}
+    return out
+
+
+def collective_bytes(hlo_text: str, mesh) -> dict:
+    """Bytes sent per device per execution, by mesh axis, op and dtype.
+
+    Returns: {"by_axis": {axis: bytes}, "detail": [{"axis", "op", "dtype", "count", "bytes"}]}.
+    Axis is "+".join of axes for multi-axis groups, "?" if the groups match no mesh axis.
+    """
+    axis_groups = mesh_axis_groups(mesh)
+    detail = collections.defaultdict(lambda: [0, 0.0])
+    for line in hlo_text.splitlines():
+        line = _COMMENT.sub("", line)
+        m = _LINE.search(line)
+        if not m or "-done(" in line:
+            continue
+        op = m["op"]
+        nbytes, dts = _array_bytes(m["type"])
+        if op == "collective-permute":
+            pairs = _PAIRS.search(line)
+            axis = _permute_axis(pairs[1] if pairs else "", axis_groups)
+            sent = float(nbytes)
+        else:
+            groups = _groups(line)
+            if not groups:
+                continue
+            gset = {frozenset(g) for g in groups}
+            p = len(groups[0])
+            if p <= 1:
+                continue
+            axis = next((a for a, s in axis_groups.items() if s == gset), "?")
+            frac = (p - 1) / p
+            sent = {"all-reduce": 2 * frac * nbytes, "reduce-scatter": (p - 1) * nbytes}.get(op, frac * nbytes)
+        key = (axis, op, dts)
+        detail[key][0] += 1
+        detail[key][1] += sent
+    rows = [dict(axis=a, op=o, dtype=d, count=c, bytes=int(b)) for (a, o, d), (c, b) in sorted(detail.items())]
+    by_axis = collections.Counter()
+    for r in rows:
+        by_axis[r["axis"]] += r["bytes"]
+    return {"by_axis": dict(by_axis), "detail": rows}
+
+
+def _permute_axis(pairs: str, axis_groups) -> str:
+    pr = [tuple(int(v) for v in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", pairs)]
+    for a, groups in axis_groups.items():
+        if pr and all(any(s in g and t in g for g in groups) for s, t in pr):
+            return a
+    return "?"

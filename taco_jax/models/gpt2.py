@@ -1,0 +1,156 @@
+"""GPT-2 (learned positions, pre-LN, GELU MLP, tied embeddings) with Megatron tensor parallelism.
+
+Source: Radford et al. 2019 / OpenAI `gpt-2` model.py and the HF `gpt2` model card (124,439,808
+parameters for GPT-2 small); layer layout after nanoGPT `model.py`. No dropout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from taco_jax.parallel import (
+    ColumnParallel,
+    ParallelContext,
+    RowParallel,
+    VocabParallelEmbed,
+    residual_std,
+    vocab_parallel_cross_entropy,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """GPT-2 architecture hyper-parameters.
+
+    Attributes:
+      vocab_size: token vocabulary V (50257 for the OpenAI tokenizer).
+      block_size: maximum sequence length (learned position table rows).
+      n_layer, n_head, n_embd: depth, attention heads, hidden size D (D % n_head == 0).
+      mlp_ratio: MLP hidden size = mlp_ratio · D (4 in GPT-2).
+      init_std: std of the normal initialiser (0.02 in GPT-2).
+      dtype: compute dtype of activations (parameters stay float32).
+    """
+
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    mlp_ratio: int = 4
+    init_std: float = 0.02
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for f in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be positive")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool = False, seq_len: int | None = None):
+        """Raises ValueError if this model cannot be split over `tp` tensor ranks."""
+        for name, n in (("n_head", self.n_head), ("vocab_size", self.vocab_size),
+                        ("mlp hidden size", self.mlp_ratio * self.n_embd)):
+            if n % tp:
+                raise ValueError(f"{name}={n} is not divisible by the tensor axis size {tp}")
+        if sequence_parallel and seq_len is not None and seq_len % tp:
+            raise ValueError(f"seq_len={seq_len} is not divisible by the tensor axis size {tp} (sequence parallelism)")
+
+
+#: Named presets. `gpt2-124m`/`gpt2-350m` are GPT-2 small/medium (published sizes); the small
+#: ones are for CPU runs and take their vocabulary from the tokenizer.
+PRESETS: dict[str, GPTConfig] = {
+    "gpt2-tiny": GPTConfig(vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_embd=128),
+    "gpt2-mini": GPTConfig(vocab_size=4096, block_size=512, n_layer=6, n_head=8, n_embd=256),
+    "gpt2-124m": GPTConfig(),
+    "gpt2-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+}
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention; heads split over the tensor axis."""
+
+    def __init__(self, cfg: GPTConfig, ctx: ParallelContext, *, rngs: nnx.Rngs):
+        d, h, hd = cfg.n_embd, cfg.n_head, cfg.head_dim
+        self.qkv = ColumnParallel(d, (3, h, hd), ("embed", "qkv", "heads", "head_dim"),
+                                  use_bias=True, std=cfg.init_std, rngs=rngs)
+        self.proj = RowParallel((h, hd), d, ("heads", "head_dim", "embed"), ctx=ctx, use_bias=True,
+                                std=residual_std(cfg.n_layer, cfg.init_std), rngs=rngs)
+
+    def __call__(self, x):  # x [B, T, D], inside the TP region
+        q, k, v = jnp.moveaxis(self.qkv(x), 2, 0)  # each [B, T, H/tp, hd]
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H/tp, hd]
+        return self.proj(y)
+
+
+class MLP(nnx.Module):
+    """D -> mlp_ratio·D (GELU, tanh approximation as GPT-2) -> D; hidden split over the tensor axis."""
+
+    def __init__(self, cfg: GPTConfig, ctx: ParallelContext, *, rngs: nnx.Rngs):
+        d, f = cfg.n_embd, cfg.mlp_ratio * cfg.n_embd
+        self.fc = ColumnParallel(d, (f,), ("embed", "mlp"), use_bias=True, std=cfg.init_std, rngs=rngs)
+        self.proj = RowParallel((f,), d, ("mlp", "embed"), ctx=ctx, use_bias=True,
+                                std=residual_std(cfg.n_layer, cfg.init_std), rngs=rngs)
+
+    def __call__(self, x):
+        return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
+
+
+class Block(nnx.Module):
+    """Pre-LN transformer block: x + attn(ln1(x)); x + mlp(ln2(x))."""
+
+    def __init__(self, cfg: GPTConfig, ctx: ParallelContext, *, rngs: nnx.Rngs):
+        self.ctx = ctx
+        self.ln_1 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+        self.attn = Attention(cfg, ctx, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+        self.mlp = MLP(cfg, ctx, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ctx.enter(self.ln_1(x)))
+        return x + self.mlp(self.ctx.enter(self.ln_2(x)))
+
+
+class GPT(nnx.Module):
+    """GPT-2 language model.
+
+    `__call__(ids)`: int32 [B, T] -> this rank's vocab slice of the logits, [B, T, V / tp]
+    (all of V when unsharded). `loss(ids, targets)`: mean next-token cross-entropy (float32
+    scalar) over this rank's batch, computed vocab-parallel.
+    Raises ValueError if T exceeds `block_size`.
+    """
+
+    def __init__(self, cfg: GPTConfig, ctx: ParallelContext | None = None, *, rngs: nnx.Rngs):
+        ctx = ctx or ParallelContext()  # unsharded
+        self.cfg, self.ctx = cfg, ctx
+        self.wte = VocabParallelEmbed(cfg.vocab_size, cfg.n_embd, ctx=ctx, std=cfg.init_std, rngs=rngs)
+        self.wpe = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.block_size, cfg.n_embd)),
+                             axes=("position", "embed"))
+        self.h = nnx.List([Block(cfg, ctx, rngs=rngs) for _ in range(cfg.n_layer)])
+        self.ln_f = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        b, t = ids.shape
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size={self.cfg.block_size}")
+        dtype = jnp.dtype(self.cfg.dtype)
+        x = self.wte(ids, dtype)  # [B, T(/tp with SP), D]
+        pos = self.wpe[...][:t].astype(dtype)
+        if self.ctx.sequence_parallel and self.ctx.tensor_axis is not None:
+            t_local = x.shape[1]
+            pos = jax.lax.dynamic_slice_in_dim(pos, self.ctx.tp_rank() * t_local, t_local)
+        x = x + pos[None]
+        for block in self.h:
+            x = block(x)
+        return self.wte.attend(self.ctx.enter(self.ln_f(x)))  # tied LM head, [B, T, V/tp]
+
+    def loss(self, ids: jax.Array, targets: jax.Array) -> jax.Array:
+        return jnp.mean(vocab_parallel_cross_entropy(self(ids), targets, self.ctx))

@@ -1,0 +1,111 @@
+"""Megatron tensor-parallel layers in Flax NNX: ColumnParallel / RowParallel dense, vocab-parallel
+embedding and cross-entropy. Parameters are created with their *global* shapes and logical axis
+names (`axes` metadata, see `rules.py`); inside `shard_map` they hold local shards, and every
+dimension is read off the parameter, so the same code runs sharded and unsharded.
+
+Source: Megatron-LM `tensor_parallel/layers.py` and `cross_entropy.py`; TACO spec §1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from taco_jax.parallel.context import ParallelContext
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype=jnp.float32):
+    return std * jax.random.normal(rngs.params(), shape, dtype)
+
+
+class ColumnParallel(nnx.Module):
+    """y = x @ W + b with W [in, *out_shape] sharded over the output axis named in `axes`.
+
+    No communication: the caller enters the TP region once (`ctx.enter`, Megatron "f") for all
+    ColumnParallel layers reading the same input.
+    Shapes: x [..., in] (replicated over the tensor axis) -> y [..., *out_shape_local].
+    """
+
+    def __init__(self, in_features: int, out_shape: tuple[int, ...], axes: tuple[str | None, ...], *,
+                 use_bias: bool, std: float, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal(rngs, (in_features, *out_shape), std), axes=axes)
+        self.bias = nnx.Param(jnp.zeros(out_shape), axes=axes[1:]) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.tensordot(x, self.kernel[...].astype(x.dtype), axes=1)
+        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+
+
+class RowParallel(nnx.Module):
+    """y = g(x @ W) + b with W [*in_shape, out] sharded over an input axis; g = `ctx.exit`.
+
+    Shapes: x [..., *in_shape_local] (varying) -> y [..., out] (replicated, or sequence-sharded
+    with sequence parallelism). The bias is added once, after the all-reduce.
+    """
+
+    def __init__(self, in_shape: tuple[int, ...], out_features: int, axes: tuple[str | None, ...], *,
+                 ctx: ParallelContext, use_bias: bool, std: float, rngs: nnx.Rngs):
+        self.ctx = ctx
+        self.kernel = nnx.Param(_normal(rngs, (*in_shape, out_features), std), axes=axes)
+        self.bias = nnx.Param(jnp.zeros((out_features,)), axes=axes[-1:]) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k = self.kernel[...]
+        y = self.ctx.exit(jnp.tensordot(x, k.astype(x.dtype), axes=k.ndim - 1))
+        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+
+
+class VocabParallelEmbed(nnx.Module):
+    """Token embedding [vocab, embed] sharded over the vocabulary (Megatron VocabParallelEmbedding).
+
+    `__call__`: ids int32 [B, T] -> [B, T, D] (each rank looks up its vocab rows, zeros elsewhere,
+    then `ctx.exit` sums: all-reduce, or reduce-scatter over T with sequence parallelism).
+    `attend`: h [B, T, D] (already through `ctx.enter`) -> local logits [B, T, V / tp].
+    """
+
+    def __init__(self, vocab_size: int, features: int, *, ctx: ParallelContext, std: float, rngs: nnx.Rngs):
+        self.ctx = ctx
+        self.embedding = nnx.Param(_normal(rngs, (vocab_size, features), std), axes=("vocab", "embed"))
+
+    def __call__(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+        table = self.embedding[...]
+        v_local = table.shape[0]
+        start = self.ctx.tp_rank() * v_local
+        local = ids - start
+        inside = (local >= 0) & (local < v_local)
+        x = jnp.take(table, jnp.where(inside, local, 0), axis=0).astype(dtype)
+        return self.ctx.exit(jnp.where(inside[..., None], x, 0))
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        return jnp.einsum("btd,vd->btv", h, self.embedding[...].astype(h.dtype))
+
+
+def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, ctx: ParallelContext) -> jax.Array:
+    """Per-token cross-entropy from vocab-sharded logits without gathering them.
+
+    Args:
+      logits: [B, T, V / tp] this rank's vocabulary slice (vocab shard r holds ids
+        [r·V/tp, (r+1)·V/tp)).
+      targets: int32 [B, T] token ids in [0, V).
+    Returns: float32 [B, T] negative log-likelihood, replicated over the tensor axis.
+    Three exact FP32 all-reduces of [B, T] (max, sum of exp, target logit); source:
+    Megatron-LM `_VocabParallelCrossEntropy`.
+    """
+    logits = logits.astype(jnp.float32)
+    v_local = logits.shape[-1]
+    m = ctx.pmax_exact(jax.lax.stop_gradient(jnp.max(logits, axis=-1)))
+    z = logits - m[..., None]
+    sum_exp = ctx.psum_exact(jnp.sum(jnp.exp(z), axis=-1))
+    local = targets - ctx.tp_rank() * v_local
+    inside = (local >= 0) & (local < v_local)
+    picked = jnp.take_along_axis(z, jnp.where(inside, local, 0)[..., None], axis=-1)[..., 0]
+    target_z = ctx.psum_exact(jnp.where(inside, picked, 0.0))
+    return jnp.log(sum_exp) - target_z
+
+
+def residual_std(n_layers: int, std: float = 0.02) -> float:
+    """GPT-2's scaled init for projections into the residual stream: std / sqrt(2 · n_layers)."""
+    return std / math.sqrt(2 * n_layers)

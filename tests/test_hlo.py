@@ -1,0 +1,32 @@
+"""The HLO wire-byte parser on every replica-group syntax XLA prints."""
+
+import pytest
+
+from taco_jax.collectives.hlo import collective_bytes
+
+LINES = {
+    "list": "%a = f32[4,64]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
+    "iota": "%b = u8[4,64]{1,0} all-gather(%x), replica_groups=[2,4]<=[8], dimensions={0}",
+    "iota_t": "%c = f32[128]{0} all-reduce(%x), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add",
+    "mesh": "%d = (f32[], f32[]) all-reduce(%x, %y), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], "
+            "device_ids=([2,4]T(1,0)) {'axis_0'}, to_apply=%add",
+    "tuple": "%e = (u8[1,64,128]{2,1,0}, /*index=1*/u8[1,64,128]{2,1,0}) all-to-all(%p, %q), "
+             "replica_groups={{0,1,2,3},{4,5,6,7}}",
+    "permute": "%f = f32[8]{0} collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+}
+
+
+@pytest.mark.parametrize(
+    "name,axis,op,nbytes",
+    [
+        ("list", "tensor", "all-gather", 4 * 64 * 4 * 3 / 4),
+        ("iota", "tensor", "all-gather", 4 * 64 * 3 / 4),
+        ("iota_t", "data", "all-reduce", 2 * 128 * 4 / 2),
+        ("mesh", "tensor", "all-reduce", 2 * 8 * 3 / 4),
+        ("tuple", "tensor", "all-to-all", 2 * 64 * 128 * 3 / 4),
+        ("permute", "tensor", "collective-permute", 32),
+    ],
+)
+def test_parse(mesh, name, axis, op, nbytes):
+    (row,) = collective_bytes(LINES[name], mesh)["detail"]
+    assert (row["axis"], row["op"], row["bytes"]) == (axis, op, int(nbytes))

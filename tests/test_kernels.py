@@ -1,0 +1,310 @@
+"""Codec kernel backends conform to the reference (rule in `taco_jax.kernels`); FP8 casts match ml_dtypes."""
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # conftest normally sets it
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from taco_jax import kernels  # noqa: E402
+from taco_jax.codec import reference  # noqa: E402
+from taco_jax.codec.config import CodecConfig  # noqa: E402
+from taco_jax.kernels import ffi_codec  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+FFI_REASON = ffi_codec.unavailable_reason("cuda" if ON_GPU else "cpu")
+needs_ffi = pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec library not available: {FFI_REASON}")
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (jax.default_backend() != 'gpu')")
+
+CODE_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+# --------------------------------------------------------------------------------------
+# Helpers: test data and the conformance rule
+# --------------------------------------------------------------------------------------
+
+
+def make_groups(g: int, n_groups: int = 24, batch: int = 2, seed: int = 0, last_count: int | None = None):
+    """[batch, n_groups, G] float32 with varied scales, outlier channels, a zero group, a partial
+    last group (zero-padded past `last_count`), a NaN group and an Inf group, huge and tiny groups."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, n_groups, g)).astype(np.float32)
+    x *= rng.lognormal(0.0, 2.0, (batch, n_groups, 1)).astype(np.float32)
+    flat = x.reshape(-1, g)  # a view: special groups at flat positions 1..7
+    assert flat.shape[0] >= 9, "make_groups needs batch * n_groups >= 9"
+    flat[1, rng.integers(0, g, 3)] *= 50.0  # outlier channels
+    flat[2] = 0.0  # all-zero group
+    flat[3] *= np.float32(1e30)  # sum of squares overflows -> a = 1e-3
+    flat[4] *= np.float32(1e-30)  # tiny
+    flat[5, 5] = np.nan
+    flat[6, 7] = np.inf
+    flat[7, 1] = -np.inf
+    last_count = g // 3 if last_count is None else last_count
+    x[:, -1, last_count:] = 0.0
+    return x, last_count
+
+
+def ordinal(codes: np.ndarray) -> np.ndarray:
+    """FP8 codes as signed step counts (sign-magnitude -> integer; +0 and -0 both 0)."""
+    u = np.asarray(codes).view(np.uint8).astype(np.int32)
+    return np.where(u & 0x80, -(u & 0x7F), u & 0x7F)
+
+
+def assert_conforms(got, want, g: int, max_code_frac: float = 1e-3):
+    """The conformance rule of `taco_jax.kernels` for encode outputs (codes, s, a)."""
+    codes, s, a = (np.asarray(t) for t in got)
+    codes_r, s_r, a_r = (np.asarray(t) for t in want)
+    assert codes.dtype == codes_r.dtype and codes.shape == codes_r.shape
+    assert s.shape == s_r.shape and a.shape == a_r.shape
+    finite = np.isfinite(s_r)
+    np.testing.assert_array_equal(np.isnan(s), ~finite, err_msg="non-finite groups must (only) get s = NaN")
+    rtol = 2.0**-23 * g
+    np.testing.assert_allclose(s[finite], s_r[finite], rtol=rtol, atol=0)
+    np.testing.assert_allclose(a, a_r, rtol=rtol, atol=0)  # NaN where the reference has NaN
+    steps = np.abs(ordinal(codes) - ordinal(codes_r))[finite]
+    assert steps.max(initial=0) <= 1, f"codes differ by {steps.max()} FP8 steps"
+    frac = np.mean(steps > 0)
+    assert frac <= max_code_frac, f"{frac:.2e} of codes differ"
+
+
+def assert_decode_conforms(got, want, g: int):
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want).any(axis=-1)
+    tol = 2.0**-23 * g * np.max(np.abs(want[ok]), axis=-1, keepdims=True)
+    assert np.all(np.abs(got[ok] - want[ok]) <= tol)
+
+
+def check_backend(name: str, g: int, fmt: str, **data_kw):
+    """Encode conforms; decoding the same codes (dual and folded layout) conforms."""
+    cfg = CodecConfig(fmt=fmt, group_size=g)
+    x, last_count = make_groups(g, **data_kw)
+    enc, dec = kernels.get_backend(name)
+    got = enc(jnp.asarray(x), cfg, last_count=last_count)
+    assert_conforms(got, reference.encode_groups(jnp.asarray(x), cfg, last_count=last_count), g)
+    codes, s, a = got
+    assert_decode_conforms(dec(codes, s, a), reference.decode_groups(codes, s, a), g)
+    assert_decode_conforms(dec(codes, s / a, None), reference.decode_groups(codes, s / a, None), g)
+
+
+# --------------------------------------------------------------------------------------
+# Backend selection
+# --------------------------------------------------------------------------------------
+
+
+def test_available_backends_on_cpu_include_reference_pallas_auto():
+    avail = kernels.available_backends("cpu")
+    assert {"reference", "pallas", "auto"} <= set(avail)
+    assert "triton" not in avail
+    assert ("ffi" in avail) == (ffi_codec.unavailable_reason("cpu") is None)
+
+
+def test_unavailable_backend_named_explicitly_raises_listing_available():
+    with pytest.raises(ValueError, match=r"not available on cpu.*Available: \("):
+        kernels.resolve("triton", "cpu")
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match="unknown codec backend"):
+        kernels.get_backend("cuda-magic")
+
+
+def test_auto_picks_ffi_on_cpu_when_built_else_reference():
+    want = "ffi" if ffi_codec.unavailable_reason("cpu") is None else "reference"
+    assert kernels.resolve("auto", "cpu") == want
+
+
+def test_reference_backend_is_the_reference():
+    assert kernels.get_backend("reference") == (reference.encode_groups, reference.decode_groups)
+
+
+# --------------------------------------------------------------------------------------
+# FP8 conversions of the C++ handlers == ml_dtypes, bit for bit
+# --------------------------------------------------------------------------------------
+
+
+def _float_sweep() -> np.ndarray:
+    """All sign/exponent/top-11-mantissa-bit patterns x low-bit patterns: every RNE tie of both
+    formats (normal and subnormal), values just around them, Inf and NaN payloads."""
+    hi = np.arange(1 << 20, dtype=np.uint32) << 12
+    lo = np.array([0, 1, 0x7FF, 0x800, 0x801, 0xFFF], np.uint32)
+    return (hi[:, None] | lo[None, :]).reshape(-1).view(np.float32)
+
+
+@needs_ffi
+@pytest.mark.parametrize("impl", [ffi_codec.IMPL_AUTO, ffi_codec.IMPL_SCALAR], ids=["auto", "scalar"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_to_f32_all_256_codes_match_ml_dtypes(fmt, impl):
+    codes = np.arange(256, dtype=np.uint8).view(CODE_DTYPES[fmt])
+    got = np.asarray(ffi_codec.fp8_cast(jnp.asarray(codes), jnp.float32, impl=impl))
+    want = codes.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
+@needs_ffi
+@pytest.mark.parametrize("impl", [ffi_codec.IMPL_AUTO, ffi_codec.IMPL_SCALAR], ids=["auto", "scalar"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_f32_to_fp8_matches_ml_dtypes_on_all_ties_and_specials(fmt, impl):
+    x = _float_sweep()
+    got = np.asarray(ffi_codec.fp8_cast(jnp.asarray(x), CODE_DTYPES[fmt], impl=impl)).view(np.uint8)
+    with np.errstate(invalid="ignore"):  # NaN inputs
+        want = x.astype(CODE_DTYPES[fmt]).view(np.uint8)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} mismatches, e.g. x={x[bad[:5]]} got={got[bad[:5]]} want={want[bad[:5]]}"
+
+
+@needs_ffi
+@pytest.mark.parametrize("impl", [ffi_codec.IMPL_AUTO, ffi_codec.IMPL_SCALAR], ids=["auto", "scalar"])
+@pytest.mark.parametrize(("fmt", "r"), [("e4m3", 448.0), ("e4m3", 300.0), ("e5m2", 57344.0), ("e5m2", 448.0)])
+def test_codec_quantizer_is_clamp_then_ml_dtypes(fmt, r, impl):
+    x = _float_sweep()
+    x = x[~np.isnan(x)]  # the codec never quantizes NaN (such groups are handled apart)
+    got = np.asarray(ffi_codec.fp8_cast(jnp.asarray(x), CODE_DTYPES[fmt], clamp=r, impl=impl)).view(np.uint8)
+    want = np.clip(x, -np.float32(r), np.float32(r)).astype(CODE_DTYPES[fmt]).view(np.uint8)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} mismatches, e.g. x={x[bad[:5]]} got={got[bad[:5]]} want={want[bad[:5]]}"
+
+
+# --------------------------------------------------------------------------------------
+# Conformance of the group codec
+# --------------------------------------------------------------------------------------
+
+
+@needs_ffi
+@pytest.mark.parametrize("g", [32, 64, 128, 256, 512])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_ffi_conforms_to_reference(g, fmt):
+    check_backend("ffi", g, fmt)
+
+
+@needs_ffi
+@pytest.mark.parametrize("g", [32, 512])
+def test_ffi_scalar_and_vector_kernels_are_bit_identical(g):
+    cfg = CodecConfig(group_size=g)
+    x, last_count = make_groups(g, n_groups=40, seed=1)
+    out = [ffi_codec.encode_groups(jnp.asarray(x), cfg, last_count=last_count, impl=i) for i in (0, 1)]
+    for u, v in zip(*out, strict=True):
+        np.testing.assert_array_equal(np.asarray(u).view(np.uint8) if u.dtype.itemsize == 1 else np.asarray(u),
+                                      np.asarray(v).view(np.uint8) if v.dtype.itemsize == 1 else np.asarray(v))
+    codes, s, a = out[0]
+    dec = [np.asarray(ffi_codec.decode_groups(codes, s, a, impl=i)) for i in (0, 1)]
+    np.testing.assert_array_equal(dec[0], dec[1])
+
+
+@needs_ffi
+def test_ffi_last_count_applies_to_each_messages_last_group():
+    cfg = CodecConfig(group_size=32)
+    x, _ = make_groups(32, n_groups=5, batch=3, seed=2, last_count=32)  # groups 4, 9, 14 are last
+    x[1, 4] = np.random.default_rng(3).standard_normal(32).astype(np.float32)  # a full "last" group
+    for lc in (1, 7, 32):
+        _, _, a = ffi_codec.encode_groups(jnp.asarray(x), cfg, last_count=lc)
+        _, _, a_r = reference.encode_groups(jnp.asarray(x), cfg, last_count=lc)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(a_r), rtol=2.0**-18)
+
+
+@needs_ffi
+def test_ffi_under_vmap_matches_unbatched():
+    cfg = CodecConfig(group_size=64, fmt="e5m2")
+    x, lc = make_groups(64, n_groups=6, batch=3)
+    batched = jax.vmap(lambda t: ffi_codec.encode_groups(t, cfg, last_count=lc))(jnp.asarray(x))
+    single = ffi_codec.encode_groups(jnp.asarray(x), cfg, last_count=lc)
+    for u, v in zip(batched, single, strict=True):
+        np.testing.assert_array_equal(np.asarray(u).astype(np.float32), np.asarray(v).astype(np.float32))
+    dec_b = jax.vmap(ffi_codec.decode_groups)(*batched)
+    np.testing.assert_array_equal(np.asarray(dec_b), np.asarray(ffi_codec.decode_groups(*single)))
+
+
+@needs_ffi
+@pytest.mark.parametrize("layout", ["dual", "folded"])
+def test_codec_encode_decode_with_ffi_backend_conform(layout):
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((37, 100)).astype(np.float32))  # partial last group
+    cfg_r, cfg_f = CodecConfig(scale_layout=layout), CodecConfig(scale_layout=layout, backend="ffi")
+    got, want = reference.encode(x, cfg_f), reference.encode(x, cfg_r)
+    ones = jnp.ones_like(got.scale)
+    prescale = (got.prescale, want.prescale) if layout == "dual" else (ones, ones)
+    assert_conforms((got.codes, got.scale, prescale[0]), (want.codes, want.scale, prescale[1]), 128)
+    assert_decode_conforms(reference.decode(got, cfg_f), reference.decode(got, cfg_r), 128)
+
+
+@pytest.mark.parametrize(("g", "fmt"), [(32, "e4m3"), (128, "e5m2"), (512, "e4m3")])
+def test_pallas_conforms_to_reference(g, fmt):
+    check_backend("pallas", g, fmt, n_groups=20, batch=1 if g == 512 else 2)
+
+
+def test_pallas_block_smaller_than_groups_and_padding():
+    from taco_jax.kernels import pallas_codec  # noqa: PLC0415
+
+    cfg = CodecConfig(group_size=32)
+    x, lc = make_groups(32, n_groups=37, batch=1, seed=5)  # 37 groups: 3 programs of 16, padded
+    got = pallas_codec.encode_groups(jnp.asarray(x), cfg, last_count=lc, block=16)
+    assert_conforms(got, reference.encode_groups(jnp.asarray(x), cfg, last_count=lc), 32)
+
+
+# --------------------------------------------------------------------------------------
+# Inside shard_map(check_vma=True) on the 8-device CPU mesh
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["reference", "pallas", pytest.param("ffi", marks=needs_ffi)],
+)
+def test_backend_inside_shard_map_matches_reference(name):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax import")
+    mesh = Mesh(np.asarray(jax.devices()[:8]), ("x",))
+    g = 32
+    cfg = CodecConfig(group_size=g)
+    x, lc = make_groups(g, n_groups=3, batch=8, seed=6)
+    enc, dec = kernels.get_backend(name)
+
+    def body(xb):  # [1, n_groups, G] per device
+        codes, s, a = enc(xb, cfg, last_count=lc)
+        return codes, s, a, dec(codes, s, a)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4, check_vma=True))
+    codes, s, a, xr = f(jnp.asarray(x))
+    assert_conforms((codes, s, a), reference.encode_groups(jnp.asarray(x), cfg, last_count=lc), g)
+    assert_decode_conforms(xr, reference.decode_groups(codes, s, a), g)
+
+
+# --------------------------------------------------------------------------------------
+# GPU (run on the device machine: pytest -m gpu)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["pallas", "triton", "ffi"])
+@pytest.mark.parametrize("g", [32, 128, 512])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_backend_conforms_to_reference(name, g, fmt):
+    avail = kernels.available_backends()
+    if name not in avail:
+        pytest.skip(f"{name} not available on this GPU machine (available: {avail})")
+    check_backend(name, g, fmt, n_groups=64, batch=2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_ffi
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_ffi_fp8_casts_match_ml_dtypes(fmt):
+    codes = np.arange(256, dtype=np.uint8).view(CODE_DTYPES[fmt])
+    got = np.asarray(ffi_codec.fp8_cast(jnp.asarray(codes), jnp.float32))
+    want = codes.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[~np.isnan(want)], want[~np.isnan(want)])
+    x = _float_sweep()
+    got8 = np.asarray(ffi_codec.fp8_cast(jnp.asarray(x), CODE_DTYPES[fmt])).view(np.uint8)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(got8, x.astype(CODE_DTYPES[fmt]).view(np.uint8))

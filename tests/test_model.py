@@ -1,0 +1,88 @@
+"""GPT-2: published parameter counts, and tensor-parallel (± sequence-parallel) == unsharded."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from taco_jax.collectives import CommPolicy
+from taco_jax.models import GPT, get_config
+from taco_jax.parallel import ParallelContext, param_specs
+
+
+def _n_params(cfg):
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))  # allocates nothing
+    return sum(x.size for x in jax.tree.leaves(nnx.split(model, nnx.Param)[1]))
+
+
+def test_gpt2_small_has_published_parameter_count():
+    assert _n_params(get_config("gpt2-124m")) == 124_439_808  # HF model card `gpt2`
+
+
+def test_gpt2_medium_has_published_parameter_count():
+    assert _n_params(get_config("gpt2-350m")) == 354_823_168  # HF model card `gpt2-medium`
+
+
+def test_unknown_preset_raises():
+    with pytest.raises(ValueError, match="model='gpt5'"):
+        get_config("gpt5")
+
+
+@pytest.mark.parametrize("bad,match", [(dict(n_embd=100, n_head=3), "n_embd=100"), (dict(n_layer=0), "n_layer=0")])
+def test_bad_model_config_raises(bad, match):
+    with pytest.raises(ValueError, match=match):
+        get_config("gpt2-tiny", **bad)
+
+
+@pytest.mark.parametrize("tp,sp,match", [(3, False, "n_head=4"), (4, True, "seq_len=30")])
+def test_tensor_parallel_divisibility(tp, sp, match):
+    with pytest.raises(ValueError, match=match):
+        get_config("gpt2-tiny").check_tensor_parallel(tp, sequence_parallel=sp, seq_len=30)
+
+
+def _tp_loss(mesh, cfg, params_state, ids, tgt, policy, sp):
+    ctx = ParallelContext("tensor", policy, sp)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, ctx, rngs=nnx.Rngs(0))), nnx.Param)
+    specs = param_specs(state, mesh.axis_names)
+
+    def local(params, ids, tgt):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, params)
+        return jax.lax.pmean(nnx.merge(graphdef, st).loss(ids, tgt), "data")
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
+    return jax.jit(jax.value_and_grad(fn))(params_state, ids, tgt)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_matches_unsharded(mesh, sp):
+    cfg = dataclasses.replace(get_config("gpt2-tiny"), n_layer=2, vocab_size=512)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+    ids = jax.random.randint(jax.random.key(1), (4, 32), 0, cfg.vocab_size)
+    tgt = jnp.roll(ids, -1, axis=1)
+
+    def ref(p):
+        st = nnx.split(model, nnx.Param)[1]
+        nnx.replace_by_pure_dict(st, p)
+        return nnx.merge(nnx.split(model, nnx.Param)[0], st).loss(ids, tgt)
+
+    want_loss, want_grads = jax.value_and_grad(ref)(params)
+    loss, grads = _tp_loss(mesh, cfg, params, ids, tgt, CommPolicy.none(), sp)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_compressed_model_loss_close(mesh):
+    cfg = dataclasses.replace(get_config("gpt2-tiny"), n_layer=2, vocab_size=512)
+    params = nnx.to_pure_dict(nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)[1])
+    ids = jax.random.randint(jax.random.key(1), (4, 32), 0, cfg.vocab_size)
+    tgt = jnp.roll(ids, -1, axis=1)
+    exact, _ = _tp_loss(mesh, cfg, params, ids, tgt, CommPolicy.none(), False)
+    taco, _ = _tp_loss(mesh, cfg, params, ids, tgt, CommPolicy.taco(), False)
+    assert 0 < abs(float(taco) - float(exact)) / float(exact) < 1e-2
