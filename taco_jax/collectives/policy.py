@@ -11,6 +11,9 @@ from taco_jax.codec import NONE, TACO, CodecConfig
 #: Tensor-axis sites (TACO spec §1): RowParallel output all-reduce ("g" forward), ColumnParallel
 #: input all-reduce ("f" backward), sequence-parallel all-gather and reduce-scatter.
 TENSOR_SITES = ("ar_fwd", "ar_bwd", "all_gather", "reduce_scatter")
+#: Other axes (paper §4): data-parallel gradient synchronisation and pipeline send/recv.
+OTHER_SITES = ("dp_grads", "pp_send")
+SITES = TENSOR_SITES + OTHER_SITES
 ALL_REDUCE_ALGORITHMS = ("two_shot", "one_shot")
 
 
@@ -23,6 +26,9 @@ class CommPolicy:
       ar_bwd: codec of the backward all-reduce before ColumnParallel layers (Megatron "f").
       all_gather: codec of sequence-parallel all-gathers (forward of gather, backward of scatter).
       reduce_scatter: codec of sequence-parallel reduce-scatters.
+      dp_grads: codec of the data-parallel gradient all-reduce (reduce-scatter + all-gather).
+      pp_send: codec of pipeline stage-to-stage send/recv (forward activations and backward
+        gradients).
       all_reduce_algorithm: "two_shot" (all-to-all reduce-scatter + all-gather; two
         quantizations) or "one_shot" (all-gather of the whole message; one quantization).
       min_bytes: messages smaller than this (uncompressed bytes) use the exact collective.
@@ -35,6 +41,8 @@ class CommPolicy:
     ar_bwd: CodecConfig = NONE
     all_gather: CodecConfig = NONE
     reduce_scatter: CodecConfig = NONE
+    dp_grads: CodecConfig = NONE
+    pp_send: CodecConfig = NONE
     all_reduce_algorithm: str = "two_shot"
     min_bytes: int = 0
 
@@ -46,14 +54,14 @@ class CommPolicy:
             )
         if self.min_bytes < 0:
             raise ValueError(f"min_bytes={self.min_bytes} must be >= 0")
-        for site in TENSOR_SITES:
+        for site in SITES:
             if not isinstance(getattr(self, site), CodecConfig):
                 raise ValueError(f"{site}={getattr(self, site)!r} must be a CodecConfig")
 
     def codec_for(self, site: str, x) -> CodecConfig:
         """The codec for a message `x` at `site`, or NONE if `x` is below `min_bytes`."""
-        if site not in TENSOR_SITES:
-            raise ValueError(f"site={site!r} is not one of {TENSOR_SITES}")
+        if site not in SITES:
+            raise ValueError(f"site={site!r} is not one of {SITES}")
         nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
         return NONE if nbytes < self.min_bytes else getattr(self, site)
 
