@@ -1,0 +1,24 @@
+"""Every notebook's code cells run top to bottom (in a fresh interpreter, from notebooks/)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path, tmp_path):
+    cells = json.loads(path.read_text())["cells"]
+    src = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    script = tmp_path / "nb.py"
+    script.write_text("import matplotlib\nmatplotlib.use('Agg')\n" + src)
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, str(script)], cwd=path.parent, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SQNR" in r.stdout
