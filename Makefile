@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= runs/compare
 
-.PHONY: install train test test-slow lint clean
+.PHONY: ffi install train test test-slow lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,18 +13,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+## The C++ XLA FFI codec library (no-op when up to date).
+ffi: $(STAMP)
+	$(MAKE) --no-print-directory -C custom_calls PYTHON=$(abspath $(PY))
+
+install: ffi
 
 ## Main job: GPT on Shakespeare, --comm none vs --comm taco on a simulated data=2 × tensor=4 CPU mesh.
-train: $(STAMP)
+train: install
 	$(VENV)/bin/taco-jax compare --out $(OUT) $(ARGS)
 
 ## Default test suite (simulated 8-device CPU mesh; slow and GPU tests excluded).
-test: $(STAMP)
+test: install
 	$(PY) -m pytest -q
 
 ## Heavier tests (marked `slow`).
-test-slow: $(STAMP)
+test-slow: install
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)

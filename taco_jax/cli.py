@@ -20,17 +20,34 @@ def _parser() -> argparse.ArgumentParser:
             if name == "compare" and f.name == "comm":
                 continue
             flag = "--" + f.name.replace("_", "-")
+            flags = (flag, "--policy") if f.name == "policy_file" else (flag,)  # `train --policy FILE`
             if f.type in ("bool", bool):
-                sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                sp.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
             else:
-                sp.add_argument(flag, type=type(f.default), default=f.default)
+                sp.add_argument(*flags, type=type(f.default), default=f.default)
         sp.add_argument("--no-progress", action="store_true", help="hide the progress bar")
         sp.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
+    cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cal.add_argument("--captures", required=True, help="<run>/captures folder written by `train --capture N`")
+    cal.add_argument("--out", default="policy.json", help="policy file to write (for `train --policy FILE`)")
+    cal.add_argument("--budget", type=float, default=1.0625, help="max wire bytes per element of a chosen codec")
+    cal.add_argument("--max-messages", type=int, default=16, help="messages per site in each split")
+    cal.add_argument("--kinds", nargs="+", default=None, help="restrict the candidates to these codec kinds")
     return p
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "calibrate":  # one host device; no mesh
+        from taco_jax.train.calibrate import main_args
+
+        try:
+            print(json.dumps(main_args(args.captures, args.out, args.budget, args.max_messages, args.kinds), indent=2))
+        except ValueError as e:
+            print(f"taco-jax: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     from taco_jax.parallel.mesh import parse_mesh
     from taco_jax.train.config import TrainConfig
 
@@ -56,7 +73,7 @@ def main(argv=None) -> int:
     try:
         result = train(cfg, progress=not args.no_progress) if args.command == "train" else \
             compare(cfg, progress=not args.no_progress)
-    except ValueError as e:
+    except (ValueError, FloatingPointError) as e:  # FloatingPointError: a codec with nonfinite="error"
         print(f"taco-jax: error: {e}", file=sys.stderr)
         return 2
     shown = {k: v for k, v in result.items() if k not in ("wire_detail", "config")}

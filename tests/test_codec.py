@@ -154,7 +154,7 @@ def test_encode_is_deterministic_and_jittable():
     [
         (dict(group_size=96), "group_size=96"),
         (dict(fmt="e3m4"), "fmt='e3m4'"),
-        (dict(kind="int4"), "kind='int4'"),
+        (dict(kind="int3"), "kind='int3'"),
         (dict(target_range=500.0), "target_range=500.0"),
         (dict(scale_layout="triple"), "scale_layout"),
         (dict(nonfinite="ignore"), "nonfinite='ignore'"),

@@ -17,6 +17,7 @@ from taco_jax import kernels  # noqa: E402
 from taco_jax.codec import reference  # noqa: E402
 from taco_jax.codec.config import CodecConfig  # noqa: E402
 from taco_jax.kernels import ffi_codec  # noqa: E402
+from taco_jax.kernels._vma import vma_of  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 FFI_REASON = ffi_codec.unavailable_reason("cuda" if ON_GPU else "cpu")
@@ -57,7 +58,7 @@ def ordinal(codes: np.ndarray) -> np.ndarray:
     return np.where(u & 0x80, -(u & 0x7F), u & 0x7F)
 
 
-def assert_conforms(got, want, g: int, max_code_frac: float = 1e-3):
+def assert_conforms(got, want, g: int, r: float = 448.0, max_code_frac: float = 1e-3):
     """The conformance rule of `taco_jax.kernels` for encode outputs (codes, s, a)."""
     codes, s, a = (np.asarray(t) for t in got)
     codes_r, s_r, a_r = (np.asarray(t) for t in want)
@@ -69,7 +70,9 @@ def assert_conforms(got, want, g: int, max_code_frac: float = 1e-3):
     np.testing.assert_allclose(s[finite], s_r[finite], rtol=rtol, atol=0)
     np.testing.assert_allclose(a, a_r, rtol=rtol, atol=0)  # NaN where the reference has NaN
     steps = np.abs(ordinal(codes) - ordinal(codes_r))[finite]
-    assert steps.max(initial=0) <= 1, f"codes differ by {steps.max()} FP8 steps"
+    values = np.abs(codes.astype(np.float32) - codes_r.astype(np.float32))[finite]
+    ok = (steps <= 1) | (values <= 2.0**-23 * g * r)  # one FP8 step, or reordering noise near 0
+    assert ok.all(), f"codes differ by up to {steps.max()} steps / {values[~ok].max()} in value"
     frac = np.mean(steps > 0)
     assert frac <= max_code_frac, f"{frac:.2e} of codes differ"
 
@@ -193,8 +196,10 @@ def test_ffi_scalar_and_vector_kernels_are_bit_identical(g):
     x, last_count = make_groups(g, n_groups=40, seed=1)
     out = [ffi_codec.encode_groups(jnp.asarray(x), cfg, last_count=last_count, impl=i) for i in (0, 1)]
     for u, v in zip(*out, strict=True):
-        np.testing.assert_array_equal(np.asarray(u).view(np.uint8) if u.dtype.itemsize == 1 else np.asarray(u),
-                                      np.asarray(v).view(np.uint8) if v.dtype.itemsize == 1 else np.asarray(v))
+        np.testing.assert_array_equal(
+            np.asarray(u).view(np.uint8) if u.dtype.itemsize == 1 else np.asarray(u),
+            np.asarray(v).view(np.uint8) if v.dtype.itemsize == 1 else np.asarray(v),
+        )
     codes, s, a = out[0]
     dec = [np.asarray(ffi_codec.decode_groups(codes, s, a, impl=i)) for i in (0, 1)]
     np.testing.assert_array_equal(dec[0], dec[1])
@@ -269,7 +274,10 @@ def test_backend_inside_shard_map_matches_reference(name):
 
     def body(xb):  # [1, n_groups, G] per device
         codes, s, a = enc(xb, cfg, last_count=lc)
-        return codes, s, a, dec(codes, s, a)
+        xr = dec(codes, s, a)
+        for t in (codes, s, a, xr):  # outputs vary over the mesh axis like the input
+            assert vma_of(t) == vma_of(xb) == {"x"}, (name, jax.typeof(t))
+        return codes, s, a, xr
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4, check_vma=True))
     codes, s, a, xr = f(jnp.asarray(x))

@@ -1,8 +1,9 @@
-"""Frozen, hashable codec configuration (TACO spec §2; usable as a static argument to `jit`)."""
+"""Frozen, hashable codec configuration for every codec of the family (usable as a static `jit` argument)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,10 +15,18 @@ FP8_FORMATS = {
     "e5m2": jnp.float8_e5m2,
 }
 GROUP_SIZES = (32, 64, 128, 256, 512)
-CODEC_KINDS = ("none", "taco")
+#: The codec family (see `CodecConfig.kind`). "none" is the exact collective (no encoding).
+CODEC_KINDS = ("none", "fp8_tensor", "fp8_group", "int8", "int4", "taco", "tah")
+#: Kinds where `hadamard` is a choice (taco and tah always transform; none/fp8_tensor never do).
+OPTIONAL_HADAMARD_KINDS = ("fp8_group", "int8", "int4")
+FP8_KINDS = ("fp8_tensor", "fp8_group", "taco")
 SCALE_LAYOUTS = ("dual", "folded")
 GROUP_AXES = ("hidden", "token")
-NONFINITE_POLICIES = ("propagate", "zero")
+NONFINITE_POLICIES = ("propagate", "zero", "error")
+#: Bits per code of each compressing kind (int4 / tah codes travel packed two per byte).
+CODE_BITS = {"fp8_tensor": 8, "fp8_group": 8, "int8": 8, "int4": 4, "taco": 8, "tah": 4}
+#: FP32 scale words per group on the wire (taco: 2 for "dual", 1 for "folded"; tah: scale + zero point).
+_SCALE_WORDS = {"fp8_group": 1, "int8": 1, "int4": 1, "tah": 2}
 
 
 def fp8_max(fmt: str) -> float:
@@ -35,20 +44,43 @@ class CodecConfig:
     """How one message is compressed.
 
     Attributes:
-      kind: "none" (identity; the collective is the exact `lax` one) or "taco".
-      fmt: FP8 code format, "e4m3" (F = 448) or "e5m2" (F = 57344).
-      group_size: G, elements per group, one of 32, 64, 128, 256, 512 (spec §2; default 128).
-      lam: λ added to the group's mean square before the adaptive scale (default 1e-6).
-      target_range: R, the code range the transformed absmax is mapped to (default 448);
-        must be in (0, F].
-      scale_layout: "dual" sends s and a as FP32 per group (1 + 8/G B/elt, the paper's
-        wire format); "folded" sends the single scale s/a (1 + 4/G B/elt).
+      kind: which codec (all share `encode`/`decode` and move every wire buffer as data):
+        "none"        identity; the collective is the exact `lax` one.
+        "fp8_tensor"  naive per-tensor FP8: one FP32 absmax scale per message (TransformerEngine
+                      style), 1 + 4/n B/elt.
+        "fp8_group"   FP8 per group of G, FP32 absmax scale, no transform (optional Hadamard),
+                      1 + 4/G B/elt.
+        "int8"        symmetric int8 per block of G, FP32 absmax scale (EQuARX / ZeRO++ style;
+                      optional Hadamard for data-parallel use), 1 + 4/G B/elt.
+        "int4"        symmetric 4-bit (levels -7..7) per group of G, FP32 absmax scale, two
+                      codes per byte; with `hadamard=True` the SDP4Bit-style gradient codec,
+                      0.5 + 4/G B/elt.
+        "taco"        TACO (TACO_SPEC.md §2): RMS pre-scale, orthonormal WHT, FP8, 1 + 8/G
+                      ("dual") or 1 + 4/G ("folded") B/elt.
+        "tah"         TAH-Quant-style tiles for pipeline activations: orthonormal WHT per tile
+                      of G, asymmetric 4-bit (min/max, 16 levels), FP32 scale and zero point,
+                      0.5 + 8/G B/elt. Not implemented from TAH-Quant: entropy-guided 3/4-bit
+                      allocation and pivot swapping (fixed 4 bits, plain Sylvester WHT).
+      fmt: FP8 code format of the FP8 kinds, "e4m3" (F = 448) or "e5m2" (F = 57344).
+      group_size: G, elements per group / block / tile, one of 32, 64, 128, 256, 512.
+      lam: λ added to the group's mean square before TACO's adaptive scale (default 1e-6).
+      target_range: R, the FP8 code range absmax values are mapped to (default 448); in (0, F].
+      scale_layout: taco only: "dual" sends s and a as FP32 per group (the paper's wire
+        format); "folded" sends the single scale s/a.
       group_axis: "hidden" groups contiguous elements of the flattened message (the spec);
         "token" groups one channel across tokens (the message's last axis is moved first).
-      nonfinite: "propagate" (default): a group holding NaN/±Inf decodes to NaN, as an
-        uncompressed sum would be non-finite; "zero": the COCCL plugin's behaviour, NaN/Inf
-        replaced by 0 before encoding and after decoding.
-      backend: which implementation runs the group math ("reference" = plain jnp).
+        fp8_tensor has no groups and accepts "hidden" only.
+      hadamard: fp8_group / int8 / int4 only: apply the orthonormal WHT to each group before
+        quantizing (taco and tah always do; the others never).
+      nonfinite: "propagate" (default): a group (fp8_tensor: the message) holding NaN/±Inf
+        decodes to NaN, as an uncompressed sum would be non-finite; "zero": the COCCL plugin's
+        behaviour, NaN/Inf replaced by 0 before encoding and after decoding; "error": as
+        "propagate", and a device-side check reports `site` to the host, where
+        `taco_jax.codec.raise_if_nonfinite()` raises `FloatingPointError` naming it (the
+        training loop calls it after every step; `taco_jax.codec.reference.check_finite`).
+      site: name of the communication site, for "error" messages (`CommPolicy.codec_for` sets it).
+      backend: which implementation runs the taco group math ("reference" = plain jnp; see
+        `taco_jax.kernels`). The other kinds always run the jnp reference.
 
     Raises:
       ValueError: on any value outside the sets above, naming it.
@@ -63,6 +95,8 @@ class CodecConfig:
     group_axis: str = "hidden"
     nonfinite: str = "propagate"
     backend: str = "reference"
+    hadamard: bool = False
+    site: str = ""
 
     def __post_init__(self):
         _check("kind", self.kind, CODEC_KINDS)
@@ -76,20 +110,93 @@ class CodecConfig:
         f = fp8_max(self.fmt)
         if not 0 < self.target_range <= f:
             raise ValueError(f"target_range={self.target_range!r} must be in (0, {f}] for fmt={self.fmt!r}")
+        if self.scale_layout != "dual" and self.kind != "taco":
+            raise ValueError(f"scale_layout={self.scale_layout!r} applies to kind='taco' only, not kind={self.kind!r}")
+        if self.hadamard and self.kind not in OPTIONAL_HADAMARD_KINDS:
+            raise ValueError(f"hadamard=True applies to kinds {OPTIONAL_HADAMARD_KINDS} only (taco and tah always "
+                             f"transform), not kind={self.kind!r}")
+        if self.kind == "fp8_tensor" and self.group_axis != "hidden":
+            raise ValueError(f"group_axis={self.group_axis!r}: kind='fp8_tensor' has one scale per message, "
+                             "no groups; use group_axis='hidden'")
+        if not isinstance(self.site, str):
+            raise ValueError(f"site={self.site!r} must be a string")
 
     @property
     def code_dtype(self):
-        return FP8_FORMATS[self.fmt]
+        """dtype of the code buffer on the wire: FP8, int8, or uint8 (two 4-bit codes per byte)."""
+        if self.kind in FP8_KINDS:
+            return FP8_FORMATS[self.fmt]
+        return {"int8": jnp.int8, "int4": jnp.uint8, "tah": jnp.uint8}.get(self.kind)
 
     @property
     def fmax(self) -> float:
         return fp8_max(self.fmt)
 
-    def wire_bytes_per_element(self, dtype=jnp.float32) -> float:
-        """Bytes on the wire per message element: itemsize for "none", 1 + 8/G or 1 + 4/G."""
+    @property
+    def transforms(self) -> bool:
+        """Whether each group goes through the orthonormal Walsh-Hadamard transform."""
+        return self.kind in ("taco", "tah") or self.hadamard
+
+    @property
+    def name(self) -> str:
+        """Short readable label, e.g. "taco-e4m3-G128-dual", "int8-G64-token", "int4-G128-had"."""
+        if self.kind == "none":
+            return "none"
+        parts = [self.kind]
+        if self.kind in FP8_KINDS:
+            parts.append(self.fmt)
+        if self.kind != "fp8_tensor":
+            parts.append(f"G{self.group_size}")
+        if self.kind == "taco":
+            parts.append(self.scale_layout)
+        if self.hadamard:
+            parts.append("had")
+        if self.group_axis != "hidden":
+            parts.append(self.group_axis)
+        return "-".join(parts)
+
+    def wire_bytes_per_element(self, dtype=jnp.float32, n: int | None = None) -> float:
+        """Bytes on the wire per message element.
+
+        Args:
+          dtype: the message dtype (only "none" depends on it: its itemsize).
+          n: elements per message. None gives the large-message limit (1 + 8/G, 1 + 4/G,
+            0.5 + 4/G, ...; fp8_tensor 1.0); an int gives the exact figure, counting the
+            zero-padded last group and, for fp8_tensor, the one scale per message.
+        """
         if self.kind == "none":
             return float(np.dtype(dtype).itemsize)
-        return 1.0 + (8.0 if self.scale_layout == "dual" else 4.0) / self.group_size
+        code = CODE_BITS[self.kind] / 8
+        if self.kind == "fp8_tensor":
+            return code + (4.0 / n if n else 0.0)
+        words = _SCALE_WORDS.get(self.kind, 2 if self.scale_layout == "dual" else 1)
+        g = self.group_size
+        if n is None:
+            return code + 4.0 * words / g
+        n_groups = math.ceil(n / g)
+        return (n_groups * g * code + 4.0 * words * n_groups) / n
+
+    def to_dict(self) -> dict:
+        """The fields that differ from the defaults (always with `kind`): a policy-file entry."""
+        out = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            if f.name not in ("kind", "site") and getattr(self, f.name) != f.default:
+                out[f.name] = getattr(self, f.name)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict, *, where: str = "codec") -> CodecConfig:
+        """Inverse of `to_dict`. Raises ValueError naming `where` for an unknown field or bad value."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a mapping of codec fields, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown codec field(s) {unknown}; known fields: {sorted(known)}")
+        try:
+            return cls(**d)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: {e}") from e
 
 
 NONE = CodecConfig(kind="none")

@@ -1,8 +1,9 @@
-"""Plain-jnp reference of the TACO group codec (TACO spec §2); the specification other backends match.
+"""Plain-jnp reference of the codec family (TACO spec §2 for kind "taco"); the specification other backends match.
 
 Source: TACO (arXiv 2604.24088) §"Adaptive Scale-Hadamard Transform" and "Dual-Scale
 Quantization"; COCCL taco plugin (reference CUDA codec). Differences from the plugin are
-explicit options (`CodecConfig.nonfinite`), never silent.
+explicit options (`CodecConfig.nonfinite`), never silent. The other kinds' group math is in
+`taco_jax.codec.family`; `encode` / `decode` below are the one interface to all of them.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
-from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.config import CODEC_KINDS, CodecConfig
+from taco_jax.codec.family import GROUP_CODECS
 
 _EPS = 1e-12
 
@@ -24,12 +28,16 @@ _EPS = 1e-12
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Encoded:
-    """One or more encoded messages, as they travel on the wire.
+    """One or more encoded messages, as they travel on the wire: every array leaf is a wire buffer.
 
     Attributes:
-      codes: FP8 [*batch, n_groups, G] codes (`cfg.code_dtype`).
-      scale: float32 [*batch, n_groups]: s (dual layout) or s/a (folded layout).
-      prescale: float32 [*batch, n_groups] adaptive scale a (dual layout) or None (folded).
+      codes: [*batch, n_groups, G] codes in `cfg.code_dtype`: FP8 (fp8_*, taco), int8, or uint8
+        holding two 4-bit codes per byte ([*batch, n_groups, G/2]; int4, tah). fp8_tensor:
+        [*batch, 1, n] (one group = the message, no padding).
+      scale: float32 [*batch, n_groups]: s (taco dual), s/a (taco folded), the absmax scale
+        (fp8_*, int8, int4) or the tile step (tah).
+      prescale: float32 [*batch, n_groups] or None: taco's adaptive scale a (dual layout), tah's
+        zero point (tile minimum); None otherwise.
       shape: static shape of one message (without the batch axes).
       dtype: static dtype the message is decoded back to.
     """
@@ -135,64 +143,133 @@ def _rows_to_message(x: jax.Array, shape: tuple[int, ...], cfg: CodecConfig) -> 
     return x.reshape(*batch, *shape)
 
 
+_NONFINITE_SITES: list[str] = []  # host side: sites whose "error"-policy check saw NaN/Inf
+_REPORT_LOCK = threading.Lock()
+
+
+def _report_nonfinite(*, site: str):
+    site = site or "<unnamed>"
+    with _REPORT_LOCK:
+        first = site not in _NONFINITE_SITES
+        _NONFINITE_SITES.append(site)
+    if first:
+        print(f"taco_jax: non-finite value (NaN/Inf) in a message at site {site!r}", file=sys.stderr)
+
+
+def check_finite(rows: jax.Array, site: str) -> None:
+    """The "error" policy's device-side check: reports `site` to the host if `rows` holds NaN/±Inf.
+
+    Mechanism (works inside `jit`, `shard_map` and `custom_vjp` backward rules, jax >= 0.10.2):
+    `lax.cond(all finite, nothing, jax.debug.callback(report))` — the callback takes no array
+    operands and only runs on a rank that saw a non-finite value; it records the site and prints
+    it. `raise_if_nonfinite()` then raises `FloatingPointError` naming the site(s) on the host
+    (the training loop calls it after every step). Raising *inside* the callback is not used: on
+    a multi-device mesh the failing rank leaves its peers waiting in the next collective, and
+    XLA aborts the process; `checkify` is not used: it needs the caller to wrap the whole train
+    step in `checkify.checkify`. The values themselves follow "propagate" (NaN out).
+    """
+    ok = jnp.all(jnp.isfinite(rows))
+    jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(functools.partial(_report_nonfinite, site=site)))
+
+
+def nonfinite_sites(clear: bool = True) -> list[str]:
+    """Sites reported by the "error" policy since the last call, first report first (waits for pending callbacks)."""
+    jax.effects_barrier()
+    with _REPORT_LOCK:
+        sites = list(dict.fromkeys(_NONFINITE_SITES))
+        if clear:
+            _NONFINITE_SITES.clear()
+    return sites
+
+
+def raise_if_nonfinite():
+    """Raises FloatingPointError naming every site whose "error"-policy check saw NaN/Inf (then clears)."""
+    sites = nonfinite_sites()
+    if sites:
+        raise FloatingPointError(f"non-finite value (NaN/Inf) in a compressed message at site(s) {sites} "
+                                 "(codec nonfinite='error')")
+
+
 def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
-    """Encodes each message of `x` with the TACO codec.
+    """Encodes each message of `x` with the codec `cfg.kind`.
 
     Args:
       x: float array [*batch, *shape]; the leading `batch_dims` axes index independent
         messages (e.g. the P chunks of a two-shot all-reduce); each message is flattened
         (after moving channels first if `cfg.group_axis == "token"`) and cut into groups of
-        `cfg.group_size`, the last one zero-padded.
-      cfg: a `CodecConfig` with kind "taco".
+        `cfg.group_size`, the last one zero-padded (fp8_tensor: one group per message).
+      cfg: a `CodecConfig` of a compressing kind (not "none").
       batch_dims: number of leading message axes.
 
     Returns:
       An `Encoded` pytree (see its docstring).
 
     Raises:
-      ValueError: if `cfg.kind` is not "taco", `x` is not floating point, or a message is empty.
+      ValueError: if `cfg.kind` is "none", `x` is not floating point, or a message is empty.
     """
-    if cfg.kind != "taco":
-        raise ValueError(f"encode needs a codec of kind 'taco', got kind={cfg.kind!r}")
+    if cfg.kind == "none":
+        raise ValueError(f"encode needs a compressing codec (kind 'taco' or another of {CODEC_KINDS[1:]}); "
+                         "kind='none' is the exact collective and has no encoding")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"encode needs a floating-point message, got dtype={x.dtype}")
     shape = tuple(x.shape[batch_dims:])
     n = math.prod(shape)
     if n == 0:
         raise ValueError(f"cannot encode an empty message of shape={shape}")
-    g = cfg.group_size
-    n_groups = -(-n // g)
     rows = _message_to_rows(x, cfg, batch_dims).astype(jnp.float32)
     if cfg.nonfinite == "zero":
         rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
-    pad = n_groups * g - n
-    if pad:
-        rows = jnp.pad(rows, [(0, 0)] * batch_dims + [(0, pad)])
-    xg = rows.reshape(*rows.shape[:-1], n_groups, g)
-    enc_fn, _ = _backend(cfg)
-    codes, s, a = enc_fn(xg, cfg, last_count=n - (n_groups - 1) * g)
-    if cfg.scale_layout == "folded":
-        return Encoded(codes, s / a, None, shape, np.dtype(x.dtype))
+    if cfg.kind == "fp8_tensor":
+        xg = rows[..., None, :]  # the whole message is one group
+        last_count = n
+    else:
+        g = cfg.group_size
+        n_groups = -(-n // g)
+        pad = n_groups * g - n
+        if pad:
+            rows = jnp.pad(rows, [(0, 0)] * batch_dims + [(0, pad)])
+        xg = rows.reshape(*rows.shape[:-1], n_groups, g)
+        last_count = n - (n_groups - 1) * g
+    if cfg.kind == "taco":
+        enc_fn, _ = _backend(cfg)
+        codes, s, a = enc_fn(xg, cfg, last_count=last_count)
+        if cfg.scale_layout == "folded":
+            s, a = s / a, None
+    else:
+        codes, s, a = GROUP_CODECS[cfg.kind][0](xg, cfg)
+    if cfg.nonfinite == "error":
+        check_finite(rows, cfg.site)
     return Encoded(codes, s, a, shape, np.dtype(x.dtype))
 
 
 def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
     """Decodes an `Encoded` back to [*batch, *enc.shape] in `dtype` (default: the encoded dtype).
 
-    With `cfg.nonfinite == "propagate"` a group that held NaN/±Inf decodes to NaN;
-    with "zero" every non-finite output is replaced by 0 (COCCL plugin behaviour).
+    With `cfg.nonfinite` "propagate" or "error" a group that held NaN/±Inf decodes to NaN;
+    with "zero" every non-finite output is replaced by 0 (COCCL plugin behaviour). For a
+    narrower `dtype` than float32 finite values are clipped to its finite range (a decoded
+    float16 never overflows to Inf); float32 output is left alone (it could only overflow for
+    inputs within rounding of float32's largest value), which keeps the float32 program, and
+    so the training runs, bit-identical to the pre-family codec.
     """
-    _, dec_fn = _backend(cfg)
-    xg = dec_fn(enc.codes, enc.scale, enc.prescale)
+    if cfg.kind == "taco":
+        _, dec_fn = _backend(cfg)
+        xg = dec_fn(enc.codes, enc.scale, enc.prescale)
+    else:
+        xg = GROUP_CODECS[cfg.kind][1](enc.codes, enc.scale, enc.prescale, cfg)
     n = math.prod(enc.shape)
     rows = xg.reshape(*xg.shape[:-2], -1)[..., :n]
     if cfg.nonfinite == "zero":
         rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
-    return _rows_to_message(rows, enc.shape, cfg).astype(dtype or enc.dtype)
+    dtype = jnp.dtype(dtype or enc.dtype)
+    if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max:  # float16 / bfloat16: never overflow to Inf
+        big = np.float32(jnp.finfo(dtype).max)
+        rows = jnp.clip(rows, -big, big)  # NaN stays NaN
+    return _rows_to_message(rows, enc.shape, cfg).astype(dtype)
 
 
-def roundtrip(x: jax.Array, cfg: CodecConfig) -> jax.Array:
-    """decode(encode(x)) — what the receiver of one compressed message sees."""
+def roundtrip(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> jax.Array:
+    """decode(encode(x)) — what the receiver of one compressed message sees (`x` itself for "none")."""
     if cfg.kind == "none":
         return x
-    return decode(encode(x, cfg), cfg)
+    return decode(encode(x, cfg, batch_dims=batch_dims), cfg)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 
 import numpy as np
 
-from taco_jax.codec import NONE, TACO, CodecConfig
+from taco_jax.codec import CODEC_KINDS, NONE, TACO, CodecConfig
 
 #: Tensor-axis sites (TACO spec §1): RowParallel output all-reduce ("g" forward), ColumnParallel
 #: input all-reduce ("f" backward), sequence-parallel all-gather and reduce-scatter.
@@ -15,6 +17,8 @@ TENSOR_SITES = ("ar_fwd", "ar_bwd", "all_gather", "reduce_scatter")
 OTHER_SITES = ("dp_grads", "pp_send")
 SITES = TENSOR_SITES + OTHER_SITES
 ALL_REDUCE_ALGORITHMS = ("two_shot", "one_shot")
+#: Version tag of policy files (`CommPolicy.to_json` / `from_json`).
+POLICY_FORMAT = "taco_jax.policy/1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +36,8 @@ class CommPolicy:
       all_reduce_algorithm: "two_shot" (all-to-all reduce-scatter + all-gather; two
         quantizations) or "one_shot" (all-gather of the whole message; one quantization).
       min_bytes: messages smaller than this (uncompressed bytes) use the exact collective.
+      capture: record the message of every tensor site (forward and backward) to the host
+        during training (`taco_jax.train.capture`); the arithmetic is unchanged.
 
     Raises:
       ValueError: for an unknown algorithm or a negative threshold.
@@ -45,6 +51,7 @@ class CommPolicy:
     pp_send: CodecConfig = NONE
     all_reduce_algorithm: str = "two_shot"
     min_bytes: int = 0
+    capture: bool = False
 
     def __post_init__(self):
         if self.all_reduce_algorithm not in ALL_REDUCE_ALGORITHMS:
@@ -59,11 +66,76 @@ class CommPolicy:
                 raise ValueError(f"{site}={getattr(self, site)!r} must be a CodecConfig")
 
     def codec_for(self, site: str, x) -> CodecConfig:
-        """The codec for a message `x` at `site`, or NONE if `x` is below `min_bytes`."""
+        """The codec for a message `x` at `site`, or NONE if `x` is below `min_bytes`.
+
+        A codec with `nonfinite="error"` comes back with `site` set, so its error names the site.
+        """
         if site not in SITES:
             raise ValueError(f"site={site!r} is not one of {SITES}")
         nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-        return NONE if nbytes < self.min_bytes else getattr(self, site)
+        codec = NONE if nbytes < self.min_bytes else getattr(self, site)
+        if codec.nonfinite == "error" and not codec.site:
+            codec = dataclasses.replace(codec, site=site)
+        return codec
+
+    def with_sites(self, sites: dict) -> CommPolicy:
+        """A copy with the codecs of `sites` ({site: CodecConfig or dict of codec fields}) replaced.
+
+        Raises: ValueError naming an unknown site or a bad codec entry.
+        """
+        new = {}
+        for site, codec in sites.items():
+            if site not in SITES:
+                raise ValueError(f"site={site!r} is not one of {SITES}")
+            if not isinstance(codec, CodecConfig):
+                codec = CodecConfig.from_dict(codec, where=f"site {site!r}")
+            new[site] = codec
+        return dataclasses.replace(self, **new)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form: {"format", "sites": {site: codec fields}, "all_reduce_algorithm", "min_bytes"}."""
+        return {"format": POLICY_FORMAT, "sites": {s: getattr(self, s).to_dict() for s in SITES},
+                "all_reduce_algorithm": self.all_reduce_algorithm, "min_bytes": self.min_bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict, *, base: CommPolicy | None = None, where: str = "policy") -> CommPolicy:
+        """Policy from a dict shaped like `to_dict` (only "sites" is required; other top-level keys
+        such as "objective" or "calibration" are metadata and ignored). Sites absent from the
+        file keep `base`'s codec (default: exact).
+
+        Raises: ValueError naming the file (`where`) and the unknown site or bad codec field.
+        """
+        base = base or cls()
+        if not isinstance(d, dict) or not isinstance(d.get("sites"), dict):
+            raise ValueError(f"{where}: expected a JSON object with a 'sites' object ({{site: codec fields}}), "
+                             f"sites being among {SITES}")
+        fmt = d.get("format", POLICY_FORMAT)
+        if fmt != POLICY_FORMAT:
+            raise ValueError(f"{where}: format={fmt!r} is not supported; expected {POLICY_FORMAT!r}")
+        for site in d["sites"]:
+            if site not in SITES:
+                raise ValueError(f"{where}: site={site!r} is not one of {SITES}")
+        kw = {k: d[k] for k in ("all_reduce_algorithm", "min_bytes") if k in d}
+        try:
+            return dataclasses.replace(base.with_sites(d["sites"]), **kw)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+
+    @classmethod
+    def from_json(cls, path, *, base: CommPolicy | None = None) -> CommPolicy:
+        """Reads a policy file written by `to_json` or `taco-jax calibrate` (see `from_dict`)."""
+        path = pathlib.Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"policy file {str(path)!r}: cannot read it as JSON ({e})") from e
+        return cls.from_dict(d, base=base, where=f"policy file {str(path)!r}")
+
+    def to_json(self, path, **metadata) -> pathlib.Path:
+        """Writes `to_dict()` (plus `metadata` keys) to `path` as JSON."""
+        path = pathlib.Path(path)
+        path.write_text(json.dumps({**self.to_dict(), **metadata}, indent=2) + "\n")
+        return path
 
     @classmethod
     def none(cls) -> CommPolicy:
@@ -77,9 +149,12 @@ class CommPolicy:
 
 
 def policy_from_name(comm: str, **codec_kwargs) -> CommPolicy:
-    """CLI helper: "none" or "taco" (codec fields from `codec_kwargs`)."""
+    """CLI helper: "none", "taco" (codec fields, `kind` included, from `codec_kwargs`), or any
+    compressing codec kind ("int8", "fp8_group", ...) on every tensor-axis site."""
     if comm == "none":
         return CommPolicy.none()
     if comm == "taco":
         return CommPolicy.taco(CodecConfig(**codec_kwargs))
-    raise ValueError(f"comm={comm!r} is not supported; choose 'none' or 'taco'")
+    if comm in CODEC_KINDS:
+        return CommPolicy.taco(CodecConfig(**{**codec_kwargs, "kind": comm}))
+    raise ValueError(f"comm={comm!r} is not supported; choose 'none', 'taco' or one of {CODEC_KINDS[1:]}")

@@ -39,6 +39,10 @@ class ParallelContext:
         """Into a TP block: "f" (identity fwd / all-reduce bwd) or, with SP, all-gather over T."""
         if self.tensor_axis is None:
             return x
+        if self.policy.capture:  # record the messages (taco_jax.train.capture); same arithmetic
+            from taco_jax.train.capture import tapped_enter  # noqa: PLC0415
+
+            return tapped_enter(self, x)
         if self.sequence_parallel:
             return gather_from_sp(x, self.tensor_axis, self.policy, 1)
         return copy_to_tp(x, self.tensor_axis, self.policy)
@@ -47,6 +51,10 @@ class ParallelContext:
         """Out of a TP block: "g" (all-reduce fwd / identity bwd) or, with SP, reduce-scatter over T."""
         if self.tensor_axis is None:
             return x
+        if self.policy.capture:
+            from taco_jax.train.capture import tapped_exit  # noqa: PLC0415
+
+            return tapped_exit(self, x)
         if self.sequence_parallel:
             return scatter_to_sp(x, self.tensor_axis, self.policy, 1)
         return reduce_from_tp(x, self.tensor_axis, self.policy)

@@ -17,7 +17,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "head_dim": None,
     "qkv": None,
     "position": None,
-    "layers": None,
+    "layers": "stage",  # stacked decoder layers (pipeline layout, parallel/pipeline.py)
 }
 
 

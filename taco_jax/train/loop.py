@@ -16,17 +16,22 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from taco_jax.codec import raise_if_nonfinite
 from taco_jax.collectives.hlo import collective_bytes
+from taco_jax.collectives.policy import SITES
 from taco_jax.data import batch_iterator, eval_batches, load_shakespeare
+from taco_jax.parallel.pipeline import schedule_stats
+from taco_jax.train import capture
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.step import make_trainer, shard_batch
 
 
-def train(cfg: TrainConfig, *, dataset=None, progress: bool = True) -> dict:
+def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
     """Trains `cfg.model` on Shakespeare; writes `config.json`, `metrics.jsonl`, `summary.json` to `cfg.out`.
 
     Returns the summary: final train/validation loss, tokens/s, and the compiled train step's
     wire bytes per step by mesh axis (`collectives.hlo.collective_bytes`).
+    `devices`: the mesh's devices (default all; `jax.devices()[:1]` for a one-device reference).
     Raises: ValueError for a configuration that cannot run (before anything is compiled).
     """
     out = pathlib.Path(cfg.out)
@@ -37,7 +42,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True) -> dict:
         raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds vocab_size={cfg.vocab_size}")
 
     # 1. mesh, model, optimizer; identical initial parameters for every --comm (same seed)
-    trainer = make_trainer(cfg)
+    trainer = make_trainer(cfg, devices)
     params, opt_state = trainer.init()
     batches = batch_iterator(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     val = [shard_batch(trainer, x, y) for x, y in
@@ -45,6 +50,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True) -> dict:
 
     # 2. compile once and read the collectives' wire bytes off the optimized HLO
     x, y = shard_batch(trainer, *next(batches))
+    recorder = capture.Recorder.start(cfg, out, trainer) if cfg.capture else None  # train --capture N
+    checked = any(getattr(cfg.policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
     t0 = time.perf_counter()
     train_step = trainer.train_step.lower(params, opt_state, x, y).compile()
     compile_s = time.perf_counter() - t0
@@ -61,9 +68,15 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True) -> dict:
     with open(out / "metrics.jsonl", "w") as log:
         for step in bar:
             t = time.perf_counter()
+            if recorder:  # on capture steps: this step's TP messages -> <out>/captures/stepNNNNN.npz
+                recorder.capture(step, params, x, y)
             params, opt_state, m = train_step(params, opt_state, x, y)
             loss = float(m["loss"])  # blocks: the step time below is real
             dt = time.perf_counter() - t
+            if recorder:
+                recorder.finish_step(step, loss)
+            if checked:
+                raise_if_nonfinite()  # FloatingPointError naming the site(s) that saw NaN/Inf this step
             rec = {"step": step, "loss": loss, "grad_norm": float(m["grad_norm"]), "step_s": dt,
                    "tokens_per_s": tokens_per_step / dt}
             if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -74,6 +87,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True) -> dict:
             if step < cfg.steps:
                 x, y = shard_batch(trainer, *next(batches))
     wall = time.perf_counter() - t_start
+    captured = recorder.close() if recorder else None
 
     summary = {
         "comm": cfg.comm,
@@ -89,6 +103,12 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True) -> dict:
         "wire_detail": wire["detail"],
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",
     }
+    stages = cfg.mesh_axes.get("stage", 1)
+    if stages > 1 or cfg.microbatches > 1:  # pipeline: schedule and its bubble (parallel/pipeline.py)
+        summary["pipeline"] = {"schedule": cfg.schedule, "stages": stages, "microbatches": cfg.microbatches,
+                               **schedule_stats(cfg.schedule, stages, cfg.microbatches)}
+    if captured:
+        summary["captures"] = captured
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -96,12 +116,16 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True) -> dict:
 def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Trains the same model twice (same seed and data order): `--comm none`, then `--comm taco`.
 
+    The "none" run is exact on every axis; the "taco" run keeps `--dp-comm` / `--pp-comm`.
+
     Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and
     `<out>/summary.json` with both final validation losses and their relative difference.
     """
     out = pathlib.Path(cfg.out)
     ds = load_shakespeare(cfg.vocab_size)
-    runs = {c: train(dataclasses.replace(cfg, comm=c, out=str(out / c)), dataset=ds, progress=progress)
+    exact = dict(comm="none", dp_comm="none", pp_comm="none")  # baseline: every axis exact
+    runs = {c: train(dataclasses.replace(cfg, **(exact if c == "none" else dict(comm=c)), out=str(out / c)),
+                     dataset=ds, progress=progress)
             for c in ("none", "taco")}
     base, taco = runs["none"]["final_val_loss"], runs["taco"]["final_val_loss"]
     tensor = {c: r["wire_bytes_per_step"].get("tensor", 0) for c, r in runs.items()}

@@ -1,4 +1,12 @@
-"""Model state on a mesh, and the jitted train / eval steps (loss inside `shard_map`, AdamW outside)."""
+"""Model state on a mesh, and the jitted train / eval steps (loss and gradients inside `shard_map`, AdamW outside).
+
+Inside one `shard_map` over the mesh (data, stage, tensor): each data shard differentiates its
+own loss (parameters made varying over the data axis, loss scaled by 1 / data size), the
+pipeline schedule runs over the stage axis when there is one (`parallel/pipeline.py`), and the
+per-shard gradients are summed explicitly over the data axis (`collectives/dp.py`, compressed per
+`CommPolicy.dp_grads`). With `dp_grads` exact this is the same arithmetic as differentiating the
+`shard_map`ped mean loss from outside (tested in tests/test_3d.py).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +20,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.models import GPT
+from taco_jax.collectives.dp import sync_gradients, vary
+from taco_jax.models import make_model
 from taco_jax.parallel import ParallelContext, param_specs
+from taco_jax.parallel import pipeline as pp
 from taco_jax.parallel.mesh import make_mesh
 from taco_jax.train.config import TrainConfig
 
@@ -24,6 +34,8 @@ class Trainer:
 
     `train_step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)`;
     `eval_step(params, inputs, targets) -> mean loss`. inputs/targets: int32 [B, T] global.
+    With pipelining (`staged` set) the parameters are in pipeline layout (decoder layers stacked,
+    `StagedModel.stack_layers`); `staged.unstack_layers` gives the model's own layout back.
     """
 
     cfg: TrainConfig
@@ -34,11 +46,14 @@ class Trainer:
     tx: optax.GradientTransformation
     train_step: callable
     eval_step: callable
+    staged: pp.StagedModel | None = None
 
     def init(self):
-        """Initial (params, opt_state), sharded over the mesh; same values for any --comm."""
-        model = GPT(self.cfg.model_config, rngs=nnx.Rngs(self.cfg.seed))
+        """Initial (params, opt_state), sharded over the mesh; same values for any --comm and mesh."""
+        model = make_model(self.cfg.model_config, rngs=nnx.Rngs(self.cfg.seed))
         params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+        if self.staged is not None:
+            params = self.staged.stack_layers(params)
         params = jax.device_put(params, self.shardings)
         opt_state = jax.jit(self.tx.init)(params)
         return params, opt_state
@@ -52,49 +67,138 @@ class Trainer:
         return self.train_step.lower(params, opt_state, inputs, targets).compile().as_text()
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW (β2 = 0.95) with linear warmup + cosine decay and global-norm clipping (nanoGPT recipe)."""
+def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
+    """AdamW (β2 = 0.95) with linear warmup + cosine decay and global-norm clipping (nanoGPT recipe).
+
+    decay_mask: pytree of bools (weight decay on matrices only); default: leaves with ndim >= 2.
+    """
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr * cfg.min_lr_ratio)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    if decay_mask is None:
+        decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
     )
 
 
-def make_trainer(cfg: TrainConfig) -> Trainer:
+def _merge(graphdef, abstract_state, params):
+    state = jax.tree.map(lambda v: v, abstract_state)  # fresh State to fill in
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Steps:
+    """The sharded loss and gradient of a model on a mesh (what `make_trainer` jits).
+
+    `value_and_grad(params, inputs, targets) -> (mean loss, gradients)` and
+    `loss(params, inputs, targets) -> mean loss`: `shard_map`ped over the whole mesh, global
+    arrays in and out, gradients synchronised over the data axis. `specs`: PartitionSpecs of the
+    parameters (pipeline layout when `staged` is set).
+    """
+
+    value_and_grad: callable
+    loss: callable
+    graphdef: nnx.GraphDef
+    abstract_state: nnx.State
+    specs: dict
+    staged: pp.StagedModel | None
+
+
+def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, microbatches: int = 1,
+               schedule: str = "gpipe", pipelined: bool | None = None, explicit_dp: bool | None = None) -> Steps:
+    """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
+
+    pipelined: run the pipeline schedules (stacked layers); default: when the mesh has stage > 1
+    or microbatches > 1.
+    explicit_dp: differentiate per data shard inside `shard_map` and sum the gradients with
+    `sync_gradients`; default: when pipelined or `policy.dp_grads` compresses. Otherwise the
+    gradient is taken outside `shard_map` (its transpose inserts the data-axis psum) — the
+    pre-3D formulation, kept so exact runs reproduce earlier numbers bit for bit (the explicit
+    path with an exact codec agrees to float rounding, ~1e-7 relative; tests/test_3d.py).
+    """
+    tensor_axis = "tensor" if "tensor" in mesh.axis_names else None
+    stage_axis = "stage" if "stage" in mesh.axis_names else None
+    data_axis = "data" if "data" in mesh.axis_names else None
+    n_data = mesh.shape[data_axis] if data_axis else 1
+    ctx = ParallelContext(tensor_axis=tensor_axis, policy=policy, sequence_parallel=sequence_parallel)
+    abstract = nnx.eval_shape(lambda: make_model(model_cfg, ctx, rngs=nnx.Rngs(0),
+                                                 tensor_size=mesh.shape.get("tensor", 1)))
+    graphdef, abstract_state = nnx.split(abstract, nnx.Param)
+    if pipelined is None:
+        pipelined = mesh.shape.get("stage", 1) > 1 or microbatches > 1
+    staged = pp.StagedModel.from_model(abstract) if pipelined else None
+    if explicit_dp is None:
+        explicit_dp = pipelined or policy.dp_grads.kind != "none"
+    if pipelined and not explicit_dp:
+        raise ValueError("pipelined=True needs explicit_dp=True (the schedules compute gradients inside shard_map)")
+    specs = staged.specs(mesh.axis_names) if staged else param_specs(abstract_state, mesh.axis_names)
+    batch_spec = P(data_axis)
+
+    def local_loss(params, inputs, targets):  # this data shard's mean loss (eval; no gradient)
+        if staged:
+            return pp.gpipe_loss(staged, params, inputs, targets, microbatches=microbatches, stage_axis=stage_axis,
+                                 policy=policy)
+        return _merge(graphdef, abstract_state, params).loss(inputs, targets)
+
+    def local_value_and_grad(params, inputs, targets):  # per device, inside shard_map
+        params = jax.tree.map(lambda p: vary(p, (data_axis,)), params)  # 1. per-shard gradients
+        if staged:  # 2. the pipeline schedule over the stage axis
+            loss, grads = pp.value_and_grad(staged, params, inputs, targets, schedule=schedule,
+                                            microbatches=microbatches, stage_axis=stage_axis, policy=policy,
+                                            loss_scale=1.0 / n_data)
+        else:
+            def scaled(p):  # loss / n_data: the cotangent the transpose of pmean would give
+                loss = _merge(graphdef, abstract_state, p).loss(inputs, targets)
+                return loss / n_data, loss
+
+            (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        grads = sync_gradients(grads, data_axis, policy)  # 3. sum over data shards (dp_grads codec)
+        return _mean_over(loss, data_axis), grads
+
+    loss_fn = jax.shard_map(lambda *a: _mean_over(local_loss(*a), data_axis), mesh=mesh,
+                            in_specs=(specs, batch_spec, batch_spec), out_specs=P())
+    if explicit_dp:
+        value_and_grad = jax.shard_map(local_value_and_grad, mesh=mesh, in_specs=(specs, batch_spec, batch_spec),
+                                       out_specs=(P(), specs))
+    else:
+        value_and_grad = jax.value_and_grad(loss_fn)
+    return Steps(value_and_grad, loss_fn, graphdef, abstract_state, specs, staged)
+
+
+def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     """Builds the mesh, model definition, specs and jitted steps for `cfg` (validated already).
 
+    devices: the devices of the mesh (default: all; e.g. `jax.devices()[:1]` for a one-device run).
     Raises: ValueError (from `make_mesh`) if the mesh does not match the device count.
     """
-    mesh = make_mesh(cfg.mesh_axes)
-    tensor_axis = "tensor" if "tensor" in mesh.axis_names else None
-    data_axes = tuple(a for a in ("data",) if a in mesh.axis_names)
-    ctx = ParallelContext(tensor_axis=tensor_axis, policy=cfg.policy, sequence_parallel=cfg.sequence_parallel)
-    abstract = nnx.eval_shape(lambda: GPT(cfg.model_config, ctx, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract, nnx.Param)
-    specs = param_specs(abstract_state, mesh.axis_names)
-    batch_spec = P(data_axes or None)
-
-    def local_loss(params, inputs, targets):  # runs per device inside shard_map
-        state = jax.tree.map(lambda v: v, abstract_state)  # fresh State to fill in
-        nnx.replace_by_pure_dict(state, params)
-        model = nnx.merge(graphdef, state)
-        loss = model.loss(inputs, targets)
-        return jax.lax.pmean(loss, data_axes) if data_axes else loss
-
-    loss_fn = jax.shard_map(local_loss, mesh=mesh, in_specs=(specs, batch_spec, batch_spec), out_specs=P())
-    tx = make_optimizer(cfg)
+    mesh = make_mesh(cfg.mesh_axes, devices)
+    steps = make_steps(cfg.model_config, mesh, cfg.policy, sequence_parallel=cfg.sequence_parallel,
+                       microbatches=cfg.microbatches, schedule=cfg.schedule)
+    tx = make_optimizer(cfg, _decay_mask(steps.abstract_state, steps.staged))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+        loss, grads = steps.value_and_grad(params, inputs, targets)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    eval_step = jax.jit(loss_fn)
-    return Trainer(cfg, mesh, graphdef, abstract_state, specs, tx, train_step, eval_step)
+    eval_step = jax.jit(steps.loss)
+    return Trainer(cfg, mesh, steps.graphdef, steps.abstract_state, steps.specs, tx, train_step, eval_step,
+                   steps.staged)
+
+
+def _mean_over(x, axis):
+    return jax.lax.pmean(x, axis) if axis else x
+
+
+def _decay_mask(abstract_state, staged):
+    """Weight decay on matrices (ndim >= 2 in the model's own layout, whatever the stacking)."""
+    mask = nnx.to_pure_dict(jax.tree.map(lambda v: v.ndim >= 2, abstract_state))
+    if staged is not None:
+        mask = {**mask, staged.layer_key: mask[staged.layer_key][0]}
+    return mask
 
 
 def shard_batch(trainer: Trainer, *arrays):

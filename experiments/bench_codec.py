@@ -1,0 +1,265 @@
+"""Encode/decode throughput of each codec backend beside a memcpy of the same bytes (JSON + plot).
+
+Run (CPU; build the FFI library first with `make -C custom_calls`):
+
+    .venv/bin/python experiments/bench_codec.py --out runs/bench_codec            # 1 MB .. 256 MB
+    .venv/bin/python experiments/bench_codec.py --out runs/bench_codec --quick    # 1 and 16 MB
+    .venv/bin/python experiments/bench_codec.py --out runs/x --sizes 4,64 --backends ffi
+
+Throughput is the f32 input bytes (encode) or f32 output bytes (decode) per second, i.e. the
+message size, and each case is compared with a memcpy of that many bytes measured in the same
+run. Cases are timed in interleaved rounds and the best round is kept, so load from other
+processes hits every case alike. Two allocation regimes, each against its own memcpy:
+
+  steady  outputs reuse donated buffers (`donate_argnums`, `keep_unused=True`), as in a
+          training step whose buffers are recycled; memcpy = the faster of numpy `copyto` into
+          a preallocated array and an XLA in-place copy (`dynamic_update_slice` into a donated
+          buffer). The acceptance ratio (>= 0.5x) is read here.
+  fresh   a plain jitted call that allocates its outputs; on CPU the OS zero-fills fresh pages,
+          which dominates large decodes; memcpy = jitted `jnp.copy` (also fresh).
+
+On GPU the same script compares with device copies (and reports the HBM peak, if known).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax import kernels
+from taco_jax.codec.config import CodecConfig
+
+MB = 1 << 20
+DEFAULT_SIZES = (1, 4, 16, 64, 256)
+HBM_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0}  # vendor peak, for the GPU report
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="output folder for bench_codec.json and bench_codec.png")
+    p.add_argument("--sizes", default=None, help="comma-separated MB of f32 input (default 1,4,16,64,256)")
+    p.add_argument("--backends", default=None, help="comma-separated (default: reference,ffi + pallas at 1 MB)")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--fmt", default="e4m3", choices=("e4m3", "e5m2"))
+    p.add_argument("--rounds", type=int, default=None, help="timing rounds per case (best kept)")
+    p.add_argument("--quick", action="store_true", help="sizes 1,16 MB and 3 rounds")
+    p.add_argument("--pallas-max-mb", type=float, default=1.0, help="largest size run with pallas (slow on CPU)")
+    return p.parse_args(argv)
+
+
+def _block(tree):
+    jax.block_until_ready(tree)
+    return tree
+
+
+class Case:
+    """A timed closure; `step()` runs it once (state, e.g. donated buffers, carried inside)."""
+
+    def __init__(self, name: str, kind: str, regime: str, backend: str, fn):
+        self.name, self.kind, self.regime, self.backend, self.fn = name, kind, regime, backend, fn
+        self.times: list[float] = []
+
+    def step(self):
+        t0 = time.perf_counter()
+        self.fn()
+        self.times.append(time.perf_counter() - t0)
+
+
+def make_cases(x: jax.Array, cfg: CodecConfig, backends: list[str]) -> list[Case]:
+    cases: list[Case] = []
+
+    # memcpy baselines (same bytes as the f32 message)
+    xh = np.asarray(x)
+    dst = np.empty_like(xh)
+    cases.append(Case("numpy copyto", "memcpy", "steady", "memcpy", lambda: np.copyto(dst, xh)))
+    copy_fresh = jax.jit(jnp.copy)
+    cases.append(Case("xla copy (fresh)", "memcpy", "fresh", "memcpy", lambda: _block(copy_fresh(x))))
+    copy_into = jax.jit(lambda src, d: jax.lax.dynamic_update_slice(d, src, (0, 0)), donate_argnums=1)
+    box = {"d": jnp.zeros_like(x)}
+
+    def xla_inplace():
+        box["d"] = _block(copy_into(x, box["d"]))
+
+    cases.append(Case("xla copy (in place)", "memcpy", "steady", "memcpy", xla_inplace))
+
+    for name in backends:
+        cases += backend_cases(name, x, cfg)
+    return cases
+
+
+def backend_cases(name: str, x: jax.Array, cfg: CodecConfig) -> list[Case]:
+    """Encode and decode of backend `name`, fresh and steady (donated outputs)."""
+    g = x.shape[1]
+    enc, dec = kernels.get_backend(name)
+    enc_fresh = jax.jit(lambda t: enc(t, cfg, last_count=g))
+    dec_fresh = jax.jit(dec)
+    codes, s, a = _block(enc_fresh(x))
+    enc_steady = jax.jit(lambda t, c, s_, a_: enc(t, cfg, last_count=g), donate_argnums=(1, 2, 3), keep_unused=True)
+    dec_steady = jax.jit(lambda c, s_, a_, o: dec(c, s_, a_), donate_argnums=3, keep_unused=True)
+    st = {"enc": list(_block(enc_fresh(x))), "out": jnp.zeros_like(x)}
+
+    def enc_step():
+        st["enc"] = list(_block(enc_steady(x, *st["enc"])))
+
+    def dec_step():
+        st["out"] = _block(dec_steady(codes, s, a, st["out"]))
+
+    return [
+        Case(f"{name} encode", "encode", "fresh", name, lambda: _block(enc_fresh(x))),
+        Case(f"{name} decode", "decode", "fresh", name, lambda: _block(dec_fresh(codes, s, a))),
+        Case(f"{name} encode", "encode", "steady", name, enc_step),
+        Case(f"{name} decode", "decode", "steady", name, dec_step),
+    ]
+
+
+def bench_size(mb: float, cfg: CodecConfig, backends: list[str], rounds: int) -> dict:
+    g = cfg.group_size
+    n = max(1, int(mb * MB) // (4 * g))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((n, g), dtype=np.float32))
+    nbytes = n * g * 4
+    cases = make_cases(x, cfg, backends)
+    for c in cases:  # warm up: compile, first-touch the donated buffers
+        c.fn()
+        c.fn()
+    for _ in range(rounds):
+        for c in cases:
+            c.step()
+    rows = []
+    for c in cases:
+        best = min(c.times)
+        rows.append(
+            dict(
+                case=c.name,
+                kind=c.kind,
+                regime=c.regime,
+                backend=c.backend,
+                best_s=best,
+                median_s=float(np.median(c.times)),
+                gbps=nbytes / best / 1e9,
+            )
+        )
+    memcpy = {
+        "steady": max(r["gbps"] for r in rows if r["kind"] == "memcpy" and r["regime"] == "steady"),
+        "fresh": max(r["gbps"] for r in rows if r["kind"] == "memcpy" and r["regime"] == "fresh"),
+    }
+    for r in rows:
+        r["ratio_vs_memcpy"] = r["gbps"] / memcpy[r["regime"]]
+        r["ratio_vs_numpy_copy"] = r["gbps"] / next(q["gbps"] for q in rows if q["case"] == "numpy copyto")
+    return dict(size_mb=nbytes / MB, n_groups=n, bytes=nbytes, memcpy_gbps=memcpy, rows=rows)
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    env = dict(
+        jax=jax.__version__,
+        platform=jax.default_backend(),
+        device=str(dev.device_kind),
+        python=platform.python_version(),
+        machine=platform.machine(),
+        cpu_count=os.cpu_count(),
+        load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None,
+    )
+    try:
+        from taco_jax.kernels import ffi_codec  # noqa: PLC0415
+
+        env["ffi_cpu_avx2"] = ffi_codec.cpu_has_avx2()
+    except Exception as e:  # noqa: BLE001  (report only)
+        env["ffi_cpu_avx2"] = repr(e)
+    for k, v in HBM_PEAK_GBS.items():
+        if k in env["device"]:
+            env["hbm_peak_gbps"] = v
+    return env
+
+
+def plot(result: dict, path: Path):
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    sizes = [s["size_mb"] for s in result["sizes"]]
+    for ax, kind in zip(axes, ("encode", "decode"), strict=True):
+        names = sorted({(r["backend"], r["regime"]) for s in result["sizes"] for r in s["rows"] if r["kind"] == kind})
+        for backend, regime in names:
+            pts = [
+                (s["size_mb"], r["gbps"])
+                for s in result["sizes"]
+                for r in s["rows"]
+                if r["kind"] == kind and r["backend"] == backend and r["regime"] == regime
+            ]
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, "o-" if regime == "steady" else "s:", label=f"{backend} ({regime})")
+        for regime, style in (("steady", "k--"), ("fresh", "k:")):
+            ax.plot(sizes, [s["memcpy_gbps"][regime] for s in result["sizes"]], style, label=f"memcpy ({regime})")
+        ax.plot(
+            sizes,
+            [0.5 * s["memcpy_gbps"]["steady"] for s in result["sizes"]],
+            color="gray",
+            lw=0.8,
+            label="0.5x memcpy (steady)",
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (MB of f32)")
+        ax.set_title(f"TACO {kind}, G={result['config']['group_size']} {result['config']['fmt']}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GB/s of f32 message")
+    axes[1].legend(fontsize=7, loc="lower right")
+    env = result["environment"]
+    fig.suptitle(f"{env['device']} ({env['platform']}), jax {env['jax']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = (
+        [float(s) for s in args.sizes.split(",")]
+        if args.sizes
+        else ([1.0, 16.0] if args.quick else list(map(float, DEFAULT_SIZES)))
+    )
+    rounds = args.rounds or (3 if args.quick else 7)
+    cfg = CodecConfig(fmt=args.fmt, group_size=args.group_size)
+    avail = kernels.available_backends()
+    if args.backends:
+        wanted = args.backends.split(",")
+        for b in wanted:
+            kernels.resolve(b)  # clear error for an unavailable backend
+    else:
+        wanted = [b for b in ("reference", "ffi", "triton", "pallas") if b in avail]
+    result = dict(
+        config=dict(fmt=args.fmt, group_size=args.group_size, rounds=rounds), environment=environment(), sizes=[]
+    )
+    for mb in sizes:
+        backends = [b for b in wanted if b != "pallas" or mb <= args.pallas_max_mb or jax.default_backend() == "gpu"]
+        t0 = time.perf_counter()
+        res = bench_size(mb, cfg, backends, rounds)
+        result["sizes"].append(res)
+        print(
+            f"\n== {res['size_mb']:.0f} MB f32 ({res['n_groups']} groups of {cfg.group_size}), "
+            f"memcpy steady {res['memcpy_gbps']['steady']:.2f} GB/s, fresh {res['memcpy_gbps']['fresh']:.2f} GB/s "
+            f"[{time.perf_counter() - t0:.0f} s]"
+        )
+        for r in res["rows"]:
+            print(f"  {r['case']:<22} {r['regime']:<6} {r['gbps']:8.2f} GB/s   {r['ratio_vs_memcpy']:5.2f}x memcpy")
+        (out / "bench_codec.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "bench_codec.png")
+    print(f"\nwrote {out / 'bench_codec.json'} and {out / 'bench_codec.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Codec kernel backends for the TACO group math: `reference | pallas | triton | ffi | auto`.
+
+Every backend is a pair `(encode_groups, decode_groups)` with the contract of the functions of
+the same names in `taco_jax.codec.reference` (spec §2), selected by `CodecConfig.backend`:
+
+  reference  plain jnp (the specification); every platform.
+  pallas     fused Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs sm >= 89),
+             the interpreter on CPU (slow: for tests).
+  triton     Triton kernels through jax-triton (`triton_codec`); GPU only, imported lazily.
+  ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU (AVX2 when the CPU has it), CUDA on
+             GPU; needs the shared library built by `make -C custom_calls` (`... cuda` for GPU).
+  auto       the fastest correct backend available: CPU: ffi if built, else reference;
+             GPU: ffi (CUDA) if built, else pallas.
+
+Conformance rule (tested in tests/test_kernels.py against `reference` on the same inputs):
+  For a group whose input is finite:
+    * scales s and a agree with the reference to a relative 2^-23 * G (a bound for summing G
+      float32 terms in another order: butterflies vs. the reference's matmul, lanes vs. XLA's
+      reduction, WHT(x) * a vs. WHT(a * x));
+    * codes: at most 1e-3 of them differ, and each differing code is one FP8 step from the
+      reference's, or (near zero, where FP8 steps are finer than float32 reordering noise: E5M2
+      subnormals) within 2^-23 * G * R of it in value. A code flips only where y/s lies within
+      rounding of a code boundary;
+    * decoded values agree to 2^-23 * G * max|x_ref| over the group.
+  For a group holding NaN or +-Inf: s is NaN (so it decodes to NaN), a is the reference's
+  formula applied (NaN or 1e-3); its codes are unspecified.
+  Observed on CPU: pallas (interpreter) reproduces the reference's codes; the C++ kernels differ
+  in ~1e-5 of the codes (max 2 steps, once, in an E5M2 subnormal), with s and a within 0.15 of
+  the bound; their AVX2 and scalar versions are bit-identical.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import jax
+
+BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
+
+Backend = tuple[Callable, Callable]
+
+
+def _platform() -> str:
+    p = jax.default_backend()
+    return "cuda" if p in ("gpu", "cuda") else p
+
+
+def _unavailable(name: str, platform: str) -> str | None:
+    """None if backend `name` can run on `platform`, else why not (with a fix, if there is one)."""
+    if name in ("reference", "auto"):
+        return None
+    if name == "pallas":
+        if platform in ("cpu", "cuda"):
+            return None
+        return f"pallas kernels are written for CPU (interpreter) and CUDA (Triton), not {platform}"
+    if name == "triton":
+        if platform != "cuda":
+            return "triton kernels run only on a CUDA GPU (jax-triton has no CPU path)"
+        for mod in ("triton", "jax_triton"):
+            if importlib.util.find_spec(mod) is None:
+                return f"module {mod!r} is not installed (pip install 'taco_jax[gpu]')"
+        return None
+    if name == "ffi":
+        from taco_jax.kernels import ffi_codec  # noqa: PLC0415
+
+        return ffi_codec.unavailable_reason(platform)
+    return f"unknown backend {name!r}; choose one of {BACKENDS}"
+
+
+def available_backends(platform: str | None = None) -> tuple[str, ...]:
+    """Backends that can run on `platform` (default: jax's default backend), `auto` included."""
+    platform = platform or _platform()
+    return tuple(b for b in BACKENDS if _unavailable(b, platform) is None)
+
+
+def resolve(name: str, platform: str | None = None) -> str:
+    """The concrete backend `name` stands for on `platform` (`auto` -> the fastest available).
+
+    Raises:
+      ValueError: if `name` is unknown or not available, listing the available backends.
+    """
+    platform = platform or _platform()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown codec backend {name!r}; choose one of {BACKENDS}")
+    if name == "auto":
+        order = ("ffi", "pallas", "reference") if platform == "cuda" else ("ffi", "reference")
+        return next(b for b in order if _unavailable(b, platform) is None)
+    reason = _unavailable(name, platform)
+    if reason is not None:
+        raise ValueError(
+            f"codec backend {name!r} is not available on {platform}: {reason}. "
+            f"Available: {available_backends(platform)}"
+        )
+    return name
+
+
+def get_backend(name: str) -> Backend:
+    """`(encode_groups, decode_groups)` of backend `name` for jax's default platform.
+
+    Raises:
+      ValueError: if `name` is unknown or not available here, listing the available ones.
+    """
+    name = resolve(name)
+    if name == "reference":
+        from taco_jax.codec import reference as mod  # noqa: PLC0415
+    elif name == "pallas":
+        from taco_jax.kernels import pallas_codec as mod  # noqa: PLC0415
+    elif name == "triton":
+        from taco_jax.kernels import triton_codec as mod  # noqa: PLC0415
+    else:
+        from taco_jax.kernels import ffi_codec as mod  # noqa: PLC0415
+    return mod.encode_groups, mod.decode_groups

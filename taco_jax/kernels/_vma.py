@@ -1,0 +1,38 @@
+"""Varying-manual-axes (vma) helpers, so kernel outputs keep their inputs' type inside `shard_map(check_vma=True)`.
+
+jax 0.10 spells the type `ShapedArray.manual_axis_type` (`jax.sharding.ManualAxisType`); later
+versions `aval.vma`. A custom call whose output type lacks the inputs' varying axes would be
+taken as replicated (invariant) by later collectives, so every kernel declares it explicitly.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def vma_of(x) -> frozenset:
+    """Mesh axes `x` varies over inside `shard_map` (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10.x
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def shape_dtype(shape, dtype, vma: frozenset) -> jax.ShapeDtypeStruct:
+    """A `ShapeDtypeStruct` varying over `vma` (as `out_shape` / ffi result types need)."""
+    if hasattr(jax.sharding, "ManualAxisType"):  # jax 0.10.x
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=vma))
+    if vma:
+        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def pvary(x, vma: frozenset):
+    """Marks `x` as varying over the axes of `vma` it does not vary over yet."""
+    missing = tuple(sorted(vma - vma_of(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)

@@ -1,0 +1,152 @@
+"""XLA FFI codec backend: the fused C++ (CPU) and CUDA (GPU) handlers of `custom_calls/`.
+
+The shared libraries live in `taco_jax/kernels/_lib/` (built by `make -C custom_calls`; the
+CUDA one by `make -C custom_calls cuda`). Each is loaded once, on first use, and its handlers
+are registered with `jax.ffi` under the same target names for their platform, so one
+`ffi_call` lowers to the CPU or the CUDA handler as the computation's platform asks.
+
+Leading (batch) axes are flattened here; under `vmap` the handlers see one more leading axis,
+which they flatten too (`vmap_method="broadcast_all"`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax.codec.config import CodecConfig
+from taco_jax.kernels._vma import pvary, vma_of
+
+LIB_DIR = Path(os.environ.get("TACO_KERNELS_LIB_DIR", Path(__file__).parent / "_lib"))
+LIBS = {"cpu": "libtaco_codec_cpu.so", "cuda": "libtaco_codec_cuda.so"}
+BUILD_HINT = {
+    "cpu": "build it with `make -C custom_calls` (C++17 compiler; headers from jax.ffi.include_dir())",
+    "cuda": "build it with `make -C custom_calls cuda` (needs nvcc)",
+}
+_TARGETS = {  # FFI target name -> exported handler symbol (suffix Cpu / Cuda)
+    "taco_encode": "TacoEncode",
+    "taco_decode": "TacoDecode",
+    "taco_fp8_cast": "TacoFp8Cast",
+}
+_FMT_CODES = {"e4m3": 0, "e5m2": 1}
+_XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
+
+#: `impl` attribute: 0 = fastest kernel for the machine (AVX2 on x86-64 CPUs that have it),
+#: 1 = portable scalar kernel (same operation order, bit-identical; for tests).
+IMPL_AUTO, IMPL_SCALAR = 0, 1
+
+
+def lib_path(platform: str = "cpu") -> Path:
+    """Where the shared library for `platform` ("cpu" or "cuda") is expected."""
+    return LIB_DIR / LIBS[platform]
+
+
+@functools.cache
+def _load(platform: str) -> str | None:
+    """Loads and registers the library for `platform`; returns None, or why it is unavailable."""
+    path = lib_path(platform)
+    if not path.exists():
+        return f"{path} not found; {BUILD_HINT[platform]}"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as e:  # e.g. built against another libc / CUDA runtime
+        return f"cannot load {path}: {e}; rebuild it ({BUILD_HINT[platform]})"
+    suffix = "Cpu" if platform == "cpu" else "Cuda"
+    for name, symbol in _TARGETS.items():
+        fn = getattr(lib, symbol + suffix)
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform=_XLA_PLATFORM[platform])
+    return None
+
+
+def unavailable_reason(platform: str = "cpu") -> str | None:
+    """None if the FFI library for `platform` is built and registered, else a reason with a fix."""
+    if platform not in LIBS:
+        return f"no FFI library for platform {platform!r}"
+    return _load(platform)
+
+
+def available(platform: str = "cpu") -> bool:
+    return unavailable_reason(platform) is None
+
+
+def _ensure_loaded():
+    platform = jax.default_backend()
+    platform = "cuda" if platform == "gpu" else platform
+    reason = unavailable_reason(platform)
+    if reason is not None:
+        raise RuntimeError(f"taco_jax FFI codec unavailable on {platform}: {reason}")
+
+
+def _revary(outs, vma: frozenset):
+    """Gives ffi_call's results the varying manual axes of its operands: jax 0.10's ffi_call
+    types them invariant inside `shard_map`, and later collectives would take such a value as
+    replicated. (A no-op where ffi_call already propagates them.)"""
+    return tuple(pvary(o, vma) for o in outs)
+
+
+def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int = IMPL_AUTO):
+    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`."""
+    _ensure_loaded()
+    *lead, n_groups, g = xg.shape
+    if g != cfg.group_size:
+        raise ValueError(f"{xg.shape=} does not end in group_size={cfg.group_size}")
+    x2 = xg.astype(jnp.float32).reshape(-1, g)  # [N, G]
+    n = x2.shape[0]
+    call = jax.ffi.ffi_call(
+        "taco_encode",
+        (
+            jax.ShapeDtypeStruct((n, g), cfg.code_dtype),
+            jax.ShapeDtypeStruct((n,), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.float32),
+        ),
+        vmap_method="broadcast_all",
+    )
+    outs = call(
+        x2,
+        fmt=np.int32(_FMT_CODES[cfg.fmt]),
+        lam=np.float32(cfg.lam),
+        fmax=np.float32(cfg.fmax),
+        target_range=np.float32(cfg.target_range),
+        n_groups=np.int64(n_groups),
+        last_count=np.int64(last_count),
+        impl=np.int32(impl),
+    )
+    codes, s, a = _revary(outs, vma_of(x2))
+    return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
+
+
+def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: int = IMPL_AUTO) -> jax.Array:
+    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`."""
+    _ensure_loaded()
+    *lead, n_groups, g = codes.shape
+    args = [codes.reshape(-1, g), s.astype(jnp.float32).reshape(-1)]
+    if a is not None:
+        args.append(a.astype(jnp.float32).reshape(-1))
+    vma = frozenset().union(*(vma_of(t) for t in args))
+    args = [pvary(t, vma) for t in args]  # ffi_call needs its operands to vary alike
+    call = jax.ffi.ffi_call(
+        "taco_decode", jax.ShapeDtypeStruct(args[0].shape, jnp.float32), vmap_method="broadcast_all"
+    )
+    (out,) = _revary([call(*args, has_a=np.int32(a is not None), impl=np.int32(impl))], vma)
+    return out.reshape(*lead, n_groups, g)
+
+
+def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) -> jax.Array:
+    """Elementwise float32 -> FP8 (optionally clamped to +-clamp first) or FP8 -> float32 (for tests)."""
+    _ensure_loaded()
+    call = jax.ffi.ffi_call("taco_fp8_cast", jax.ShapeDtypeStruct(x.shape, dtype), vmap_method="broadcast_all")
+    (out,) = _revary([call(x, clamp=np.float32(clamp), impl=np.int32(impl))], vma_of(x))
+    return out
+
+
+def cpu_has_avx2() -> bool:
+    """Whether the CPU library runs its AVX2 kernels on this machine (False if not built)."""
+    if not available("cpu"):
+        return False
+    return bool(ctypes.cdll.LoadLibrary(str(lib_path("cpu"))).taco_cpu_has_avx2())

@@ -1,0 +1,219 @@
+"""Pallas fused TACO codec (spec §2): one program per block of groups; Triton on GPU, interpreter on CPU.
+
+Each program loads a [block, G] tile of groups and does the whole group math in one pass:
+sum of squares -> adaptive scale a -> Walsh-Hadamard transform as a matmul with the ±1
+Sylvester matrix (in column chunks, so the operand tiles stay small on GPU) -> absmax ->
+quantization scale s -> FP8 codes; decode is FP8 -> x s -> the same matmul -> / (sqrt(G) a).
+The arithmetic is the reference's (`taco_jax.codec.reference`), op for op; only the matmul's
+summation order may differ (see the conformance rule in `taco_jax.kernels`).
+
+On CPU the kernels run with `interpret=True` (slow: for tests, not training). On GPU they
+lower through Triton; FP8 E4M3 casts need compute capability >= 8.9.
+
+Layout: in the order of jax's `experimental/pallas/ops`: kernels, then the public ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.reference import hadamard
+from taco_jax.kernels._vma import pvary, shape_dtype, vma_of
+
+_EPS = 1e-12
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def _interpret():
+    """False on GPU (Triton lowering); else the TPU-semantics interpreter, which (unlike the
+    plain `interpret=True` one) handles varying manual axes inside `shard_map(check_vma=True)`."""
+    if _on_gpu():
+        return False
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+
+    return pltpu.InterpretParams()
+
+
+def _chunk(g: int) -> int:
+    """Columns of H per matmul: keeps a [G, chunk] f32 tile <= 64 KiB for Triton."""
+    return min(g, 32 if g >= 256 else 64)
+
+
+def _compiler_params():
+    if not _on_gpu():
+        return None
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415  (GPU-only import)
+
+    return plgpu.CompilerParams(num_warps=4, num_stages=1)
+
+
+# --------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------
+
+
+def _encode_kernel(x_ref, h_ref, codes_ref, s_ref, a_ref, *, block, g, n_groups, last_count, lam, fmax, r):
+    x = x_ref[...]  # [block, G] f32
+    row = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+    count = jnp.where(row % n_groups == n_groups - 1, np.float32(last_count), np.float32(g))
+    # 1-2. mean square over the real elements, adaptive scale
+    m = jnp.sum(x * x, axis=1) / count
+    v = jnp.maximum(m + np.float32(lam), np.float32(_EPS))
+    a = jnp.clip(np.float32(fmax) / jnp.sqrt(v), np.float32(1e-3), np.float32(1e3))
+    xa = a[:, None] * x
+    # 3. y = WHT(a x) / sqrt(G), by column chunks of H (a loop, not unrolled: G = 512 would
+    # otherwise make a huge Triton kernel); pass 1 takes the absmax, pass 2 recomputes y.
+    c = _chunk(g)
+    sqrt_g = np.float32(math.sqrt(g))
+
+    def y_chunk(i):
+        h = h_ref[:, pl.ds(pl.multiple_of(i * c, c), c)]
+        return jnp.dot(xa, h, precision=(_HIGHEST, _HIGHEST), preferred_element_type=jnp.float32) / sqrt_g
+
+    amax = jax.lax.fori_loop(
+        0, g // c, lambda i, m: jnp.maximum(m, jnp.max(jnp.abs(y_chunk(i)), axis=1)), jnp.zeros((block,), jnp.float32)
+    )
+    # 4. quantization scale; a group holding NaN/Inf gets s = NaN
+    s = jnp.clip(jnp.maximum(amax, np.float32(_EPS)) / np.float32(r), np.float32(_EPS), np.float32(1e6))
+    n_bad = jnp.sum(jnp.where(jnp.abs(x) < np.float32(np.inf), 0.0, 1.0), axis=1)
+    s = jnp.where(n_bad == 0, s, np.float32(np.nan))
+
+    # 5. codes (RNE, saturated by the clip)
+    @pl.loop(0, g // c)
+    def _(i):
+        q = jnp.clip(y_chunk(i) / s[:, None], -np.float32(r), np.float32(r))
+        codes_ref[:, pl.ds(pl.multiple_of(i * c, c), c)] = q.astype(codes_ref.dtype)
+
+    s_ref[...] = s
+    a_ref[...] = a
+
+
+def _decode_kernel(codes_ref, s_ref, *rest, g, has_a):
+    if has_a:
+        a_ref, h_ref, out_ref = rest
+    else:
+        h_ref, out_ref = rest
+    y = codes_ref[...].astype(jnp.float32) * s_ref[...][:, None]
+    sqrt_g = np.float32(math.sqrt(g))
+    if has_a:
+        den = jnp.maximum(a_ref[...], np.float32(_EPS))[:, None]
+    c = _chunk(g)
+
+    @pl.loop(0, g // c)
+    def _(i):
+        cols = pl.ds(pl.multiple_of(i * c, c), c)
+        x = jnp.dot(y, h_ref[:, cols], precision=(_HIGHEST, _HIGHEST), preferred_element_type=jnp.float32)
+        x = x / sqrt_g
+        if has_a:
+            x = x / den
+        out_ref[:, cols] = x
+
+
+# --------------------------------------------------------------------------------------
+# Public ops
+# --------------------------------------------------------------------------------------
+
+
+def _pad_rows(x, block):
+    n = x.shape[0]
+    pad = -n % block
+    return (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x), n
+
+
+def _block_rows(n: int, block: int) -> int:
+    """Rows per program: `block`, or less for small inputs (a power of 2, at least 16)."""
+    return max(16, min(block, 1 << max(0, (n - 1).bit_length())))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "last_count", "block"))
+def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: int = 64):
+    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`.
+
+    Args:
+      xg: float32 [..., n_groups, G]; cfg: codec config; last_count: real size of the last group.
+      block: groups per program (a power of 2 >= 16).
+    """
+    *lead, n_groups, g = xg.shape
+    if g != cfg.group_size:
+        raise ValueError(f"{xg.shape=} must end in group_size={cfg.group_size}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"{block=} must be a power of 2 >= 16")
+    x2 = xg.astype(jnp.float32).reshape(-1, g)
+    bn = _block_rows(x2.shape[0], block)
+    x2, n = _pad_rows(x2, bn)
+    n_pad = x2.shape[0]
+    vma = vma_of(x2)
+    kernel = functools.partial(
+        _encode_kernel,
+        block=bn,
+        g=g,
+        n_groups=n_groups,
+        last_count=last_count,
+        lam=cfg.lam,
+        fmax=cfg.fmax,
+        r=cfg.target_range,
+    )
+    h = pvary(jnp.asarray(hadamard(g)), vma)
+    codes, s, a = pl.pallas_call(
+        kernel,
+        out_shape=(
+            shape_dtype((n_pad, g), cfg.code_dtype, vma),
+            shape_dtype((n_pad,), jnp.float32, vma),
+            shape_dtype((n_pad,), jnp.float32, vma),
+        ),
+        grid=(n_pad // bn,),
+        in_specs=[pl.BlockSpec((bn, g), lambda i: (i, 0)), pl.BlockSpec((g, g), lambda i: (0, 0))],
+        out_specs=(
+            pl.BlockSpec((bn, g), lambda i: (i, 0)),
+            pl.BlockSpec((bn,), lambda i: (i,)),
+            pl.BlockSpec((bn,), lambda i: (i,)),
+        ),
+        interpret=_interpret(),
+        compiler_params=_compiler_params(),
+        name="taco_encode_groups",
+    )(x2, h)
+    codes, s, a = codes[:n], s[:n], a[:n]
+    return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
+
+
+@functools.partial(jax.jit, static_argnames=("block",))
+def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block: int = 64) -> jax.Array:
+    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`."""
+    *lead, n_groups, g = codes.shape
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"{block=} must be a power of 2 >= 16")
+    c2 = codes.reshape(-1, g)
+    n = c2.shape[0]
+    bn = _block_rows(n, block)
+    c2, _ = _pad_rows(c2, bn)
+    n_pad = c2.shape[0]
+    args = [c2, _pad_rows(s.astype(jnp.float32).reshape(-1), bn)[0]]
+    specs = [pl.BlockSpec((bn, g), lambda i: (i, 0)), pl.BlockSpec((bn,), lambda i: (i,))]
+    if a is not None:
+        args.append(_pad_rows(a.astype(jnp.float32).reshape(-1), bn)[0])
+        specs.append(pl.BlockSpec((bn,), lambda i: (i,)))
+    vma = frozenset().union(*(vma_of(t) for t in args))
+    h = pvary(jnp.asarray(hadamard(g)), vma)
+    args = [pvary(t, vma) for t in args]
+    out = pl.pallas_call(
+        functools.partial(_decode_kernel, g=g, has_a=a is not None),
+        out_shape=shape_dtype((n_pad, g), jnp.float32, vma),
+        grid=(n_pad // bn,),
+        in_specs=specs + [pl.BlockSpec((g, g), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((bn, g), lambda i: (i, 0)),
+        interpret=_interpret(),
+        compiler_params=_compiler_params(),
+        name="taco_decode_groups",
+    )(*args, h)
+    return out[:n].reshape(*lead, n_groups, g)

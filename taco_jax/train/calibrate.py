@@ -1,0 +1,275 @@
+"""Data-driven reshaping: choose each site's codec from captured messages (`taco-jax calibrate`).
+
+TACO (arXiv 2604.24088) chooses how a `[tokens, hidden]` message is cut into groups from the
+data's statistics; its criterion is not public (TACO_SPEC.md §2). Ours, stated exactly:
+
+  Data: the messages of `taco-jax train --capture N` (every tensor rank, data rank 0). Captured
+  steps are split alternately: steps 1st, 3rd, 5th, ... calibrate; 2nd, 4th, ... are held out
+  (with a single captured step, its messages alternate instead).
+  Candidates: every codec of the family with every parameter (kind; FP8 format; G in
+  32..512; group axis hidden | token; taco scale layout dual | folded; optional Hadamard for
+  fp8_group / int8 / int4) — `candidates()`.
+  Per-site objective: maximise SQNR_s(c) = 10·log10(Σ‖x‖² / Σ‖x − decode(encode(x))‖²) over
+  the site's messages, subject to wire_bytes_per_element(c, n) ≤ budget (default 1.0625 B/elt,
+  the spec's TACO setting: 0.53× bf16). Ties within 0.01 dB go to fewer bytes.
+  Policy objective (to compare policies): the mean over sites of the held-out SQNR (dB).
+
+The report compares the calibrated policy with every fixed choice (one candidate on every
+site) on the held-out messages, including the best fixed choice picked with hindsight on the
+held-out messages themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax.codec import CodecConfig, roundtrip
+from taco_jax.codec.config import GROUP_AXES, GROUP_SIZES
+from taco_jax.collectives.policy import POLICY_FORMAT, TENSOR_SITES, CommPolicy
+from taco_jax.train.capture import Message, load_captures
+
+DEFAULT_BUDGET = 1.0625
+TIE_DB = 0.01
+
+
+def candidates() -> list[CodecConfig]:
+    """The search space: every compressing codec × parameter combination (132 codecs)."""
+    out = [CodecConfig(kind="fp8_tensor", fmt=f) for f in ("e4m3", "e5m2")]
+    for g, axis in itertools.product(GROUP_SIZES, GROUP_AXES):
+        for f, had in itertools.product(("e4m3", "e5m2"), (False, True)):
+            out.append(CodecConfig(kind="fp8_group", fmt=f, group_size=g, group_axis=axis, hadamard=had))
+        for kind, had in itertools.product(("int8", "int4"), (False, True)):
+            out.append(CodecConfig(kind=kind, group_size=g, group_axis=axis, hadamard=had))
+        for f, layout in itertools.product(("e4m3", "e5m2"), ("dual", "folded")):
+            out.append(CodecConfig(kind="taco", fmt=f, group_size=g, group_axis=axis, scale_layout=layout))
+        out.append(CodecConfig(kind="tah", group_size=g, group_axis=axis))
+    return out
+
+
+#: The named codecs of the fidelity table and the ablation (fixed settings, spec defaults).
+NAMED = {
+    "none": CodecConfig(kind="none"),
+    "fp8_tensor": CodecConfig(kind="fp8_tensor"),
+    "fp8_group": CodecConfig(kind="fp8_group"),
+    "int8": CodecConfig(kind="int8"),
+    "int4_had": CodecConfig(kind="int4", hadamard=True),
+    "tah": CodecConfig(kind="tah"),
+    "taco": CodecConfig(kind="taco"),
+    "taco_folded": CodecConfig(kind="taco", scale_layout="folded"),
+}
+
+
+def split_messages(msgs: list[Message], max_per_split: int | None = 16) -> dict[str, dict[str, list[Message]]]:
+    """{"calib"|"heldout": {site: messages}}: alternate captured steps (see the module docstring),
+    then at most `max_per_split` messages per site, evenly spaced over (step, role, rank)."""
+    steps = sorted({m.step for m in msgs})
+    out = {"calib": {}, "heldout": {}}
+    for site in sorted({m.site for m in msgs}):
+        ms = sorted((m for m in msgs if m.site == site), key=lambda m: (m.step, m.role, m.rank))
+        if len(steps) >= 2:
+            cal = [m for m in ms if steps.index(m.step) % 2 == 0]
+            held = [m for m in ms if steps.index(m.step) % 2 == 1]
+        else:
+            cal, held = ms[0::2], ms[1::2]
+        for name, part in (("calib", cal), ("heldout", held)):
+            if max_per_split and len(part) > max_per_split:
+                idx = np.linspace(0, len(part) - 1, max_per_split).round().astype(int)
+                part = [part[i] for i in idx]
+            out[name][site] = part
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _errors(x: jax.Array, cfg: CodecConfig):
+    """x [M, *msg] -> per message: (Σx², Σe², Σx·y, Σy², max|e|, max|x|) in float32."""
+    y = roundtrip(x, cfg, batch_dims=1).astype(jnp.float32)
+    axes = tuple(range(1, x.ndim))
+    e = y - x
+    return (jnp.sum(x * x, axes), jnp.sum(e * e, axes), jnp.sum(x * y, axes), jnp.sum(y * y, axes),
+            jnp.max(jnp.abs(e), axes), jnp.max(jnp.abs(x), axes))
+
+
+def evaluate(cfg: CodecConfig, msgs: list[Message]) -> dict:
+    """SQNR (dB), max relative error (‖e‖∞/‖x‖∞, worst message), cosine, wire B/elt of `cfg` on `msgs`."""
+    n = msgs[0].x.size
+    bpe = cfg.wire_bytes_per_element(jnp.float32, n=n)
+    if cfg.kind == "none":
+        return {"sqnr_db": math.inf, "max_rel_err": 0.0, "cosine": 1.0, "bytes_per_elt": bpe, "messages": len(msgs)}
+    sums = np.zeros(4)
+    worst = 0.0
+    by_shape: dict[tuple, list] = {}
+    for m in msgs:
+        by_shape.setdefault(m.x.shape, []).append(m.x)
+    for xs in by_shape.values():
+        parts = [np.asarray(p, np.float64) for p in _errors(jnp.asarray(np.stack(xs)), cfg)]
+        sums += [p.sum() for p in parts[:4]]
+        for e, m in zip(parts[4], parts[5]):
+            worst = max(worst, e / m if m > 0 else (math.inf if e > 0 else 0.0))
+    sig, noise, dot, yy = sums
+    sqnr = math.inf if noise == 0 else (10 * math.log10(sig / noise) if sig > 0 else -math.inf)
+    cos = dot / math.sqrt(sig * yy) if sig > 0 and yy > 0 else float(sig == yy)
+    return {"sqnr_db": sqnr, "max_rel_err": worst, "cosine": cos, "bytes_per_elt": bpe, "messages": len(msgs)}
+
+
+def _better(a: dict, b: dict | None) -> bool:
+    """Objective order: higher SQNR; within TIE_DB, fewer bytes."""
+    if b is None:
+        return True
+    if abs(a["sqnr_db"] - b["sqnr_db"]) <= TIE_DB:
+        return a["bytes_per_elt"] < b["bytes_per_elt"]
+    return a["sqnr_db"] > b["sqnr_db"]
+
+
+def _fmt_db(v: float) -> str:
+    return "∞" if v == math.inf else f"{v:.2f}"
+
+
+def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: int = 16,
+              cands: list[CodecConfig] | None = None, progress: bool = True) -> dict:
+    """Chooses a codec per captured tensor site; writes the policy file `out` and `<out>.report.json`/`.md`.
+
+    Args:
+      captures: the `<run>/captures` folder of `taco-jax train --capture N` (or the run folder).
+      out: policy JSON path (read by `taco-jax train --policy FILE`).
+      budget: largest wire bytes per element a chosen codec may use.
+      max_messages: messages per site in each split (memory / time bound).
+      cands: the candidate codecs (default `candidates()`, the whole family).
+    Returns: the report dict (also written next to `out`).
+    Raises: ValueError for a folder without captures or a budget no candidate meets.
+    """
+    captures = pathlib.Path(captures)
+    if not (captures / "meta.json").exists() and (captures / "captures" / "meta.json").exists():
+        captures = captures / "captures"
+    if not budget > 0:
+        raise ValueError(f"budget={budget!r} must be > 0 bytes per element")
+    meta, msgs = load_captures(captures)
+    msgs = [m for m in msgs if m.site in TENSOR_SITES]
+    split = split_messages(msgs, max_messages)
+    sites = sorted(split["calib"])
+    cands = list(cands or candidates())
+    if CodecConfig() not in cands:
+        cands.append(CodecConfig())  # the TACO default is always reported
+    # 1. every candidate on every site and split
+    table = []
+    for i, c in enumerate(cands):
+        row = {"codec": c.name, "config": c.to_dict()}
+        for part in ("calib", "heldout"):
+            row[part] = {s: evaluate(c, split[part][s]) for s in sites if split[part][s]}
+        table.append(row)
+        if progress and ((i + 1) % 20 == 0 or i + 1 == len(cands)):
+            print(f"[calibrate] {i + 1}/{len(cands)} candidates evaluated", file=sys.stderr, flush=True)
+    # 2. per site: the best feasible candidate on the calibration split
+    choice = {}
+    for s in sites:
+        best = None
+        for row in table:
+            r = row["calib"].get(s)
+            if r and r["bytes_per_elt"] <= budget + 1e-12 and _better(r, best and best[1]):
+                best = (row, r)
+        if best is None:
+            raise ValueError(f"budget={budget} bytes/element: no candidate codec fits site {s!r}")
+        choice[s] = best[0]
+    # 3. compare on held-out: calibrated vs every fixed feasible choice (same codec on every site)
+    held_sites = [s for s in sites if split["heldout"].get(s)]
+
+    def score(rows_by_site):
+        return float(np.mean([rows_by_site[s]["heldout"][s]["sqnr_db"] for s in held_sites]))
+
+    calibrated = score(choice)
+    fixed = []
+    for row in table:
+        feasible = all(row["heldout"][s]["bytes_per_elt"] <= budget + 1e-12 for s in held_sites)
+        calib_score = float(np.mean([row["calib"][s]["sqnr_db"] for s in sites]))
+        fixed.append({"codec": row["codec"], "feasible": feasible, "calib_mean_sqnr_db": calib_score,
+                      "heldout_mean_sqnr_db": score({s: row for s in sites}),
+                      "heldout": {s: row["heldout"][s]["sqnr_db"] for s in held_sites},
+                      "bytes_per_elt": {s: row["heldout"][s]["bytes_per_elt"] for s in held_sites}})
+    feas = [f for f in fixed if f["feasible"]]
+    best_hind = max(feas, key=lambda f: f["heldout_mean_sqnr_db"])
+    best_cal = max(feas, key=lambda f: f["calib_mean_sqnr_db"])
+    taco = next(f for f in fixed if f["codec"] == CodecConfig().name)
+    objective = (f"per site: maximise SQNR (dB, energy-weighted over the site's calibration messages) subject to "
+                 f"wire bytes/element <= {budget}; ties within {TIE_DB} dB -> fewer bytes. "
+                 "Policy score: mean over sites of held-out SQNR (dB).")
+    per_site = {s: {"choice": choice[s]["codec"], "config": choice[s]["config"],
+                    "calib": choice[s]["calib"][s], "heldout": choice[s]["heldout"].get(s)} for s in sites}
+    report = {
+        "captures": str(captures), "meta": {k: v for k, v in meta.items() if k not in ("roles", "files", "keys")},
+        "objective": objective, "budget_bytes_per_element": budget, "candidates": len(cands),
+        "messages": {p: {s: len(v) for s, v in split[p].items()} for p in split},
+        "sites": per_site,
+        "heldout_mean_sqnr_db": {"calibrated": calibrated, "best_fixed_hindsight": best_hind["heldout_mean_sqnr_db"],
+                                 "best_fixed_by_calibration": best_cal["heldout_mean_sqnr_db"],
+                                 "taco_default": taco["heldout_mean_sqnr_db"]},
+        "best_fixed_hindsight": best_hind["codec"], "best_fixed_by_calibration": best_cal["codec"],
+        "calibrated_at_least_best_fixed": calibrated >= best_hind["heldout_mean_sqnr_db"] - 1e-9,
+        "fixed": sorted(fixed, key=lambda f: -f["heldout_mean_sqnr_db"]),
+        "table": table,
+    }
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    policy_sites = {s: per_site[s]["config"] for s in sites}
+    calib_meta = {s: {"choice": per_site[s]["choice"], "calib_sqnr_db": per_site[s]["calib"]["sqnr_db"],
+                      "heldout_sqnr_db": (per_site[s]["heldout"] or {}).get("sqnr_db"),
+                      "bytes_per_elt": per_site[s]["calib"]["bytes_per_elt"]} for s in sites}
+    # the run's flags (--algorithm, --min-bytes) decide the rest; `CommPolicy.from_dict` validates it
+    doc = {"format": POLICY_FORMAT, "sites": policy_sites, "objective": objective,
+           "budget_bytes_per_element": budget, "captures": str(captures), "calibration": calib_meta}
+    CommPolicy.from_dict(doc)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    out.with_suffix(".report.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+    out.with_suffix(".report.md").write_text(report_markdown(report) + "\n")
+    return report
+
+
+def report_markdown(report: dict) -> str:
+    """The calibrated choice per site and the top fixed choices, as markdown tables."""
+    sites = list(report["sites"])
+    lines = [f"Objective: {report['objective']}", "",
+             "| site | calibrated choice | B/elt | calib SQNR (dB) | held-out SQNR (dB) |", "|---|---|---|---|---|"]
+    for s, r in report["sites"].items():
+        held = r["heldout"]["sqnr_db"] if r["heldout"] else math.nan
+        lines.append(f"| {s} | `{r['choice']}` | {r['calib']['bytes_per_elt']:.4f} | {_fmt_db(r['calib']['sqnr_db'])} "
+                     f"| {_fmt_db(held)} |")
+    h = report["heldout_mean_sqnr_db"]
+    lines += ["", "| policy (held-out) | mean SQNR over sites (dB) |", "|---|---|",
+              f"| calibrated (per site) | {h['calibrated']:.2f} |",
+              f"| best fixed, chosen with hindsight on held-out: `{report['best_fixed_hindsight']}` | "
+              f"{h['best_fixed_hindsight']:.2f} |",
+              f"| best fixed, chosen on calibration: `{report['best_fixed_by_calibration']}` | "
+              f"{h['best_fixed_by_calibration']:.2f} |",
+              f"| TACO default (`{CodecConfig().name}`) | {h['taco_default']:.2f} |", "",
+              "Fixed choices within the budget, best 15 by held-out mean SQNR:", "",
+              "| fixed codec | " + " | ".join(f"{s} (dB)" for s in sites) + " | mean (dB) | B/elt |",
+              "|---|" + "---|" * (len(sites) + 2)]
+    for f in [f for f in report["fixed"] if f["feasible"]][:15]:
+        bpe = max(f["bytes_per_elt"].values())
+        lines.append(f"| `{f['codec']}` | " + " | ".join(_fmt_db(f["heldout"][s]) for s in sites)
+                     + f" | {f['heldout_mean_sqnr_db']:.2f} | {bpe:.4f} |")
+    return "\n".join(lines)
+
+
+def main_args(captures: str, out: str, budget: float, max_messages: int, kinds: list[str] | None = None) -> dict:
+    """CLI entry (`taco-jax calibrate`): runs `calibrate` (candidates of `kinds` only, if given); a short summary."""
+    cands = None
+    if kinds:
+        cands = [c for c in candidates() if c.kind in kinds]
+        if not cands:
+            raise ValueError(f"kinds={kinds!r}: no candidate codec; choose among "
+                             f"{sorted({c.kind for c in candidates()})}")
+    rep = calibrate(captures, out, budget=budget, max_messages=max_messages, cands=cands)
+    return {"policy": str(out), "report": str(pathlib.Path(out).with_suffix(".report.md")),
+            "choice": {s: r["choice"] for s, r in rep["sites"].items()},
+            "heldout_mean_sqnr_db": rep["heldout_mean_sqnr_db"],
+            "best_fixed_hindsight": rep["best_fixed_hindsight"],
+            "calibrated_at_least_best_fixed": rep["calibrated_at_least_best_fixed"]}
+
