@@ -31,7 +31,7 @@ class TrainConfig:
     vocab_size: int = 2048  # BPE vocabulary trained on the training plays
     lr: float = 3e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 30  # linear warmup
+    warmup_steps: int = -1  # linear warmup steps; -1 = 10% of --steps
     weight_decay: float = 0.1  # on matrices only (not biases / LayerNorm)
     grad_clip: float = 1.0  # global-norm clipping
     seed: int = 0  # init and data order (same for every --comm)
@@ -61,8 +61,10 @@ class TrainConfig:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
+        if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be -1 (10% of steps) or in [0, steps={self.steps})"
+            )
         axes = self.mesh_axes
         if self.batch_size % axes.get("data", 1):
             raise ValueError(f"batch_size={self.batch_size} is not divisible by data={axes.get('data', 1)}")
@@ -77,6 +79,11 @@ class TrainConfig:
         self.model_config.check_tensor_parallel(axes.get("tensor", 1), sequence_parallel=self.sequence_parallel,
                                                 seq_len=self.seq_len)
         _ = self.policy  # validates the codec fields
+
+    @property
+    def warmup(self) -> int:
+        """Warmup steps actually used (`warmup_steps`, or 10% of `steps` when it is -1)."""
+        return self.steps // 10 if self.warmup_steps == -1 else self.warmup_steps
 
     @property
     def mesh_axes(self) -> dict[str, int]:

@@ -34,16 +34,15 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     `devices`: the mesh's devices (default all; `jax.devices()[:1]` for a one-device reference).
     Raises: ValueError for a configuration that cannot run (before anything is compiled).
     """
+    # 1. mesh, model, optimizer (checks the mesh and backend before anything is written)
+    trainer = make_trainer(cfg, devices)
     out = pathlib.Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     ds = dataset or load_shakespeare(cfg.vocab_size)
     if ds.vocab_size > cfg.vocab_size:
         raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds vocab_size={cfg.vocab_size}")
-
-    # 1. mesh, model, optimizer; identical initial parameters for every --comm (same seed)
-    trainer = make_trainer(cfg, devices)
-    params, opt_state = trainer.init()
+    params, opt_state = trainer.init()  # identical initial parameters for every --comm (same seed)
     batches = batch_iterator(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     val = [shard_batch(trainer, x, y) for x, y in
            eval_batches(ds.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]

@@ -72,7 +72,7 @@ def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransform
 
     decay_mask: pytree of bools (weight decay on matrices only); default: leaves with ndim >= 2.
     """
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr * cfg.min_lr_ratio)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
     if decay_mask is None:
         decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(
