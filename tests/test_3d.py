@@ -8,32 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tp_value_and_grad
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from taco_jax.codec import TACO
 from taco_jax.collectives import CommPolicy
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.models import get_config, make_model
-from taco_jax.parallel import ParallelContext, param_specs
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.step import make_steps, make_trainer, shard_batch
-
-
-def _transpose_psum_value_and_grad(mesh, cfg):
-    """The pre-3D formulation: loss pmean'd inside shard_map, gradient taken outside (the data-axis
-    psum of the gradients is inserted by shard_map's transpose)."""
-    ctx = ParallelContext("tensor", CommPolicy.none())
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: make_model(cfg, ctx, rngs=nnx.Rngs(0))), nnx.Param)
-    specs = param_specs(state, mesh.axis_names)
-
-    def local(params, ids, tgt):
-        st = jax.tree.map(lambda v: v, state)
-        nnx.replace_by_pure_dict(st, params)
-        return jax.lax.pmean(nnx.merge(graphdef, st).loss(ids, tgt), "data")
-
-    return jax.jit(jax.value_and_grad(jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")),
-                                                    out_specs=P())))
 
 
 def test_explicit_dp_sync_equals_transpose_psum_and_compressed_is_close(mesh):
@@ -41,7 +24,7 @@ def test_explicit_dp_sync_equals_transpose_psum_and_compressed_is_close(mesh):
     params = nnx.to_pure_dict(nnx.split(make_model(cfg, rngs=nnx.Rngs(0)), nnx.Param)[1])
     ids = jax.random.randint(jax.random.key(1), (8, 32), 0, cfg.vocab_size)
     tgt = jnp.roll(ids, -1, axis=1)
-    want_loss, want = _transpose_psum_value_and_grad(mesh, cfg)(params, ids, tgt)
+    want_loss, want = tp_value_and_grad(mesh, cfg, CommPolicy.none())(params, ids, tgt)
 
     flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
     rel = lambda g: np.linalg.norm(flat(g) - flat(want)) / np.linalg.norm(flat(want))  # noqa: E731

@@ -6,12 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tp_value_and_grad
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from taco_jax.collectives import CommPolicy
 from taco_jax.models import GPT, get_config
-from taco_jax.parallel import ParallelContext, param_specs
 
 
 def _n_params(cfg):
@@ -44,20 +43,6 @@ def test_tensor_parallel_divisibility(tp, sp, match):
         get_config("gpt2-tiny").check_tensor_parallel(tp, sequence_parallel=sp, seq_len=30)
 
 
-def _tp_loss(mesh, cfg, params_state, ids, tgt, policy, sp):
-    ctx = ParallelContext("tensor", policy, sp)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, ctx, rngs=nnx.Rngs(0))), nnx.Param)
-    specs = param_specs(state, mesh.axis_names)
-
-    def local(params, ids, tgt):
-        st = jax.tree.map(lambda v: v, state)
-        nnx.replace_by_pure_dict(st, params)
-        return jax.lax.pmean(nnx.merge(graphdef, st).loss(ids, tgt), "data")
-
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
-    return jax.jit(jax.value_and_grad(fn))(params_state, ids, tgt)
-
-
 @pytest.mark.parametrize("sp", [False, True])
 def test_tensor_parallel_matches_unsharded(mesh, sp):
     cfg = dataclasses.replace(get_config("gpt2-tiny"), n_layer=2, vocab_size=512)
@@ -72,7 +57,7 @@ def test_tensor_parallel_matches_unsharded(mesh, sp):
         return nnx.merge(nnx.split(model, nnx.Param)[0], st).loss(ids, tgt)
 
     want_loss, want_grads = jax.value_and_grad(ref)(params)
-    loss, grads = _tp_loss(mesh, cfg, params, ids, tgt, CommPolicy.none(), sp)
+    loss, grads = tp_value_and_grad(mesh, cfg, CommPolicy.none(), sp)(params, ids, tgt)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-6, err_msg=jax.tree_util.keystr(path))
@@ -83,6 +68,6 @@ def test_compressed_model_loss_close(mesh):
     params = nnx.to_pure_dict(nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)[1])
     ids = jax.random.randint(jax.random.key(1), (4, 32), 0, cfg.vocab_size)
     tgt = jnp.roll(ids, -1, axis=1)
-    exact, _ = _tp_loss(mesh, cfg, params, ids, tgt, CommPolicy.none(), False)
-    taco, _ = _tp_loss(mesh, cfg, params, ids, tgt, CommPolicy.taco(), False)
+    exact, _ = tp_value_and_grad(mesh, cfg, CommPolicy.none())(params, ids, tgt)
+    taco, _ = tp_value_and_grad(mesh, cfg, CommPolicy.taco())(params, ids, tgt)
     assert 0 < abs(float(taco) - float(exact)) / float(exact) < 1e-2

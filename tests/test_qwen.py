@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tp_value_and_grad
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -13,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from taco_jax.collectives import CommPolicy
 from taco_jax.models import Qwen, QwenConfig, get_config, make_model
 from taco_jax.models.qwen import rope
-from taco_jax.parallel import ParallelContext, param_specs
+from taco_jax.parallel import param_specs
 
 
 def _n_params(cfg):
@@ -94,21 +95,6 @@ def _mesh(tp):
     return Mesh(np.asarray(jax.devices()).reshape(8 // tp, tp), ("data", "tensor"))
 
 
-def _tp_value_and_grad(mesh, cfg, params, ids, tgt, policy, sp):
-    tp = mesh.shape["tensor"]
-    ctx = ParallelContext("tensor", policy, sp)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen(cfg, ctx, rngs=nnx.Rngs(0), tensor_size=tp)), nnx.Param)
-    specs = param_specs(state, mesh.axis_names)
-
-    def local(params, ids, tgt):
-        st = jax.tree.map(lambda v: v, state)
-        nnx.replace_by_pure_dict(st, params)
-        return jax.lax.pmean(nnx.merge(graphdef, st).loss(ids, tgt), "data")
-
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
-    return jax.jit(jax.value_and_grad(fn))(params, ids, tgt)
-
-
 def _setup(name, **overrides):
     cfg = get_config(name, num_layers=2, vocab_size=512, **overrides)
     model = make_model(cfg, rngs=nnx.Rngs(0))
@@ -131,7 +117,7 @@ def _setup(name, **overrides):
 ])
 def test_tensor_parallel_matches_unsharded(name, tp, sp, overrides):
     cfg, params, ids, tgt, (want_loss, want_grads) = _setup(name, **overrides)
-    loss, grads = _tp_value_and_grad(_mesh(tp), cfg, params, ids, tgt, CommPolicy.none(), sp)
+    loss, grads = tp_value_and_grad(_mesh(tp), cfg, CommPolicy.none(), sp)(params, ids, tgt)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     flat_want = dict(jax.tree_util.tree_leaves_with_path(want_grads))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
@@ -141,7 +127,7 @@ def test_tensor_parallel_matches_unsharded(name, tp, sp, overrides):
 @pytest.mark.slow
 def test_compressed_model_loss_close():
     cfg, params, ids, tgt, (want_loss, _) = _setup("qwen3-tiny")
-    loss, _ = _tp_value_and_grad(_mesh(4), cfg, params, ids, tgt, CommPolicy.taco(), True)
+    loss, _ = tp_value_and_grad(_mesh(4), cfg, CommPolicy.taco(), True)(params, ids, tgt)
     assert 0 < abs(float(loss) - float(want_loss)) / float(want_loss) < 1e-2
 
 
