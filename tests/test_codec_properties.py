@@ -5,7 +5,7 @@ input dtype (float32 / bfloat16 / float16) and a value distribution (scale 10^k 
 [-30, 30], exact zeros, float32 denormals, ±1e±30 spikes, per-channel outliers); the message is
 built from a drawn seed. The default run checks 24 examples of the bound and of `none`, 12 of
 the other properties (84 in all, derandomized); the `slow` twins (`make test-slow`) check 3,000
-each, 12,000 in total (≈ 8 min on 2 busy cores).
+each, 12,000 in total (4.5 min on the idle 2-core machine).
 
 The bound, derived per codec (independent numpy re-derivation of every scale; u = y / s is the
 value in code units, y the group after the codec's transform — identity, WHT, or TACO's WHT(a·x)):
