@@ -321,23 +321,30 @@ TACO_AVX2 inline __m256i f32_to_fp8_avx(__m256 v) {
   return _mm256_or_si256(code, sign);
 }
 
-// fp8(clamp(v, -r, r)) for finite (non-NaN) v and 0 < r <= F: the codec's quantizer.
+// |fp8(clamp(v, -r, r))| (the code without its sign bit) for finite (non-NaN) v and 0 < r <= F:
+// the codec's quantizer.
 // Rounds |v| to the FP8 grid by adding a magic number C whose ulp is the grid step at |v|'s
 // binade (at least the subnormal step): (|v| + C) rounds to nearest even in the FPU's default
 // mode, and its bits minus C's bits count steps. Same result as f32_to_fp8_avx on the clamped
 // value (tested against ml_dtypes through the cast target's `clamp` attribute).
 template <int FMT>
-TACO_AVX2 inline __m256i fp8_quantize_avx(__m256 v, __m256 r) {
+TACO_AVX2 inline __m256i fp8_quantize_mag_avx(__m256 v, __m256 r) {
   constexpr int kM = FMT == kE4M3 ? 3 : 2;
   constexpr int kMinE = FMT == kE4M3 ? 121 : 113;  // f32 biased exponent of the min normal
-  const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(INT32_MIN)), 24);
   const __m256 av = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), r);
   const __m256i e = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(av), _mm256_set1_epi32(0x7F800000)),
                                      _mm256_set1_epi32(kMinE << 23));
   const __m256i c = _mm256_add_epi32(e, _mm256_set1_epi32((23 - kM) << 23));
   const __m256i steps = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(av, _mm256_castsi256_ps(c))), c);
   const __m256i base = _mm256_sub_epi32(_mm256_srli_epi32(e, 23 - kM), _mm256_set1_epi32(kMinE << kM));
-  return _mm256_or_si256(_mm256_add_epi32(base, steps), sign);
+  return _mm256_add_epi32(base, steps);
+}
+
+// The same with the sign of v in bit 7 (the cast target's clamped path).
+template <int FMT>
+TACO_AVX2 inline __m256i fp8_quantize_avx(__m256 v, __m256 r) {
+  const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(INT32_MIN)), 24);
+  return _mm256_or_si256(fp8_quantize_mag_avx<FMT>(v, r), sign);
 }
 
 // Packs 4 vectors of int32 codes (0..255) into 32 bytes in element order.
@@ -345,6 +352,16 @@ TACO_AVX2 inline __m256i pack4(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
   const __m256i p01 = _mm256_packs_epi32(c0, c1);
   const __m256i p23 = _mm256_packs_epi32(c2, c3);
   const __m256i b = _mm256_packus_epi16(p01, p23);
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Packs 4 vectors of FP8 magnitudes (int32, 0..127) into 32 codes in element order, with the
+// sign bits (bit 31) of 4 more vectors f: packing int32 -> int16 -> int8 with signed saturation
+// keeps each sign in the byte's bit 7, so one AND + OR per 32 codes sets all the signs.
+TACO_AVX2 inline __m256i pack4_signed(const __m256i* c, const __m256i* f) {
+  const __m256i mag = _mm256_packus_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  const __m256i sgn = _mm256_packs_epi16(_mm256_packs_epi32(f[0], f[1]), _mm256_packs_epi32(f[2], f[3]));
+  const __m256i b = _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
   return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
@@ -386,7 +403,7 @@ TACO_AVX2 inline void fp8x16_to_f32_scaled(__m128i c16, __m256* lo, __m256* hi) 
 
 // Encodes groups [g0, g1) in blocks of 8 (4 for G = 512), one pass over the input:
 // (1) per group, load x once: sum of squares (8 lanes) and the raw transform WHT(x) in
-// registers (wider strides through an L1 scratch for G > 128), absmax, spilled to the scratch;
+// registers (wider strides through an L1 scratch for G >= 128), absmax, spilled to the scratch;
 // (2) for the block, the adaptive scales a and quantization scales s as vectors (div / sqrt off
 // each group's critical path), with a folded into k = a / (sqrt(G) s); (3) quantize and store.
 // Groups whose sum of squares is not finite take the exact path (NaN codes, or y = WHT(a x)).
@@ -414,7 +431,7 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
       if (b >= nb) continue;
       const float* xp = x + (b0 + b) * G;
       __m256 sq = zero, mx = zero;
-      if constexpr (V <= 16) {  // whole group in registers
+      if constexpr (V <= 8) {  // whole group in registers (G = 128 spills: the block path is faster)
         __m256 y[V];
 #pragma GCC unroll 64
         for (int j = 0; j < V; ++j) {
@@ -488,9 +505,13 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
       const __m256 vk = _mm256_broadcast_ss(kv + b);
 #pragma GCC unroll 16
       for (int j = 0; j < V; j += 4) {
-        __m256i c[4];
-        for (int t = 0; t < 4; ++t) c[t] = fp8_quantize_avx<FMT>(_mm256_mul_ps(_mm256_load_ps(ybuf[b] + 8 * (j + t)), vk), vr);
-        const __m256i packed = pack4(c[0], c[1], c[2], c[3]);
+        __m256i c[4], sgn[4];
+        for (int t = 0; t < 4; ++t) {
+          const __m256 yv = _mm256_load_ps(ybuf[b] + 8 * (j + t));
+          sgn[t] = _mm256_castps_si256(yv);  // k > 0: the code's sign is y's
+          c[t] = fp8_quantize_mag_avx<FMT>(_mm256_mul_ps(yv, vk), vr);
+        }
+        const __m256i packed = pack4_signed(c, sgn);
         if (stream) {
           _mm256_stream_si256(reinterpret_cast<__m256i*>(qp + 8 * j), packed);
         } else {

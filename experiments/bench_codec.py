@@ -18,6 +18,9 @@ processes hits every case alike. Two allocation regimes, each against its own me
   fresh   a plain jitted call that allocates its outputs; on CPU the OS zero-fills fresh pages,
           which dominates large decodes; memcpy = jitted `jnp.copy` (also fresh).
 
+`call_floor_us` in the JSON is each case's time on an 8-group message: the fixed cost of one
+call (jit dispatch, XLA runtime, thread-pool hand-off), which weighs on the 1 MB ratios.
+
 On GPU the same script compares with device copies (and reports the HBM peak, if known).
 """
 
@@ -243,6 +246,11 @@ def main(argv=None):
     result = dict(
         config=dict(fmt=args.fmt, group_size=args.group_size, rounds=rounds), environment=environment(), sizes=[]
     )
+    # Per-call floor: the same cases on an 8-group (4 KiB) message, where the time is almost all
+    # dispatch (Python -> jit -> XLA runtime -> handler). It bounds the ratio of small messages.
+    floor = bench_size(8 * 4 * args.group_size / MB, cfg, [b for b in wanted if b != "pallas"], rounds)
+    result["call_floor_us"] = {f"{r['case']} ({r['regime']})": r["best_s"] * 1e6 for r in floor["rows"]}
+    print("per-call floor (8 groups): " + ", ".join(f"{k} {v:.0f} us" for k, v in result["call_floor_us"].items()))
     for mb in sizes:
         backends = [b for b in wanted if b != "pallas" or mb <= args.pallas_max_mb or jax.default_backend() == "gpu"]
         t0 = time.perf_counter()

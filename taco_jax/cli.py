@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
+import re
 import sys
+
+
+def _field_help(cls) -> dict[str, str]:
+    """`name -> comment` from the `name: type = default  # comment` lines of a dataclass's source
+    (the comments are the fields' documentation; simple_parsing reads help the same way)."""
+    src = inspect.getsource(cls)
+    line = re.compile(r"^\s+(\w+): [^=\n]+=[^#\n]*#\s*(.+)$", flags=re.M)
+    return {m[1]: m[2].strip().replace("%", "%%") for m in line.finditer(src)}  # argparse %-formats help
 
 
 def _parser() -> argparse.ArgumentParser:
     from taco_jax.train.config import TrainConfig  # no jax import at module level
 
     p = argparse.ArgumentParser(prog="taco-jax", description=__doc__)
+    helps = _field_help(TrainConfig)
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "train one model"), ("compare", "train with --comm none and taco; plot both")):
         sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -22,9 +33,10 @@ def _parser() -> argparse.ArgumentParser:
             flag = "--" + f.name.replace("_", "-")
             flags = (flag, "--policy") if f.name == "policy_file" else (flag,)  # `train --policy FILE`
             if f.type in ("bool", bool):
-                sp.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
+                sp.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=helps.get(f.name, ""))
             else:
-                sp.add_argument(*flags, type=type(f.default), default=f.default)
+                sp.add_argument(*flags, type=type(f.default), default=f.default, help=helps.get(f.name, ""))
         sp.add_argument("--no-progress", action="store_true", help="hide the progress bar")
         sp.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",

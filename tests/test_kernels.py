@@ -119,6 +119,18 @@ def test_unknown_backend_raises():
         kernels.get_backend("cuda-magic")
 
 
+def test_unknown_backend_name_rejected_by_codec_config():
+    with pytest.raises(ValueError, match="backend='cuda-magic'"):
+        CodecConfig(backend="cuda-magic")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter warning is for CPU")
+def test_pallas_on_cpu_warns_it_is_the_interpreter():
+    kernels._warn_pallas_interpret.cache_clear()
+    with pytest.warns(UserWarning, match="Pallas interpreter"):
+        kernels.get_backend("pallas")
+
+
 def test_auto_picks_ffi_on_cpu_when_built_else_reference():
     want = "ffi" if ffi_codec.unavailable_reason("cpu") is None else "reference"
     assert kernels.resolve("auto", "cpu") == want

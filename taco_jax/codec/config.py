@@ -29,6 +29,11 @@ CODE_BITS = {"fp8_tensor": 8, "fp8_group": 8, "int8": 8, "int4": 4, "taco": 8, "
 _SCALE_WORDS = {"fp8_group": 1, "int8": 1, "int4": 1, "tah": 2}
 
 
+#: Implementations of the taco group math (`taco_jax.kernels`); which ones run here is checked
+#: when a backend is first used (`taco_jax.kernels.resolve`).
+BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
+
+
 def fp8_max(fmt: str) -> float:
     """Largest finite value of an FP8 format: 448.0 (E4M3) or 57344.0 (E5M2)."""
     return float(ml_dtypes.finfo(FP8_FORMATS[fmt]).max)
@@ -79,8 +84,10 @@ class CodecConfig:
         `taco_jax.codec.raise_if_nonfinite()` raises `FloatingPointError` naming it (the
         training loop calls it after every step; `taco_jax.codec.reference.check_finite`).
       site: name of the communication site, for "error" messages (`CommPolicy.codec_for` sets it).
-      backend: which implementation runs the taco group math ("reference" = plain jnp; see
-        `taco_jax.kernels`). The other kinds always run the jnp reference.
+      backend: which implementation runs the taco group math, one of `BACKENDS` ("reference" =
+        plain jnp; see `taco_jax.kernels`). The other kinds always run the jnp reference. A known
+        name that cannot run here (e.g. "triton" on CPU) is rejected when first used, listing
+        the available ones.
 
     Raises:
       ValueError: on any value outside the sets above, naming it.
@@ -105,6 +112,7 @@ class CodecConfig:
         _check("scale_layout", self.scale_layout, SCALE_LAYOUTS)
         _check("group_axis", self.group_axis, GROUP_AXES)
         _check("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _check("backend", self.backend, BACKENDS)
         if not self.lam >= 0:
             raise ValueError(f"lam={self.lam!r} must be >= 0")
         f = fp8_max(self.fmt)

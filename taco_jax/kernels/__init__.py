@@ -27,16 +27,25 @@ Conformance rule (tested in tests/test_kernels.py against `reference` on the sam
   Observed on CPU: pallas (interpreter) reproduces the reference's codes; the C++ kernels differ
   in ~1e-5 of the codes (max 2 steps, once, in an E5M2 subnormal), with s and a within 0.15 of
   the bound; their AVX2 and scalar versions are bit-identical.
+
+Training-level rule (a backend vs `reference`, same config and seed):
+  * the per-step training loss agrees to 1e-4 relative over the first steps (tested for ffi on 6
+    steps in tests/test_train.py). Later the runs drift apart: rare one-step code flips change the
+    weights by float noise, which training amplifies like any other reordering of float sums;
+  * so the run-level check is against seed noise: the final validation losses differ by no more
+    than two runs of the *reference* backend with seeds 0 and 1 do (measured numbers: README).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import warnings
 from collections.abc import Callable
 
 import jax
 
-BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
+from taco_jax.codec.config import BACKENDS
 
 Backend = tuple[Callable, Callable]
 
@@ -95,6 +104,15 @@ def resolve(name: str, platform: str | None = None) -> str:
     return name
 
 
+@functools.cache
+def _warn_pallas_interpret():
+    warnings.warn(
+        "codec backend 'pallas' on CPU runs the Pallas interpreter: correct but far slower than "
+        "'reference' or 'ffi' (meant for tests); use --backend ffi or auto for CPU training",
+        stacklevel=3,
+    )
+
+
 def get_backend(name: str) -> Backend:
     """`(encode_groups, decode_groups)` of backend `name` for jax's default platform.
 
@@ -102,6 +120,8 @@ def get_backend(name: str) -> Backend:
       ValueError: if `name` is unknown or not available here, listing the available ones.
     """
     name = resolve(name)
+    if name == "pallas" and _platform() == "cpu":
+        _warn_pallas_interpret()
     if name == "reference":
         from taco_jax.codec import reference as mod  # noqa: PLC0415
     elif name == "pallas":

@@ -43,7 +43,7 @@ class TrainConfig:
     scale_layout: str = "dual"  # dual (two FP32 scales / group) | folded (one)
     algorithm: str = "two_shot"  # all-reduce: two_shot | one_shot
     min_bytes: int = 0  # messages below this many bytes stay uncompressed
-    backend: str = "reference"  # codec implementation
+    backend: str = "reference"  # taco group math: reference | pallas | triton | ffi | auto (taco_jax.kernels)
     codec_kind: str = "taco"  # codec kind: taco | fp8_tensor | fp8_group | int8 | int4 | tah (taco_jax.codec)
     group_axis: str = "hidden"  # groups along: hidden (contiguous channels) | token (one channel across tokens)
     nonfinite: str = "propagate"  # NaN/Inf in a message: propagate | zero | error (raise naming the site)
