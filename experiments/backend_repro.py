@@ -36,10 +36,11 @@ def ensure_run(out: Path, backend: str, seed: int, extra: list[str]):
     d = run_dir(out, backend, seed)
     if (d / "summary.json").exists():
         return
-    cmd = ["taco-jax", "train", "--comm", "taco", "--backend", backend, "--seed", str(seed), "--no-progress",
-           "--out", str(d), *extra]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    args = ["train", "--comm", "taco", "--backend", backend, "--seed", str(seed), "--no-progress", "--out", str(d),
+            *extra]
+    print("+ taco-jax", " ".join(args), flush=True)
+    # this interpreter's taco_jax, as experiments/fidelity.py does (no venv on PATH needed)
+    subprocess.run([sys.executable, "-m", "taco_jax.cli", *args], check=True, stdout=subprocess.DEVNULL)
 
 
 def load(out: Path, backend: str, seed: int) -> tuple[np.ndarray, float]:
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
                 ensure_run(out, b, s, extra)
     r = report(out, args.backend, args.seeds, args.early)
     (out / "report.json").write_text(json.dumps(r, indent=1))
-    print(f"{'seed':>4} {'reference':>10} {args.backend:>10} {'diff':>8} {'max rel (early)':>16} {'1st step > 1e-4':>16}")
+    head = ("seed", "reference", args.backend, "diff", "max rel (early)", "1st step > 1e-4")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (4, 10, 10, 8, 16, 16), strict=True)))
     for row in r["rows"]:
         print(f"{row['seed']:>4} {row['ref_val']:10.4f} {row['val']:10.4f} {row['diff']:+8.4f} "
               f"{row['early_max_rel']:16.1e} {str(row['first_step_over_1e4']):>16}")
