@@ -114,6 +114,17 @@ def test_cli_help_and_bad_input(capsys):
     assert "backend='nosuch'" in capsys.readouterr().err
 
 
+def test_pallas_backend_refused_for_multi_device_cpu_training():
+    """The Pallas TPU interpreter stalls inside a multi-device CPU train step: a clear error instead."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the refusal is for the CPU interpreter")
+    with pytest.raises(ValueError, match="backend='pallas'.*Pallas interpreter on CPU.*'ffi'"):
+        make_trainer(TrainConfig(comm="taco", backend="pallas", **SMALL))
+    make_trainer(TrainConfig(comm="none", backend="pallas", **SMALL))  # no taco site: nothing to refuse
+
+
 def test_every_train_flag_has_help():
     from taco_jax.cli import _field_help
 
