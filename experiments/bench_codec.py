@@ -249,7 +249,10 @@ def main(argv=None):
     # Per-call floor: the same cases on an 8-group (4 KiB) message, where the time is almost all
     # dispatch (Python -> jit -> XLA runtime -> handler). It bounds the ratio of small messages.
     floor = bench_size(8 * 4 * args.group_size / MB, cfg, [b for b in wanted if b != "pallas"], rounds)
-    result["call_floor_us"] = {f"{r['case']} ({r['regime']})": r["best_s"] * 1e6 for r in floor["rows"]}
+    result["call_floor_us"] = {
+        r["case"] if r["regime"] in r["case"] else f"{r['case']} ({r['regime']})": r["best_s"] * 1e6
+        for r in floor["rows"]
+    }
     print("per-call floor (8 groups): " + ", ".join(f"{k} {v:.0f} us" for k, v in result["call_floor_us"].items()))
     for mb in sizes:
         backends = [b for b in wanted if b != "pallas" or mb <= args.pallas_max_mb or jax.default_backend() == "gpu"]

@@ -63,7 +63,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     history, val_loss = [], None
     t_start = time.perf_counter()
-    bar = tqdm(range(1, cfg.steps + 1), desc=f"train[{cfg.comm}]", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(range(1, cfg.steps + 1), desc=f"train[{cfg.comm}]", dynamic_ncols=True,
+               disable=None if progress else True)  # None: no bar when stderr is not a terminal (logs)
     with open(out / "metrics.jsonl", "w") as log:
         for step in bar:
             t = time.perf_counter()
@@ -90,6 +91,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
 
     summary = {
         "comm": cfg.comm,
+        "backend": cfg.backend,
         "model": cfg.model,
         "mesh": cfg.mesh,
         "steps": cfg.steps,
