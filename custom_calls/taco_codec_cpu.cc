@@ -2,11 +2,11 @@
 //
 // One pass over the input: load, sum of squares and in-register Walsh-Hadamard butterflies,
 // absmax; adaptive and quantization scales batched over 8 groups; quantize to FP8, store;
-// decode likewise (see README.md). Groups are split over the XLA
-// intra-op thread pool (dynamic chunks; the calling thread works too, so it never waits on an
-// idle pool). On x86-64 an AVX2+FMA+F16C kernel is chosen at run time when the CPU has it; a
-// portable scalar kernel with the *same* operation order is the fallback (and `impl=1` forces
-// it, for tests), so the two give bit-identical results.
+// decode likewise (see README.md). Groups are split in dynamic chunks over the calling thread
+// and the library's own spinning helper threads (SpinPool below). On x86-64 an AVX2+FMA+F16C
+// kernel is chosen at run time when the CPU has it; a portable scalar kernel with the *same*
+// operation order is the fallback (and `impl=1` forces it, for tests), so the two give
+// bit-identical results.
 //
 // Targets (all take x / codes of shape [..., G] with G in {32, 64, ..., 512}):
 //   taco_encode(x f32[..., G]) -> (codes fp8[..., G], s f32[...], a f32[...])
@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -29,6 +30,11 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "taco_fp8.h"
 #include "xla/ffi/api/ffi.h"
@@ -139,11 +145,24 @@ void encode_group_scalar(const float* x, uint8_t* q, float* s_out, float* a_out,
   const int g = p.g;
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   bool finite = true;
-  for (int i = 0; i < g; i += 8) {
-    for (int l = 0; l < 8; ++l) {
-      const float v = x[i + l];
-      acc[l] = acc[l] + v * v;
-      finite &= std::isfinite(v);
+  if (g == 128) {  // the G = 128 kernel's order: fused squares of each half, then the halves added
+    float acc2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < 64; i += 8) {
+      for (int l = 0; l < 8; ++l) {
+        const float u = x[i + l], w = x[64 + i + l];
+        acc[l] = std::fma(u, u, acc[l]);
+        acc2[l] = std::fma(w, w, acc2[l]);
+        finite &= std::isfinite(u) && std::isfinite(w);
+      }
+    }
+    for (int l = 0; l < 8; ++l) acc[l] = acc[l] + acc2[l];
+  } else {
+    for (int i = 0; i < g; i += 8) {
+      for (int l = 0; l < 8; ++l) {
+        const float v = x[i + l];
+        acc[l] = acc[l] + v * v;
+        finite &= std::isfinite(v);
+      }
     }
   }
   const float ss = hsum8(acc);
@@ -157,8 +176,17 @@ void encode_group_scalar(const float* x, uint8_t* q, float* s_out, float* a_out,
   if (!std::isfinite(ss)) return encode_group_exact(x, q, s_out, a, p);
   float y[512];
   float m = 0.0f;
-  for (int i = 0; i < g; ++i) y[i] = x[i];
-  wht_scalar(y, g);
+  if (g == 128) {  // the G = 128 kernel's butterfly order: stride 64 first, then each half
+    for (int i = 0; i < 64; ++i) {
+      y[i] = x[i] + x[i + 64];
+      y[i + 64] = x[i] - x[i + 64];
+    }
+    wht_scalar(y, 64);
+    wht_scalar(y + 64, 64);
+  } else {
+    for (int i = 0; i < g; ++i) y[i] = x[i];
+    wht_scalar(y, g);
+  }
   for (int i = 0; i < g; ++i) m = std::max(m, std::fabs(y[i]));
   float k;
   *s_out = fused_quant_scale(m, a, p, &k);
@@ -321,30 +349,32 @@ TACO_AVX2 inline __m256i f32_to_fp8_avx(__m256 v) {
   return _mm256_or_si256(code, sign);
 }
 
-// |fp8(clamp(v, -r, r))| (the code without its sign bit) for finite (non-NaN) v and 0 < r <= F:
-// the codec's quantizer.
-// Rounds |v| to the FP8 grid by adding a magic number C whose ulp is the grid step at |v|'s
-// binade (at least the subnormal step): (|v| + C) rounds to nearest even in the FPU's default
-// mode, and its bits minus C's bits count steps. Same result as f32_to_fp8_avx on the clamped
-// value (tested against ml_dtypes through the cast target's `clamp` attribute).
+// The codec's quantizer, |fp8(clamp(v, -r, r))| for finite (non-NaN) v and 0 < r <= F, in a
+// pre-packed form. Rounds |v| to the FP8 grid by adding a magic number C = 2^(E + 23 - kM) whose
+// ulp is the grid step at |v|'s binade E (at least the subnormal step): t = |v| + C rounds to
+// nearest even in the FPU's default mode, and t's bits are ((E + 23 - kM) << 23) + steps, steps
+// <= 2^(kM+1). So t's high 16 bits are (E + 23 - kM) << 7 and its low 16 bits are steps, and one
+// multiply-add of the 16-bit halves, lo * 2^(7 - kM) + hi, gives 2^(7 - kM) * (code + kOff) as an
+// int32 below 2^15; pack4_signed_fp8 shifts and subtracts kOff after the first pack, on 16 lanes.
+// Same result as f32_to_fp8_avx on the clamped value (tested exhaustively against ml_dtypes
+// through the cast target's `clamp` attribute, which runs this quantizer and packing).
 template <int FMT>
-TACO_AVX2 inline __m256i fp8_quantize_mag_avx(__m256 v, __m256 r) {
-  constexpr int kM = FMT == kE4M3 ? 3 : 2;
-  constexpr int kMinE = FMT == kE4M3 ? 121 : 113;  // f32 biased exponent of the min normal
+struct Fp8Pre {
+  static constexpr int kM = FMT == kE4M3 ? 3 : 2;
+  static constexpr int kMinE = FMT == kE4M3 ? 121 : 113;  // f32 biased exponent of the min normal
+  static constexpr int kShift = 7 - kM;
+  static constexpr int kOff = (kMinE + 23 - kM) << kM;  // 1128 (E4M3), 536 (E5M2)
+};
+
+template <int FMT>
+TACO_AVX2 inline __m256i fp8_quantize_pre_avx(__m256 v, __m256 r) {
+  using P = Fp8Pre<FMT>;
   const __m256 av = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), r);
   const __m256i e = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(av), _mm256_set1_epi32(0x7F800000)),
-                                     _mm256_set1_epi32(kMinE << 23));
-  const __m256i c = _mm256_add_epi32(e, _mm256_set1_epi32((23 - kM) << 23));
-  const __m256i steps = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(av, _mm256_castsi256_ps(c))), c);
-  const __m256i base = _mm256_sub_epi32(_mm256_srli_epi32(e, 23 - kM), _mm256_set1_epi32(kMinE << kM));
-  return _mm256_add_epi32(base, steps);
-}
-
-// The same with the sign of v in bit 7 (the cast target's clamped path).
-template <int FMT>
-TACO_AVX2 inline __m256i fp8_quantize_avx(__m256 v, __m256 r) {
-  const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(INT32_MIN)), 24);
-  return _mm256_or_si256(fp8_quantize_mag_avx<FMT>(v, r), sign);
+                                     _mm256_set1_epi32(P::kMinE << 23));
+  const __m256i c = _mm256_add_epi32(e, _mm256_set1_epi32((23 - P::kM) << 23));
+  const __m256i t = _mm256_castps_si256(_mm256_add_ps(av, _mm256_castsi256_ps(c)));
+  return _mm256_madd_epi16(t, _mm256_set1_epi32((1 << 16) | (1 << P::kShift)));
 }
 
 // Packs 4 vectors of int32 codes (0..255) into 32 bytes in element order.
@@ -355,11 +385,16 @@ TACO_AVX2 inline __m256i pack4(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
   return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// Packs 4 vectors of FP8 magnitudes (int32, 0..127) into 32 codes in element order, with the
-// sign bits (bit 31) of 4 more vectors f: packing int32 -> int16 -> int8 with signed saturation
-// keeps each sign in the byte's bit 7, so one AND + OR per 32 codes sets all the signs.
-TACO_AVX2 inline __m256i pack4_signed(const __m256i* c, const __m256i* f) {
-  const __m256i mag = _mm256_packus_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+// Packs 4 outputs of fp8_quantize_pre_avx into 32 codes in element order, with the sign bits
+// (bit 31) of 4 more vectors f: packing int32 -> int16 -> int8 with signed saturation keeps each
+// sign in the byte's bit 7, so one AND + OR per 32 codes sets all the signs.
+template <int FMT>
+TACO_AVX2 inline __m256i pack4_signed_fp8(const __m256i* c, const __m256i* f) {
+  using P = Fp8Pre<FMT>;
+  const __m256i off = _mm256_set1_epi16(P::kOff);
+  const __m256i m01 = _mm256_sub_epi16(_mm256_srli_epi16(_mm256_packs_epi32(c[0], c[1]), P::kShift), off);
+  const __m256i m23 = _mm256_sub_epi16(_mm256_srli_epi16(_mm256_packs_epi32(c[2], c[3]), P::kShift), off);
+  const __m256i mag = _mm256_packus_epi16(m01, m23);
   const __m256i sgn = _mm256_packs_epi16(_mm256_packs_epi32(f[0], f[1]), _mm256_packs_epi32(f[2], f[3]));
   const __m256i b = _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
   return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -446,6 +481,37 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
           mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
           _mm256_store_ps(ybuf[b] + 8 * j, y[j]);
         }
+      } else if constexpr (V == 16) {
+        // G = 128: the stride-64 butterfly first, straight from the loads (x[i] +- x[i + 64]),
+        // then each 64-element half in registers; absmax from registers, one store per vector.
+        // Sums of squares: two accumulators (first and second half of x), then added.
+        float* yb = ybuf[b];
+        __m256 sq2 = zero;
+        __m256 y[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(xp + 8 * j + kPrefetchFloats), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(xp + 64 + 8 * j + kPrefetchFloats), _MM_HINT_T0);
+          const __m256 u = _mm256_loadu_ps(xp + 8 * j), w = _mm256_loadu_ps(xp + 64 + 8 * j);
+          sq = _mm256_fmadd_ps(u, u, sq);
+          sq2 = _mm256_fmadd_ps(w, w, sq2);
+          y[j] = wht8(_mm256_add_ps(u, w));
+        }
+        sq = _mm256_add_ps(sq, sq2);
+        wht_cross<8>(y);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
+          _mm256_store_ps(yb + 8 * j, y[j]);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) y[j] = wht8(_mm256_sub_ps(_mm256_loadu_ps(xp + 8 * j), _mm256_loadu_ps(xp + 64 + 8 * j)));
+        wht_cross<8>(y);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
+          _mm256_store_ps(yb + 64 + 8 * j, y[j]);
+        }
       } else {  // 64-element blocks in registers, then the wider strides through L1
         float* yb = ybuf[b];
         for (int j0 = 0; j0 < V; j0 += 8) {
@@ -509,9 +575,9 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
         for (int t = 0; t < 4; ++t) {
           const __m256 yv = _mm256_load_ps(ybuf[b] + 8 * (j + t));
           sgn[t] = _mm256_castps_si256(yv);  // k > 0: the code's sign is y's
-          c[t] = fp8_quantize_mag_avx<FMT>(_mm256_mul_ps(yv, vk), vr);
+          c[t] = fp8_quantize_pre_avx<FMT>(_mm256_mul_ps(yv, vk), vr);
         }
-        const __m256i packed = pack4_signed(c, sgn);
+        const __m256i packed = pack4_signed_fp8<FMT>(c, sgn);
         if (stream) {
           _mm256_stream_si256(reinterpret_cast<__m256i*>(qp + 8 * j), packed);
         } else {
@@ -586,16 +652,20 @@ TACO_AVX2 void cast_to_fp8_avx(const float* x, uint8_t* q, int64_t n, int fmt, f
   const __m256 r = _mm256_set1_ps(clamp);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    __m256i c[4];
+    __m256i c[4], sgn[4];
     for (int t = 0; t < 4; ++t) {
       const __m256 v = _mm256_loadu_ps(x + i + 8 * t);
-      if (clamp > 0) {
-        c[t] = fmt == kE4M3 ? fp8_quantize_avx<kE4M3>(v, r) : fp8_quantize_avx<kE5M2>(v, r);
+      sgn[t] = _mm256_castps_si256(v);
+      if (clamp > 0) {  // the encoder's quantizer and packing, so the exhaustive tests cover them
+        c[t] = fmt == kE4M3 ? fp8_quantize_pre_avx<kE4M3>(v, r) : fp8_quantize_pre_avx<kE5M2>(v, r);
       } else {
         c[t] = fmt == kE4M3 ? f32_to_fp8_avx<kE4M3>(v) : f32_to_fp8_avx<kE5M2>(v);
       }
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), pack4(c[0], c[1], c[2], c[3]));
+    const __m256i packed = clamp <= 0 ? pack4(c[0], c[1], c[2], c[3])
+                           : fmt == kE4M3 ? pack4_signed_fp8<kE4M3>(c, sgn)
+                                          : pack4_signed_fp8<kE5M2>(c, sgn);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), packed);
   }
   for (; i < n; ++i) q[i] = f32_to_fp8(clamp > 0 ? std::min(std::max(x[i], -clamp), clamp) : x[i], fmt);
 }
@@ -651,57 +721,171 @@ bool HaveAvx2() { return false; }
 #endif  // TACO_X86
 
 // ------------------------------------------------------------------------------------------
-// Parallel loop over the XLA intra-op thread pool.
+// Parallel loop: the calling thread plus helper threads that spin briefly between calls.
 // ------------------------------------------------------------------------------------------
+//
+// Why not XLA's intra-op pool: its threads sleep between tasks, and waking one costs tens of
+// microseconds on a virtual machine -- as long as a whole 1 MB encode on one core. These
+// helpers wait for the next job by spinning (with `pause`, yielding the core every few
+// microseconds) for TACO_FFI_SPIN_US (default 200) after their last job, then sleep on a
+// condition variable; back-to-back codec calls (one per layer and collective) find them awake,
+// as OpenMP's and Eigen's spinning workers do.
+//
+// Protocol (one job at a time): the caller publishes the job's fields, then a 64-bit ticket
+// (job id << 32 | next chunk). Everyone claims chunks by CAS on the ticket, which also checks the
+// job id, so a helper can never run a chunk of a finished job: the caller closes a job (next =
+// kClosed) only after all its chunks are done. A caller that finds the pool busy (concurrent
+// calls, e.g. several XLA devices of one process) runs its whole loop itself.
 
-// Runs fn(begin, end) over [0, n) in chunks of `grain`. The calling thread takes chunks too,
-// so the loop completes even if no pool thread ever picks up a helper task; helper tasks that
-// start late find no chunk left and return without touching the caller's (gone) stack.
-// TACO_FFI_THREADS=k caps the helper threads at k - 1 (k = 1: the calling thread only).
-int64_t MaxHelpers() {
+// TACO_FFI_THREADS=k caps the threads at k (k = 1: the calling thread only).
+int64_t MaxThreadsFromEnv() {
   static const int64_t cap = [] {
     const char* v = std::getenv("TACO_FFI_THREADS");
-    return v != nullptr && std::atoi(v) > 0 ? static_cast<int64_t>(std::atoi(v)) - 1 : INT64_MAX;
+    return v != nullptr && std::atoi(v) > 0 ? static_cast<int64_t>(std::atoi(v)) : INT64_MAX;
   }();
   return cap;
 }
 
-template <typename F>
-void ParallelFor(ffi::ThreadPool* pool, int64_t n, int64_t grain, const F& fn) {
-  const int64_t nchunks = (n + grain - 1) / grain;
-  // Helpers + the calling thread = the pool's size (about the core count): one more thread
-  // than cores only adds contention.
-  const int64_t helpers = std::min({(pool != nullptr ? pool->num_threads() : 0) - 1, nchunks - 1, MaxHelpers()});
-  if (helpers <= 0) {
-    if (n > 0) fn(0, n);
-    return;
+int64_t SpinMicros() {
+  static const int64_t us = [] {
+    const char* v = std::getenv("TACO_FFI_SPIN_US");
+    return v != nullptr && std::atoi(v) >= 0 ? static_cast<int64_t>(std::atoi(v)) : int64_t{200};
+  }();
+  return us;
+}
+
+inline void CpuRelax() {
+#if TACO_X86
+  _mm_pause();
+#endif
+}
+
+class SpinPool {
+ public:
+  // The process-wide pool with `helpers` threads (fixed by the first call); never destroyed, so
+  // its threads may outlive static destructors at exit.
+  static SpinPool& Get(int helpers) {
+    static SpinPool* pool = new SpinPool(helpers);
+    return *pool;
   }
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto work = [st, n, grain, nchunks, &fn]() {
+
+  int helpers() const { return helpers_; }
+
+  // Runs fn(c) for every chunk c in [0, nchunks), on the caller and the helpers. Returns false
+  // (running nothing) if another caller holds the pool.
+  template <typename F>
+  bool Run(int64_t nchunks, const F& fn) {
+    if (busy_.exchange(true, std::memory_order_acquire)) return false;
+    const uint32_t id = static_cast<uint32_t>(ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+    call_.store(&Trampoline<F>, std::memory_order_relaxed);
+    ctx_.store(&fn, std::memory_order_relaxed);
+    nchunks_.store(nchunks, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    ticket_.store(static_cast<uint64_t>(id) << 32, std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    ClaimAndRun(id);
+    // Chunks still running on helpers take at most one chunk's time (a few microseconds).
+    for (int spins = 0; done_.load(std::memory_order_acquire) < nchunks; ++spins) {
+      CpuRelax();
+      if (spins % 256 == 255) std::this_thread::yield();
+    }
+    ticket_.store((static_cast<uint64_t>(id) << 32) | kClosed, std::memory_order_release);
+    busy_.store(false, std::memory_order_release);
+    return true;
+  }
+
+ private:
+  static constexpr uint32_t kClosed = 0xFFFFFFFFu;
+  using Call = void (*)(const void*, int64_t);
+
+  template <typename F>
+  static void Trampoline(const void* ctx, int64_t c) {
+    (*static_cast<const F*>(ctx))(c);
+  }
+
+  explicit SpinPool(int helpers) : helpers_(helpers) {
+    for (int t = 0; t < helpers_; ++t) std::thread([this] { HelperLoop(); }).detach();
+  }
+
+  // Claims and runs chunks of job `id` until none is left or the job changed.
+  void ClaimAndRun(uint32_t id) {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
     for (;;) {
-      const int64_t c = st->next.fetch_add(1);
-      if (c >= nchunks) return;
-      fn(c * grain, std::min(n, (c + 1) * grain));
-      if (st->done.fetch_add(1) + 1 == nchunks) {
-        std::lock_guard<std::mutex> lock(st->mu);
-        st->cv.notify_all();
+      if (static_cast<uint32_t>(t >> 32) != id) return;
+      const uint32_t c = static_cast<uint32_t>(t);
+      if (c == kClosed || static_cast<int64_t>(c) >= nchunks_.load(std::memory_order_relaxed)) return;
+      if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        // Chunk c of job id is ours; the job cannot close before it is done, so its fields hold.
+        call_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), c);
+        done_.fetch_add(1, std::memory_order_release);
+        t = ticket_.load(std::memory_order_acquire);
       }
     }
-  };
-  for (int64_t t = 0; t < helpers; ++t) {
-    // A copy of `work` owns `st`; `fn` is referenced only while chunks remain, i.e. while the
-    // caller is still blocked below.
-    pool->Schedule([work]() { work(); });
   }
-  work();
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == nchunks; });
+
+  void HelperLoop() {
+    uint32_t seen = 0;  // job ids start at 1
+    const auto spin = std::chrono::microseconds(SpinMicros());
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      auto deadline = std::chrono::steady_clock::now() + spin;
+      for (int spins = 0; static_cast<uint32_t>(t >> 32) == seen; ++spins) {
+        CpuRelax();
+        if (spins % 64 == 63) {
+          if (std::chrono::steady_clock::now() >= deadline) {
+            std::unique_lock<std::mutex> lock(mu_);
+            sleeping_.fetch_add(1, std::memory_order_seq_cst);
+            cv_.wait(lock, [&] { return static_cast<uint32_t>(ticket_.load(std::memory_order_seq_cst) >> 32) != seen; });
+            sleeping_.fetch_sub(1, std::memory_order_relaxed);
+          } else {
+            std::this_thread::yield();  // let any other runnable thread have this core
+          }
+        }
+        t = ticket_.load(std::memory_order_acquire);
+      }
+      seen = static_cast<uint32_t>(t >> 32);
+      ClaimAndRun(seen);
+    }
+  }
+
+  const int helpers_;
+  std::atomic<bool> busy_{false};
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<Call> call_{nullptr};
+  std::atomic<const void*> ctx_{nullptr};
+  std::atomic<int64_t> nchunks_{0};
+  std::atomic<int> sleeping_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+// Threads for a call: XLA's intra-op pool size (about the cores it may use), capped by the CPUs
+// this process may run on and TACO_FFI_THREADS.
+int64_t ThreadCount(const ffi::ThreadPool* pool) {
+  int64_t n = pool != nullptr ? pool->num_threads() : 1;
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) n = std::min<int64_t>(n, CPU_COUNT(&set));
+#endif
+  return std::max<int64_t>(1, std::min(n, MaxThreadsFromEnv()));
+}
+
+// Runs fn(begin, end) over [0, n) in chunks of `grain`, on the calling thread and the pool's
+// helpers (or the calling thread alone, for one chunk or when the pool is busy).
+template <typename F>
+void ParallelFor(const ffi::ThreadPool* pool, int64_t n, int64_t grain, const F& fn) {
+  const int64_t nchunks = (n + grain - 1) / grain;
+  const int64_t threads = ThreadCount(pool);
+  if (nchunks > 1 && threads > 1) {
+    SpinPool& sp = SpinPool::Get(static_cast<int>(threads - 1));
+    auto chunk = [&](int64_t c) { fn(c * grain, std::min(n, (c + 1) * grain)); };
+    if (sp.helpers() > 0 && sp.Run(nchunks, chunk)) return;
+  }
+  if (n > 0) fn(0, n);
 }
 
 int64_t GroupsPerChunk(int g) { return std::max<int64_t>(1, kChunkBytes / (4 * g)); }

@@ -202,9 +202,9 @@ def test_ffi_conforms_to_reference(g, fmt):
 
 
 @needs_ffi
-@pytest.mark.parametrize("g", [32, 512])
-def test_ffi_scalar_and_vector_kernels_are_bit_identical(g):
-    cfg = CodecConfig(group_size=g)
+@pytest.mark.parametrize(("g", "fmt"), [(32, "e4m3"), (128, "e4m3"), (128, "e5m2"), (256, "e5m2"), (512, "e4m3")])
+def test_ffi_scalar_and_vector_kernels_are_bit_identical(g, fmt):
+    cfg = CodecConfig(group_size=g, fmt=fmt)
     x, last_count = make_groups(g, n_groups=40, seed=1)
     out = [ffi_codec.encode_groups(jnp.asarray(x), cfg, last_count=last_count, impl=i) for i in (0, 1)]
     for u, v in zip(*out, strict=True):
