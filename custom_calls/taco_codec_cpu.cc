@@ -880,7 +880,7 @@ template <typename F>
 void ParallelFor(const ffi::ThreadPool* pool, int64_t n, int64_t grain, const F& fn) {
   const int64_t nchunks = (n + grain - 1) / grain;
   const int64_t threads = ThreadCount(pool);
-  if (nchunks > 1 && threads > 1) {
+  if (nchunks > 1 && threads > 1 && nchunks < (int64_t{1} << 31)) {  // chunk ids fit the ticket's 32 bits
     SpinPool& sp = SpinPool::Get(static_cast<int>(threads - 1));
     auto chunk = [&](int64_t c) { fn(c * grain, std::min(n, (c + 1) * grain)); };
     if (sp.helpers() > 0 && sp.Run(nchunks, chunk)) return;
