@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <cfenv>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -760,6 +761,25 @@ inline void CpuRelax() {
 #endif
 }
 
+// The floating-point control state a job runs under: XLA runs computations with denormals
+// flushed (FTZ/DAZ) and round-to-nearest, and a helper runs the caller's chunks under the
+// caller's state, so a chunk's result does not depend on the thread that ran it.
+#if TACO_X86
+using FpState = unsigned int;  // MXCSR
+inline FpState GetFpState() { return _mm_getcsr(); }
+inline void SetFpState(FpState s) {
+  if (_mm_getcsr() != s) _mm_setcsr(s);
+}
+#else
+using FpState = std::fenv_t;
+inline FpState GetFpState() {
+  FpState s;
+  std::fegetenv(&s);
+  return s;
+}
+inline void SetFpState(const FpState& s) { std::fesetenv(&s); }
+#endif
+
 class SpinPool {
  public:
   // The process-wide pool with `helpers` threads (fixed by the first call); never destroyed, so
@@ -777,6 +797,7 @@ class SpinPool {
   bool Run(int64_t nchunks, const F& fn) {
     if (busy_.exchange(true, std::memory_order_acquire)) return false;
     const uint32_t id = static_cast<uint32_t>(ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+    fp_state_ = GetFpState();  // published by the ticket store below
     call_.store(&Trampoline<F>, std::memory_order_relaxed);
     ctx_.store(&fn, std::memory_order_relaxed);
     nchunks_.store(nchunks, std::memory_order_relaxed);
@@ -810,8 +831,9 @@ class SpinPool {
     for (int t = 0; t < helpers_; ++t) std::thread([this] { HelperLoop(); }).detach();
   }
 
-  // Claims and runs chunks of job `id` until none is left or the job changed.
-  void ClaimAndRun(uint32_t id) {
+  // Claims and runs chunks of job `id` until none is left or the job changed; a helper
+  // (`helper`) first takes the job's floating-point state.
+  void ClaimAndRun(uint32_t id, bool helper = false) {
     uint64_t t = ticket_.load(std::memory_order_acquire);
     for (;;) {
       if (static_cast<uint32_t>(t >> 32) != id) return;
@@ -819,6 +841,7 @@ class SpinPool {
       if (c == kClosed || static_cast<int64_t>(c) >= nchunks_.load(std::memory_order_relaxed)) return;
       if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
         // Chunk c of job id is ours; the job cannot close before it is done, so its fields hold.
+        if (helper) SetFpState(fp_state_);
         call_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), c);
         done_.fetch_add(1, std::memory_order_release);
         t = ticket_.load(std::memory_order_acquire);
@@ -847,7 +870,7 @@ class SpinPool {
         t = ticket_.load(std::memory_order_acquire);
       }
       seen = static_cast<uint32_t>(t >> 32);
-      ClaimAndRun(seen);
+      ClaimAndRun(seen, /*helper=*/true);
     }
   }
 
@@ -858,20 +881,29 @@ class SpinPool {
   std::atomic<Call> call_{nullptr};
   std::atomic<const void*> ctx_{nullptr};
   std::atomic<int64_t> nchunks_{0};
+  FpState fp_state_{};  // written by the pool's holder before it publishes the ticket
   std::atomic<int> sleeping_{0};
   std::mutex mu_;
   std::condition_variable cv_;
 };
 
+// CPUs this process may run on, read once (a system call).
+int64_t AffinityCpus() {
+  static const int64_t n = [] {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<int64_t>(CPU_COUNT(&set));
+#endif
+    return INT64_MAX;
+  }();
+  return n;
+}
+
 // Threads for a call: XLA's intra-op pool size (about the cores it may use), capped by the CPUs
 // this process may run on and TACO_FFI_THREADS.
 int64_t ThreadCount(const ffi::ThreadPool* pool) {
-  int64_t n = pool != nullptr ? pool->num_threads() : 1;
-#if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) n = std::min<int64_t>(n, CPU_COUNT(&set));
-#endif
-  return std::max<int64_t>(1, std::min(n, MaxThreadsFromEnv()));
+  const int64_t n = std::min({pool != nullptr ? pool->num_threads() : int64_t{1}, AffinityCpus(), MaxThreadsFromEnv()});
+  return std::max<int64_t>(1, n);
 }
 
 // Runs fn(begin, end) over [0, n) in chunks of `grain`, on the calling thread and the pool's

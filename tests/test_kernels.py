@@ -218,6 +218,29 @@ def test_ffi_scalar_and_vector_kernels_are_bit_identical(g, fmt):
 
 
 @needs_ffi
+def test_ffi_group_result_does_not_depend_on_the_thread():
+    """Chunks of a call run on the calling thread or on the library's helper threads; each group's
+    result must be the same either way, with subnormal intermediates (helpers take the caller's
+    FTZ/DAZ and rounding state). 4096 copies of one group = 8 chunks of 64 KiB."""
+    rng = np.random.default_rng(7)
+    row = (rng.standard_normal(128) * np.float32(2e-38)).astype(np.float32)  # mostly subnormal
+    row[:4] = [1e-30, -3e-31, 2e-38, -1e-45]
+    x = jnp.asarray(np.tile(row, (4096, 1)))
+    cfg = CodecConfig(group_size=128)
+    codes, s, a = (np.asarray(t) for t in ffi_codec.encode_groups(x, cfg, last_count=128))
+    one = [np.asarray(t) for t in ffi_codec.encode_groups(x[:1], cfg, last_count=128)]
+    np.testing.assert_array_equal(codes.view(np.uint8), np.tile(one[0].view(np.uint8), (4096, 1)))
+    np.testing.assert_array_equal(s, np.full(4096, one[1][0]))
+    np.testing.assert_array_equal(a, np.full(4096, one[2][0]))
+    # decode to subnormal outputs: smallest E4M3 code x tiny scale
+    c = jnp.asarray(np.full((4096, 128), 1, np.uint8).view(CODE_DTYPES["e4m3"]))
+    s_, a_ = jnp.full((4096,), 1e-30, jnp.float32), jnp.full((4096,), 1e2, jnp.float32)
+    y = np.asarray(ffi_codec.decode_groups(c, s_, a_))
+    y1 = np.asarray(ffi_codec.decode_groups(c[:1], s_[:1], a_[:1]))
+    np.testing.assert_array_equal(y.view(np.uint32), np.tile(y1.view(np.uint32), (4096, 1)))
+
+
+@needs_ffi
 def test_ffi_last_count_applies_to_each_messages_last_group():
     cfg = CodecConfig(group_size=32)
     x, _ = make_groups(32, n_groups=5, batch=3, seed=2, last_count=32)  # groups 4, 9, 14 are last
