@@ -5,23 +5,45 @@
 //   make -C custom_calls bench && custom_calls/build/bench_kernel [groups=2048] [passes=2000] [G=128]
 #include "taco_codec_cpu.cc"
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <random>
 #include <vector>
 
+// argv[i] as an integer in [lo, hi], or exit 2 naming the argument and its bad value.
+long Arg(int argc, char** argv, int i, const char* name, long dflt, long lo, long hi) {
+  if (i >= argc) return dflt;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(argv[i], &end, 10);
+  if (errno != 0 || end == argv[i] || *end != '\0' || v < lo || v > hi) {
+    std::fprintf(stderr, "bench_kernel: %s=%s must be an integer in [%ld, %ld]\n", name, argv[i], lo, hi);
+    std::exit(2);
+  }
+  return v;
+}
+
 int main(int argc, char** argv) {
   using namespace taco;
-  const int64_t n = argc > 1 ? std::atol(argv[1]) : 2048;
-  const int passes = argc > 2 ? std::atoi(argv[2]) : 2000;
-  const int g = argc > 3 ? std::atoi(argv[3]) : 128;
+  if (argc > 4) {
+    std::fprintf(stderr, "usage: bench_kernel [groups=2048] [passes=2000] [G=128]\n");
+    return 2;
+  }
+  const int64_t n = Arg(argc, argv, 1, "groups", 2048, 1, 1L << 24);
+  const int passes = static_cast<int>(Arg(argc, argv, 2, "passes", 2000, 1, 1L << 30));
+  const int g = static_cast<int>(Arg(argc, argv, 3, "G", 128, 32, 512));
+  if (!ValidGroupSize(g)) {
+    std::fprintf(stderr, "bench_kernel: G=%d must be a power of 2 in [32, 512]\n", g);
+    return 2;
+  }
 #if TACO_X86
   EncodeFn fn = HaveAvx2() ? EncodeAvxFor<kE4M3>(g) : nullptr;
 #else
   void* fn = nullptr;
 #endif
-  if (fn == nullptr || n < 1 || passes < 1) {
-    std::fprintf(stderr, "needs an AVX2 CPU, groups >= 1, passes >= 1 and G in {32, ..., 512}\n");
+  if (fn == nullptr) {
+    std::fprintf(stderr, "bench_kernel: this CPU has no AVX2+FMA+F16C (the kernel measured here)\n");
     return 2;
   }
   std::vector<float> x(n * g), s(n), a(n);

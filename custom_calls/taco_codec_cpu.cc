@@ -439,7 +439,8 @@ TACO_AVX2 inline void fp8x16_to_f32_scaled(__m128i c16, __m256* lo, __m256* hi) 
 
 // Encodes groups [g0, g1) in blocks of 8 (4 for G = 512), one pass over the input:
 // (1) per group, load x once: sum of squares (8 lanes) and the raw transform WHT(x) in
-// registers (wider strides through an L1 scratch for G >= 128), absmax, spilled to the scratch;
+// registers (G = 128: stride 64 first, then two 64-element halves; G >= 256: wider strides
+// through an L1 scratch), absmax, spilled to the scratch;
 // (2) for the block, the adaptive scales a and quantization scales s as vectors (div / sqrt off
 // each group's critical path), with a folded into k = a / (sqrt(G) s); (3) quantize and store.
 // Groups whose sum of squares is not finite take the exact path (NaN codes, or y = WHT(a x)).
@@ -467,7 +468,7 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
       if (b >= nb) continue;
       const float* xp = x + (b0 + b) * G;
       __m256 sq = zero, mx = zero;
-      if constexpr (V <= 8) {  // whole group in registers (G = 128 spills: the block path is faster)
+      if constexpr (V <= 8) {  // whole group in registers
         __m256 y[V];
 #pragma GCC unroll 64
         for (int j = 0; j < V; ++j) {
@@ -730,7 +731,9 @@ bool HaveAvx2() { return false; }
 // helpers wait for the next job by spinning (with `pause`, yielding the core every few
 // microseconds) for TACO_FFI_SPIN_US (default 200) after their last job, then sleep on a
 // condition variable; back-to-back codec calls (one per layer and collective) find them awake,
-// as OpenMP's and Eigen's spinning workers do.
+// as OpenMP's and Eigen's spinning workers do. While callers contend for the pool (several XLA
+// devices in one process keep the cores busy anyway) helpers sleep right after each job. Both
+// knobs and the helper count are fixed at the first call.
 //
 // Protocol (one job at a time): the caller publishes the job's fields, then a 64-bit ticket
 // (job id << 32 | next chunk). Everyone claims chunks by CAS on the ticket, which also checks the
@@ -790,6 +793,12 @@ class SpinPool {
   }
 
   int helpers() const { return helpers_; }
+
+  // Called when a caller found the pool busy: helpers stop spinning between jobs for 50 ms.
+  void MarkContended() {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+    contended_until_.store(until.time_since_epoch().count(), std::memory_order_relaxed);
+  }
 
   // Runs fn(c) for every chunk c in [0, nchunks), on the caller and the helpers. Returns false
   // (running nothing) if another caller holds the pool.
@@ -854,7 +863,10 @@ class SpinPool {
     const auto spin = std::chrono::microseconds(SpinMicros());
     for (;;) {
       uint64_t t = ticket_.load(std::memory_order_acquire);
-      auto deadline = std::chrono::steady_clock::now() + spin;
+      // While callers contend for the pool (several XLA devices in one process, which already
+      // keep the cores busy), a spinning helper only takes CPU from them: sleep at once.
+      const auto now = std::chrono::steady_clock::now();
+      const auto deadline = now.time_since_epoch().count() < contended_until_.load(std::memory_order_relaxed) ? now : now + spin;
       for (int spins = 0; static_cast<uint32_t>(t >> 32) == seen; ++spins) {
         CpuRelax();
         if (spins % 64 == 63) {
@@ -882,6 +894,7 @@ class SpinPool {
   std::atomic<const void*> ctx_{nullptr};
   std::atomic<int64_t> nchunks_{0};
   FpState fp_state_{};  // written by the pool's holder before it publishes the ticket
+  std::atomic<int64_t> contended_until_{0};  // steady_clock ticks; see MarkContended
   std::atomic<int> sleeping_{0};
   std::mutex mu_;
   std::condition_variable cv_;
@@ -915,7 +928,10 @@ void ParallelFor(const ffi::ThreadPool* pool, int64_t n, int64_t grain, const F&
   if (nchunks > 1 && threads > 1 && nchunks < (int64_t{1} << 31)) {  // chunk ids fit the ticket's 32 bits
     SpinPool& sp = SpinPool::Get(static_cast<int>(threads - 1));
     auto chunk = [&](int64_t c) { fn(c * grain, std::min(n, (c + 1) * grain)); };
-    if (sp.helpers() > 0 && sp.Run(nchunks, chunk)) return;
+    if (sp.helpers() > 0) {
+      if (sp.Run(nchunks, chunk)) return;
+      sp.MarkContended();
+    }
   }
   if (n > 0) fn(0, n);
 }

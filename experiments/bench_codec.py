@@ -17,7 +17,8 @@ processes hits every case alike. Regimes, each against its own memcpy:
           buffer). The acceptance ratio (>= 0.5x) is read here.
   fresh   a plain jitted call that allocates its outputs; on CPU the OS zero-fills fresh pages,
           which dominates large decodes; memcpy = jitted `jnp.copy` (also fresh).
-  program K = min(8, 8 MB / size) different messages per jitted call (sizes under 8 MB only),
+  program K = min(8, 8 MB / size) different messages per jitted call (8 at 1 MB, 2 at 4 MB;
+          only where K >= 2, i.e. sizes up to 4 MB),
           donated outputs, time per message: the codec as it runs inside a compiled training
           step, where no Python -> jit dispatch (20-40 us per call on the 2-core CPU) separates
           one collective's codec call from the next; memcpy = numpy `copyto` of K different
@@ -32,7 +33,8 @@ backends share the round (`--backends ffi` alone leaves more of the message in L
 hot are timed in passes of their own so that they do not change it.
 
 `call_floor_us` in the JSON is each case's time on an 8-group message: the fixed cost of one
-call (jit dispatch, XLA runtime, thread-pool hand-off), which weighs on the 1 MB ratios.
+call (jit dispatch, XLA runtime, thread-pool hand-off), which weighs on the 1 MB ratios; in the
+program regime, the cost per message of a call holding 8 of them.
 
 On GPU the same script compares with device copies (and reports the HBM peak, if known).
 """
@@ -337,13 +339,13 @@ def main(argv=None):
         res = bench_size(mb, cfg, backends, rounds)
         result["sizes"].append(res)
         print(
-            f"\n== {res['size_mb']:.0f} MB f32 ({res['n_groups']} groups of {cfg.group_size}), "
+            f"\n== {res['size_mb']:g} MB f32 ({res['n_groups']} groups of {cfg.group_size}), "
             "memcpy "
             + ", ".join(f"{k} {v:.2f} GB/s" for k, v in res["memcpy_gbps"].items())
             + f" [{time.perf_counter() - t0:.0f} s]"
         )
         for r in res["rows"]:
-            print(f"  {r['case']:<22} {r['regime']:<6} {r['gbps']:8.2f} GB/s   {r['ratio_vs_memcpy']:5.2f}x memcpy")
+            print(f"  {r['case']:<22} {r['regime']:<7} {r['gbps']:8.2f} GB/s   {r['ratio_vs_memcpy']:5.2f}x memcpy")
         (out / "bench_codec.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "bench_codec.png")
     print(f"\nwrote {out / 'bench_codec.json'} and {out / 'bench_codec.png'}")

@@ -218,6 +218,16 @@ def test_ffi_scalar_and_vector_kernels_are_bit_identical(g, fmt):
 
 
 @needs_ffi
+@pytest.mark.parametrize(
+    ("name", "value"), [("TACO_FFI_THREADS", "0"), ("TACO_FFI_THREADS", "two"), ("TACO_FFI_SPIN_US", "-1")]
+)
+def test_ffi_bad_env_knob_is_named(name, value, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}' must be an integer"):
+        ffi_codec.encode_groups(jnp.zeros((8, 32)), CodecConfig(group_size=32), last_count=32)
+
+
+@needs_ffi
 def test_ffi_group_result_does_not_depend_on_the_thread():
     """Chunks of a call run on the calling thread or on the library's helper threads; each group's
     result must be the same either way, with subnormal intermediates (helpers take the caller's

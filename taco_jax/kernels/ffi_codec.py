@@ -47,6 +47,27 @@ def lib_path(platform: str = "cpu") -> Path:
     return LIB_DIR / LIBS[platform]
 
 
+#: Environment knobs of the CPU library, read once, at its first call: name -> smallest value.
+#: TACO_FFI_THREADS caps the threads per call (1 = the calling thread only); TACO_FFI_SPIN_US is
+#: how long helper threads spin for the next call before they sleep (default 200).
+ENV_KNOBS = {"TACO_FFI_THREADS": 1, "TACO_FFI_SPIN_US": 0}
+
+
+def _check_env():
+    """Raises ValueError naming a TACO_FFI_* variable that is not an integer >= its minimum (the
+    C++ library would otherwise ignore it)."""
+    for name, lo in ENV_KNOBS.items():
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            ok = int(raw) >= lo
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name}={raw!r} must be an integer >= {lo} (or unset)")
+
+
 @functools.cache
 def _load(platform: str) -> str | None:
     """Loads and registers the library for `platform`; returns None, or why it is unavailable."""
@@ -76,6 +97,7 @@ def available(platform: str = "cpu") -> bool:
 
 
 def _ensure_loaded():
+    _check_env()
     platform = jax.default_backend()
     platform = "cuda" if platform == "gpu" else platform
     reason = unavailable_reason(platform)
