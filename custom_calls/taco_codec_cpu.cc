@@ -866,7 +866,8 @@ class SpinPool {
       // While callers contend for the pool (several XLA devices in one process, which already
       // keep the cores busy), a spinning helper only takes CPU from them: sleep at once.
       const auto now = std::chrono::steady_clock::now();
-      const auto deadline = now.time_since_epoch().count() < contended_until_.load(std::memory_order_relaxed) ? now : now + spin;
+      const bool contended = now.time_since_epoch().count() < contended_until_.load(std::memory_order_relaxed);
+      const auto deadline = contended ? now : now + spin;
       for (int spins = 0; static_cast<uint32_t>(t >> 32) == seen; ++spins) {
         CpuRelax();
         if (spins % 64 == 63) {
