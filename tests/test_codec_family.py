@@ -263,8 +263,28 @@ def test_encode_rejects_none_and_bad_messages():
         encode(jnp.ones(4), NONE)
     with pytest.raises(ValueError, match="floating-point"):
         encode(jnp.ones(4, jnp.int32), CodecConfig(kind="int4"))
-    with pytest.raises(ValueError, match="empty"):
-        encode(jnp.ones((0, 3)), CodecConfig(kind="tah"))
+
+
+ZERO_SIZE_CODECS = [CodecConfig(kind=k) for k in KINDS] + [
+    CodecConfig(scale_layout="folded"), CodecConfig(kind="int8", group_axis="token")]
+
+
+@pytest.mark.parametrize("cfg", ZERO_SIZE_CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize(("shape", "batch_dims"), [((0, 128), 0), ((0,), 0), ((3, 0, 4), 1), ((0, 4, 64), 1)])
+def test_zero_size_input_encodes_to_empty_buffers_and_decodes_to_its_shape(cfg, shape, batch_dims):
+    """Issue 16: an empty message (or an empty batch of messages) is no error: zero wire bytes, and
+    decode gives back the empty shape and dtype; buffers have the layout a non-empty input gets."""
+    x = jnp.zeros(shape, jnp.bfloat16)
+    enc = jax.jit(lambda v: encode(v, cfg, batch_dims=batch_dims))(x)
+    assert enc.nbytes == 0
+    assert enc.codes.dtype == cfg.code_dtype and enc.shape == shape[batch_dims:]
+    one = jax.eval_shape(lambda v: encode(v, cfg, batch_dims=batch_dims), jnp.zeros((1,) * batch_dims + (5, 64)))
+    assert enc.codes.ndim == one.codes.ndim and (enc.prescale is None) == (one.prescale is None)
+    if shape[0] == 0 and batch_dims:  # no messages, each of 4 x 64: one message's group layout
+        full = jax.eval_shape(lambda v: encode(v, cfg, batch_dims=1), jnp.zeros((1, *shape[1:])))
+        assert enc.codes.shape[1:] == full.codes.shape[1:]
+    out = jax.jit(lambda e: decode(e, cfg))(enc)
+    assert out.shape == shape and out.dtype == jnp.bfloat16
 
 
 def test_decode_default_dtype_is_the_encoded_dtype():

@@ -14,8 +14,10 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from taco_jax import kernels  # noqa: E402
-from taco_jax.codec import reference  # noqa: E402
+from taco_jax.codec import backends as codec_backends  # noqa: E402
+from taco_jax.codec import encode, reference  # noqa: E402
 from taco_jax.codec.config import CodecConfig  # noqa: E402
+from taco_jax.collectives.policy import CommPolicy  # noqa: E402
 from taco_jax.kernels import ffi_codec  # noqa: E402
 from taco_jax.kernels._vma import vma_of  # noqa: E402
 
@@ -138,6 +140,76 @@ def test_auto_picks_ffi_on_cpu_when_built_else_reference():
 
 def test_reference_backend_is_the_reference():
     assert kernels.get_backend("reference") == (reference.encode_groups, reference.decode_groups)
+
+
+def test_resolve_codec_makes_auto_concrete_and_leaves_other_kinds_alone():
+    got = kernels.resolve_codec(CodecConfig(backend="auto"), "cpu")
+    assert got.backend == kernels.resolve("auto", "cpu") != "auto"
+    int8 = CodecConfig(kind="int8", backend="auto")  # its group math is always the jnp reference
+    assert kernels.resolve_codec(int8, "cpu") is int8
+
+
+def test_policy_resolution_names_the_site_whose_backend_cannot_run():
+    policy = CommPolicy(ar_bwd=CodecConfig(backend="triton"))
+    with pytest.raises(ValueError, match="site ar_bwd: codec backend 'triton' is not available on cpu"):
+        policy.resolve_backends("cpu")
+    with pytest.raises(ValueError, match="site ar_fwd: backend='pallas'.*8-device"):
+        CommPolicy.taco(CodecConfig(backend="pallas")).resolve_backends("cpu", n_devices=8)
+
+
+def test_encode_refuses_an_unresolved_or_unregistered_backend():
+    x = jnp.ones((4, 128))
+    with pytest.raises(ValueError, match="'auto' must be resolved"):
+        encode(x, CodecConfig(backend="auto"))
+    with pytest.raises(ValueError, match="'nosuch' is not registered"):
+        codec_backends.get_backend("nosuch")
+
+
+@pytest.mark.skipif(FFI_REASON is not None or len(jax.devices()) < 8, reason="needs the FFI library and 8 devices")
+@pytest.mark.parametrize(("comm", "backend"), [("none", "ffi"), ("taco", "auto")])
+def test_every_site_of_the_train_step_runs_the_requested_backend(monkeypatch, comm, backend):
+    """The codecs of every site (tensor, data and stage axes) in the traced 3D train step run the
+    backend asked for (`auto` resolved before tracing). Caught the DP/PP codecs running `reference`
+    under `--backend ffi` (TrainConfig.axis_codec dropped the backend)."""
+    from taco_jax.train.config import TrainConfig  # noqa: PLC0415
+    from taco_jax.train.step import make_trainer, shard_batch  # noqa: PLC0415
+
+    seen = []
+
+    def recording(name, fn):
+        def wrapped(*args, **kwargs):
+            seen.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    for name in ("reference", "ffi"):
+        real = codec_backends.get_backend(name)
+        monkeypatch.setitem(codec_backends._LOADED, name, codec_backends.GroupBackend(
+            recording(name, real.encode_groups), recording(name, real.decode_groups)))
+    cfg = TrainConfig(comm=comm, dp_comm="taco", pp_comm="taco", backend=backend, mesh="data=2,stage=2,tensor=2",
+                      microbatches=2, model="gpt2-tiny", vocab_size=512, batch_size=8, seq_len=32)
+    tr = make_trainer(cfg)
+    params, opt = tr.init()
+    x = np.zeros((8, 32), np.int32)
+    tr.train_step.lower(params, opt, *shard_batch(tr, x, x))
+    assert seen and set(seen) == {kernels.resolve(backend)}, sorted(set(seen))
+
+
+def test_pallas_encode_exports_for_cuda_from_a_cpu_host():
+    """Interpret mode follows the lowering platform: a CUDA export lowers the Triton kernels."""
+    enc, dec = kernels.get_backend("pallas")
+    cfg = CodecConfig(group_size=64)
+
+    def f(x):
+        codes, s, a = enc(x, cfg, last_count=64)
+        return dec(codes, s, a)
+
+    triton = "__gpu$xla.gpu.triton"
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"],
+                            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(jnp.ones((4, 64)))
+    assert exp.platforms == ("cuda",)
+    assert exp.mlir_module().count(triton) == 2  # encode and decode
 
 
 # --------------------------------------------------------------------------------------

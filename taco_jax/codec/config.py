@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from taco_jax.codec.constants import DEFAULT_LAM, E4M3_MAX, GROUP_SIZES
+
 #: FP8 formats: name -> (jnp dtype, largest finite value F). Source: OCP FP8 spec via ml_dtypes.
 FP8_FORMATS = {
     "e4m3": jnp.float8_e4m3fn,
     "e5m2": jnp.float8_e5m2,
 }
-GROUP_SIZES = (32, 64, 128, 256, 512)
 #: The codec family (see `CodecConfig.kind`). "none" is the exact collective (no encoding).
 CODEC_KINDS = ("none", "fp8_tensor", "fp8_group", "int8", "int4", "taco", "tah")
 #: Kinds where `hadamard` is a choice (taco and tah always transform; none/fp8_tensor never do).
@@ -29,8 +30,9 @@ CODE_BITS = {"fp8_tensor": 8, "fp8_group": 8, "int8": 8, "int4": 4, "taco": 8, "
 _SCALE_WORDS = {"fp8_group": 1, "int8": 1, "int4": 1, "tah": 2}
 
 
-#: Implementations of the taco group math (`taco_jax.kernels`); which ones run here is checked
-#: when a backend is first used (`taco_jax.kernels.resolve`).
+#: Implementations of the taco group math (registry: `taco_jax.codec.backends`; filled in by
+#: `taco_jax.kernels`). "auto" and whether a backend runs here are resolved once, before tracing
+#: (`taco_jax.kernels.resolve_codec`, `CommPolicy.resolve_backends`).
 BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
 
 
@@ -85,9 +87,9 @@ class CodecConfig:
         training loop calls it after every step; `taco_jax.codec.reference.check_finite`).
       site: name of the communication site, for "error" messages (`CommPolicy.codec_for` sets it).
       backend: which implementation runs the taco group math, one of `BACKENDS` ("reference" =
-        plain jnp; see `taco_jax.kernels`). The other kinds always run the jnp reference. A known
-        name that cannot run here (e.g. "triton" on CPU) is rejected when first used, listing
-        the available ones.
+        plain jnp; see `taco_jax.kernels`). The other kinds always run the jnp reference. Only
+        the name is checked here; "auto" and availability (e.g. "triton" on CPU is refused,
+        listing the available ones) are resolved by `taco_jax.kernels.resolve_codec`.
 
     Raises:
       ValueError: on any value outside the sets above, naming it.
@@ -96,8 +98,8 @@ class CodecConfig:
     kind: str = "taco"
     fmt: str = "e4m3"
     group_size: int = 128
-    lam: float = 1e-6
-    target_range: float = 448.0
+    lam: float = DEFAULT_LAM
+    target_range: float = E4M3_MAX
     scale_layout: str = "dual"
     group_axis: str = "hidden"
     nonfinite: str = "propagate"

@@ -18,18 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.hadamard import wht as _wht
 
 #: Smallest scale: the smallest normal float32, so x / s never divides by a flushed denormal
 #: (XLA:CPU flushes float32 denormals to zero).
 S_MIN = np.float32(2.0**-126)
 INT_LEVELS = {"int8": 127, "int4": 7}  # symmetric levels -L..L (int4: -8 unused, grid symmetric)
 TAH_LEVELS = 15  # asymmetric: 16 levels 0..15 between the tile's min and max
-
-
-def _wht(x):
-    from taco_jax.codec.reference import wht  # noqa: PLC0415  (reference imports this module)
-
-    return wht(x)
 
 
 def _finite(xg: jax.Array, axis=-1) -> jax.Array:

@@ -9,20 +9,18 @@ explicit options (`CodecConfig.nonfinite`), never silent. The other kinds' group
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import sys
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.linalg
 
-from taco_jax.codec.config import CODEC_KINDS, CodecConfig
+from taco_jax.codec import constants as C
+from taco_jax.codec.backends import GroupBackend, get_backend, register_backend
+from taco_jax.codec.config import CODE_BITS, CODEC_KINDS, CodecConfig
 from taco_jax.codec.family import GROUP_CODECS
-
-_EPS = 1e-12
+from taco_jax.codec.hadamard import wht
+from taco_jax.codec.nonfinite import check_finite
 
 
 @jax.tree_util.register_dataclass
@@ -54,19 +52,6 @@ class Encoded:
         return sum(int(np.prod(b.shape)) * b.dtype.itemsize for b in jax.tree.leaves(self))
 
 
-@functools.cache
-def hadamard(g: int) -> np.ndarray:
-    """Sylvester-order Hadamard matrix H_g (float32, entries ±1), from `scipy.linalg.hadamard`."""
-    return scipy.linalg.hadamard(g).astype(np.float32)
-
-
-def wht(x: jax.Array) -> jax.Array:
-    """Orthonormal Walsh-Hadamard transform over the last axis: x @ H_G / sqrt(G) (its own inverse)."""
-    g = x.shape[-1]
-    h = jnp.asarray(hadamard(g))
-    return jnp.matmul(x, h, precision=jax.lax.Precision.HIGHEST) / np.float32(math.sqrt(g))
-
-
 # --------------------------------------------------------------------------------------
 # Group math: [..., n_groups, G] float32 <-> codes + scales. Kernel backends implement these two.
 # --------------------------------------------------------------------------------------
@@ -89,11 +74,11 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
     counts = np.full((n_groups,), g, np.float32)
     counts[-1] = last_count
     m = jnp.sum(xg * xg, axis=-1) / counts  # 1. mean square over real elements
-    v = jnp.maximum(m + np.float32(cfg.lam), _EPS)
-    a = jnp.clip(np.float32(cfg.fmax) / jnp.sqrt(v), 1e-3, 1e3)  # 2. adaptive scale
+    v = jnp.maximum(m + np.float32(cfg.lam), C.EPS)
+    a = jnp.clip(np.float32(cfg.fmax) / jnp.sqrt(v), C.ADAPTIVE_SCALE_MIN, C.ADAPTIVE_SCALE_MAX)  # 2. adaptive scale
     y = wht(a[..., None] * xg)  # 3. orthonormal WHT per group
     r = np.float32(cfg.target_range)
-    s = jnp.clip(jnp.maximum(jnp.max(jnp.abs(y), axis=-1), _EPS) / r, _EPS, 1e6)  # 4.
+    s = jnp.clip(jnp.maximum(jnp.max(jnp.abs(y), axis=-1), C.EPS) / r, C.EPS, C.SCALE_MAX)  # 4.
     finite = jnp.all(jnp.isfinite(xg), axis=-1)
     s = jnp.where(finite, s, np.float32(np.nan))  # non-finite group -> NaN scale
     codes = jnp.clip(y / s[..., None], -r, r).astype(cfg.code_dtype)  # 5. RNE, saturating
@@ -101,7 +86,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
 
 
 def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Array:
-    """Decodes groups: x' = WHT(fp8(q) * s) / max(a, 1e-12); `a=None` for the folded layout.
+    """Decodes groups: x' = WHT(fp8(q) * s) / max(a, EPS); `a=None` for the folded layout.
 
     Args:
       codes: fp8 [..., n_groups, G]; s, a: float32 [..., n_groups].
@@ -109,7 +94,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Ar
     """
     x = wht(codes.astype(jnp.float32) * s[..., None])
     if a is not None:
-        x = x / jnp.maximum(a, _EPS)[..., None]
+        x = x / jnp.maximum(a, C.EPS)[..., None]
     return x
 
 
@@ -118,104 +103,58 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Ar
 # --------------------------------------------------------------------------------------
 
 
-def _backend(cfg: CodecConfig):
-    if cfg.backend == "reference":
-        return encode_groups, decode_groups
-    from taco_jax import kernels  # noqa: PLC0415  (kernels depend on codec, not the reverse)
-
-    return kernels.get_backend(cfg.backend)
-
-
 def _message_to_rows(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> jax.Array:
     """[*batch, *shape] -> [*batch, n] in the order groups are cut."""
     batch, shape = x.shape[:batch_dims], x.shape[batch_dims:]
     if cfg.group_axis == "token" and len(shape) >= 2:
-        x = x.reshape(*batch, -1, shape[-1])
+        x = x.reshape(*batch, math.prod(shape[:-1]), shape[-1])
         x = jnp.swapaxes(x, -1, -2)  # one channel across tokens is contiguous
-    return x.reshape(*batch, -1)
+    return x.reshape(*batch, math.prod(shape))
 
 
 def _rows_to_message(x: jax.Array, shape: tuple[int, ...], cfg: CodecConfig) -> jax.Array:
     batch = x.shape[:-1]
     if cfg.group_axis == "token" and len(shape) >= 2:
-        x = x.reshape(*batch, shape[-1], -1)
+        x = x.reshape(*batch, shape[-1], math.prod(shape[:-1]))
         x = jnp.swapaxes(x, -1, -2)
     return x.reshape(*batch, *shape)
 
 
-_NONFINITE_SITES: list[str] = []  # host side: sites whose "error"-policy check saw NaN/Inf
-_REPORT_LOCK = threading.Lock()
-
-
-def _report_nonfinite(*, site: str):
-    site = site or "<unnamed>"
-    with _REPORT_LOCK:
-        first = site not in _NONFINITE_SITES
-        _NONFINITE_SITES.append(site)
-    if first:
-        print(f"taco_jax: non-finite value (NaN/Inf) in a message at site {site!r}", file=sys.stderr)
-
-
-def check_finite(rows: jax.Array, site: str) -> None:
-    """The "error" policy's device-side check: reports `site` to the host if `rows` holds NaN/±Inf.
-
-    Mechanism (works inside `jit`, `shard_map` and `custom_vjp` backward rules, jax >= 0.10.2):
-    `lax.cond(all finite, nothing, jax.debug.callback(report))` — the callback takes no array
-    operands and only runs on a rank that saw a non-finite value; it records the site and prints
-    it. `raise_if_nonfinite()` then raises `FloatingPointError` naming the site(s) on the host
-    (the training loop calls it after every step). Raising *inside* the callback is not used: on
-    a multi-device mesh the failing rank leaves its peers waiting in the next collective, and
-    XLA aborts the process; `checkify` is not used: it needs the caller to wrap the whole train
-    step in `checkify.checkify`. The values themselves follow "propagate" (NaN out).
-    """
-    ok = jnp.all(jnp.isfinite(rows))
-    jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(functools.partial(_report_nonfinite, site=site)))
-
-
-def nonfinite_sites(clear: bool = True) -> list[str]:
-    """Sites reported by the "error" policy since the last call, first report first (waits for pending callbacks)."""
-    jax.effects_barrier()
-    with _REPORT_LOCK:
-        sites = list(dict.fromkeys(_NONFINITE_SITES))
-        if clear:
-            _NONFINITE_SITES.clear()
-    return sites
-
-
-def raise_if_nonfinite():
-    """Raises FloatingPointError naming every site whose "error"-policy check saw NaN/Inf (then clears)."""
-    sites = nonfinite_sites()
-    if sites:
-        raise FloatingPointError(f"non-finite value (NaN/Inf) in a compressed message at site(s) {sites} "
-                                 "(codec nonfinite='error')")
-
-
 def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
-    """Encodes each message of `x` with the codec `cfg.kind`.
+    """Encodes each message of `x` with the codec `cfg.kind` (inside `jax.named_scope("taco_encode")`).
 
     Args:
       x: float array [*batch, *shape]; the leading `batch_dims` axes index independent
         messages (e.g. the P chunks of a two-shot all-reduce); each message is flattened
         (after moving channels first if `cfg.group_axis == "token"`) and cut into groups of
-        `cfg.group_size`, the last one zero-padded (fp8_tensor: one group per message).
-      cfg: a `CodecConfig` of a compressing kind (not "none").
+        `cfg.group_size`, the last one zero-padded (fp8_tensor: one group per message). A
+        zero-size `x` gives an `Encoded` of zero-size buffers (no groups when a message is empty).
+      cfg: a `CodecConfig` of a compressing kind (not "none"); kind "taco" runs the group math of
+        the registered backend `cfg.backend` (`taco_jax.codec.backends`; "auto" must be resolved
+        first, e.g. by `taco_jax.kernels.resolve_codec`).
       batch_dims: number of leading message axes.
 
     Returns:
       An `Encoded` pytree (see its docstring).
 
     Raises:
-      ValueError: if `cfg.kind` is "none", `x` is not floating point, or a message is empty.
+      ValueError: if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is "auto"
+        or not registered.
     """
     if cfg.kind == "none":
         raise ValueError(f"encode needs a compressing codec (kind 'taco' or another of {CODEC_KINDS[1:]}); "
                          "kind='none' is the exact collective and has no encoding")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"encode needs a floating-point message, got dtype={x.dtype}")
+    with jax.named_scope("taco_encode"):
+        return _encode(x, cfg, batch_dims)
+
+
+def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
     shape = tuple(x.shape[batch_dims:])
     n = math.prod(shape)
-    if n == 0:
-        raise ValueError(f"cannot encode an empty message of shape={shape}")
+    if x.size == 0:
+        return _empty_encoded(x, cfg, batch_dims)
     rows = _message_to_rows(x, cfg, batch_dims).astype(jnp.float32)
     if cfg.nonfinite == "zero":
         rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
@@ -231,8 +170,7 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
         xg = rows.reshape(*rows.shape[:-1], n_groups, g)
         last_count = n - (n_groups - 1) * g
     if cfg.kind == "taco":
-        enc_fn, _ = _backend(cfg)
-        codes, s, a = enc_fn(xg, cfg, last_count=last_count)
+        codes, s, a = get_backend(cfg.backend).encode_groups(xg, cfg, last_count=last_count)
         if cfg.scale_layout == "folded":
             s, a = s / a, None
     else:
@@ -242,30 +180,51 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
     return Encoded(codes, s, a, shape, np.dtype(x.dtype))
 
 
+def _empty_encoded(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
+    """The wire buffers of zero-size input: the shapes `encode` gives, with no group math run."""
+    batch, shape = x.shape[:batch_dims], tuple(x.shape[batch_dims:])
+    n = math.prod(shape)
+    if cfg.kind == "fp8_tensor":
+        n_groups, width = (1 if n else 0), n
+    else:
+        n_groups, width = -(-n // cfg.group_size), cfg.group_size * CODE_BITS[cfg.kind] // 8
+    codes = jnp.zeros((*batch, n_groups, width), cfg.code_dtype)
+    s = jnp.zeros((*batch, n_groups), jnp.float32)
+    has_prescale = cfg.kind == "tah" or (cfg.kind == "taco" and cfg.scale_layout == "dual")
+    return Encoded(codes, s, s if has_prescale else None, shape, np.dtype(x.dtype))
+
+
 def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
-    """Decodes an `Encoded` back to [*batch, *enc.shape] in `dtype` (default: the encoded dtype).
+    """Decodes an `Encoded` back to [*batch, *enc.shape] in `dtype` (default: the encoded dtype),
+    inside `jax.named_scope("taco_decode")`.
 
     With `cfg.nonfinite` "propagate" or "error" a group that held NaN/±Inf decodes to NaN;
     with "zero" every non-finite output is replaced by 0 (COCCL plugin behaviour). For a
     narrower `dtype` than float32 finite values are clipped to its finite range (a decoded
     float16 never overflows to Inf); float32 output is left alone (it could only overflow for
-    inputs within rounding of float32's largest value), which keeps the float32 program, and
-    so the training runs, bit-identical to the pre-family codec.
+    inputs within rounding of float32's largest value), so the float32 program has no extra op.
+    Zero-size buffers decode to a zero-size array, with no group math run.
+
+    Raises: ValueError if `cfg.backend` is "auto" or not registered (kind "taco").
     """
-    if cfg.kind == "taco":
-        _, dec_fn = _backend(cfg)
-        xg = dec_fn(enc.codes, enc.scale, enc.prescale)
-    else:
-        xg = GROUP_CODECS[cfg.kind][1](enc.codes, enc.scale, enc.prescale, cfg)
-    n = math.prod(enc.shape)
-    rows = xg.reshape(*xg.shape[:-2], -1)[..., :n]
-    if cfg.nonfinite == "zero":
-        rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
-    dtype = jnp.dtype(dtype or enc.dtype)
-    if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max:  # float16 / bfloat16: never overflow to Inf
-        big = np.float32(jnp.finfo(dtype).max)
-        rows = jnp.clip(rows, -big, big)  # NaN stays NaN
-    return _rows_to_message(rows, enc.shape, cfg).astype(dtype)
+    with jax.named_scope("taco_decode"):
+        n = math.prod(enc.shape)
+        batch = enc.scale.shape[:-1]
+        if enc.codes.size == 0:
+            rows = jnp.zeros((*batch, n), jnp.float32)
+        else:
+            if cfg.kind == "taco":
+                xg = get_backend(cfg.backend).decode_groups(enc.codes, enc.scale, enc.prescale)
+            else:
+                xg = GROUP_CODECS[cfg.kind][1](enc.codes, enc.scale, enc.prescale, cfg)
+            rows = xg.reshape(*xg.shape[:-2], -1)[..., :n]
+        if cfg.nonfinite == "zero":
+            rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
+        dtype = jnp.dtype(dtype or enc.dtype)
+        if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max:  # float16 / bfloat16: never overflow to Inf
+            big = np.float32(jnp.finfo(dtype).max)
+            rows = jnp.clip(rows, -big, big)  # NaN stays NaN
+        return _rows_to_message(rows, enc.shape, cfg).astype(dtype)
 
 
 def roundtrip(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> jax.Array:
@@ -273,3 +232,6 @@ def roundtrip(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> jax.Arr
     if cfg.kind == "none":
         return x
     return decode(encode(x, cfg, batch_dims=batch_dims), cfg)
+
+
+register_backend("reference", lambda: GroupBackend(encode_groups, decode_groups))

@@ -8,6 +8,7 @@ import pathlib
 
 import numpy as np
 
+from taco_jax import kernels
 from taco_jax.codec import CODEC_KINDS, NONE, TACO, CodecConfig
 
 #: Tensor-axis sites (TACO spec §1): RowParallel output all-reduce ("g" forward), ColumnParallel
@@ -77,6 +78,20 @@ class CommPolicy:
         if codec.nonfinite == "error" and not codec.site:
             codec = dataclasses.replace(codec, site=site)
         return codec
+
+    def resolve_backends(self, platform: str | None = None, *, n_devices: int = 1) -> CommPolicy:
+        """A copy whose codecs name concrete backends (`taco_jax.kernels.resolve_codec`: "auto" and
+        availability on `platform`, default jax's); run once, before the step is traced.
+
+        Raises: ValueError naming the site whose backend cannot run here.
+        """
+        new = {}
+        for site in SITES:
+            try:
+                new[site] = kernels.resolve_codec(getattr(self, site), platform, n_devices=n_devices)
+            except ValueError as e:
+                raise ValueError(f"site {site}: {e}") from e
+        return dataclasses.replace(self, **new)
 
     def with_sites(self, sites: dict) -> CommPolicy:
         """A copy with the codecs of `sites` ({site: CodecConfig or dict of codec fields}) replaced.

@@ -1,7 +1,9 @@
 """Codec kernel backends for the TACO group math: `reference | pallas | triton | ffi | auto`.
 
-Every backend is a pair `(encode_groups, decode_groups)` with the contract of the functions of
-the same names in `taco_jax.codec.reference` (spec §2), selected by `CodecConfig.backend`:
+Every backend is a pair `(encode_groups, decode_groups)` with the contract of
+`taco_jax.codec.backends` (spec §2). Importing this package registers pallas, triton and ffi in
+that registry (the codec never imports kernels); `resolve_codec` / `CommPolicy.resolve_backends`
+turn `CodecConfig.backend` into a concrete one once, before tracing:
 
   reference  plain jnp (the specification); every platform.
   pallas     fused Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs sm >= 89),
@@ -24,10 +26,7 @@ Conformance rule (tested in tests/test_kernels.py against `reference` on the sam
     * decoded values agree to 2^-23 * G * max|x_ref| over the group.
   For a group holding NaN or +-Inf: s is NaN (so it decodes to NaN), a is the reference's
   formula applied (NaN or 1e-3); its codes are unspecified.
-  Observed on CPU: pallas (interpreter) reproduces the reference's codes; the C++ kernels differ
-  in ~1e-5 to 2e-5 of the codes, all one step apart except a few E5M2 subnormals near zero (up
-  to 3 steps, or +-0 against the smallest subnormal), with s and a within 0.15 of the bound;
-  their AVX2 and scalar versions are bit-identical.
+  Measured agreement of each backend: custom_calls/README.md ("Conformance, measured").
 
 Training-level rule (a backend vs `reference`, same config and seed):
   * the per-step training loss agrees to 1e-4 relative over the first steps (tested for ffi on 6
@@ -40,21 +39,19 @@ Training-level rule (a backend vs `reference`, same config and seed):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import importlib.util
 import warnings
-from collections.abc import Callable
 
-import jax
+from taco_jax.codec.backends import GroupBackend, register_backend
+from taco_jax.codec.backends import get_backend as _registered
+from taco_jax.codec.config import BACKENDS, CodecConfig
+from taco_jax.kernels._platform import default_platform
 
-from taco_jax.codec.config import BACKENDS
-
-Backend = tuple[Callable, Callable]
-
-
-def _platform() -> str:
-    p = jax.default_backend()
-    return "cuda" if p in ("gpu", "cuda") else p
+#: Backends whose implementation lives in this package: name -> module.
+_MODULES = {"pallas": "pallas_codec", "triton": "triton_codec", "ffi": "ffi_codec"}
 
 
 def _unavailable(name: str, platform: str) -> str | None:
@@ -80,18 +77,27 @@ def _unavailable(name: str, platform: str) -> str | None:
 
 
 def available_backends(platform: str | None = None) -> tuple[str, ...]:
-    """Backends that can run on `platform` (default: jax's default backend), `auto` included."""
-    platform = platform or _platform()
+    """Backends that can run on `platform` (default: jax's default platform), `auto` included."""
+    platform = platform or default_platform()
     return tuple(b for b in BACKENDS if _unavailable(b, platform) is None)
 
 
-def resolve(name: str, platform: str | None = None) -> str:
+def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> str:
     """The concrete backend `name` stands for on `platform` (`auto` -> the fastest available).
 
+    Args:
+      name: one of `BACKENDS`.
+      platform: "cpu", "cuda", ... (default: jax's default platform).
+      n_devices: devices of the program the backend will run in. On CPU, pallas runs the Pallas
+        TPU-semantics interpreter, whose per-call host callbacks stall a multi-device program
+        (`taco-jax train --backend pallas` on 8 CPU devices never finished step 1), so it is
+        refused for n_devices > 1 (it is for the kernel tests).
+
     Raises:
-      ValueError: if `name` is unknown or not available, listing the available backends.
+      ValueError: if `name` is unknown, not available, or pallas in a multi-device CPU program;
+        listing the available backends or the ones to use instead.
     """
-    platform = platform or _platform()
+    platform = platform or default_platform()
     if name not in BACKENDS:
         raise ValueError(f"unknown codec backend {name!r}; choose one of {BACKENDS}")
     if name == "auto":
@@ -103,7 +109,22 @@ def resolve(name: str, platform: str | None = None) -> str:
             f"codec backend {name!r} is not available on {platform}: {reason}. "
             f"Available: {available_backends(platform)}"
         )
+    if name == "pallas" and platform == "cpu" and n_devices > 1:
+        raise ValueError(f"backend='pallas' runs the Pallas interpreter on CPU, which stalls in a {n_devices}-device "
+                         "program; use backend 'ffi', 'auto' or 'reference'")
     return name
+
+
+def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: int = 1) -> CodecConfig:
+    """`cfg` with `backend` replaced by the concrete one it stands for (`resolve`); codecs of other
+    kinds than "taco" (which always run the jnp reference) come back unchanged.
+
+    Raises: ValueError from `resolve`.
+    """
+    if cfg.kind != "taco":
+        return cfg
+    name = resolve(cfg.backend, platform, n_devices=n_devices)
+    return cfg if name == cfg.backend else dataclasses.replace(cfg, backend=name)
 
 
 @functools.cache
@@ -115,21 +136,28 @@ def _warn_pallas_interpret():
     )
 
 
-def get_backend(name: str) -> Backend:
-    """`(encode_groups, decode_groups)` of backend `name` for jax's default platform.
+def _loader(name: str):
+    def load() -> GroupBackend:
+        resolve(name)  # a clear ValueError if it cannot run here (checked once: the registry caches)
+        if name == "pallas" and default_platform() == "cpu":
+            _warn_pallas_interpret()
+        mod = importlib.import_module(f"taco_jax.kernels.{_MODULES[name]}")
+        return GroupBackend(mod.encode_groups, mod.decode_groups)
+
+    return load
+
+
+def get_backend(name: str) -> GroupBackend:
+    """`(encode_groups, decode_groups)` of backend `name` (resolved for jax's default platform).
 
     Raises:
       ValueError: if `name` is unknown or not available here, listing the available ones.
     """
     name = resolve(name)
-    if name == "pallas" and _platform() == "cpu":
+    if name == "pallas" and default_platform() == "cpu":
         _warn_pallas_interpret()
-    if name == "reference":
-        from taco_jax.codec import reference as mod  # noqa: PLC0415
-    elif name == "pallas":
-        from taco_jax.kernels import pallas_codec as mod  # noqa: PLC0415
-    elif name == "triton":
-        from taco_jax.kernels import triton_codec as mod  # noqa: PLC0415
-    else:
-        from taco_jax.kernels import ffi_codec as mod  # noqa: PLC0415
-    return mod.encode_groups, mod.decode_groups
+    return _registered(name)
+
+
+for _name in _MODULES:
+    register_backend(_name, _loader(_name))

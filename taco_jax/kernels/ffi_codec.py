@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from taco_jax.codec.config import CodecConfig
+from taco_jax.kernels._platform import default_platform
 from taco_jax.kernels._vma import pvary, vma_of
 
 LIB_DIR = Path(os.environ.get("TACO_KERNELS_LIB_DIR", Path(__file__).parent / "_lib"))
@@ -97,9 +98,9 @@ def available(platform: str = "cpu") -> bool:
 
 
 def _ensure_loaded():
+    """Registers the FFI targets before a call is traced (`_load` runs once per platform)."""
     _check_env()
-    platform = jax.default_backend()
-    platform = "cuda" if platform == "gpu" else platform
+    platform = default_platform()
     reason = unavailable_reason(platform)
     if reason is not None:
         raise RuntimeError(f"taco_jax FFI codec unavailable on {platform}: {reason}")
@@ -116,8 +117,6 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
     """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`."""
     _ensure_loaded()
     *lead, n_groups, g = xg.shape
-    if g != cfg.group_size:
-        raise ValueError(f"{xg.shape=} does not end in group_size={cfg.group_size}")
     x2 = xg.astype(jnp.float32).reshape(-1, g)  # [N, G]
     n = x2.shape[0]
     call = jax.ffi.ffi_call(

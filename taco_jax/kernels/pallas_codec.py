@@ -7,8 +7,10 @@ quantization scale s -> FP8 codes; decode is FP8 -> x s -> the same matmul -> / 
 The arithmetic is the reference's (`taco_jax.codec.reference`), op for op; only the matmul's
 summation order may differ (see the conformance rule in `taco_jax.kernels`).
 
-On CPU the kernels run with `interpret=True` (slow: for tests, not training). On GPU they
-lower through Triton; FP8 E4M3 casts need compute capability >= 8.9.
+Interpret mode is chosen by the platform the computation is *lowered* for
+(`lax.platform_dependent`), not the one jax runs on, so `jax.export(..., platforms=["cuda"])`
+works on a CPU-only machine: CPU lowers the Pallas interpreter (`interpret=True`; slow: for
+tests, not training), CUDA the Triton kernel (FP8 E4M3 casts need compute capability >= 8.9).
 
 Layout: in the order of jax's `experimental/pallas/ops`: kernels, then the public ops.
 """
@@ -23,39 +25,34 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
-from taco_jax.codec.reference import hadamard
+from taco_jax.codec.hadamard import hadamard
+from taco_jax.kernels._tiles import wht_chunk
 from taco_jax.kernels._vma import pvary, shape_dtype, vma_of
 
-_EPS = 1e-12
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
+def _per_platform(call, *args, vma: frozenset):
+    """`call(*args, interpret=..., compiler_params=...)` in the mode of the platform the computation
+    is lowered for (`lax.platform_dependent`): Triton on CUDA; on CPU the interpreter, plain
+    `interpret=True` (no host callbacks) outside `shard_map`, and the TPU-semantics one for operands
+    varying over manual axes (`vma`), as only it handles them under `shard_map(check_vma=True)`.
 
-
-def _interpret():
-    """False on GPU (Triton lowering); else the TPU-semantics interpreter, which (unlike the
-    plain `interpret=True` one) handles varying manual axes inside `shard_map(check_vma=True)`."""
-    if _on_gpu():
-        return False
+    Limitation (jax 0.10.2): the TPU-semantics interpreter has ordered host callbacks, and
+    `platform_dependent` then fails to lower for CUDA alone ("incorrect set of output tokens"), so
+    a CUDA `jax.export` from a CPU host works for calls outside `shard_map(check_vma=True)` only.
+    """
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
 
-    return pltpu.InterpretParams()
-
-
-def _chunk(g: int) -> int:
-    """Columns of H per matmul: keeps a [G, chunk] f32 tile <= 64 KiB for Triton."""
-    return min(g, 32 if g >= 256 else 64)
-
-
-def _compiler_params():
-    if not _on_gpu():
-        return None
-    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415  (GPU-only import)
-
-    return plgpu.CompilerParams(num_warps=4, num_stages=1)
+    cpu_mode = pltpu.InterpretParams() if vma else True
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=functools.partial(call, interpret=cpu_mode, compiler_params=None),
+        cuda=functools.partial(call, interpret=False, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1)),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -69,12 +66,12 @@ def _encode_kernel(x_ref, h_ref, codes_ref, s_ref, a_ref, *, block, g, n_groups,
     count = jnp.where(row % n_groups == n_groups - 1, np.float32(last_count), np.float32(g))
     # 1-2. mean square over the real elements, adaptive scale
     m = jnp.sum(x * x, axis=1) / count
-    v = jnp.maximum(m + np.float32(lam), np.float32(_EPS))
-    a = jnp.clip(np.float32(fmax) / jnp.sqrt(v), np.float32(1e-3), np.float32(1e3))
+    v = jnp.maximum(m + np.float32(lam), np.float32(C.EPS))
+    a = jnp.clip(np.float32(fmax) / jnp.sqrt(v), np.float32(C.ADAPTIVE_SCALE_MIN), np.float32(C.ADAPTIVE_SCALE_MAX))
     xa = a[:, None] * x
     # 3. y = WHT(a x) / sqrt(G), by column chunks of H (a loop, not unrolled: G = 512 would
     # otherwise make a huge Triton kernel); pass 1 takes the absmax, pass 2 recomputes y.
-    c = _chunk(g)
+    c = wht_chunk(g)
     sqrt_g = np.float32(math.sqrt(g))
 
     def y_chunk(i):
@@ -85,7 +82,7 @@ def _encode_kernel(x_ref, h_ref, codes_ref, s_ref, a_ref, *, block, g, n_groups,
         0, g // c, lambda i, m: jnp.maximum(m, jnp.max(jnp.abs(y_chunk(i)), axis=1)), jnp.zeros((block,), jnp.float32)
     )
     # 4. quantization scale; a group holding NaN/Inf gets s = NaN
-    s = jnp.clip(jnp.maximum(amax, np.float32(_EPS)) / np.float32(r), np.float32(_EPS), np.float32(1e6))
+    s = jnp.clip(jnp.maximum(amax, np.float32(C.EPS)) / np.float32(r), np.float32(C.EPS), np.float32(C.SCALE_MAX))
     n_bad = jnp.sum(jnp.where(jnp.abs(x) < np.float32(np.inf), 0.0, 1.0), axis=1)
     s = jnp.where(n_bad == 0, s, np.float32(np.nan))
 
@@ -107,8 +104,8 @@ def _decode_kernel(codes_ref, s_ref, *rest, g, has_a):
     y = codes_ref[...].astype(jnp.float32) * s_ref[...][:, None]
     sqrt_g = np.float32(math.sqrt(g))
     if has_a:
-        den = jnp.maximum(a_ref[...], np.float32(_EPS))[:, None]
-    c = _chunk(g)
+        den = jnp.maximum(a_ref[...], np.float32(C.EPS))[:, None]
+    c = wht_chunk(g)
 
     @pl.loop(0, g // c)
     def _(i):
@@ -145,8 +142,6 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: in
       block: groups per program (a power of 2 >= 16).
     """
     *lead, n_groups, g = xg.shape
-    if g != cfg.group_size:
-        raise ValueError(f"{xg.shape=} must end in group_size={cfg.group_size}")
     if block < 16 or block & (block - 1):
         raise ValueError(f"{block=} must be a power of 2 >= 16")
     x2 = xg.astype(jnp.float32).reshape(-1, g)
@@ -165,24 +160,28 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: in
         r=cfg.target_range,
     )
     h = pvary(jnp.asarray(hadamard(g)), vma)
-    codes, s, a = pl.pallas_call(
-        kernel,
-        out_shape=(
-            shape_dtype((n_pad, g), cfg.code_dtype, vma),
-            shape_dtype((n_pad,), jnp.float32, vma),
-            shape_dtype((n_pad,), jnp.float32, vma),
-        ),
-        grid=(n_pad // bn,),
-        in_specs=[pl.BlockSpec((bn, g), lambda i: (i, 0)), pl.BlockSpec((g, g), lambda i: (0, 0))],
-        out_specs=(
-            pl.BlockSpec((bn, g), lambda i: (i, 0)),
-            pl.BlockSpec((bn,), lambda i: (i,)),
-            pl.BlockSpec((bn,), lambda i: (i,)),
-        ),
-        interpret=_interpret(),
-        compiler_params=_compiler_params(),
-        name="taco_encode_groups",
-    )(x2, h)
+
+    def call(x2, h, *, interpret, compiler_params):
+        return pl.pallas_call(
+            kernel,
+            out_shape=(
+                shape_dtype((n_pad, g), cfg.code_dtype, vma),
+                shape_dtype((n_pad,), jnp.float32, vma),
+                shape_dtype((n_pad,), jnp.float32, vma),
+            ),
+            grid=(n_pad // bn,),
+            in_specs=[pl.BlockSpec((bn, g), lambda i: (i, 0)), pl.BlockSpec((g, g), lambda i: (0, 0))],
+            out_specs=(
+                pl.BlockSpec((bn, g), lambda i: (i, 0)),
+                pl.BlockSpec((bn,), lambda i: (i,)),
+                pl.BlockSpec((bn,), lambda i: (i,)),
+            ),
+            interpret=interpret,
+            compiler_params=compiler_params,
+            name="taco_encode_groups",
+        )(x2, h)
+
+    codes, s, a = _per_platform(call, x2, h, vma=vma)
     codes, s, a = codes[:n], s[:n], a[:n]
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
@@ -206,14 +205,18 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block:
     vma = frozenset().union(*(vma_of(t) for t in args))
     h = pvary(jnp.asarray(hadamard(g)), vma)
     args = [pvary(t, vma) for t in args]
-    out = pl.pallas_call(
-        functools.partial(_decode_kernel, g=g, has_a=a is not None),
-        out_shape=shape_dtype((n_pad, g), jnp.float32, vma),
-        grid=(n_pad // bn,),
-        in_specs=specs + [pl.BlockSpec((g, g), lambda i: (0, 0))],
-        out_specs=pl.BlockSpec((bn, g), lambda i: (i, 0)),
-        interpret=_interpret(),
-        compiler_params=_compiler_params(),
-        name="taco_decode_groups",
-    )(*args, h)
+
+    def call(*operands, interpret, compiler_params):
+        return pl.pallas_call(
+            functools.partial(_decode_kernel, g=g, has_a=a is not None),
+            out_shape=shape_dtype((n_pad, g), jnp.float32, vma),
+            grid=(n_pad // bn,),
+            in_specs=specs + [pl.BlockSpec((g, g), lambda i: (0, 0))],
+            out_specs=pl.BlockSpec((bn, g), lambda i: (i, 0)),
+            interpret=interpret,
+            compiler_params=compiler_params,
+            name="taco_decode_groups",
+        )(*operands)
+
+    out = _per_platform(call, *args, h, vma=vma)
     return out[:n].reshape(*lead, n_groups, g)

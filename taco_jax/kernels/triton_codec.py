@@ -20,14 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
-from taco_jax.codec.reference import hadamard
+from taco_jax.codec.hadamard import hadamard
+from taco_jax.kernels._tiles import wht_chunk
 
 _BLOCK = 16  # groups per program (tl.dot needs >= 16 rows)
-
-
-def _chunk(g: int) -> int:
-    return min(g, 32 if g >= 256 else 64)
+#: The spec constants, passed to the kernels as `tl.constexpr` arguments (a @triton.jit function
+#: cannot read a module-level float).
+_SPEC = dict(EPS=C.EPS, A_MIN=C.ADAPTIVE_SCALE_MIN, A_MAX=C.ADAPTIVE_SCALE_MAX, S_MAX=C.SCALE_MAX)
 
 
 @functools.cache
@@ -54,6 +55,10 @@ def _kernels():
         R: tl.constexpr,
         SQRT_G: tl.constexpr,
         E4M3: tl.constexpr,
+        EPS: tl.constexpr,
+        A_MIN: tl.constexpr,
+        A_MAX: tl.constexpr,
+        S_MAX: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         rmask = rows < N
@@ -61,9 +66,10 @@ def _kernels():
         x = tl.load(x_ptr + rows[:, None] * G + cols[None, :], mask=rmask[:, None], other=0.0)
         count = tl.where(rows % N_GROUPS == N_GROUPS - 1, LAST_COUNT, G).to(tl.float32)
         m = tl.div_rn(tl.sum(x * x, axis=1), count)
-        v = tl.maximum(m + LAM, 1e-12, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.maximum(m + LAM, EPS, propagate_nan=tl.PropagateNan.ALL)
         a = tl.div_rn(tl.full((BLOCK,), FMAX, tl.float32), tl.sqrt_rn(v))
-        a = tl.minimum(tl.maximum(a, 1e-3, propagate_nan=tl.PropagateNan.ALL), 1e3, propagate_nan=tl.PropagateNan.ALL)
+        nan = tl.PropagateNan.ALL
+        a = tl.minimum(tl.maximum(a, A_MIN, propagate_nan=nan), A_MAX, propagate_nan=nan)
         xa = x * a[:, None]
         ccols = tl.arange(0, CHUNK)
         amax = tl.zeros((BLOCK,), tl.float32)
@@ -71,8 +77,8 @@ def _kernels():
             h = tl.load(h_ptr + cols[:, None] * G + (c * CHUNK + ccols)[None, :])
             y = tl.div_rn(tl.dot(xa, h, input_precision="ieee"), tl.full((BLOCK, CHUNK), SQRT_G, tl.float32))
             amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
-        s = tl.div_rn(tl.maximum(amax, 1e-12), tl.full((BLOCK,), R, tl.float32))
-        s = tl.minimum(tl.maximum(s, 1e-12), 1e6)
+        s = tl.div_rn(tl.maximum(amax, EPS), tl.full((BLOCK,), R, tl.float32))
+        s = tl.minimum(tl.maximum(s, EPS), S_MAX)
         n_bad = tl.sum(tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), axis=1)
         s = tl.where(n_bad == 0, s, float("nan"))
         for c in range(G // CHUNK):
@@ -101,6 +107,7 @@ def _kernels():
         CHUNK: tl.constexpr,
         HAS_A: tl.constexpr,
         SQRT_G: tl.constexpr,
+        EPS: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         rmask = rows < N
@@ -109,7 +116,7 @@ def _kernels():
         s = tl.load(s_ptr + rows, mask=rmask, other=1.0)
         y = q.to(tl.float32) * s[:, None]
         if HAS_A:
-            den = tl.maximum(tl.load(a_ptr + rows, mask=rmask, other=1.0), 1e-12, propagate_nan=tl.PropagateNan.ALL)
+            den = tl.maximum(tl.load(a_ptr + rows, mask=rmask, other=1.0), EPS, propagate_nan=tl.PropagateNan.ALL)
         ccols = tl.arange(0, CHUNK)
         for c in range(G // CHUNK):
             h = tl.load(h_ptr + cols[:, None] * G + (c * CHUNK + ccols)[None, :])
@@ -135,8 +142,6 @@ def _triton_call(*args, kernel, out, grid, name, **meta):
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
     """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`."""
     *lead, n_groups, g = xg.shape
-    if g != cfg.group_size:
-        raise ValueError(f"{xg.shape=} must end in group_size={cfg.group_size}")
     encode_kernel, _ = _kernels()
     x2 = xg.astype(jnp.float32).reshape(-1, g)
     n = x2.shape[0]
@@ -155,7 +160,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
         N=n,
         G=g,
         BLOCK=_BLOCK,
-        CHUNK=_chunk(g),
+        CHUNK=wht_chunk(g),
         N_GROUPS=n_groups,
         LAST_COUNT=int(last_count),
         LAM=float(np.float32(cfg.lam)),
@@ -163,6 +168,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
         R=float(np.float32(cfg.target_range)),
         SQRT_G=float(np.float32(math.sqrt(g))),
         E4M3=cfg.fmt == "e4m3",
+        **_SPEC,
     )
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
@@ -188,9 +194,10 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Ar
         N=n,
         G=g,
         BLOCK=_BLOCK,
-        CHUNK=_chunk(g),
+        CHUNK=wht_chunk(g),
         HAS_A=a is not None,
         SQRT_G=float(np.float32(math.sqrt(g))),
+        EPS=C.EPS,
     )
     return out.reshape(*lead, n_groups, g)
 

@@ -108,7 +108,7 @@ class TrainConfig:
         group size, FP8 format and non-finite policy, and Hadamard smoothing where the kind offers it."""
         if kind == "none":
             return NONE
-        kw = dict(kind=kind, fmt=self.fmt, group_size=self.group_size, nonfinite=self.nonfinite)
+        kw = dict(kind=kind, fmt=self.fmt, group_size=self.group_size, nonfinite=self.nonfinite, backend=self.backend)
         if kind in getattr(codec_config, "OPTIONAL_HADAMARD_KINDS", ()):
             kw["hadamard"] = True
         return CodecConfig(**kw)

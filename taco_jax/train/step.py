@@ -20,8 +20,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import kernels
-from taco_jax.collectives import SITES, CommPolicy
 from taco_jax.collectives.dp import sync_gradients, vary
 from taco_jax.models import make_model
 from taco_jax.parallel import ParallelContext, param_specs
@@ -175,8 +173,8 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     Raises: ValueError (from `make_mesh`) if the mesh does not match the device count.
     """
     mesh = make_mesh(cfg.mesh_axes, devices)
-    _check_backends(cfg.policy, mesh)
-    steps = make_steps(cfg.model_config, mesh, cfg.policy, sequence_parallel=cfg.sequence_parallel,
+    policy = cfg.policy.resolve_backends(n_devices=mesh.devices.size)  # concrete backends, before tracing
+    steps = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
                        microbatches=cfg.microbatches, schedule=cfg.schedule)
     tx = make_optimizer(cfg, _decay_mask(steps.abstract_state, steps.staged))
 
@@ -190,25 +188,6 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     eval_step = jax.jit(steps.loss)
     return Trainer(cfg, mesh, steps.graphdef, steps.abstract_state, steps.specs, tx, train_step, eval_step,
                    steps.staged)
-
-
-def _check_backends(policy: CommPolicy, mesh) -> None:
-    """Rejects codec backends that cannot run this training step (before anything compiles).
-
-    Raises:
-      ValueError: a site uses backend 'pallas' on a multi-device CPU mesh. On CPU Pallas runs the
-        TPU-semantics interpreter, whose per-call host callbacks stall inside a multi-device
-        training step (observed: `taco-jax train --backend pallas` never finished step 1); it is
-        for the kernel tests. Or a backend that is not available here (taco_jax.kernels.resolve).
-    """
-    for site in SITES:
-        codec = getattr(policy, site)
-        if codec.kind != "taco":  # only the taco group math has backends
-            continue
-        name = kernels.resolve(codec.backend)  # jax's default platform, as the codec itself uses
-        if name == "pallas" and jax.default_backend() == "cpu" and mesh.devices.size > 1:
-            raise ValueError(f"backend='pallas' (site {site}) runs the Pallas interpreter on CPU, which stalls in "
-                             f"a {mesh.devices.size}-device training step; use backend 'ffi', 'auto' or 'reference'")
 
 
 def _mean_over(x, axis):
