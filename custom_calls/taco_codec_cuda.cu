@@ -7,8 +7,9 @@
 // lanes with __shfl_xor_sync. Sum of squares and absmax are warp reductions. FP8 conversion
 // uses the hardware RNE saturating cvt (sm >= 89; emulated by cuda_fp8.h below that).
 //
-// Targets, attributes and shapes are those of taco_codec_cpu.cc (same Python wrapper):
-//   taco_encode, taco_decode, taco_fp8_cast. The `impl` attribute is accepted and ignored.
+// Targets, attributes and shapes are those of taco_codec_cpu.cc (same Python wrapper, same bound
+// signatures: taco_ffi_bind.h): taco_encode, taco_decode, taco_fp8_cast. The `impl` attribute is
+// accepted and ignored.
 //
 // Build (see Makefile): nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr
 //   -Xcompiler -fPIC -shared -I$(python -c "import jax; print(jax.ffi.include_dir())")
@@ -22,6 +23,8 @@
 #include <cstdint>
 #include <string>
 
+#include "taco_constants.h"
+#include "taco_ffi_bind.h"
 #include "taco_fp8.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -32,7 +35,6 @@ namespace {
 
 constexpr unsigned kFull = 0xFFFFFFFFu;
 constexpr int kWarpsPerBlock = 8;
-constexpr float kEps = 1e-12f;
 
 struct EncodeParams {
   float lam, fmax, range, sqrt_g, last_count;
@@ -183,8 +185,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     finite = __all_sync(kFull, finite);
     const float count = (gi % p.n_groups == p.n_groups - 1) ? p.last_count : static_cast<float>(G);
     const float m = __fdiv_rn(ss, count);
-    const float v = nan_max(__fadd_rn(m, p.lam), kEps);
-    const float a = nan_min(nan_max(__fdiv_rn(p.fmax, __fsqrt_rn(v)), 1e-3f), 1e3f);
+    const float v = nan_max(__fadd_rn(m, p.lam), EPS);
+    const float a = nan_min(nan_max(__fdiv_rn(p.fmax, __fsqrt_rn(v)), ADAPTIVE_SCALE_MIN), ADAPTIVE_SCALE_MAX);
     if (lane == 0) a_out[gi] = a;
     uint8_t b[E];
     if (!finite) {
@@ -204,7 +206,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     mx = warp_max(mx);
     // 4. s; 5. codes = fp8(clamp(raw / (sqrt(G) s), -R, R))
     const float ymax = __fdiv_rn(mx, p.sqrt_g);
-    const float s = fminf(fmaxf(__fdiv_rn(fmaxf(ymax, kEps), p.range), kEps), 1e6f);
+    const float s = fminf(fmaxf(__fdiv_rn(fmaxf(ymax, EPS), p.range), EPS), SCALE_MAX);
     const float k = static_cast<float>(1.0 / (static_cast<double>(p.sqrt_g) * static_cast<double>(s)));
 #pragma unroll
     for (int i = 0; i < E; ++i) b[i] = quantize<FMT>(fminf(fmaxf(__fmul_rn(y[i], k), -p.range), p.range));
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     load_u8<E>(q + gi * G + lane * E, b);
     const float sg = s[gi];
     double d = sqrt_g;
-    if (a != nullptr) d *= static_cast<double>(nan_max(a[gi], kEps));
+    if (a != nullptr) d *= static_cast<double>(nan_max(a[gi], EPS));
     const float k = static_cast<float>(1.0 / d);
     float y[E];
 #pragma unroll
@@ -362,36 +364,4 @@ ffi::Error CastImpl(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<ffi::Any
 }  // namespace
 }  // namespace taco
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoEncodeCuda, taco::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("fmt")
-                                  .Attr<float>("lam")
-                                  .Attr<float>("fmax")
-                                  .Attr<float>("target_range")
-                                  .Attr<int64_t>("n_groups")
-                                  .Attr<int64_t>("last_count")
-                                  .Attr<int32_t>("impl"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoDecodeCuda, taco::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("has_a")
-                                  .Attr<int32_t>("impl"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoFp8CastCuda, taco::CastImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("clamp")
-                                  .Attr<int32_t>("impl"));
+TACO_FFI_DEFINE_HANDLERS(Cuda, ffi::PlatformStream<cudaStream_t>);

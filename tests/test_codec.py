@@ -171,3 +171,23 @@ def test_bad_messages_raise():
         encode(jnp.ones((4,), jnp.int32), TACO)
     with pytest.raises(ValueError, match="kind 'taco'"):
         encode(jnp.ones((4,)), NONE)
+
+
+def test_spec_constants_agree_with_the_cpp_header_and_ml_dtypes():
+    """custom_calls/taco_constants.h carries the names and values of taco_jax.codec.constants."""
+    import re  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from taco_jax.codec import constants  # noqa: PLC0415
+    from taco_jax.codec.config import fp8_max  # noqa: PLC0415
+
+    header = (Path(__file__).resolve().parents[1] / "custom_calls" / "taco_constants.h").read_text()
+    found = dict(re.findall(r"constexpr\s+(?:float|int)\s+(\w+)\s*=\s*([-+0-9.eE]+)f?\s*;", header))
+    want = {"EPS", "ADAPTIVE_SCALE_MIN", "ADAPTIVE_SCALE_MAX", "SCALE_MAX", "E4M3_MAX", "E5M2_MAX",
+            "MIN_GROUP_SIZE", "MAX_GROUP_SIZE"}
+    assert set(found) == want, sorted(set(found) ^ want)
+    for name, text in found.items():
+        assert np.float32(float(text)) == np.float32(getattr(constants, name)), name
+    assert (constants.E4M3_MAX, constants.E5M2_MAX) == (fp8_max("e4m3"), fp8_max("e5m2"))
+    lo, hi = constants.MIN_GROUP_SIZE, constants.MAX_GROUP_SIZE
+    assert constants.GROUP_SIZES == tuple(2**k for k in range(lo.bit_length() - 1, hi.bit_length()))

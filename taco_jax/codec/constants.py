@@ -21,5 +21,8 @@ E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 #: Default λ added to a group's mean square before the adaptive scale.
 DEFAULT_LAM = 1e-6
-#: Group sizes G the codec and every kernel support (powers of two: the WHT needs one).
+#: Group sizes G the codec and every kernel support: the powers of two (the WHT needs one) from
+#: MIN_GROUP_SIZE to MAX_GROUP_SIZE.
+MIN_GROUP_SIZE = 32
+MAX_GROUP_SIZE = 512
 GROUP_SIZES = (32, 64, 128, 256, 512)

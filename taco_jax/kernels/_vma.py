@@ -1,5 +1,8 @@
 """Varying-manual-axes (vma) helpers, so kernel outputs keep their inputs' type inside `shard_map(check_vma=True)`.
 
+The one home of these helpers for every floor from kernels up (`taco_jax.collectives.dp.varying_axes` /
+`vary` are the same two functions and are to be replaced by `vma_of` / `pvary`).
+
 jax 0.10 spells the type `ShapedArray.manual_axis_type` (`jax.sharding.ManualAxisType`); later
 versions `aval.vma`. A custom call whose output type lacks the inputs' varying axes would be
 taken as replicated (invariant) by later collectives, so every kernel declares it explicitly.
@@ -28,9 +31,10 @@ def shape_dtype(shape, dtype, vma: frozenset) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def pvary(x, vma: frozenset):
-    """Marks `x` as varying over the axes of `vma` it does not vary over yet."""
-    missing = tuple(sorted(vma - vma_of(x)))
+def pvary(x, vma):
+    """Marks `x` as varying over the axes of `vma` (any iterable of axis names; None entries are
+    ignored) it does not vary over yet; identity forward."""
+    missing = tuple(sorted({a for a in vma if a is not None} - vma_of(x)))
     if not missing:
         return x
     if hasattr(jax.lax, "pcast"):

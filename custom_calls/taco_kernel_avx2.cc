@@ -1,0 +1,524 @@
+// AVX2+FMA+F16C CPU kernels of the TACO group codec (see taco_kernel_avx2.h and README.md).
+
+#include "taco_kernel_avx2.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "taco_kernel_scalar.h"
+
+#if TACO_X86
+#include <immintrin.h>
+#endif
+
+namespace taco {
+
+#if TACO_X86
+namespace {
+
+constexpr int64_t kPrefetchFloats = 2048;  // encoder's software prefetch distance (G <= 256)
+
+#define TACO_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Eight 8-lane accumulators -> one vector of their eight sums (order: see hsum8).
+TACO_AVX2 inline __m256 hsum8x8(const __m256* v) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Eight vectors -> one vector of their eight horizontal maxima (max is exact: any order).
+TACO_AVX2 inline __m256 hmax8x8(const __m256* m) {
+  __m256 b[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256* v = m + 4 * h;
+    const __m256 a01 = _mm256_max_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    const __m256 a23 = _mm256_max_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    b[h] = _mm256_max_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE));
+  }
+  return _mm256_max_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+// NaN-propagating max/min against a constant c (MAXPS returns its 2nd operand on NaN).
+TACO_AVX2 inline __m256 nan_max_c(__m256 x, __m256 c) { return _mm256_max_ps(c, x); }
+TACO_AVX2 inline __m256 nan_min_c(__m256 x, __m256 c) { return _mm256_min_ps(c, x); }
+
+// 8 x 1 / (double(c) * double(d)) rounded to float: the decode factor and 1/(sqrt(G) s).
+TACO_AVX2 inline __m256 recip_prod_pd(__m256 c, __m256 d) {
+  const __m256d one = _mm256_set1_pd(1.0);
+  const __m256d lo = _mm256_div_pd(one, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(c)),
+                                                      _mm256_cvtps_pd(_mm256_castps256_ps128(d))));
+  const __m256d hi = _mm256_div_pd(one, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(c, 1)),
+                                                      _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1))));
+  return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+}
+
+// 8 x n / (double(c) * double(d)) rounded to float: k = a / (sqrt(G) s) of the fused encoder.
+TACO_AVX2 inline __m256 ratio_pd(__m256 n, __m256 c, __m256 d) {
+  const __m256d lo = _mm256_div_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(n)),
+                                   _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(c)),
+                                                 _mm256_cvtps_pd(_mm256_castps256_ps128(d))));
+  const __m256d hi = _mm256_div_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(n, 1)),
+                                   _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(c, 1)),
+                                                 _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1))));
+  return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+}
+
+// In-register butterflies over element strides 1, 2, 4 of one 8-float vector:
+// out = x * sign + swapped, i.e. u + w in the lower half of each pair, u - w in the upper.
+TACO_AVX2 inline __m256 wht8(__m256 x) {
+  const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+  const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+  const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+  x = _mm256_fmadd_ps(x, sg1, _mm256_permute_ps(x, 0xB1));
+  x = _mm256_fmadd_ps(x, sg2, _mm256_permute_ps(x, 0x4E));
+  x = _mm256_fmadd_ps(x, sg4, _mm256_permute2f128_ps(x, x, 0x01));
+  return x;
+}
+
+// Butterflies across vectors (element strides 8, 16, ..., 8 (V/2)).
+template <int V>
+TACO_AVX2 inline void wht_cross(__m256* y) {
+#pragma GCC unroll 16
+  for (int h = 1; h < V; h <<= 1) {
+#pragma GCC unroll 64
+    for (int j0 = 0; j0 < V; j0 += 2 * h) {
+#pragma GCC unroll 64
+      for (int j = j0; j < j0 + h; ++j) {
+        const __m256 u = y[j], w = y[j + h];
+        y[j] = _mm256_add_ps(u, w);
+        y[j + h] = _mm256_sub_ps(u, w);
+      }
+    }
+  }
+}
+
+// Butterflies over vector strides 8 .. V/2 on a group held in memory (L1), after the
+// 64-element blocks were transformed in registers; folds the absmax into the last stage.
+template <int V>
+TACO_AVX2 inline void wht_cross_mem(float* yb, __m256* absmax) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  for (int h = 8; h < V; h <<= 1) {
+    const bool last = 2 * h == V;
+    for (int i0 = 0; i0 < V; i0 += 2 * h) {
+#pragma GCC unroll 8
+      for (int j = i0; j < i0 + h; ++j) {
+        const __m256 u = _mm256_load_ps(yb + 8 * j), w = _mm256_load_ps(yb + 8 * (j + h));
+        const __m256 sum = _mm256_add_ps(u, w), diff = _mm256_sub_ps(u, w);
+        _mm256_store_ps(yb + 8 * j, sum);
+        _mm256_store_ps(yb + 8 * (j + h), diff);
+        if (absmax != nullptr && last) {
+          *absmax = _mm256_max_ps(*absmax, _mm256_max_ps(_mm256_andnot_ps(sign_mask, sum), _mm256_andnot_ps(sign_mask, diff)));
+        }
+      }
+    }
+  }
+}
+
+// float -> FP8 for any input (same rules as f32_to_e4m3 / f32_to_e5m2: ml_dtypes-exact,
+// overflow to NaN / Inf), 8 lanes -> int32 codes 0..255. Used by the cast target.
+template <int FMT>
+TACO_AVX2 inline __m256i f32_to_fp8_avx(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(0x80));
+  const __m256i ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
+  constexpr int kM = FMT == kE4M3 ? 3 : 2;
+  constexpr int kBias = FMT == kE4M3 ? 7 : 15;
+  constexpr int kSh = 23 - kM;
+  // Normal: round the mantissa to kM bits (ties to even), rebias the exponent.
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(ab, kSh), _mm256_set1_epi32(1));
+  const __m256i rnd = _mm256_add_epi32(ab, _mm256_add_epi32(lsb, _mm256_set1_epi32((1 << (kSh - 1)) - 1)));
+  __m256i code = _mm256_sub_epi32(_mm256_srli_epi32(rnd, kSh), _mm256_set1_epi32((127 - kBias) << kM));
+  // Subnormal: |v| / 2^(1 - bias - m) rounded to an integer (exact power-of-two scaling).
+  const float sub_unit_inv = FMT == kE4M3 ? 512.0f : 65536.0f;
+  const __m256 scaled = _mm256_mul_ps(_mm256_castsi256_ps(ab), _mm256_set1_ps(sub_unit_inv));
+  const __m256i sub = _mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const int min_normal_bits = (127 - kBias + 1) << 23;
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(min_normal_bits), ab);
+  code = _mm256_blendv_epi8(code, sub, is_sub);
+  if (FMT == kE4M3) {
+    const __m256i ovf = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x43E80000));  // > 464, Inf, NaN
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), ovf);
+  } else {
+    code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7C));  // >= 61440 and Inf -> Inf
+    const __m256i nan = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x7F800000));
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7E), nan);
+  }
+  return _mm256_or_si256(code, sign);
+}
+
+// The codec's quantizer, |fp8(clamp(v, -r, r))| for finite (non-NaN) v and 0 < r <= F, in a
+// pre-packed form. Rounds |v| to the FP8 grid by adding a magic number C = 2^(E + 23 - kM) whose
+// ulp is the grid step at |v|'s binade E (at least the subnormal step): t = |v| + C rounds to
+// nearest even in the FPU's default mode, and t's bits are ((E + 23 - kM) << 23) + steps, steps
+// <= 2^(kM+1). So t's high 16 bits are (E + 23 - kM) << 7 and its low 16 bits are steps, and one
+// multiply-add of the 16-bit halves, lo * 2^(7 - kM) + hi, gives 2^(7 - kM) * (code + kOff) as an
+// int32 below 2^15; pack4_signed_fp8 shifts and subtracts kOff after the first pack, on 16 lanes.
+// Same result as f32_to_fp8_avx on the clamped value (tested exhaustively against ml_dtypes
+// through the cast target's `clamp` attribute, which runs this quantizer and packing).
+template <int FMT>
+struct Fp8Pre {
+  static constexpr int kM = FMT == kE4M3 ? 3 : 2;
+  static constexpr int kMinE = FMT == kE4M3 ? 121 : 113;  // f32 biased exponent of the min normal
+  static constexpr int kShift = 7 - kM;
+  static constexpr int kOff = (kMinE + 23 - kM) << kM;  // 1128 (E4M3), 536 (E5M2)
+};
+
+template <int FMT>
+TACO_AVX2 inline __m256i fp8_quantize_pre_avx(__m256 v, __m256 r) {
+  using P = Fp8Pre<FMT>;
+  const __m256 av = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), r);
+  const __m256i e = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(av), _mm256_set1_epi32(0x7F800000)),
+                                     _mm256_set1_epi32(P::kMinE << 23));
+  const __m256i c = _mm256_add_epi32(e, _mm256_set1_epi32((23 - P::kM) << 23));
+  const __m256i t = _mm256_castps_si256(_mm256_add_ps(av, _mm256_castsi256_ps(c)));
+  return _mm256_madd_epi16(t, _mm256_set1_epi32((1 << 16) | (1 << P::kShift)));
+}
+
+// Packs 4 vectors of int32 codes (0..255) into 32 bytes in element order.
+TACO_AVX2 inline __m256i pack4(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i p01 = _mm256_packs_epi32(c0, c1);
+  const __m256i p23 = _mm256_packs_epi32(c2, c3);
+  const __m256i b = _mm256_packus_epi16(p01, p23);
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Packs 4 outputs of fp8_quantize_pre_avx into 32 codes in element order, with the sign bits
+// (bit 31) of 4 more vectors f: packing int32 -> int16 -> int8 with signed saturation keeps each
+// sign in the byte's bit 7, so one AND + OR per 32 codes sets all the signs.
+template <int FMT>
+TACO_AVX2 inline __m256i pack4_signed_fp8(const __m256i* c, const __m256i* f) {
+  using P = Fp8Pre<FMT>;
+  const __m256i off = _mm256_set1_epi16(P::kOff);
+  const __m256i m01 = _mm256_sub_epi16(_mm256_srli_epi16(_mm256_packs_epi32(c[0], c[1]), P::kShift), off);
+  const __m256i m23 = _mm256_sub_epi16(_mm256_srli_epi16(_mm256_packs_epi32(c[2], c[3]), P::kShift), off);
+  const __m256i mag = _mm256_packus_epi16(m01, m23);
+  const __m256i sgn = _mm256_packs_epi16(_mm256_packs_epi32(f[0], f[1]), _mm256_packs_epi32(f[2], f[3]));
+  const __m256i b = _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// 8 FP8 codes (low 8 bytes of c) -> 8 floats (exact; NaN / Inf codes included).
+template <int FMT>
+TACO_AVX2 inline __m256 fp8_to_f32_avx(__m128i c8) {
+  if (FMT == kE5M2) {  // E5M2 is the top byte of an IEEE half: exact, Inf/NaN included.
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(c8), 8));
+  }
+  const __m256i c = _mm256_cvtepu8_epi32(c8);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  const __m256i em = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23));
+  const __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0.001953125f)));
+  __m256i r = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F)));
+  return _mm256_castsi256_ps(_mm256_or_si256(r, sign));
+}
+
+// 16 FP8 codes -> 16 values scaled by 2^-8 (E4M3) or 1 (E5M2), as IEEE halves widened to
+// float: E4M3's bits shifted into a half's exponent/mantissa give the value times 2^-8
+// (subnormals included, since both formats put the subnormal point at the same place); the
+// NaN code 0x7F is mapped to a half NaN. The decoder multiplies by s * 2^8, which is exact.
+template <int FMT>
+TACO_AVX2 inline void fp8x16_to_f32_scaled(__m128i c16, __m256* lo, __m256* hi) {
+  const __m256i c = _mm256_cvtepu8_epi16(c16);
+  __m256i h;
+  if (FMT == kE5M2) {
+    h = _mm256_slli_epi16(c, 8);
+  } else {
+    const __m256i em7 = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(0x3F80));
+    const __m256i sgn = _mm256_and_si256(_mm256_slli_epi16(c, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000)));
+    const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(em7, _mm256_set1_epi16(0x3F80)), _mm256_set1_epi16(0x7E00));
+    h = _mm256_or_si256(_mm256_or_si256(em7, sgn), nan);
+  }
+  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// Encodes groups [g0, g1) in blocks of 8 (4 for G = 512), one pass over the input:
+// (1) per group, load x once: sum of squares (8 lanes) and the raw transform WHT(x) in
+// registers (G = 128: stride 64 first, then two 64-element halves; G >= 256: wider strides
+// through an L1 scratch), absmax, spilled to the scratch;
+// (2) for the block, the adaptive scales a and quantization scales s as vectors (div / sqrt off
+// each group's critical path), with a folded into k = a / (sqrt(G) s); (3) quantize and store.
+// Groups whose sum of squares is not finite take the exact path (NaN codes, or y = WHT(a x)).
+template <int V, int FMT>
+TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float* a_out, int64_t g0,
+                                int64_t g1, const EncodeParams& p, bool stream) {
+  constexpr int G = 8 * V;
+  // Groups per block: 8 (one vector lane each), 4 for G = 512 so that the block's transforms
+  // (4 x 2 KiB) and input stay in L1.
+  constexpr int kB = V >= 64 ? 4 : 8;
+  alignas(32) float ybuf[kB][G];
+  alignas(32) float cnt[8], av[8], sv[8], kv[8];
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256 vr = _mm256_set1_ps(p.range);
+  for (int64_t b0 = g0; b0 < g1; b0 += kB) {
+    const int nb = static_cast<int>(std::min<int64_t>(kB, g1 - b0));
+    // 1. one pass per group: sum of squares, raw WHT, absmax
+    __m256 acc[8], mxv[8];
+    int64_t r = b0 % p.n_groups;  // position of group b0 in its message
+    for (int b = 0; b < 8; ++b) {
+      acc[b] = zero;
+      mxv[b] = zero;
+      cnt[b] = 1.0f;
+      if (b >= nb) continue;
+      const float* xp = x + (b0 + b) * G;
+      __m256 sq = zero, mx = zero;
+      if constexpr (V <= 8) {  // whole group in registers
+        __m256 y[V];
+#pragma GCC unroll 64
+        for (int j = 0; j < V; ++j) {
+          if (j % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(xp + 8 * j + kPrefetchFloats), _MM_HINT_T0);
+          const __m256 v = _mm256_loadu_ps(xp + 8 * j);
+          sq = _mm256_add_ps(sq, _mm256_mul_ps(v, v));
+          y[j] = wht8(v);
+        }
+        wht_cross<V>(y);
+#pragma GCC unroll 64
+        for (int j = 0; j < V; ++j) {
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
+          _mm256_store_ps(ybuf[b] + 8 * j, y[j]);
+        }
+      } else if constexpr (V == 16) {
+        // G = 128: the stride-64 butterfly first, straight from the loads (x[i] +- x[i + 64]),
+        // then each 64-element half in registers; absmax from registers, one store per vector.
+        // Sums of squares: two accumulators (first and second half of x), then added.
+        float* yb = ybuf[b];
+        __m256 sq2 = zero;
+        __m256 y[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(xp + 8 * j + kPrefetchFloats), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(xp + 64 + 8 * j + kPrefetchFloats), _MM_HINT_T0);
+          const __m256 u = _mm256_loadu_ps(xp + 8 * j), w = _mm256_loadu_ps(xp + 64 + 8 * j);
+          sq = _mm256_fmadd_ps(u, u, sq);
+          sq2 = _mm256_fmadd_ps(w, w, sq2);
+          y[j] = wht8(_mm256_add_ps(u, w));
+        }
+        sq = _mm256_add_ps(sq, sq2);
+        wht_cross<8>(y);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
+          _mm256_store_ps(yb + 8 * j, y[j]);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) y[j] = wht8(_mm256_sub_ps(_mm256_loadu_ps(xp + 8 * j), _mm256_loadu_ps(xp + 64 + 8 * j)));
+        wht_cross<8>(y);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
+          _mm256_store_ps(yb + 64 + 8 * j, y[j]);
+        }
+      } else {  // 64-element blocks in registers, then the wider strides through L1
+        float* yb = ybuf[b];
+        for (int j0 = 0; j0 < V; j0 += 8) {
+          __m256 y[8];
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) {
+            if (V <= 32 && j % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(xp + 8 * (j0 + j) + kPrefetchFloats), _MM_HINT_T0);
+            const __m256 v = _mm256_loadu_ps(xp + 8 * (j0 + j));
+            sq = _mm256_add_ps(sq, _mm256_mul_ps(v, v));
+            y[j] = wht8(v);
+          }
+          wht_cross<8>(y);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) _mm256_store_ps(yb + 8 * (j0 + j), y[j]);
+        }
+        wht_cross_mem<V>(yb, &mx);
+      }
+      acc[b] = sq;
+      mxv[b] = mx;
+      cnt[b] = r == p.n_groups - 1 ? p.last_count : static_cast<float>(G);
+      r = r + 1 == p.n_groups ? 0 : r + 1;
+    }
+    // 2. adaptive scales a (spec §2 steps 1-2, the reference's ops in the same order)
+    const __m256 ss = hsum8x8(acc);
+    const __m256 m = _mm256_div_ps(ss, _mm256_load_ps(cnt));
+    const __m256 v = nan_max_c(_mm256_add_ps(m, _mm256_set1_ps(p.lam)), _mm256_set1_ps(EPS));
+    const __m256 a = nan_min_c(nan_max_c(_mm256_div_ps(_mm256_set1_ps(p.fmax), _mm256_sqrt_ps(v)), _mm256_set1_ps(ADAPTIVE_SCALE_MIN)),
+                               _mm256_set1_ps(ADAPTIVE_SCALE_MAX));
+    _mm256_store_ps(av, a);
+    // A non-finite sum of squares: the group holds NaN/Inf, or finite values overflowed it.
+    const int slow =
+        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign_mask, ss), _mm256_set1_ps(INFINITY), _CMP_NLT_UQ)) &
+        ((1 << nb) - 1);
+    // 3. quantization scales s from y_max = a M / sqrt(G); factors k = a / (sqrt(G) s)
+    const __m256 vsq = _mm256_set1_ps(p.sqrt_g);
+    const __m256 ymax = _mm256_div_ps(_mm256_mul_ps(hmax8x8(mxv), a), vsq);
+    const __m256 s = _mm256_min_ps(_mm256_set1_ps(SCALE_MAX),
+                                   _mm256_max_ps(_mm256_set1_ps(EPS), _mm256_div_ps(_mm256_max_ps(_mm256_set1_ps(EPS), ymax), vr)));
+    _mm256_store_ps(sv, s);
+    _mm256_store_ps(kv, ratio_pd(a, vsq, s));
+    // 4. codes
+    for (int b = 0; b < nb; ++b) {
+      const int64_t gi = b0 + b;
+      uint8_t* qp = q + gi * G;
+      a_out[gi] = av[b];
+      if ((slow >> b) & 1) {
+        const float* xp = x + gi * G;
+        if (std::all_of(xp, xp + G, [](float t) { return std::isfinite(t); })) {
+          encode_group_exact(xp, qp, s_out + gi, av[b], p);
+        } else {
+          s_out[gi] = std::nanf("");
+          std::memset(qp, fp8_nan(FMT), G);
+        }
+        continue;
+      }
+      s_out[gi] = sv[b];
+      const __m256 vk = _mm256_broadcast_ss(kv + b);
+#pragma GCC unroll 16
+      for (int j = 0; j < V; j += 4) {
+        __m256i c[4], sgn[4];
+        for (int t = 0; t < 4; ++t) {
+          const __m256 yv = _mm256_load_ps(ybuf[b] + 8 * (j + t));
+          sgn[t] = _mm256_castps_si256(yv);  // k > 0: the code's sign is y's
+          c[t] = fp8_quantize_pre_avx<FMT>(_mm256_mul_ps(yv, vk), vr);
+        }
+        const __m256i packed = pack4_signed_fp8<FMT>(c, sgn);
+        if (stream) {
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(qp + 8 * j), packed);
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + 8 * j), packed);
+        }
+      }
+    }
+  }
+  if (stream) _mm_sfence();  // streaming stores are weakly ordered: fence on this thread
+}
+
+TACO_AVX2 inline void store8(float* p, __m256 v, bool stream) {
+  if (stream) {
+    _mm256_stream_ps(p, v);
+  } else {
+    _mm256_storeu_ps(p, v);
+  }
+}
+
+template <int V, int FMT>
+TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a, float sqrt_g,
+                                float* out, int64_t g0, int64_t g1, bool stream) {
+  constexpr int G = 8 * V;
+  alignas(32) float kv[8], amax[8];
+  alignas(32) float ybuf[V > 16 ? G : 8];
+  for (int64_t b0 = g0; b0 < g1; b0 += 8) {
+    const int nb = static_cast<int>(std::min<int64_t>(8, g1 - b0));
+    for (int b = 0; b < 8; ++b) amax[b] = (a != nullptr && b < nb) ? nan_max(a[b0 + b], EPS) : 1.0f;
+    _mm256_store_ps(kv, recip_prod_pd(_mm256_set1_ps(sqrt_g), _mm256_load_ps(amax)));
+    for (int b = 0; b < nb; ++b) {
+      const int64_t gi = b0 + b;
+      const uint8_t* qp = q + gi * G;
+      float* op = out + gi * G;
+      // s * 2^8 for E4M3 (see fp8x16_to_f32_scaled): exact, so f32(q) * s is unchanged.
+      const __m256 vs = _mm256_set1_ps(FMT == kE4M3 ? s[gi] * 256.0f : s[gi]);
+      const __m256 vk = _mm256_broadcast_ss(kv + b);
+      if constexpr (V <= 16) {  // whole group in registers
+        __m256 y[V];
+#pragma GCC unroll 64
+        for (int j = 0; j < V; j += 2) {
+          __m256 lo, hi;
+          fp8x16_to_f32_scaled<FMT>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + 8 * j)), &lo, &hi);
+          y[j] = wht8(_mm256_mul_ps(lo, vs));
+          y[j + 1] = wht8(_mm256_mul_ps(hi, vs));
+        }
+        wht_cross<V>(y);
+#pragma GCC unroll 64
+        for (int j = 0; j < V; ++j) store8(op + 8 * j, _mm256_mul_ps(y[j], vk), stream);
+      } else {  // 64-element blocks in registers, the wider strides through an L1 scratch
+        for (int j0 = 0; j0 < V; j0 += 8) {
+          __m256 y[8];
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; j += 2) {
+            __m256 lo, hi;
+            fp8x16_to_f32_scaled<FMT>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + 8 * (j0 + j))), &lo, &hi);
+            y[j] = wht8(_mm256_mul_ps(lo, vs));
+            y[j + 1] = wht8(_mm256_mul_ps(hi, vs));
+          }
+          wht_cross<8>(y);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) _mm256_store_ps(ybuf + 8 * (j0 + j), y[j]);
+        }
+        wht_cross_mem<V>(ybuf, nullptr);
+        for (int j = 0; j < V; ++j) store8(op + 8 * j, _mm256_mul_ps(_mm256_load_ps(ybuf + 8 * j), vk), stream);
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+}
+
+template <int FMT>
+EncodeFn EncodeAvxFor(int g) {
+  switch (g) {
+    case 32: return &encode_range_avx<4, FMT>;
+    case 64: return &encode_range_avx<8, FMT>;
+    case 128: return &encode_range_avx<16, FMT>;
+    case 256: return &encode_range_avx<32, FMT>;
+    case 512: return &encode_range_avx<64, FMT>;
+    default: return nullptr;
+  }
+}
+
+template <int FMT>
+DecodeFn DecodeAvxFor(int g) {
+  switch (g) {
+    case 32: return &decode_range_avx<4, FMT>;
+    case 64: return &decode_range_avx<8, FMT>;
+    case 128: return &decode_range_avx<16, FMT>;
+    case 256: return &decode_range_avx<32, FMT>;
+    case 512: return &decode_range_avx<64, FMT>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+EncodeFn EncodeAvx(int fmt, int g) { return fmt == kE4M3 ? EncodeAvxFor<kE4M3>(g) : EncodeAvxFor<kE5M2>(g); }
+DecodeFn DecodeAvx(int fmt, int g) { return fmt == kE4M3 ? DecodeAvxFor<kE4M3>(g) : DecodeAvxFor<kE5M2>(g); }
+
+TACO_AVX2 void cast_to_fp8_avx(const float* x, uint8_t* q, int64_t n, int fmt, float clamp) {
+  const __m256 r = _mm256_set1_ps(clamp);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256i c[4], sgn[4];
+    for (int t = 0; t < 4; ++t) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * t);
+      sgn[t] = _mm256_castps_si256(v);
+      if (clamp > 0) {  // the encoder's quantizer and packing, so the exhaustive tests cover them
+        c[t] = fmt == kE4M3 ? fp8_quantize_pre_avx<kE4M3>(v, r) : fp8_quantize_pre_avx<kE5M2>(v, r);
+      } else {
+        c[t] = fmt == kE4M3 ? f32_to_fp8_avx<kE4M3>(v) : f32_to_fp8_avx<kE5M2>(v);
+      }
+    }
+    const __m256i packed = clamp <= 0 ? pack4(c[0], c[1], c[2], c[3])
+                           : fmt == kE4M3 ? pack4_signed_fp8<kE4M3>(c, sgn)
+                                          : pack4_signed_fp8<kE5M2>(c, sgn);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), packed);
+  }
+  for (; i < n; ++i) q[i] = f32_to_fp8(clamp > 0 ? std::min(std::max(x[i], -clamp), clamp) : x[i], fmt);
+}
+
+TACO_AVX2 void cast_from_fp8_avx(const uint8_t* q, float* x, int64_t n, int fmt) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+    _mm256_storeu_ps(x + i, fmt == kE4M3 ? fp8_to_f32_avx<kE4M3>(c8) : fp8_to_f32_avx<kE5M2>(c8));
+  }
+  for (; i < n; ++i) x[i] = fp8_to_f32(q[i], fmt);
+}
+
+bool HaveAvx2() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+}
+#else
+bool HaveAvx2() { return false; }
+#endif  // TACO_X86
+
+}  // namespace taco

@@ -1,0 +1,32 @@
+// AVX2+FMA+F16C CPU kernels of the TACO group codec, compiled for that target function by function
+// (__attribute__((target))) and chosen at run time, so the library runs on any x86-64 (and builds
+// elsewhere, where HaveAvx2() is false). Bit-identical to the scalar kernels (taco_kernel_scalar.h).
+#pragma once
+
+#include <cstdint>
+
+#include "taco_cpu_common.h"
+
+namespace taco {
+
+// Whether this CPU has AVX2, FMA and F16C (read once).
+bool HaveAvx2();
+
+// Encodes groups [g0, g1) of x (f32, G per group) into codes q and scales s_out, a_out;
+// `stream`: use streaming stores for the codes (q 32-byte aligned).
+using EncodeFn = void (*)(const float* x, uint8_t* q, float* s_out, float* a_out, int64_t g0, int64_t g1,
+                          const EncodeParams& p, bool stream);
+// Decodes groups [g0, g1) (a = nullptr for the folded layout) into out.
+using DecodeFn = void (*)(const uint8_t* q, const float* s, const float* a, float sqrt_g, float* out, int64_t g0,
+                          int64_t g1, bool stream);
+
+#if TACO_X86
+// The kernels for FP8 format `fmt` and group size g (nullptr for a G outside 32..512).
+EncodeFn EncodeAvx(int fmt, int g);
+DecodeFn DecodeAvx(int fmt, int g);
+// Elementwise float32 -> FP8 (clamp > 0: through the encoder's quantizer, clamped to +-clamp) and back.
+void cast_to_fp8_avx(const float* x, uint8_t* q, int64_t n, int fmt, float clamp);
+void cast_from_fp8_avx(const uint8_t* q, float* x, int64_t n, int fmt);
+#endif
+
+}  // namespace taco

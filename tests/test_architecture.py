@@ -1,0 +1,104 @@
+"""The import graph of taco_jax/ is one-way: floors codec -> kernels -> collectives -> parallel -> models ->
+train -> cli (a floor imports only its own floor and lower ones), and no module-level import cycle.
+
+Read from the source with `ast` (nothing is imported); imports inside functions count too, so a lazy
+import cannot hide an arrow that runs back up.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "taco_jax"
+#: Lowest floor first. `data` (the dataset) depends on nothing of taco_jax and sits with the models.
+FLOORS = {"codec": 0, "kernels": 1, "collectives": 2, "parallel": 3, "models": 4, "data": 4, "train": 5, "cli": 6}
+#: Known arrows up, being removed on other branches (issue 10): the lead empties this list after merging.
+ALLOWED_UPWARD = {
+    ("taco_jax.parallel.pipeline", "taco_jax.models"),  # GPT adapter -> models get embed/layers/head_loss
+    ("taco_jax.parallel.context", "taco_jax.train.capture"),  # capture tap -> installed by train/
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """taco_jax modules `name` imports (`from pkg import sub` counts as pkg.sub when that is a module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in modules else base)
+    return {m for m in out if m.split(".")[0] == "taco_jax" and m != name}
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    return FLOORS.get(parts[1]) if len(parts) > 1 else None  # the package root has no floor
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_subpackage_has_a_floor():
+    subs = {p.name if p.is_dir() else p.stem for p in ROOT.iterdir()
+            if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
+    assert subs <= set(FLOORS), f"give {sorted(subs - set(FLOORS))} a floor in FLOORS"
+
+
+def test_no_import_runs_from_a_lower_floor_to_a_higher_one(graph):
+    upward = {(a, b) for a, targets in graph.items() for b in targets
+              if _floor(a) is not None and _floor(b) is not None and _floor(b) > _floor(a)}
+    new = sorted(upward - ALLOWED_UPWARD)
+    assert not new, "imports from a lower floor to a higher one (order: codec -> kernels -> collectives -> " \
+                    f"parallel -> models -> train -> cli): {new}"
+    gone = sorted(ALLOWED_UPWARD - upward)
+    assert not gone, f"remove these from ALLOWED_UPWARD, they are fixed: {gone}"
+
+
+def test_no_import_cycle(graph):
+    done, stack, on_stack = set(), [], set()
+
+    def visit(m):
+        stack.append(m)
+        on_stack.add(m)
+        for n in sorted(graph.get(m, ())):
+            if n in on_stack:
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in done:
+                visit(n)
+        stack.pop()
+        on_stack.discard(m)
+        done.add(m)
+
+    for m in sorted(graph):
+        if m not in done:
+            visit(m)
+
+
+def test_the_graph_sees_known_arrows(graph):
+    """Guards the parser itself: a few imports that exist must be found."""
+    assert "taco_jax.codec.config" in graph["taco_jax.codec.reference"]
+    assert "taco_jax.codec.backends" in graph["taco_jax.kernels"]
+    assert "taco_jax.kernels" in graph["taco_jax.collectives.policy"]
