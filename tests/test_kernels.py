@@ -19,12 +19,13 @@ from taco_jax.codec import encode, reference  # noqa: E402
 from taco_jax.codec.config import CodecConfig  # noqa: E402
 from taco_jax.collectives.policy import CommPolicy  # noqa: E402
 from taco_jax.kernels import ffi_codec  # noqa: E402
+from taco_jax.kernels._platform import default_platform  # noqa: E402
 from taco_jax.kernels._vma import vma_of  # noqa: E402
 
-ON_GPU = jax.default_backend() == "gpu"
-FFI_REASON = ffi_codec.unavailable_reason("cuda" if ON_GPU else "cpu")
+ON_GPU = default_platform() == "cuda"
+FFI_REASON = ffi_codec.unavailable_reason(default_platform())
 needs_ffi = pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec library not available: {FFI_REASON}")
-needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (jax.default_backend() != 'gpu')")
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (jax's default platform is not cuda)")
 
 CODE_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 
