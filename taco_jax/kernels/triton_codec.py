@@ -121,6 +121,31 @@ def _kernels():
     return encode_kernel, decode_kernel
 
 
+def encode_meta(cfg: CodecConfig, n: int, n_groups: int, last_count: int) -> dict:
+    """`encode_kernel`'s constexpr arguments for `n` groups of `cfg.group_size` (grid: cdiv(n, BLOCK)).
+
+    Shared by `encode_groups` and direct launches (the Triton interpreter test, AOT compiles)."""
+    g = cfg.group_size
+    return dict(
+        N=n,
+        G=g,
+        BLOCK=_BLOCK,
+        CHUNK=_chunk(g),
+        N_GROUPS=n_groups,
+        LAST_COUNT=int(last_count),
+        LAM=float(np.float32(cfg.lam)),
+        FMAX=float(cfg.fmax),
+        R=float(np.float32(cfg.target_range)),
+        SQRT_G=float(np.float32(math.sqrt(g))),
+        E4M3=cfg.fmt == "e4m3",
+    )
+
+
+def decode_meta(n: int, g: int, *, has_a: bool) -> dict:
+    """`decode_kernel`'s constexpr arguments for `n` groups of size `g` (grid: cdiv(n, BLOCK))."""
+    return dict(N=n, G=g, BLOCK=_BLOCK, CHUNK=_chunk(g), HAS_A=has_a, SQRT_G=float(np.float32(math.sqrt(g))))
+
+
 def _triton_call(*args, kernel, out, grid, name, **meta):
     """`jax_triton.triton_call` across its API change (`out_shape` in 0.3.x, later `out_type`)."""
     import jax_triton as jt  # noqa: PLC0415
@@ -152,17 +177,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
         out=out,
         grid=(pl_cdiv(n, _BLOCK),),
         name="taco_triton_encode",
-        N=n,
-        G=g,
-        BLOCK=_BLOCK,
-        CHUNK=_chunk(g),
-        N_GROUPS=n_groups,
-        LAST_COUNT=int(last_count),
-        LAM=float(np.float32(cfg.lam)),
-        FMAX=float(cfg.fmax),
-        R=float(np.float32(cfg.target_range)),
-        SQRT_G=float(np.float32(math.sqrt(g))),
-        E4M3=cfg.fmt == "e4m3",
+        **encode_meta(cfg, n, n_groups, last_count),
     )
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
@@ -185,12 +200,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Ar
         out=jax.ShapeDtypeStruct((n, g), jnp.float32),
         grid=(pl_cdiv(n, _BLOCK),),
         name="taco_triton_decode",
-        N=n,
-        G=g,
-        BLOCK=_BLOCK,
-        CHUNK=_chunk(g),
-        HAS_A=a is not None,
-        SQRT_G=float(np.float32(math.sqrt(g))),
+        **decode_meta(n, g, has_a=a is not None),
     )
     return out.reshape(*lead, n_groups, g)
 
