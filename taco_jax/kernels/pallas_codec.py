@@ -8,13 +8,16 @@ The arithmetic is the reference's (`taco_jax.codec.reference`), op for op; only 
 summation order may differ (see the conformance rule in `taco_jax.kernels`).
 
 On CPU the kernels run with `interpret=True` (slow: for tests, not training). On GPU they
-lower through Triton; FP8 E4M3 casts need compute capability >= 8.9.
+lower through Triton; FP8 E4M3 casts need compute capability >= 8.9. `lowering_platform("cuda")`
+traces them for CUDA on any host (for `jax.export`; tests/test_gpu_export.py).
 
 Layout: in the order of jax's `experimental/pallas/ops`: kernels, then the public ops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -31,7 +34,46 @@ _EPS = 1e-12
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+_PINNED: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("taco_pallas_platform", default=None)
+_GPU_LOWERINGS = ("triton", "mosaic_gpu")
+
+
+@contextlib.contextmanager
+def lowering_platform(platform: str, gpu_lowering: str = "triton"):
+    """Traces the kernels for `platform` ("cpu": interpreter, "cuda": `gpu_lowering`) instead of the
+    running one; `gpu_lowering` is Pallas' "triton" (the default everywhere) or "mosaic_gpu".
+
+    For `jax.export(..., platforms=[platform])` from another host, e.g. a CUDA export of a whole
+    training step on a CPU-only machine. Traces made inside are for that platform only, so the
+    kernels' jit caches are cleared on entry and exit; jit'd callers traced inside must not run here.
+
+    Raises: ValueError for a platform other than "cpu", "cuda", "rocm", or an unknown gpu_lowering.
+    """
+    if platform not in ("cpu", "cuda", "rocm"):
+        raise ValueError(f"{platform=} must be 'cpu', 'cuda' or 'rocm'")
+    if gpu_lowering not in _GPU_LOWERINGS:
+        raise ValueError(f"{gpu_lowering=} must be one of {_GPU_LOWERINGS}")
+    encode_groups.clear_cache()
+    decode_groups.clear_cache()
+    token = _PINNED.set((platform, gpu_lowering))
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+        encode_groups.clear_cache()
+        decode_groups.clear_cache()
+
+
+def pinned_platform() -> str | None:
+    """The platform set by an enclosing `lowering_platform(...)`, else None."""
+    pinned = _PINNED.get()
+    return None if pinned is None else pinned[0]
+
+
 def _on_gpu() -> bool:
+    pinned = pinned_platform()
+    if pinned is not None:
+        return pinned in ("cuda", "rocm")
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
@@ -53,6 +95,10 @@ def _chunk(g: int) -> int:
 def _compiler_params():
     if not _on_gpu():
         return None
+    if (_PINNED.get() or ("", "triton"))[1] == "mosaic_gpu":
+        from jax.experimental.pallas import mosaic_gpu as plmgpu  # noqa: PLC0415
+
+        return plmgpu.CompilerParams()
     from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415  (GPU-only import)
 
     return plgpu.CompilerParams(num_warps=4, num_stages=1)

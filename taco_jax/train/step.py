@@ -206,7 +206,10 @@ def _check_backends(policy: CommPolicy, mesh) -> None:
         if codec.kind != "taco":  # only the taco group math has backends
             continue
         name = kernels.resolve(codec.backend)  # jax's default platform, as the codec itself uses
-        if name == "pallas" and jax.default_backend() == "cpu" and mesh.devices.size > 1:
+        from taco_jax.kernels import pallas_codec  # noqa: PLC0415  (traced for CUDA: an export, not a CPU run)
+
+        on_cpu = jax.default_backend() == "cpu" and pallas_codec.pinned_platform() in (None, "cpu")
+        if name == "pallas" and on_cpu and mesh.devices.size > 1:
             raise ValueError(f"backend='pallas' (site {site}) runs the Pallas interpreter on CPU, which stalls in "
                              f"a {mesh.devices.size}-device training step; use backend 'ffi', 'auto' or 'reference'")
 
