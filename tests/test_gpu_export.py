@@ -8,7 +8,13 @@ PTX by XLA on the GPU); that target has no export compatibility guarantee, so it
 explicitly. The second Pallas GPU lowering, Mosaic GPU, does not accept these kernels (tested).
 """
 
+import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +32,7 @@ from taco_jax.models import make_model
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.step import make_trainer
 
+ROOT = Path(__file__).resolve().parents[1]
 TRITON_CALL = "__gpu$xla.gpu.triton"
 ALLOW_TRITON = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 
@@ -117,3 +124,25 @@ def test_compressed_train_step_exports_for_cuda(mesh, n_devices):
 def test_compressed_train_step_exports_for_cuda_on_one_device():
     exp = export_train_step("data=1,tensor=1", 1)
     assert exp.platforms == ("cuda",) and exp.nr_devices == 1
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels (jax-triton backend) compiled ahead of time for sm_90, no GPU needed
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton not installed (gpu-sim extra: pip install -e '.[gpu-sim]')")
+def test_triton_kernels_compile_for_sm90(tmp_path):
+    """Triton's whole pipeline to a cubin for sm_90 (experiments/triton_aot.py, in its own process:
+    this suite may have turned the Triton interpreter on); resources within an H100/H200's limits."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # really compile, not a cache hit
+    out = tmp_path / "aot.json"
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "triton_aot.py"), "--out", str(out),
+                    "--variants", "encode-e4m3-128,decode-128-a"], check=True, env=env, cwd=ROOT, timeout=600)
+    rows = json.loads(out.read_text())["kernels"]
+    assert [r["variant"] for r in rows] == ["encode-e4m3-128", "decode-128-a"]
+    for r in rows:
+        assert r["arch"] == "sm_90" and 0 < r["dynamic_shared_bytes"] <= 227 * 1024  # sm_90 max per block
+        assert 0 < r["registers"] <= 255 and r["spill_store_bytes"] >= 0  # cuobjdump / ptxas ship with triton
