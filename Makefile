@@ -27,9 +27,11 @@ cuda: $(STAMP)
 	else echo "nvcc not found: CUDA FFI library not built"; fi
 
 ## CPU torch + triton for the Triton interpreter test (the `gpu-sim` extra; ~30 s from the local wheel).
+## Where no CPU torch wheel exists for this Python, the test skips (named reason) instead of failing.
 gpu-sim: $(SIM)
 $(SIM): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,gpu-sim]'
+	$(PY) -m pip install --quiet -e '.[dev,gpu-sim]' \
+	  || echo "gpu-sim extra not installed (no torch 2.13.0+cpu wheel for this Python): Triton interpreter test skips"
 	touch $(SIM)
 
 ## Main job: GPT on Shakespeare, --comm none vs --comm taco on a simulated data=2 × tensor=4 CPU mesh.
