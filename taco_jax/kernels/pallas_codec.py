@@ -11,12 +11,16 @@ Interpret mode is chosen by the platform the computation is *lowered* for
 (`lax.platform_dependent`), not the one jax runs on, so `jax.export(..., platforms=["cuda"])`
 works on a CPU-only machine: CPU lowers the Pallas interpreter (`interpret=True`; slow: for
 tests, not training), CUDA the Triton kernel (FP8 E4M3 casts need compute capability >= 8.9).
+`lowering_platform("cuda")` pins the mode while tracing (needed for calls inside
+`shard_map(check_vma=True)`, where `platform_dependent` cannot lower for CUDA alone; see
+`_per_platform`), e.g. to export a whole training step (tests/test_gpu_export.py).
 
 Layout: in the order of jax's `experimental/pallas/ops`: kernels, then the public ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -28,10 +32,52 @@ from jax.experimental import pallas as pl
 from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.hadamard import hadamard
+from taco_jax.kernels._platform import PINNED, pinned_platform  # noqa: F401  (pinned_platform: public here)
 from taco_jax.kernels._tiles import wht_chunk
 from taco_jax.kernels._vma import pvary, shape_dtype, vma_of
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+_GPU_LOWERINGS = ("triton", "mosaic_gpu")
+
+
+@contextlib.contextmanager
+def lowering_platform(platform: str, gpu_lowering: str = "triton"):
+    """Traces the kernels for `platform` ("cpu": interpreter, "cuda": `gpu_lowering`) instead of
+    choosing per lowering platform; `gpu_lowering` is Pallas' "triton" (the default) or "mosaic_gpu".
+
+    For `jax.export(..., platforms=[platform])` from another host, e.g. a CUDA export of a whole
+    training step on a CPU-only machine. Traces made inside are for that platform only, so the
+    kernels' jit caches are cleared on entry and exit; jit'd callers traced inside must not run here.
+    Inside, `taco_jax.kernels` resolves backends for `platform` too (e.g. pallas is allowed in a
+    multi-device program traced for CUDA).
+
+    Raises: ValueError for a platform other than "cpu", "cuda", "rocm", or an unknown gpu_lowering.
+    """
+    if platform not in ("cpu", "cuda", "rocm"):
+        raise ValueError(f"{platform=} must be 'cpu', 'cuda' or 'rocm'")
+    if gpu_lowering not in _GPU_LOWERINGS:
+        raise ValueError(f"{gpu_lowering=} must be one of {_GPU_LOWERINGS}")
+    encode_groups.clear_cache()
+    decode_groups.clear_cache()
+    token = PINNED.set((platform, gpu_lowering))
+    try:
+        yield
+    finally:
+        PINNED.reset(token)
+        encode_groups.clear_cache()
+        decode_groups.clear_cache()
+
+
+def _gpu_compiler_params(gpu_lowering: str):
+    if gpu_lowering == "mosaic_gpu":
+        from jax.experimental.pallas import mosaic_gpu as plmgpu  # noqa: PLC0415
+
+        return plmgpu.CompilerParams()
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+
+    return plgpu.CompilerParams(num_warps=4, num_stages=1)
 
 
 def _per_platform(call, *args, vma: frozenset):
@@ -39,19 +85,26 @@ def _per_platform(call, *args, vma: frozenset):
     is lowered for (`lax.platform_dependent`): Triton on CUDA; on CPU the interpreter, plain
     `interpret=True` (no host callbacks) outside `shard_map`, and the TPU-semantics one for operands
     varying over manual axes (`vma`), as only it handles them under `shard_map(check_vma=True)`.
+    Inside `lowering_platform(...)` the pinned platform's mode is used directly.
 
     Limitation (jax 0.10.2): the TPU-semantics interpreter has ordered host callbacks, and
     `platform_dependent` then fails to lower for CUDA alone ("incorrect set of output tokens"), so
-    a CUDA `jax.export` from a CPU host works for calls outside `shard_map(check_vma=True)` only.
+    a CUDA `jax.export` from a CPU host of calls inside `shard_map(check_vma=True)` needs
+    `lowering_platform("cuda")`.
     """
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
-    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
 
     cpu_mode = pltpu.InterpretParams() if vma else True
+    pinned = PINNED.get()
+    if pinned is not None:
+        platform, gpu_lowering = pinned
+        if platform == "cpu":
+            return call(*args, interpret=cpu_mode, compiler_params=None)
+        return call(*args, interpret=False, compiler_params=_gpu_compiler_params(gpu_lowering))
     return jax.lax.platform_dependent(
         *args,
         cpu=functools.partial(call, interpret=cpu_mode, compiler_params=None),
-        cuda=functools.partial(call, interpret=False, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1)),
+        cuda=functools.partial(call, interpret=False, compiler_params=_gpu_compiler_params("triton")),
     )
 
 

@@ -68,8 +68,8 @@ def _kernels():
         m = tl.div_rn(tl.sum(x * x, axis=1), count)
         v = tl.maximum(m + LAM, EPS, propagate_nan=tl.PropagateNan.ALL)
         a = tl.div_rn(tl.full((BLOCK,), FMAX, tl.float32), tl.sqrt_rn(v))
-        nan = tl.PropagateNan.ALL
-        a = tl.minimum(tl.maximum(a, A_MIN, propagate_nan=nan), A_MAX, propagate_nan=nan)
+        a = tl.maximum(a, A_MIN, propagate_nan=tl.PropagateNan.ALL)
+        a = tl.minimum(a, A_MAX, propagate_nan=tl.PropagateNan.ALL)
         xa = x * a[:, None]
         ccols = tl.arange(0, CHUNK)
         amax = tl.zeros((BLOCK,), tl.float32)
@@ -128,6 +128,33 @@ def _kernels():
     return encode_kernel, decode_kernel
 
 
+def encode_meta(cfg: CodecConfig, n: int, n_groups: int, last_count: int) -> dict:
+    """`encode_kernel`'s constexpr arguments for `n` groups of `cfg.group_size` (grid: cdiv(n, BLOCK)).
+
+    Shared by `encode_groups` and direct launches (the Triton interpreter test, AOT compiles)."""
+    g = cfg.group_size
+    return dict(
+        N=n,
+        G=g,
+        BLOCK=_BLOCK,
+        CHUNK=wht_chunk(g),
+        N_GROUPS=n_groups,
+        LAST_COUNT=int(last_count),
+        LAM=float(np.float32(cfg.lam)),
+        FMAX=float(cfg.fmax),
+        R=float(np.float32(cfg.target_range)),
+        SQRT_G=float(np.float32(math.sqrt(g))),
+        E4M3=cfg.fmt == "e4m3",
+        **_SPEC,
+    )
+
+
+def decode_meta(n: int, g: int, *, has_a: bool) -> dict:
+    """`decode_kernel`'s constexpr arguments for `n` groups of size `g` (grid: cdiv(n, BLOCK))."""
+    return dict(N=n, G=g, BLOCK=_BLOCK, CHUNK=wht_chunk(g), HAS_A=has_a, SQRT_G=float(np.float32(math.sqrt(g))),
+                EPS=C.EPS)
+
+
 def _triton_call(*args, kernel, out, grid, name, **meta):
     """`jax_triton.triton_call` across its API change (`out_shape` in 0.3.x, later `out_type`)."""
     import jax_triton as jt  # noqa: PLC0415
@@ -157,18 +184,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
         out=out,
         grid=(pl_cdiv(n, _BLOCK),),
         name="taco_triton_encode",
-        N=n,
-        G=g,
-        BLOCK=_BLOCK,
-        CHUNK=wht_chunk(g),
-        N_GROUPS=n_groups,
-        LAST_COUNT=int(last_count),
-        LAM=float(np.float32(cfg.lam)),
-        FMAX=float(cfg.fmax),
-        R=float(np.float32(cfg.target_range)),
-        SQRT_G=float(np.float32(math.sqrt(g))),
-        E4M3=cfg.fmt == "e4m3",
-        **_SPEC,
+        **encode_meta(cfg, n, n_groups, last_count),
     )
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
@@ -191,13 +207,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Ar
         out=jax.ShapeDtypeStruct((n, g), jnp.float32),
         grid=(pl_cdiv(n, _BLOCK),),
         name="taco_triton_decode",
-        N=n,
-        G=g,
-        BLOCK=_BLOCK,
-        CHUNK=wht_chunk(g),
-        HAS_A=a is not None,
-        SQRT_G=float(np.float32(math.sqrt(g))),
-        EPS=C.EPS,
+        **decode_meta(n, g, has_a=a is not None),
     )
     return out.reshape(*lead, n_groups, g)
 

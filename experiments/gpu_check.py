@@ -1,0 +1,271 @@
+"""One JSON report of the GPU path, for a lent GPU (run by experiments/gpu_check.sh; <= 8 min on an H200).
+
+Sections (each runs even if an earlier one failed; a failure is recorded as {"error": ...} and named
+in "errors"):
+  conformance  every available codec backend (not `auto`) against `reference` under the rule of
+               `taco_jax.kernels` (tests/test_kernels.py::check_backend): E4M3 / E5M2, G 32/128/512;
+  throughput   encode / decode GB/s of the f32 message beside a device memcpy of the same bytes
+               (experiments/bench_codec.py, steady regime: donated buffers), 1-256 MB;
+  collectives  compressed (taco) vs exact all-reduce and all-gather over the visible devices
+               (skipped, with the reason, on one device), time and relative error;
+  training     a short compressed training run (gpt2-tiny, synthetic learnable tokens): losses, s/step.
+
+    python experiments/gpu_check.py --out runs/gpu_check            # on the GPU
+    python experiments/gpu_check.py --out runs/gpu_dry --dry-run    # CPU: tiny sizes, checks the format
+
+`validate(report)` checks the format (raises ValueError naming the bad field); --dry-run runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "experiments"), str(ROOT / "tests")]
+if "--dry-run" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+SCHEMA = "taco_jax.gpu_check/1"
+SECTIONS = ("conformance", "throughput", "collectives", "training")
+
+
+def _timed(fn, x, rounds: int) -> float:
+    """Best wall time of `fn(x)` (blocked) over `rounds` calls after one warm-up, in seconds."""
+    jax.block_until_ready(fn(x))
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    env = dict(jax=jax.__version__, python=platform.python_version(), platform=dev.platform,
+               device_kind=dev.device_kind, n_devices=len(jax.devices()))
+    try:
+        import triton  # noqa: PLC0415
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    from taco_jax import kernels  # noqa: PLC0415
+
+    env["backends"] = list(kernels.available_backends())
+    return env
+
+
+def backends_here() -> list[str]:
+    from taco_jax import kernels  # noqa: PLC0415
+
+    return [b for b in kernels.available_backends() if b != "auto"]
+
+
+def conformance(dry: bool) -> list[dict]:
+    from test_kernels import check_backend  # noqa: PLC0415  (the rule of taco_jax.kernels, as tested)
+
+    rows = []
+    for name in backends_here():
+        if name == "reference":
+            continue
+        cases = [("e4m3", 32), ("e5m2", 128)] if dry else [(f, g) for f in ("e4m3", "e5m2") for g in (32, 128, 512)]
+        for fmt, g in cases:
+            row = dict(backend=name, fmt=fmt, group_size=g)
+            try:
+                check_backend(name, g, fmt)
+                row.update(ok=True, detail="")
+            except Exception as e:  # noqa: BLE001  (recorded, the report goes on)
+                row.update(ok=False, detail=f"{type(e).__name__}: {e}"[:1000])
+            rows.append(row)
+    return rows
+
+
+def throughput(dry: bool) -> list[dict]:
+    import bench_codec  # noqa: PLC0415
+
+    from taco_jax.codec.config import CodecConfig  # noqa: PLC0415
+
+    cfg = CodecConfig()
+    names = [b for b in backends_here() if not (b == "pallas" and jax.default_backend() == "cpu")]
+    rows = []
+    for mb in (0.0625,) if dry else (1, 4, 16, 64, 256):
+        res = bench_codec.bench_size(mb, cfg, names, rounds=1 if dry else 10)
+        for r in res["rows"]:
+            if r["regime"] == "steady" and r["kind"] != "memcpy":
+                rows.append(dict(backend=r["backend"], op=r["kind"], size_mb=res["size_mb"], gbps=r["gbps"],
+                                 memcpy_gbps=res["memcpy_gbps"]["steady"], ratio_vs_memcpy=r["ratio_vs_memcpy"]))
+    return rows
+
+
+def collectives(dry: bool) -> dict:
+    from jax.sharding import Mesh  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    from taco_jax import collectives as col  # noqa: PLC0415
+    from taco_jax import kernels  # noqa: PLC0415
+    from taco_jax.codec.config import CodecConfig  # noqa: PLC0415
+
+    n = len(jax.devices())
+    if n < 2:
+        return dict(n_devices=n, skipped=f"needs >= 2 visible devices, {n} visible", rows=[])
+    mesh = Mesh(np.asarray(jax.devices()), ("x",))
+    codec = CodecConfig(backend=kernels.resolve("auto"))
+    ops = {
+        "all_reduce": (lambda x: jax.lax.psum(x, "x"), lambda x: col.psum(x, "x", codec=codec)),
+        "all_gather": (lambda x: jax.lax.all_gather(x, "x", tiled=True),
+                       lambda x: col.all_gather(x, "x", codec=codec, tiled=True)),
+    }
+    rows = []
+    for mb in (0.0625,) if dry else (16, 64, 256):
+        cols = 4096
+        rows_per_dev = max(16, int(mb * 2**20) // (4 * cols) // 16 * 16)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((n * rows_per_dev, cols), dtype=np.float32))
+        for op, (exact, taco) in ops.items():
+            out = P() if op == "all_reduce" else P("x")  # all-gather: every device's gathered copy
+            fe, ft = (jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=out)) for f in (exact, taco))
+            ye, yt = np.asarray(fe(x)), np.asarray(ft(x))
+            rel = float(np.linalg.norm(yt - ye) / np.linalg.norm(ye))
+            te, tt = _timed(fe, x, 1 if dry else 10), _timed(ft, x, 1 if dry else 10)
+            rows.append(dict(op=op, size_mb=rows_per_dev * cols * 4 / 2**20, exact_ms=te * 1e3, taco_ms=tt * 1e3,
+                             speedup=te / tt, rel_err=rel))
+    return dict(n_devices=n, backend=codec.backend, rows=rows)
+
+
+def training(dry: bool) -> dict:
+    from taco_jax import kernels  # noqa: PLC0415
+    from taco_jax.train.config import TrainConfig  # noqa: PLC0415
+    from taco_jax.train.step import make_trainer, shard_batch  # noqa: PLC0415
+
+    devices = jax.devices()[:2] if dry else jax.devices()  # dry run: a small, quick mesh
+    n = len(devices)
+    tp = next(t for t in (4, 2, 1) if n % t == 0)  # gpt2-tiny's 4 heads split over <= 4 devices
+    mesh = f"data={n // tp},tensor={tp}" if tp > 1 else f"data={n}"  # tensor=1: no TP message to compress
+    backend = kernels.resolve("auto")
+    steps, v, b, t = (2, 512, 8, 32) if dry else (30, 2048, 16, 128)
+    cfg = TrainConfig(model="gpt2-tiny", comm="taco", backend=backend, mesh=mesh, vocab_size=v, batch_size=b,
+                      seq_len=t, steps=steps, warmup_steps=1, dp_comm="taco" if n == 1 else "none")
+    tr = make_trainer(cfg, devices=devices)
+    params, opt = tr.init()
+    tokens = (np.arange(b * (t + 1)) * 7 % v).reshape(b, t + 1).astype(np.int32)  # learnable sequence
+    inputs, targets = shard_batch(tr, tokens[:, :-1], tokens[:, 1:])
+    warm = 2 if steps > 2 else 1  # steps before timing: compilation (the 2nd call may compile again)
+    losses, t0 = [], None
+    for i in range(steps):
+        params, opt, m = tr.train_step(params, opt, inputs, targets)
+        losses.append(float(m["loss"]))
+        if i == warm - 1:
+            t0 = time.perf_counter()
+    s_per_step = (time.perf_counter() - t0) / max(1, steps - warm)
+    note = "" if tp > 1 else "1 device: no tensor-parallel message; dp_comm=taco on a 1-device data axis"
+    return dict(mesh=mesh, backend=backend, dp_comm=cfg.dp_comm, steps=steps, losses=losses, s_per_step=s_per_step,
+                tokens_per_s=b * t / s_per_step, loss_fell=losses[-1] < losses[0], note=note)
+
+
+# --------------------------------------------------------------------------------------
+# Format
+# --------------------------------------------------------------------------------------
+
+_ROW_FIELDS = {
+    "conformance": {"backend": str, "fmt": str, "group_size": int, "ok": bool, "detail": str},
+    "throughput": {"backend": str, "op": str, "size_mb": float, "gbps": float, "memcpy_gbps": float,
+                   "ratio_vs_memcpy": float},
+    "collectives": {"op": str, "size_mb": float, "exact_ms": float, "taco_ms": float, "speedup": float,
+                    "rel_err": float},
+}
+
+
+def _check_rows(name: str, rows) -> None:
+    if not isinstance(rows, list):
+        raise ValueError(f"{name} must be a list of rows, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        for key, typ in _ROW_FIELDS[name].items():
+            val = row.get(key) if isinstance(row, dict) else None
+            ok = isinstance(val, (int, float)) and not isinstance(val, bool) if typ is float else isinstance(val, typ)
+            if not ok:
+                raise ValueError(f"{name}[{i}].{key} must be {typ.__name__}, got {val!r}")
+            if typ is float and not np.isfinite(val) and key != "rel_err":
+                raise ValueError(f"{name}[{i}].{key} must be finite, got {val!r}")
+
+
+def validate(report: dict) -> None:
+    """Checks the report's format. Raises ValueError naming the first bad field."""
+    if report.get("schema") != SCHEMA:
+        raise ValueError(f"schema must be {SCHEMA!r}, got {report.get('schema')!r}")
+    for key in ("environment", "errors", "seconds", *SECTIONS):
+        if key not in report:
+            raise ValueError(f"report lacks {key!r}")
+    if not isinstance(report["errors"], list):
+        raise ValueError(f"errors must be a list, got {report['errors']!r}")
+    for name in SECTIONS:
+        sec = report[name]
+        if isinstance(sec, dict) and "error" in sec:
+            if name not in report["errors"]:
+                raise ValueError(f"{name} failed but is not listed in errors")
+            continue
+        if name in ("conformance", "throughput"):
+            _check_rows(name, sec)
+        elif name == "collectives":
+            if not isinstance(sec, dict) or not isinstance(sec.get("n_devices"), int):
+                raise ValueError(f"collectives.n_devices must be int, got {sec!r}")
+            _check_rows(name, sec.get("rows"))
+            if not sec["rows"] and not sec.get("skipped"):
+                raise ValueError("collectives has no rows and no 'skipped' reason")
+        else:
+            losses = sec.get("losses") if isinstance(sec, dict) else None
+            if not isinstance(losses, list) or len(losses) != sec.get("steps") or not all(
+                    isinstance(v, float) for v in losses):
+                raise ValueError(f"training.losses must be {sec.get('steps')} floats, got {losses!r}")
+            if not (isinstance(sec.get("s_per_step"), float) and sec["s_per_step"] > 0):
+                raise ValueError(f"training.s_per_step must be a positive float, got {sec.get('s_per_step')!r}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for gpu_check.json")
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny sizes; validates the report's format")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    args = p.parse_args(argv)
+    wanted = args.sections.split(",")
+    if bad := [s for s in wanted if s not in SECTIONS]:
+        raise ValueError(f"--sections {bad} not in {SECTIONS}")
+    t_all = time.perf_counter()
+    report = dict(schema=SCHEMA, dry_run=args.dry_run, environment=environment(), errors=[])
+    for name, fn in zip(SECTIONS, (conformance, throughput, collectives, training)):
+        if name not in wanted:
+            report[name] = {"error": "not run (--sections)"}
+            report["errors"].append(name)
+            continue
+        t = time.perf_counter()
+        try:
+            report[name] = fn(args.dry_run)
+        except Exception as e:  # noqa: BLE001  (recorded; the other sections still run)
+            traceback.print_exc()
+            report[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            report["errors"].append(name)
+        print(f"gpu_check: {name} {time.perf_counter() - t:.1f} s", flush=True)
+    report["seconds"] = time.perf_counter() - t_all
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    validate(report)
+    failed = [r for r in report["conformance"] if isinstance(r, dict) and not r.get("ok")] \
+        if isinstance(report["conformance"], list) else []
+    print(f"gpu_check: wrote {out / 'gpu_check.json'}; errors={report['errors']}; non-conforming={len(failed)}")
+    return 1 if report["errors"] or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""experiments/gpu_check.sh --dry-run runs on CPU and writes a report in the format a lent GPU's run has."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import gpu_check  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dry_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
+    env.update(OUT=str(out), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "gpu_check.log").exists()
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def test_dry_run_report_is_valid_and_complete(dry_report):
+    gpu_check.validate(dry_report)
+    assert dry_report["dry_run"] is True and dry_report["errors"] == []
+    env = dry_report["environment"]
+    assert env["platform"] == "cpu" and env["n_devices"] == 8
+    conf = dry_report["conformance"]
+    assert {r["backend"] for r in conf} == set(env["backends"]) - {"reference", "auto"} and all(r["ok"] for r in conf)
+    cases = {(r["backend"], r["op"]) for r in dry_report["throughput"]}
+    assert cases >= {("reference", "encode"), ("reference", "decode")}
+    coll = dry_report["collectives"]
+    assert {r["op"] for r in coll["rows"]} == {"all_reduce", "all_gather"}
+    assert all(0 < r["rel_err"] < 0.1 for r in coll["rows"])  # FP8 error, not garbage
+    train = dry_report["training"]
+    assert train["steps"] == len(train["losses"]) and train["mesh"] == "data=1,tensor=2"
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda r: r.update(schema="other"), "schema"),
+        (lambda r: r.pop("throughput"), "lacks 'throughput'"),
+        (lambda r: r["throughput"][0].update(gbps="fast"), r"throughput\[0\]\.gbps"),
+        (lambda r: r["conformance"][0].pop("ok"), r"conformance\[0\]\.ok"),
+        (lambda r: r["collectives"].update(rows=[]), "no rows and no 'skipped'"),
+        (lambda r: r["training"]["losses"].pop(), "training.losses"),
+        (lambda r: r.update(training={"error": "boom"}), "training failed but is not listed"),
+    ],
+)
+def test_validate_names_the_bad_field(dry_report, edit, match):
+    bad = copy.deepcopy(dry_report)
+    edit(bad)
+    with pytest.raises(ValueError, match=match):
+        gpu_check.validate(bad)
