@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from taco_jax.codec import CodecConfig
-from taco_jax.collectives.policy import SITES, CommPolicy, policy_from_name
+from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.train.calibrate import calibrate, candidates, split_messages
 from taco_jax.train.capture import load_captures
-from taco_jax.train.config import TrainConfig
+from taco_jax.train.config import CommFlags, TrainConfig
 
 
 def test_json_round_trip(tmp_path):
@@ -63,11 +63,11 @@ def test_unreadable_policy_file(tmp_path):
 def test_train_config_uses_the_policy_file(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"sites": {"ar_fwd": {"kind": "int8", "group_axis": "token"}}}))
-    cfg = TrainConfig(comm="taco", policy_file=str(path), algorithm="one_shot")
+    cfg = TrainConfig.from_flags(comm="taco", policy_file=str(path), algorithm="one_shot")
     assert cfg.policy.ar_fwd == CodecConfig(kind="int8", group_axis="token")
-    assert cfg.policy.ar_bwd == cfg.codec  # from --comm taco
+    assert cfg.policy.ar_bwd == CommFlags().tensor_codec()  # from --comm taco
     assert cfg.policy.all_reduce_algorithm == "one_shot"
-    none_cfg = TrainConfig(comm="none", policy_file=str(path))
+    none_cfg = TrainConfig.from_flags(comm="none", policy_file=str(path))
     assert none_cfg.policy.ar_fwd.kind == "int8" and none_cfg.policy.ar_bwd.kind == "none"
 
 
@@ -75,7 +75,7 @@ def test_train_config_and_cli_reject_unknown_site(tmp_path, capsys):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"sites": {"attention": {"kind": "int8"}}}))
     with pytest.raises(ValueError, match="site='attention'"):
-        TrainConfig(policy_file=str(path))
+        TrainConfig.from_flags(policy_file=str(path))
     from taco_jax.cli import main
 
     assert main(["train", "--policy", str(path), "--no-progress"]) == 2
@@ -83,19 +83,12 @@ def test_train_config_and_cli_reject_unknown_site(tmp_path, capsys):
 
 
 def test_train_config_codec_fields():
-    cfg = TrainConfig(codec_kind="int8", group_axis="token", group_size=64)
+    cfg = TrainConfig.from_flags(codec_kind="int8", group_axis="token", group_size=64)
     assert cfg.policy.ar_fwd == CodecConfig(kind="int8", group_axis="token", group_size=64)
     with pytest.raises(ValueError, match="kind='int3'"):
-        TrainConfig(codec_kind="int3")
+        TrainConfig.from_flags(codec_kind="int3")
     with pytest.raises(ValueError, match="capture=-1"):
-        TrainConfig(capture=-1)
-
-
-def test_policy_from_name():
-    assert policy_from_name("int8").ar_fwd.kind == "int8"
-    assert policy_from_name("taco", group_size=64).ar_bwd.group_size == 64
-    with pytest.raises(ValueError, match="comm='zip'"):
-        policy_from_name("zip")
+        TrainConfig.from_flags(capture=-1)
 
 
 # ------------------------------------------- calibration -------------------------------------------
@@ -149,7 +142,7 @@ def test_calibrate_writes_a_policy_at_least_as_good_as_every_fixed_choice(tmp_pa
     assert all(f["heldout_mean_sqnr_db"] <= h["calibrated"] for f in rep["fixed"] if f["feasible"])
     assert "int8-G32" in {f["codec"] for f in rep["fixed"] if not f["feasible"]}
     assert (tmp_path / "policy.report.md").read_text().startswith("Objective:")
-    assert TrainConfig(policy_file=str(tmp_path / "policy.json")).policy.ar_fwd == pol.ar_fwd
+    assert TrainConfig.from_flags(policy_file=str(tmp_path / "policy.json")).policy.ar_fwd == pol.ar_fwd
     assert set(json.loads((tmp_path / "policy.json").read_text())["sites"]) <= set(SITES)
 
 
