@@ -74,7 +74,8 @@ def test_capture_saves_the_real_messages(dataset, tmp_path):
 
 
 def test_capture_sequence_parallel_sites(dataset, tmp_path):
-    cfg = TrainConfig.from_flags(steps=1, capture=1, sequence_parallel=True, out=str(tmp_path), **{**SMALL, "warmup_steps": 0})
+    cfg = TrainConfig.from_flags(steps=1, capture=1, sequence_parallel=True, out=str(tmp_path),
+                                 **{**SMALL, "warmup_steps": 0})
     train(cfg, dataset=dataset, progress=False)
     meta, msgs = load_captures(tmp_path / "captures")
     assert meta["sequence_parallel"] and {m.site for m in msgs} == {"all_gather", "reduce_scatter"}

@@ -53,10 +53,14 @@ def check_out_dir(out) -> pathlib.Path:
 
 
 def resolved_policy(policy: CommPolicy) -> CommPolicy:
-    """`policy` with each taco codec's backend as it runs here ("auto" -> the concrete backend;
-    `taco_jax.kernels.resolve`). Raises ValueError for a backend not available here."""
-    return policy.with_sites({s: dataclasses.replace(c, backend=kernels.resolve(c.backend))
-                              for s in SITES if (c := getattr(policy, s)).kind == "taco"})
+    """`policy` with each codec's backend as it runs here: taco's resolved (`taco_jax.kernels.resolve`,
+    "auto" -> a concrete backend), "reference" for the other compressing kinds (they always run the
+    jnp reference). Raises ValueError for a backend not available here."""
+    def run_by(c):
+        return kernels.resolve(c.backend) if c.kind == "taco" else "reference"
+
+    return policy.with_sites({s: dataclasses.replace(c, backend=run_by(c))
+                              for s in SITES if (c := getattr(policy, s)).kind != "none"})
 
 
 def describe_policy(policy: CommPolicy) -> str:
@@ -145,9 +149,10 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
             log.write(jsonio.dumps(rec) + "\n")
             history.append(rec)
             if not finite and not cfg.allow_nonfinite:
+                bad = ", ".join(f"{k}={rec[k]}" for k in ("loss", "grad_norm") if not math.isfinite(rec[k]))
                 raise FloatingPointError(
-                    f"step {step}: loss={loss} grad_norm={rec['grad_norm']} is not finite; the run stopped "
-                    f"(metrics up to step {step} in {out / 'metrics.jsonl'}; --allow-nonfinite keeps training)")
+                    f"step {step}: {bad} is not finite (loss={loss:.6g}); the run stopped (metrics up to step "
+                    f"{step} in {out / 'metrics.jsonl'}; --allow-nonfinite keeps training)")
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
             if log_lines and (step % cfg.log_every == 0 or step == cfg.steps):
                 print(f"[train {cfg.comm}] step {step}/{cfg.steps} loss {loss:.4f} val "
@@ -240,7 +245,8 @@ def read_metrics(path) -> list[dict]:
 
 
 def plot_losses(path, runs: dict, title: str) -> pathlib.Path:
-    """Train (thin) and validation (markers) loss of each run -> `path` (PNG).
+    """Train (thin) and validation (markers) loss of each run -> `path` (PNG; `title` and the run
+    labels also stored as its "Title" / "Description" text).
 
     runs: {legend label: path of the run's metrics.jsonl}.
     """
@@ -263,6 +269,6 @@ def plot_losses(path, runs: dict, title: str) -> pathlib.Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = pathlib.Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Title": title, "Description": "; ".join(runs)})  # PNG text chunks
     plt.close(fig)
     return path
