@@ -94,8 +94,9 @@ def test_train_config_codec_fields():
 # ------------------------------------------- calibration -------------------------------------------
 
 
-def _fake_captures(root, steps=(10, 20, 30, 40), seed=0):
-    """Messages shaped like TP activations: heavy channels (ar_fwd), tiny gradients (ar_bwd)."""
+def _fake_captures(root, steps=(10, 20, 30, 40), seed=0, edit=None):
+    """Messages shaped like TP activations: heavy channels (ar_fwd), tiny gradients (ar_bwd).
+    edit(step, arrays) may change a step's arrays before they are saved."""
     rng = np.random.default_rng(seed)
     cap = root / "captures"
     cap.mkdir(parents=True)
@@ -105,6 +106,8 @@ def _fake_captures(root, steps=(10, 20, 30, 40), seed=0):
                   for i in range(3)}
         arrays.update({f"ar_bwd__enter{i:02d}": (rng.standard_normal((4, 2, 32, 64)) * 1e-6).astype(np.float32)
                        for i in range(3)})
+        if edit:
+            edit(s, arrays)
         np.savez(cap / f"step{s:05d}.npz", **arrays)
     (cap / "meta.json").write_text(json.dumps({"model": "fake", "captured_steps": list(steps), "roles": {}}))
     return cap
@@ -155,3 +158,46 @@ def test_calibrate_errors(tmp_path):
     from taco_jax.cli import main
 
     assert main(["calibrate", "--captures", str(tmp_path / "nowhere")]) == 2
+
+
+TIE_CANDIDATES = [CodecConfig(kind="fp8_tensor"), CodecConfig(kind="int8"), CodecConfig(kind="int4", group_size=512),
+                  CodecConfig(kind="tah"), CodecConfig()]
+
+
+def test_calibrate_infinite_ties_go_to_fewest_bytes(tmp_path):
+    """Issue 16: a site whose messages are all zeros (every codec exact, SQNR +inf) takes the fewest
+    bytes (int4-G512, 0.5078 B/elt), not the first candidate (fp8_tensor, 1.0002 B/elt)."""
+    def zero_bwd(step, arrays):
+        for k in arrays:
+            if k.startswith("ar_bwd"):
+                arrays[k][:] = 0
+
+    cap = _fake_captures(tmp_path, edit=zero_bwd)
+    rep = calibrate(cap, tmp_path / "p.json", cands=TIE_CANDIDATES, progress=False)
+    assert rep["sites"]["ar_bwd"]["calib"]["sqnr_db"] == float("inf")
+    assert rep["sites"]["ar_bwd"]["choice"] == "int4-G512"
+    assert rep["sites"]["ar_bwd"]["calib"]["bytes_per_elt"] == min(c.wire_bytes_per_element(n=2 * 32 * 64)
+                                                                   for c in TIE_CANDIDATES)
+    def refuse(token):
+        pytest.fail(f"non-JSON token {token}")
+
+    for name in ("p.json", "p.report.json"):  # strict JSON: +inf written as the string "Infinity"
+        doc = json.loads((tmp_path / name).read_text(), parse_constant=refuse)
+    assert doc["sites"]["ar_bwd"]["calib"]["sqnr_db"] == "Infinity"
+
+
+def test_calibrate_reports_and_excludes_a_nonfinite_message(tmp_path, capsys):
+    """Issue 16: one calibration message with a NaN made every candidate score -inf (first one taken)."""
+    def nan_once(step, arrays):
+        if step == 10:
+            arrays["ar_fwd__exit01"][2, 0, 3, 5] = np.nan
+
+    cap = _fake_captures(tmp_path, edit=nan_once)
+    rep = calibrate(cap, tmp_path / "p.json", cands=TIE_CANDIDATES, max_messages=0, progress=False)
+    assert rep["excluded"] == [{"site": "ar_fwd", "step": 10, "role": "exit01", "what": "exit01", "rank": 2}]
+    assert "('ar_fwd', 10)" in capsys.readouterr().err
+    chosen = rep["sites"]["ar_fwd"]["calib"]["sqnr_db"]
+    assert np.isfinite(chosen)
+    assert all(row["calib"]["ar_fwd"]["sqnr_db"] <= chosen + 0.01 for row in rep["table"]
+               if row["calib"]["ar_fwd"]["bytes_per_elt"] <= 1.0625)
+    assert rep["messages"]["calib"]["ar_fwd"] == 2 * 3 * 4 - 1
