@@ -146,8 +146,8 @@ class TrainConfig:
     seed: int = 0  # init and data order (same for every --comm)
     eval_every: int = 50  # steps between validation evaluations (and at the last step)
     eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
-    allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (default: stop, naming the step)
-    log_every: int = 10  # with stderr not a terminal (e.g. `> log`): a progress line every N steps (0: none)
+    allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
+    log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
     capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
     out: str = "runs/default"  # output folder (created; must not be a file)
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
