@@ -53,27 +53,24 @@ def test_diverging_run_stops_naming_the_step_with_strict_json(tmp_path, capsys):
     assert bad < 4 and not (out / "summary.json").exists()
     _strict_loads((out / "config.json").read_text())
 
-    # asked to continue: all 4 steps, exit 0, every JSON output strict, non-finite numbers as strings
-    out2 = tmp_path / "run2"
-    assert main(["train", "--lr", "1e6", "--warmup-steps", "0", "--steps", "4", "--allow-nonfinite",
-                 "--out", str(out2), *TINY]) == 0
-    stdout = _strict_loads(capsys.readouterr().out)
-    summary = _strict_loads((out2 / "summary.json").read_text())
-    assert len((out2 / "metrics.jsonl").read_text().splitlines()) == 4
-    assert summary["final_val_loss"] in ("NaN", "Infinity") and stdout["final_val_loss"] == summary["final_val_loss"]
-    assert (out2 / "loss.png").exists()  # `train` writes its loss plot
 
-
-def test_run_prints_resolved_policy_and_progress_lines(tmp_path, capsys):
-    """Resolved backend (not "auto") in summary.json and at start; progress lines with stderr not a terminal."""
+def test_run_asked_to_continue_writes_strict_json_resolved_policy_and_progress_lines(tmp_path, capsys):
+    """--allow-nonfinite: all 4 steps, exit 0, non-finite numbers as strings in every JSON output; the
+    policy printed at start and stored in summary.json with the backend resolved (not "auto");
+    progress lines since pytest's stderr is not a terminal. (One run checks all three: compiles are slow.)"""
     from taco_jax import kernels
 
     out = tmp_path / "run"
-    assert main(["train", "--steps", "4", "--warmup-steps", "0", "--log-every", "2", "--backend", "auto",
-                 "--comm", "int8", "--site", "ar_bwd:kind=taco,fmt=e5m2,group_size=64", "--dp-comm", "taco",
-                 "--out", str(out), *TINY[:-1]]) == 0
-    err = capsys.readouterr().err
-    summary = json.loads((out / "summary.json").read_text())
+    assert main(["train", "--lr", "1e6", "--warmup-steps", "0", "--steps", "4", "--allow-nonfinite",
+                 "--log-every", "2", "--backend", "auto", "--comm", "int8", "--dp-comm", "taco",
+                 "--site", "ar_bwd:kind=taco,fmt=e5m2,group_size=64", "--out", str(out), *TINY[:-1]]) == 0
+    captured = capsys.readouterr()
+    stdout, err = _strict_loads(captured.out), captured.err
+    summary = _strict_loads((out / "summary.json").read_text())
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    assert summary["final_val_loss"] in ("NaN", "Infinity") and stdout["final_val_loss"] == summary["final_val_loss"]
+    assert (out / "loss.png").exists()  # `train` writes its loss plot
+
     concrete = kernels.resolve("auto")
     assert summary["backend"] == concrete != "auto"
     assert summary["comm"] == "per-site" and summary["compressed_axes"] == ["data", "tensor"]
@@ -82,7 +79,7 @@ def test_run_prints_resolved_policy_and_progress_lines(tmp_path, capsys):
     assert pol.ar_bwd == CodecConfig(fmt="e5m2", group_size=64, backend=concrete)
     assert pol.dp_grads.backend == concrete and pol.dp_grads.kind == "taco"
     assert f"ar_bwd=taco-e5m2-G64-dual[{concrete}]" in err and f"data: taco-e4m3-G128-dual[{concrete}]" in err
-    assert "step 2/4" in err and "step 4/4" in err  # pytest's stderr is not a terminal
+    assert "step 2/4" in err and "step 4/4" in err
 
 
 def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
@@ -116,6 +113,13 @@ def test_flags_map_to_one_policy(tmp_path):
     assert cfg.policy.ar_bwd == CodecConfig(kind="int8") and cfg.policy.all_gather == CodecConfig()
     assert _strict_loads(jsonio.dumps(cfg.to_dict()))["policy"]["sites"]["ar_fwd"] == {"kind": "int4",
                                                                                        "group_size": 256}
+
+
+def test_default_flags_give_the_default_policy():
+    assert TrainConfig.from_flags() == TrainConfig()  # --comm taco: TACO on the tensor sites, other axes exact
+    assert TrainConfig().policy == CommPolicy.taco()
+    with pytest.raises(TypeError, match="not both"):
+        TrainConfig.from_flags(policy=CommPolicy.none(), comm="int8")
 
 
 @pytest.mark.parametrize("flags,match", [
