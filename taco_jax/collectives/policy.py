@@ -130,9 +130,12 @@ class CommPolicy:
         return cls.from_dict(d, base=base, where=f"policy file {str(path)!r}")
 
     def to_json(self, path, **metadata) -> pathlib.Path:
-        """Writes `to_dict()` (plus `metadata` keys) to `path` as JSON."""
+        """Writes `to_dict()` (plus `metadata` keys) to `path` as strict JSON.
+
+        Raises: ValueError for a non-finite float in `metadata` (not JSON; RFC 8259).
+        """
         path = pathlib.Path(path)
-        path.write_text(json.dumps({**self.to_dict(), **metadata}, indent=2) + "\n")
+        path.write_text(json.dumps({**self.to_dict(), **metadata}, indent=2, allow_nan=False) + "\n")
         return path
 
     @classmethod
