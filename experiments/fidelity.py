@@ -36,8 +36,10 @@ import sys
 import numpy as np
 
 from taco_jax.codec import CodecConfig
+from taco_jax.codec.presets import NAMED
 from taco_jax.collectives.policy import CommPolicy
-from taco_jax.train.calibrate import NAMED, evaluate, split_messages
+from taco_jax.train import jsonio
+from taco_jax.train.calibrate import evaluate, split_messages
 from taco_jax.train.capture import load_captures
 
 #: Ablation variants: name -> `taco-jax train` flags (the paper's ablation table, plus the calibrated policy).
@@ -95,7 +97,7 @@ def table(captures: list[str], policies: list[str], out: str, max_messages: int 
                     r = evaluate(c, ms)
                     rows.append({"captures": cap, "site": site, "role": role, "codec": name, "config": c.name, **r})
                 print(f"[table] {site}/{role}: {len(ms)} messages", file=sys.stderr, flush=True)
-    (out_dir / "table.json").write_text(json.dumps(rows, indent=1, default=float))
+    (out_dir / "table.json").write_text(jsonio.dumps(rows, indent=1))
     names = list(NAMED) + ["calibrated"]
     for metric, label in (("sqnr_db", "SQNR (dB)"), ("max_rel_err", "max rel. error ‖e‖∞/‖x‖∞"),
                           ("cosine", "cosine similarity")):
@@ -135,10 +137,10 @@ def plot(policies: list[str], path) -> None:
             if r is None:
                 continue
             kind = row["config"]["kind"]
-            ax.scatter(r["bytes_per_elt"], r["sqnr_db"], s=10, color=colors[kind], alpha=0.6,
+            ax.scatter(r["bytes_per_elt"], float(r["sqnr_db"]), s=10, color=colors[kind], alpha=0.6,
                        label=kind if kind not in ax.get_legend_handles_labels()[1] else None)
         choice = rep["sites"][site]
-        ax.scatter(choice["heldout"]["bytes_per_elt"], choice["heldout"]["sqnr_db"], marker="*", s=180,
+        ax.scatter(choice["heldout"]["bytes_per_elt"], float(choice["heldout"]["sqnr_db"]), marker="*", s=180,
                    color="black", label=f"calibrated: {choice['choice']}")
         ax.axvline(rep["budget_bytes_per_element"], ls="--", color="k", lw=0.7)
         ax.set(title=site, xlabel="wire bytes / element", ylabel="held-out SQNR (dB)")
@@ -182,7 +184,7 @@ def ablation(policy: str, out: str, variants: list[str], steps: int | None, extr
         md.append(f"| {name} | {r['final_val_loss']:.4f} | {d:+.2%} | {r['tensor_wire_bytes_per_step']:,} "
                   f"| {ratio:.3f} |")
     (out_dir / "ablation.md").write_text("\n".join(md) + "\n")
-    (out_dir / "ablation.json").write_text(json.dumps(results, indent=2))
+    (out_dir / "ablation.json").write_text(jsonio.dumps(results, indent=2))
     _plot_losses(out_dir, list(results))
     return results
 
@@ -224,10 +226,10 @@ def main(argv=None):
     a.add_argument("extra", nargs="*", help="more `taco-jax train` flags (after --)")
     args = p.parse_args(argv)
     if args.cmd == "table":
-        print(json.dumps(table(args.captures, args.policies, args.out, args.max_messages), indent=2))
+        print(jsonio.dumps(table(args.captures, args.policies, args.out, args.max_messages), indent=2))
     else:
         res = ablation(args.policy, args.out, args.variants, args.steps, args.extra, args.policy_fp8)
-        print(json.dumps({k: v["final_val_loss"] for k, v in res.items()}, indent=2))
+        print(jsonio.dumps({k: v["final_val_loss"] for k, v in res.items()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ def training(dry: bool) -> dict:
     mesh = f"data={n // tp},tensor={tp}" if tp > 1 else f"data={n}"  # tensor=1: no TP message to compress
     backend = kernels.resolve("auto")
     steps, v, b, t = (2, 512, 8, 32) if dry else (30, 2048, 16, 128)
-    cfg = TrainConfig(model="gpt2-tiny", comm="taco", backend=backend, mesh=mesh, vocab_size=v, batch_size=b,
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", comm="taco", backend=backend, mesh=mesh, vocab_size=v, batch_size=b,
                       seq_len=t, steps=steps, warmup_steps=1, dp_comm="taco" if n == 1 else "none")
     tr = make_trainer(cfg, devices=devices)
     params, opt = tr.init()

@@ -1,14 +1,19 @@
-"""`taco-jax` command line: `train` (one run) and `compare` (--comm none vs taco, same seed and data)."""
+"""`taco-jax` command line: `train` (one run), `compare` (exact vs compressed, same seed and data) and
+`calibrate` (a per-site policy from captured messages). Flags and outputs: docs/training.md."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import inspect
-import json
 import os
 import re
 import sys
+
+#: Exit status of a run that started but failed (non-finite loss, a codec's nonfinite="error").
+EXIT_RUN_FAILED = 1
+#: Exit status of a command refused before it ran (bad flag value, unwritable --out, ...).
+EXIT_BAD_INPUT = 2
 
 
 def _field_help(cls) -> dict[str, str]:
@@ -19,63 +24,107 @@ def _field_help(cls) -> dict[str, str]:
     return {m[1]: m[2].strip().replace("%", "%%") for m in line.finditer(src)}  # argparse %-formats help
 
 
+def _flag_fields():
+    """(dataclass, field) of every `train` / `compare` flag: `TrainConfig`'s fields but `policy`, then
+    `CommFlags`'s (mapped to the policy by `TrainConfig.from_flags`)."""
+    from taco_jax.train.config import CommFlags, TrainConfig
+
+    return [(TrainConfig, f) for f in dataclasses.fields(TrainConfig) if f.name != "policy"] + \
+        [(CommFlags, f) for f in dataclasses.fields(CommFlags)]
+
+
+def _add_flag(sp, cls, f, helps) -> None:
+    from taco_jax.models import PRESETS
+
+    flag = "--" + f.name.replace("_", "-")
+    help_ = helps[cls].get(f.name, "")
+    if f.name == "site":
+        sp.add_argument(flag, action="append", default=[], metavar="SITE:FIELD=VALUE,...", help=help_)
+    elif f.type in ("bool", bool):
+        sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+    elif f.name == "model":
+        sp.add_argument(flag, default=f.default, choices=sorted(PRESETS), metavar="PRESET",
+                        help=f"{help_}: {', '.join(sorted(PRESETS))}")
+    else:
+        flags = (flag, "--policy") if f.name == "policy_file" else (flag,)  # `train --policy FILE`
+        sp.add_argument(*flags, type=type(f.default), default=f.default, help=help_)
+
+
 def _parser() -> argparse.ArgumentParser:
-    from taco_jax.train.config import TrainConfig  # no jax import at module level
+    from taco_jax import __version__
+    from taco_jax.train.calibrate import DEFAULT_BUDGET
+    from taco_jax.train.config import CommFlags, TrainConfig
 
     p = argparse.ArgumentParser(prog="taco-jax", description=__doc__)
-    helps = _field_help(TrainConfig)
+    p.add_argument("--version", action="version", version=f"taco-jax {__version__}")
+    helps = {TrainConfig: _field_help(TrainConfig), CommFlags: _field_help(CommFlags)}
     sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("train", "train one model"), ("compare", "train with --comm none and taco; plot both")):
-        sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        for f in dataclasses.fields(TrainConfig):
-            if name == "compare" and f.name == "comm":
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            flags = (flag, "--policy") if f.name == "policy_file" else (flag,)  # `train --policy FILE`
-            if f.type in ("bool", bool):
-                sp.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=helps.get(f.name, ""))
-            else:
-                sp.add_argument(*flags, type=type(f.default), default=f.default, help=helps.get(f.name, ""))
-        sp.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    for name, help_ in (("train", "train one model"),
+                        ("compare", "train exact (every axis), then with the codec flags' policy; plot both")):
+        sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                            epilog="Precedence of the codec flags (later wins): --comm and its codec flags, "
+                                   "--dp-comm / --pp-comm; --policy FILE (the sites it names); --site. "
+                                   "--capture works on data × tensor meshes only (not with stage > 1 or "
+                                   "microbatches > 1). Outputs are strict JSON (NaN/Inf as strings).")
+        for cls, f in _flag_fields():
+            _add_flag(sp, cls, f, helps)
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
         sp.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cal.add_argument("--captures", required=True, help="<run>/captures folder written by `train --capture N`")
     cal.add_argument("--out", default="policy.json", help="policy file to write (for `train --policy FILE`)")
-    cal.add_argument("--budget", type=float, default=1.0625, help="max wire bytes per element of a chosen codec")
+    cal.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                     help="max wire bytes per element of a chosen codec (default: TACO's, E4M3 G=128 dual scales)")
     cal.add_argument("--max-messages", type=int, default=16, help="messages per site in each split")
     cal.add_argument("--kinds", nargs="+", default=None, help="restrict the candidates to these codec kinds")
     return p
 
 
+def _error(e: Exception, status: int) -> int:
+    print(f"taco-jax: error: {e}", file=sys.stderr)
+    return status
+
+
+def _force_cpu_devices(mesh: str) -> None:
+    """A simulated CPU mesh needs its device count in XLA_FLAGS before jax creates its CPU backend
+    (at the first device query, not at `import jax`; importing the config imports jax already).
+    Harmless on GPU. A malformed --mesh is left to the config, which names it."""
+    from taco_jax.parallel.mesh import parse_mesh
+
+    try:
+        sizes = parse_mesh(mesh).values()
+    except ValueError:
+        return
+    n = 1
+    for v in sizes:
+        n *= v
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from taco_jax.train import jsonio
+
     if args.command == "calibrate":  # one host device; no mesh
         from taco_jax.train.calibrate import main_args
 
         try:
-            print(json.dumps(main_args(args.captures, args.out, args.budget, args.max_messages, args.kinds), indent=2))
+            result = main_args(args.captures, args.out, args.budget, args.max_messages, args.kinds)
         except ValueError as e:
-            print(f"taco-jax: error: {e}", file=sys.stderr)
-            return 2
+            return _error(e, EXIT_BAD_INPUT)
+        print(jsonio.dumps(result, indent=2))
         return 0
-    from taco_jax.parallel.mesh import parse_mesh
+    _force_cpu_devices(args.mesh)
     from taco_jax.train.config import TrainConfig
 
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    flags = {f.name: getattr(args, f.name) for _, f in _flag_fields()}  # the one mapping: flags -> TrainConfig
     try:
-        cfg = TrainConfig(**kwargs)  # validates everything before jax is even imported
+        cfg = TrainConfig.from_flags(**flags)  # validates every value before anything runs
     except ValueError as e:
-        print(f"taco-jax: error: {e}", file=sys.stderr)
-        return 2
-    # A simulated CPU mesh needs its device count fixed before jax is imported; harmless on GPU.
-    n = 1
-    for v in parse_mesh(cfg.mesh).values():
-        n *= v
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        return _error(e, EXIT_BAD_INPUT)
     import jax
 
     if args.distributed:
@@ -85,11 +134,12 @@ def main(argv=None) -> int:
     try:
         result = train(cfg, progress=not args.no_progress) if args.command == "train" else \
             compare(cfg, progress=not args.no_progress)
-    except (ValueError, FloatingPointError) as e:  # FloatingPointError: a codec with nonfinite="error"
-        print(f"taco-jax: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # a configuration or output folder that cannot run (before training)
+        return _error(e, EXIT_BAD_INPUT)
+    except FloatingPointError as e:  # non-finite loss, or a codec with nonfinite="error"
+        return _error(e, EXIT_RUN_FAILED)
     shown = {k: v for k, v in result.items() if k not in ("wire_detail", "config")}
-    print(json.dumps(shown, indent=2))
+    print(jsonio.dumps(shown, indent=2))
     return 0
 
 

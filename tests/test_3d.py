@@ -51,7 +51,7 @@ def test_all_three_axes_compressed_in_the_compiled_step():
     """comm / dp_comm / pp_comm = taco: u8 FP8 codes (+ f32 scales, 8 B per 128 codes) move on
     every axis; the only f32 traffic left is scales, [B, T] cross-entropy statistics, the loss, and
     the exact stage all-reduce of the stage-replicated (embedding / norm) gradients."""
-    cfg = TrainConfig(comm="taco", dp_comm="taco", pp_comm="taco", **SMALL3D)
+    cfg = TrainConfig.from_flags(comm="taco", dp_comm="taco", pp_comm="taco", **SMALL3D)
     tr = make_trainer(cfg)
     params, opt = tr.init()
     x = np.random.default_rng(0).integers(0, 512, (8, 32))
@@ -79,7 +79,7 @@ def test_all_three_axes_compressed_in_the_compiled_step():
 ])
 def test_bad_3d_config_raises_before_compile(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kwargs)
+        TrainConfig.from_flags(**kwargs)
 
 
 def test_cli_has_3d_flags(capsys):
@@ -102,7 +102,7 @@ def test_3d_run_matches_one_device_after_20_steps(tmp_path, model, schedule):
     from taco_jax.train.loop import train
 
     ds = load_shakespeare(512, cache_dir=str(tmp_path / "cache"))
-    base = TrainConfig(model=model, comm="none", vocab_size=512, batch_size=8, seq_len=64, steps=20,
+    base = TrainConfig.from_flags(model=model, comm="none", vocab_size=512, batch_size=8, seq_len=64, steps=20,
                        warmup_steps=2, eval_every=20, eval_batches=2)
     runs = {}
     for name, cfg in (("one", dataclasses.replace(base, mesh="data=1")),

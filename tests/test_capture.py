@@ -43,7 +43,7 @@ def _unsharded_h_and_grad(cfg, ids, targets):
 
 
 def test_capture_saves_the_real_messages(dataset, tmp_path):
-    cfg = TrainConfig(steps=2, capture=2, out=str(tmp_path), **SMALL)
+    cfg = TrainConfig.from_flags(steps=2, capture=2, out=str(tmp_path), **SMALL)
     summary = train(cfg, dataset=dataset, progress=False)
     meta, msgs = load_captures(tmp_path / "captures")
     assert summary["captures"]["files"] == ["step00001.npz", "step00002.npz"]
@@ -74,7 +74,8 @@ def test_capture_saves_the_real_messages(dataset, tmp_path):
 
 
 def test_capture_sequence_parallel_sites(dataset, tmp_path):
-    cfg = TrainConfig(steps=1, capture=1, sequence_parallel=True, out=str(tmp_path), **{**SMALL, "warmup_steps": 0})
+    cfg = TrainConfig.from_flags(steps=1, capture=1, sequence_parallel=True, out=str(tmp_path),
+                                 **{**SMALL, "warmup_steps": 0})
     train(cfg, dataset=dataset, progress=False)
     meta, msgs = load_captures(tmp_path / "captures")
     assert meta["sequence_parallel"] and {m.site for m in msgs} == {"all_gather", "reduce_scatter"}
@@ -97,7 +98,7 @@ def test_capture_steps_are_evenly_spaced_and_end_at_the_last():
 
 def test_nonfinite_error_policy_stops_training_naming_the_site(dataset, tmp_path):
     """A diverging run (absurd learning rate) with nonfinite="error": the loop raises after the step."""
-    cfg = TrainConfig(steps=2, out=str(tmp_path), nonfinite="error", lr=1e30,
+    cfg = TrainConfig.from_flags(steps=2, out=str(tmp_path), nonfinite="error", lr=1e30,
                       **{**SMALL, "comm": "taco", "warmup_steps": 0})
     with pytest.raises(FloatingPointError, match=r"site\(s\) \['ar_"):
         train(cfg, dataset=dataset, progress=False)

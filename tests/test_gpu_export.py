@@ -116,7 +116,7 @@ SMALL = dict(model="gpt2-tiny", vocab_size=512, batch_size=8, seq_len=32, steps=
 def export_train_step(mesh: str, n_devices: int) -> export.Exported:
     """The jitted compressed train step (`--backend pallas`) on `mesh`, exported for CUDA."""
     with pallas_codec.lowering_platform("cuda"), cuda_target():  # also lifts make_trainer's CPU pallas check
-        tr = make_trainer(TrainConfig(comm="taco", backend="pallas", mesh=mesh, **SMALL),
+        tr = make_trainer(TrainConfig.from_flags(comm="taco", backend="pallas", mesh=mesh, **SMALL),
                           devices=jax.devices()[:n_devices])
         model = lambda: make_model(tr.cfg.model_config, rngs=nnx.Rngs(0))
         abstract = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(model(), nnx.Param)[1]))

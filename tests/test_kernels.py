@@ -188,8 +188,9 @@ def test_every_site_of_the_train_step_runs_the_requested_backend(monkeypatch, co
         real = codec_backends.get_backend(name)
         monkeypatch.setitem(codec_backends._LOADED, name, codec_backends.GroupBackend(
             recording(name, real.encode_groups), recording(name, real.decode_groups)))
-    cfg = TrainConfig(comm=comm, dp_comm="taco", pp_comm="taco", backend=backend, mesh="data=2,stage=2,tensor=2",
-                      microbatches=2, model="gpt2-tiny", vocab_size=512, batch_size=8, seq_len=32)
+    cfg = TrainConfig.from_flags(comm=comm, dp_comm="taco", pp_comm="taco", backend=backend,
+                                 mesh="data=2,stage=2,tensor=2", microbatches=2, model="gpt2-tiny", vocab_size=512,
+                                 batch_size=8, seq_len=32)
     tr = make_trainer(cfg)
     params, opt = tr.init()
     x = np.zeros((8, 32), np.int32)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from taco_jax.codec import CodecConfig
-from taco_jax.collectives.policy import SITES, CommPolicy, policy_from_name
+from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.train.calibrate import calibrate, candidates, split_messages
 from taco_jax.train.capture import load_captures
-from taco_jax.train.config import TrainConfig
+from taco_jax.train.config import CommFlags, TrainConfig
 
 
 def test_json_round_trip(tmp_path):
@@ -63,11 +63,11 @@ def test_unreadable_policy_file(tmp_path):
 def test_train_config_uses_the_policy_file(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"sites": {"ar_fwd": {"kind": "int8", "group_axis": "token"}}}))
-    cfg = TrainConfig(comm="taco", policy_file=str(path), algorithm="one_shot")
+    cfg = TrainConfig.from_flags(comm="taco", policy_file=str(path), algorithm="one_shot")
     assert cfg.policy.ar_fwd == CodecConfig(kind="int8", group_axis="token")
-    assert cfg.policy.ar_bwd == cfg.codec  # from --comm taco
+    assert cfg.policy.ar_bwd == CommFlags().tensor_codec()  # from --comm taco
     assert cfg.policy.all_reduce_algorithm == "one_shot"
-    none_cfg = TrainConfig(comm="none", policy_file=str(path))
+    none_cfg = TrainConfig.from_flags(comm="none", policy_file=str(path))
     assert none_cfg.policy.ar_fwd.kind == "int8" and none_cfg.policy.ar_bwd.kind == "none"
 
 
@@ -75,7 +75,7 @@ def test_train_config_and_cli_reject_unknown_site(tmp_path, capsys):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"sites": {"attention": {"kind": "int8"}}}))
     with pytest.raises(ValueError, match="site='attention'"):
-        TrainConfig(policy_file=str(path))
+        TrainConfig.from_flags(policy_file=str(path))
     from taco_jax.cli import main
 
     assert main(["train", "--policy", str(path), "--no-progress"]) == 2
@@ -83,26 +83,20 @@ def test_train_config_and_cli_reject_unknown_site(tmp_path, capsys):
 
 
 def test_train_config_codec_fields():
-    cfg = TrainConfig(codec_kind="int8", group_axis="token", group_size=64)
+    cfg = TrainConfig.from_flags(codec_kind="int8", group_axis="token", group_size=64)
     assert cfg.policy.ar_fwd == CodecConfig(kind="int8", group_axis="token", group_size=64)
     with pytest.raises(ValueError, match="kind='int3'"):
-        TrainConfig(codec_kind="int3")
+        TrainConfig.from_flags(codec_kind="int3")
     with pytest.raises(ValueError, match="capture=-1"):
-        TrainConfig(capture=-1)
-
-
-def test_policy_from_name():
-    assert policy_from_name("int8").ar_fwd.kind == "int8"
-    assert policy_from_name("taco", group_size=64).ar_bwd.group_size == 64
-    with pytest.raises(ValueError, match="comm='zip'"):
-        policy_from_name("zip")
+        TrainConfig.from_flags(capture=-1)
 
 
 # ------------------------------------------- calibration -------------------------------------------
 
 
-def _fake_captures(root, steps=(10, 20, 30, 40), seed=0):
-    """Messages shaped like TP activations: heavy channels (ar_fwd), tiny gradients (ar_bwd)."""
+def _fake_captures(root, steps=(10, 20, 30, 40), seed=0, edit=None):
+    """Messages shaped like TP activations: heavy channels (ar_fwd), tiny gradients (ar_bwd).
+    edit(step, arrays) may change a step's arrays before they are saved."""
     rng = np.random.default_rng(seed)
     cap = root / "captures"
     cap.mkdir(parents=True)
@@ -112,6 +106,8 @@ def _fake_captures(root, steps=(10, 20, 30, 40), seed=0):
                   for i in range(3)}
         arrays.update({f"ar_bwd__enter{i:02d}": (rng.standard_normal((4, 2, 32, 64)) * 1e-6).astype(np.float32)
                        for i in range(3)})
+        if edit:
+            edit(s, arrays)
         np.savez(cap / f"step{s:05d}.npz", **arrays)
     (cap / "meta.json").write_text(json.dumps({"model": "fake", "captured_steps": list(steps), "roles": {}}))
     return cap
@@ -149,7 +145,7 @@ def test_calibrate_writes_a_policy_at_least_as_good_as_every_fixed_choice(tmp_pa
     assert all(f["heldout_mean_sqnr_db"] <= h["calibrated"] for f in rep["fixed"] if f["feasible"])
     assert "int8-G32" in {f["codec"] for f in rep["fixed"] if not f["feasible"]}
     assert (tmp_path / "policy.report.md").read_text().startswith("Objective:")
-    assert TrainConfig(policy_file=str(tmp_path / "policy.json")).policy.ar_fwd == pol.ar_fwd
+    assert TrainConfig.from_flags(policy_file=str(tmp_path / "policy.json")).policy.ar_fwd == pol.ar_fwd
     assert set(json.loads((tmp_path / "policy.json").read_text())["sites"]) <= set(SITES)
 
 
@@ -162,3 +158,46 @@ def test_calibrate_errors(tmp_path):
     from taco_jax.cli import main
 
     assert main(["calibrate", "--captures", str(tmp_path / "nowhere")]) == 2
+
+
+TIE_CANDIDATES = [CodecConfig(kind="fp8_tensor"), CodecConfig(kind="int8"), CodecConfig(kind="int4", group_size=512),
+                  CodecConfig(kind="tah"), CodecConfig()]
+
+
+def test_calibrate_infinite_ties_go_to_fewest_bytes(tmp_path):
+    """Issue 16: a site whose messages are all zeros (every codec exact, SQNR +inf) takes the fewest
+    bytes (int4-G512, 0.5078 B/elt), not the first candidate (fp8_tensor, 1.0002 B/elt)."""
+    def zero_bwd(step, arrays):
+        for k in arrays:
+            if k.startswith("ar_bwd"):
+                arrays[k][:] = 0
+
+    cap = _fake_captures(tmp_path, edit=zero_bwd)
+    rep = calibrate(cap, tmp_path / "p.json", cands=TIE_CANDIDATES, progress=False)
+    assert rep["sites"]["ar_bwd"]["calib"]["sqnr_db"] == float("inf")
+    assert rep["sites"]["ar_bwd"]["choice"] == "int4-G512"
+    assert rep["sites"]["ar_bwd"]["calib"]["bytes_per_elt"] == min(c.wire_bytes_per_element(n=2 * 32 * 64)
+                                                                   for c in TIE_CANDIDATES)
+    def refuse(token):
+        pytest.fail(f"non-JSON token {token}")
+
+    for name in ("p.json", "p.report.json"):  # strict JSON: +inf written as the string "Infinity"
+        doc = json.loads((tmp_path / name).read_text(), parse_constant=refuse)
+    assert doc["sites"]["ar_bwd"]["calib"]["sqnr_db"] == "Infinity"
+
+
+def test_calibrate_reports_and_excludes_a_nonfinite_message(tmp_path, capsys):
+    """Issue 16: one calibration message with a NaN made every candidate score -inf (first one taken)."""
+    def nan_once(step, arrays):
+        if step == 10:
+            arrays["ar_fwd__exit01"][2, 0, 3, 5] = np.nan
+
+    cap = _fake_captures(tmp_path, edit=nan_once)
+    rep = calibrate(cap, tmp_path / "p.json", cands=TIE_CANDIDATES, max_messages=0, progress=False)
+    assert rep["excluded"] == [{"site": "ar_fwd", "step": 10, "role": "exit01", "what": "exit01", "rank": 2}]
+    assert "('ar_fwd', 10)" in capsys.readouterr().err
+    chosen = rep["sites"]["ar_fwd"]["calib"]["sqnr_db"]
+    assert np.isfinite(chosen)
+    assert all(row["calib"]["ar_fwd"]["sqnr_db"] <= chosen + 0.01 for row in rep["table"]
+               if row["calib"]["ar_fwd"]["bytes_per_elt"] <= 1.0625)
+    assert rep["messages"]["calib"]["ar_fwd"] == 2 * 3 * 4 - 1

@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 
 from taco_jax import kernels
-from taco_jax.codec import CODEC_KINDS, NONE, TACO, CodecConfig
+from taco_jax.codec import NONE, TACO, CodecConfig
 
 #: Tensor-axis sites (TACO spec §1): RowParallel output all-reduce ("g" forward), ColumnParallel
 #: input all-reduce ("f" backward), sequence-parallel all-gather and reduce-scatter.
@@ -37,8 +37,6 @@ class CommPolicy:
       all_reduce_algorithm: "two_shot" (all-to-all reduce-scatter + all-gather; two
         quantizations) or "one_shot" (all-gather of the whole message; one quantization).
       min_bytes: messages smaller than this (uncompressed bytes) use the exact collective.
-      capture: record the message of every tensor site (forward and backward) to the host
-        during training (`taco_jax.train.capture`); the arithmetic is unchanged.
 
     Raises:
       ValueError: for an unknown algorithm or a negative threshold.
@@ -52,7 +50,6 @@ class CommPolicy:
     pp_send: CodecConfig = NONE
     all_reduce_algorithm: str = "two_shot"
     min_bytes: int = 0
-    capture: bool = False
 
     def __post_init__(self):
         if self.all_reduce_algorithm not in ALL_REDUCE_ALGORITHMS:
@@ -116,7 +113,8 @@ class CommPolicy:
     def from_dict(cls, d: dict, *, base: CommPolicy | None = None, where: str = "policy") -> CommPolicy:
         """Policy from a dict shaped like `to_dict` (only "sites" is required; other top-level keys
         such as "objective" or "calibration" are metadata and ignored). Sites absent from the
-        file keep `base`'s codec (default: exact).
+        file keep `base`'s codec (default: exact); "all_reduce_algorithm" / "min_bytes", when
+        given, replace `base`'s. Format and a minimal example: docs/training.md.
 
         Raises: ValueError naming the file (`where`) and the unknown site or bad codec field.
         """
@@ -147,9 +145,12 @@ class CommPolicy:
         return cls.from_dict(d, base=base, where=f"policy file {str(path)!r}")
 
     def to_json(self, path, **metadata) -> pathlib.Path:
-        """Writes `to_dict()` (plus `metadata` keys) to `path` as JSON."""
+        """Writes `to_dict()` (plus `metadata` keys) to `path` as strict JSON.
+
+        Raises: ValueError for a non-finite float in `metadata` (not JSON; RFC 8259).
+        """
         path = pathlib.Path(path)
-        path.write_text(json.dumps({**self.to_dict(), **metadata}, indent=2) + "\n")
+        path.write_text(json.dumps({**self.to_dict(), **metadata}, indent=2, allow_nan=False) + "\n")
         return path
 
     @classmethod
@@ -162,14 +163,3 @@ class CommPolicy:
         """The same TACO codec on every tensor-axis site (the paper's setting)."""
         return cls(ar_fwd=codec, ar_bwd=codec, all_gather=codec, reduce_scatter=codec, **kwargs)
 
-
-def policy_from_name(comm: str, **codec_kwargs) -> CommPolicy:
-    """CLI helper: "none", "taco" (codec fields, `kind` included, from `codec_kwargs`), or any
-    compressing codec kind ("int8", "fp8_group", ...) on every tensor-axis site."""
-    if comm == "none":
-        return CommPolicy.none()
-    if comm == "taco":
-        return CommPolicy.taco(CodecConfig(**codec_kwargs))
-    if comm in CODEC_KINDS:
-        return CommPolicy.taco(CodecConfig(**{**codec_kwargs, "kind": comm}))
-    raise ValueError(f"comm={comm!r} is not supported; choose 'none', 'taco' or one of {CODEC_KINDS[1:]}")

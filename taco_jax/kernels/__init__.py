@@ -117,12 +117,12 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
 
 def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: int = 1) -> CodecConfig:
     """`cfg` with `backend` replaced by the concrete one it stands for (`resolve`); codecs of other
-    kinds than "taco" (which always run the jnp reference) come back unchanged.
+    kinds than "taco" always run the jnp reference and come back with backend "reference".
 
     Raises: ValueError from `resolve`.
     """
     if cfg.kind != "taco":
-        return cfg
+        return cfg if cfg.backend == "reference" else dataclasses.replace(cfg, backend="reference")
     name = resolve(cfg.backend, platform, n_devices=n_devices)
     return cfg if name == cfg.backend else dataclasses.replace(cfg, backend=name)
 

@@ -22,11 +22,16 @@ class ParallelContext:
       sequence_parallel: Megatron sequence parallelism: activations outside the TP blocks are
         sharded over the sequence axis (axis 1 of [B, T, D]) and the f/g pair becomes
         all-gather / reduce-scatter (Korthikanti et al. 2022).
+      tap: optional observer of the TP messages, installed by the caller (`train/capture.py`):
+        an object with `enter(ctx, x)` and `exit(ctx, x)` that must return `ctx.enter(x)` /
+        `ctx.exit(x)` (same arithmetic) for the untapped `ctx` it is given. Hashable (it is
+        part of the model's static graph). None: no observer.
     """
 
     tensor_axis: str | None = None
     policy: CommPolicy = CommPolicy()
     sequence_parallel: bool = False
+    tap: object | None = None
 
     @property
     def tp_size(self) -> int:
@@ -39,10 +44,8 @@ class ParallelContext:
         """Into a TP block: "f" (identity fwd / all-reduce bwd) or, with SP, all-gather over T."""
         if self.tensor_axis is None:
             return x
-        if self.policy.capture:  # record the messages (taco_jax.train.capture); same arithmetic
-            from taco_jax.train.capture import tapped_enter  # noqa: PLC0415
-
-            return tapped_enter(self, x)
+        if self.tap is not None:
+            return self.tap.enter(dataclasses.replace(self, tap=None), x)
         if self.sequence_parallel:
             return gather_from_sp(x, self.tensor_axis, self.policy, 1)
         return copy_to_tp(x, self.tensor_axis, self.policy)
@@ -51,10 +54,8 @@ class ParallelContext:
         """Out of a TP block: "g" (all-reduce fwd / identity bwd) or, with SP, reduce-scatter over T."""
         if self.tensor_axis is None:
             return x
-        if self.policy.capture:
-            from taco_jax.train.capture import tapped_exit  # noqa: PLC0415
-
-            return tapped_exit(self, x)
+        if self.tap is not None:
+            return self.tap.exit(dataclasses.replace(self, tap=None), x)
         if self.sequence_parallel:
             return scatter_to_sp(x, self.tensor_axis, self.policy, 1)
         return reduce_from_tp(x, self.tensor_axis, self.policy)

@@ -8,7 +8,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+#: The mesh axes, in mesh order: data parallel, pipeline stages, tensor parallel (the one table of names).
 MESH_AXES = ("data", "stage", "tensor")
+DATA, STAGE, TENSOR = MESH_AXES
 
 
 def parse_mesh(spec: str) -> dict[str, int]:

@@ -11,7 +11,10 @@ data's statistics; its criterion is not public (TACO_SPEC.md §2). Ours, stated 
   fp8_group / int8 / int4) — `candidates()`.
   Per-site objective: maximise SQNR_s(c) = 10·log10(Σ‖x‖² / Σ‖x − decode(encode(x))‖²) over
   the site's messages, subject to wire_bytes_per_element(c, n) ≤ budget (default 1.0625 B/elt,
-  the spec's TACO setting: 0.53× bf16). Ties within 0.01 dB go to fewer bytes.
+  the spec's TACO setting: 0.53× bf16). Ties (within 0.01 dB, or the same infinite SQNR, e.g.
+  +∞ on messages every codec carries exactly) go to fewer bytes.
+  Non-finite messages: a captured message holding NaN/±Inf is reported (site, step, role, rank)
+  in the report's "excluded" list and on stderr, and left out of both splits.
   Policy objective (to compare policies): the mean over sites of the held-out SQNR (dB).
 
 The report compares the calibrated policy with every fixed choice (one candidate on every
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import math
 import pathlib
 import sys
@@ -32,12 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax.codec import CodecConfig, roundtrip
+from taco_jax.codec import CodecConfig, cosine, max_rel_error, roundtrip, sqnr_db
 from taco_jax.codec.config import GROUP_AXES, GROUP_SIZES
 from taco_jax.collectives.policy import POLICY_FORMAT, TENSOR_SITES, CommPolicy
+from taco_jax.train import jsonio
 from taco_jax.train.capture import Message, load_captures
 
-DEFAULT_BUDGET = 1.0625
+#: Default wire-byte budget per element: TACO's own setting (E4M3, G = 128, two FP32 scales: 1 + 8/128).
+DEFAULT_BUDGET = CodecConfig().wire_bytes_per_element()
+#: SQNR differences within this many dB are ties, broken by fewer wire bytes.
 TIE_DB = 0.01
 
 
@@ -53,19 +58,6 @@ def candidates() -> list[CodecConfig]:
             out.append(CodecConfig(kind="taco", fmt=f, group_size=g, group_axis=axis, scale_layout=layout))
         out.append(CodecConfig(kind="tah", group_size=g, group_axis=axis))
     return out
-
-
-#: The named codecs of the fidelity table and the ablation (fixed settings, spec defaults).
-NAMED = {
-    "none": CodecConfig(kind="none"),
-    "fp8_tensor": CodecConfig(kind="fp8_tensor"),
-    "fp8_group": CodecConfig(kind="fp8_group"),
-    "int8": CodecConfig(kind="int8"),
-    "int4_had": CodecConfig(kind="int4", hadamard=True),
-    "tah": CodecConfig(kind="tah"),
-    "taco": CodecConfig(kind="taco"),
-    "taco_folded": CodecConfig(kind="taco", scale_layout="folded"),
-}
 
 
 def split_messages(msgs: list[Message], max_per_split: int | None = 16) -> dict[str, dict[str, list[Message]]]:
@@ -89,44 +81,56 @@ def split_messages(msgs: list[Message], max_per_split: int | None = 16) -> dict[
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _errors(x: jax.Array, cfg: CodecConfig):
-    """x [M, *msg] -> per message: (Σx², Σe², Σx·y, Σy², max|e|, max|x|) in float32."""
-    y = roundtrip(x, cfg, batch_dims=1).astype(jnp.float32)
-    axes = tuple(range(1, x.ndim))
-    e = y - x
-    return (jnp.sum(x * x, axes), jnp.sum(e * e, axes), jnp.sum(x * y, axes), jnp.sum(y * y, axes),
-            jnp.max(jnp.abs(e), axes), jnp.max(jnp.abs(x), axes))
+def _roundtrip(x: jax.Array, cfg: CodecConfig) -> jax.Array:
+    """x [M, *msg] -> decode(encode(x)) per message, float32."""
+    return roundtrip(x, cfg, batch_dims=1).astype(jnp.float32)
 
 
 def evaluate(cfg: CodecConfig, msgs: list[Message]) -> dict:
-    """SQNR (dB), max relative error (‖e‖∞/‖x‖∞, worst message), cosine, wire B/elt of `cfg` on `msgs`."""
-    n = msgs[0].x.size
-    bpe = cfg.wire_bytes_per_element(jnp.float32, n=n)
-    if cfg.kind == "none":
-        return {"sqnr_db": math.inf, "max_rel_err": 0.0, "cosine": 1.0, "bytes_per_elt": bpe, "messages": len(msgs)}
-    sums = np.zeros(4)
-    worst = 0.0
-    by_shape: dict[tuple, list] = {}
+    """SQNR (dB), max relative error (‖e‖∞/‖x‖∞, worst message), cosine (`taco_jax.codec.metrics`,
+    float64) and wire B/elt of `cfg` on `msgs` (decoded in one jitted call per message shape).
+
+    Raises: ValueError naming the site and step of a message holding NaN/±Inf (its scores would
+    say nothing about the codec; `calibrate` excludes such messages first).
+    """
     for m in msgs:
-        by_shape.setdefault(m.x.shape, []).append(m.x)
-    for xs in by_shape.values():
-        parts = [np.asarray(p, np.float64) for p in _errors(jnp.asarray(np.stack(xs)), cfg)]
-        sums += [p.sum() for p in parts[:4]]
-        for e, m in zip(parts[4], parts[5]):
-            worst = max(worst, e / m if m > 0 else (math.inf if e > 0 else 0.0))
-    sig, noise, dot, yy = sums
-    sqnr = math.inf if noise == 0 else (10 * math.log10(sig / noise) if sig > 0 else -math.inf)
-    cos = dot / math.sqrt(sig * yy) if sig > 0 and yy > 0 else float(sig == yy)
-    return {"sqnr_db": sqnr, "max_rel_err": worst, "cosine": cos, "bytes_per_elt": bpe, "messages": len(msgs)}
+        if not np.isfinite(m.x).all():
+            raise ValueError(f"message {m.site} step {m.step} ({m.role}, rank {m.rank}) holds NaN/Inf")
+    xs = [m.x for m in msgs]
+    ys = list(xs)
+    if cfg.kind != "none":
+        by_shape: dict[tuple, list[int]] = {}
+        for i, x in enumerate(xs):
+            by_shape.setdefault(x.shape, []).append(i)
+        for idx in by_shape.values():
+            decoded = np.asarray(_roundtrip(jnp.asarray(np.stack([xs[i] for i in idx])), cfg))
+            for i, y in zip(idx, decoded):
+                ys[i] = y
+    return {"sqnr_db": sqnr_db(xs, ys), "max_rel_err": max_rel_error(xs, ys), "cosine": cosine(xs, ys),
+            "bytes_per_elt": cfg.wire_bytes_per_element(jnp.float32, n=xs[0].size), "messages": len(msgs)}
 
 
-def _better(a: dict, b: dict | None) -> bool:
-    """Objective order: higher SQNR; within TIE_DB, fewer bytes."""
-    if b is None:
+def _better(sqnr: float, nbytes: float, best_sqnr: float | None, best_bytes: float | None) -> bool:
+    """Objective order: higher SQNR; a tie (within TIE_DB, or the same infinity) -> fewer bytes."""
+    if best_sqnr is None:
         return True
-    if abs(a["sqnr_db"] - b["sqnr_db"]) <= TIE_DB:
-        return a["bytes_per_elt"] < b["bytes_per_elt"]
-    return a["sqnr_db"] > b["sqnr_db"]
+    tie = sqnr == best_sqnr or (math.isfinite(sqnr) and math.isfinite(best_sqnr) and abs(sqnr - best_sqnr) <= TIE_DB)
+    return nbytes < best_bytes if tie else sqnr > best_sqnr
+
+
+def _best(items, sqnr, nbytes):
+    """The best of `items` in the objective order (`_better`); sqnr / nbytes: item -> value."""
+    best = None
+    for it in items:
+        if best is None or _better(sqnr(it), nbytes(it), sqnr(best), nbytes(best)):
+            best = it
+    return best
+
+
+def nonfinite_messages(msgs: list[Message]) -> list[dict]:
+    """Where the messages holding NaN/±Inf are: [{"site", "step", "role", "what", "rank"}]."""
+    return [{"site": m.site, "step": m.step, "role": m.role, "what": m.what, "rank": m.rank}
+            for m in msgs if not np.isfinite(m.x).all()]
 
 
 def _fmt_db(v: float) -> str:
@@ -153,6 +157,14 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
         raise ValueError(f"budget={budget!r} must be > 0 bytes per element")
     meta, msgs = load_captures(captures)
     msgs = [m for m in msgs if m.site in TENSOR_SITES]
+    excluded = nonfinite_messages(msgs)
+    if excluded:  # reported, then left out (their SQNR is -inf or NaN for every candidate)
+        where = sorted({(e["site"], e["step"]) for e in excluded})
+        print(f"[calibrate] excluded {len(excluded)} message(s) holding NaN/Inf at (site, step) {where}",
+              file=sys.stderr, flush=True)
+        msgs = [m for m in msgs if np.isfinite(m.x).all()]
+    if not msgs:
+        raise ValueError(f"captures={str(captures)!r}: no finite tensor-site message to calibrate on")
     split = split_messages(msgs, max_messages)
     sites = sorted(split["calib"])
     cands = list(cands or candidates())
@@ -170,14 +182,11 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
     # 2. per site: the best feasible candidate on the calibration split
     choice = {}
     for s in sites:
-        best = None
-        for row in table:
-            r = row["calib"].get(s)
-            if r and r["bytes_per_elt"] <= budget + 1e-12 and _better(r, best and best[1]):
-                best = (row, r)
-        if best is None:
+        feasible = [row for row in table if s in row["calib"] and row["calib"][s]["bytes_per_elt"] <= budget + 1e-12]
+        if not feasible:
             raise ValueError(f"budget={budget} bytes/element: no candidate codec fits site {s!r}")
-        choice[s] = best[0]
+        choice[s] = _best(feasible, lambda row, s=s: row["calib"][s]["sqnr_db"],
+                          lambda row, s=s: row["calib"][s]["bytes_per_elt"])
     # 3. compare on held-out: calibrated vs every fixed feasible choice (same codec on every site)
     held_sites = [s for s in sites if split["heldout"].get(s)]
 
@@ -194,8 +203,9 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
                       "heldout": {s: row["heldout"][s]["sqnr_db"] for s in held_sites},
                       "bytes_per_elt": {s: row["heldout"][s]["bytes_per_elt"] for s in held_sites}})
     feas = [f for f in fixed if f["feasible"]]
-    best_hind = max(feas, key=lambda f: f["heldout_mean_sqnr_db"])
-    best_cal = max(feas, key=lambda f: f["calib_mean_sqnr_db"])
+    most_bytes = lambda f: max(f["bytes_per_elt"].values(), default=0.0)  # noqa: E731
+    best_hind = _best(feas, lambda f: f["heldout_mean_sqnr_db"], most_bytes)
+    best_cal = _best(feas, lambda f: f["calib_mean_sqnr_db"], most_bytes)
     taco = next(f for f in fixed if f["codec"] == CodecConfig().name)
     objective = (f"per site: maximise SQNR (dB, energy-weighted over the site's calibration messages) subject to "
                  f"wire bytes/element <= {budget}; ties within {TIE_DB} dB -> fewer bytes. "
@@ -206,6 +216,7 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
         "captures": str(captures), "meta": {k: v for k, v in meta.items() if k not in ("roles", "files", "keys")},
         "objective": objective, "budget_bytes_per_element": budget, "candidates": len(cands),
         "messages": {p: {s: len(v) for s, v in split[p].items()} for p in split},
+        "excluded": excluded,
         "sites": per_site,
         "heldout_mean_sqnr_db": {"calibrated": calibrated, "best_fixed_hindsight": best_hind["heldout_mean_sqnr_db"],
                                  "best_fixed_by_calibration": best_cal["heldout_mean_sqnr_db"],
@@ -225,8 +236,8 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
     doc = {"format": POLICY_FORMAT, "sites": policy_sites, "objective": objective,
            "budget_bytes_per_element": budget, "captures": str(captures), "calibration": calib_meta}
     CommPolicy.from_dict(doc)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    out.with_suffix(".report.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+    jsonio.write(out, doc)
+    jsonio.write(out.with_suffix(".report.json"), report, indent=1)
     out.with_suffix(".report.md").write_text(report_markdown(report) + "\n")
     return report
 

@@ -4,8 +4,8 @@ Mechanism. On each of the N capture steps (evenly spaced, ending at the last ste
 calls `Recorder.capture(step, params, inputs, targets)` *before* the train step, with the very
 parameters and batch that step then trains on. It runs a jitted twin of the train step's loss
 and gradient (`Trainer`'s mesh, model definition and parameter specs, inside `jax.shard_map`)
-in which `ParallelContext.enter` / `exit` (policy flag `CommPolicy.capture`, set by
-`--capture`) hand their messages out:
+in which `ParallelContext.enter` / `exit` hand their messages to a `Tap` (the context's `tap`,
+installed only in the twin's model; the real train and eval steps carry none):
 
 | ctx method | forward message (site)                  | backward message (site)                   |
 |------------|-----------------------------------------|-------------------------------------------|
@@ -17,13 +17,12 @@ in which `ParallelContext.enter` / `exit` (policy flag `CommPolicy.capture`, set
 Forward messages are returned as outputs; backward messages are the gradients of zero "probes"
 added right after each enter / exit (h + 0: the arithmetic is unchanged), i.e. exactly the
 cotangents the Megatron operators all-reduce. The twin's loss is written next to the real
-step's loss in `meta.json` (they agree to float32 rounding). Outside the twin (the real train
-and eval steps) the flag changes nothing. Why not `jax.debug.callback` taps inside the real
+step's loss in `meta.json` (they agree to float32 rounding). Why not `jax.debug.callback` taps inside the real
 step: on the simulated multi-device CPU mesh (jax 0.10.2) reading a large callback operand
 inside the callback deadlocks against the running collectives, and copying it later is unsafe.
 
-Kept: every rank of the tensor axis, data-axis rank 0. Limits: data × tensor meshes without
-pipeline stages.
+Kept: every rank of the tensor axis, data-axis rank 0. Limits: data × tensor meshes only;
+pipelined runs (stage > 1 or microbatches > 1) are refused by `TrainConfig` (not supported).
 
 Files: `<out>/captures/step{S:05d}.npz`, one array per message named `<site>__<role>` (role =
 `exit03` / `enter02`: the k-th call of that ctx method in the forward pass), stacked over tensor
@@ -45,7 +44,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-_COLLECTOR: _Collector | None = None  # active only while the capture twin is traced
+from taco_jax.parallel.mesh import DATA, TENSOR
+from taco_jax.parallel.state import merge_params
+from taco_jax.train import jsonio
+from taco_jax.train.step import make_steps
 
 
 @dataclasses.dataclass
@@ -79,43 +81,44 @@ class _Collector:
         return h + self.probes[i][0].astype(h.dtype)
 
 
-@contextlib.contextmanager
-def _collecting(col: _Collector):
-    global _COLLECTOR
-    prev, _COLLECTOR = _COLLECTOR, col
-    try:
-        yield col
-    finally:
-        _COLLECTOR = prev
+class Tap:
+    """The `ParallelContext.tap` of the capture twin: hands each enter / exit message to the active
+    collector (see the module table); with none active it is the plain `ctx.enter` / `ctx.exit`.
+    Hashable by identity (it sits in the model's static graph)."""
 
+    def __init__(self):
+        self.collector: _Collector | None = None
 
-def _inner(ctx):
-    return dataclasses.replace(ctx, policy=dataclasses.replace(ctx.policy, capture=False))
+    @contextlib.contextmanager
+    def collecting(self, col: _Collector):
+        prev, self.collector = self.collector, col
+        try:
+            yield col
+        finally:
+            self.collector = prev
 
+    def enter(self, ctx, x: jax.Array) -> jax.Array:
+        """`ctx.enter(x)` (ctx untapped), its messages handed to the active collector."""
+        col = self.collector
+        if col is None:
+            return ctx.enter(x)
+        role = col.role("enter")
+        if ctx.sequence_parallel:
+            col.forward(x, f"all_gather__{role}")
+            return col.backward(ctx.enter(x), f"reduce_scatter__{role}")
+        return col.backward(ctx.enter(x), f"ar_bwd__{role}")
 
-def tapped_enter(ctx, x: jax.Array) -> jax.Array:
-    """`ctx.enter(x)`, handing its messages to the active capture trace (if any; see the module table)."""
-    col = _COLLECTOR
-    if col is None:
-        return _inner(ctx).enter(x)
-    role = col.role("enter")
-    if ctx.sequence_parallel:
-        col.forward(x, f"all_gather__{role}")
-        return col.backward(_inner(ctx).enter(x), f"reduce_scatter__{role}")
-    return col.backward(_inner(ctx).enter(x), f"ar_bwd__{role}")
-
-
-def tapped_exit(ctx, x: jax.Array) -> jax.Array:
-    """`ctx.exit(x)`, handing its messages to the active capture trace (if any; see the module table)."""
-    col = _COLLECTOR
-    if col is None:
-        return _inner(ctx).exit(x)
-    role = col.role("exit")
-    if ctx.sequence_parallel:
-        col.forward(x, f"reduce_scatter__{role}")
-        return col.backward(_inner(ctx).exit(x), f"all_gather__{role}")
-    col.forward(x, f"ar_fwd__{role}")
-    return _inner(ctx).exit(x)
+    def exit(self, ctx, x: jax.Array) -> jax.Array:
+        """`ctx.exit(x)` (ctx untapped), its messages handed to the active collector."""
+        col = self.collector
+        if col is None:
+            return ctx.exit(x)
+        role = col.role("exit")
+        if ctx.sequence_parallel:
+            col.forward(x, f"reduce_scatter__{role}")
+            return col.backward(ctx.exit(x), f"all_gather__{role}")
+        col.forward(x, f"ar_fwd__{role}")
+        return ctx.exit(x)
 
 
 # ------------------------------------- the capture twin -------------------------------------
@@ -128,17 +131,18 @@ def make_capture_fn(trainer):
     """
     if getattr(trainer, "staged", None) is not None:
         raise ValueError("capture supports data × tensor meshes without pipeline stages")
-    mesh, graphdef, abstract_state = trainer.mesh, trainer.graphdef, trainer.abstract_state
-    data_axes = tuple(a for a in ("data",) if a in mesh.axis_names)
+    cfg, mesh, abstract_state = trainer.cfg, trainer.mesh, trainer.abstract_state
+    tap = Tap()  # the twin's model: the trainer's, with the tap in its ParallelContext
+    graphdef = make_steps(cfg.model_config, mesh, cfg.policy, sequence_parallel=cfg.sequence_parallel,
+                          pipelined=False, tap=tap).graphdef
+    data_axes = tuple(a for a in (DATA,) if a in mesh.axis_names)
     batch_spec = P(data_axes or None)
     every = P(tuple(mesh.axis_names))  # one slot per device, in mesh order
 
     def local(params, probes, inputs, targets, col):
-        state = jax.tree.map(lambda v: v, abstract_state)
-        nnx.replace_by_pure_dict(state, params)
-        with _collecting(col):
+        with tap.collecting(col):
             col.probes = probes
-            loss = nnx.merge(graphdef, state).loss(inputs, targets)
+            loss = merge_params(graphdef, abstract_state, params).loss(inputs, targets)
         loss = jax.lax.pmean(loss, data_axes) if data_axes else loss
         return loss, col.fwd
 
@@ -238,7 +242,7 @@ class Recorder:
         if self._fn is None:
             self._fn = make_capture_fn(self.trainer)
         loss, msgs = self._fn(params, inputs, targets)
-        n_t = self.trainer.mesh.shape.get("tensor", 1)
+        n_t = self.trainer.mesh.shape.get(TENSOR, 1)
         arrays = {k: v[:n_t] for k, v in sorted(msgs.items())}  # data rank 0: the first n_t slots
         path = self.out_dir / f"step{step:05d}.npz"
         np.savez(path, **arrays)
@@ -255,7 +259,7 @@ class Recorder:
             self._write_meta()
 
     def _write_meta(self):
-        (self.out_dir / "meta.json").write_text(json.dumps(self.meta, indent=2))
+        jsonio.write(self.out_dir / "meta.json", self.meta)
 
     def close(self) -> dict:
         return {"dir": str(self.out_dir), "files": self.files}

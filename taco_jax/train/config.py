@@ -1,30 +1,139 @@
-"""Typed training configuration with presets' defaults and up-front validation."""
+"""Typed training configuration: `TrainConfig` (one run; its `policy` holds every codec setting) and
+`CommFlags` (the command line's communication flags, mapped to that policy in one place)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from taco_jax.codec import NONE, CodecConfig
-from taco_jax.codec import config as codec_config
-from taco_jax.collectives import CommPolicy
+from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
+from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
+from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.models import GPTConfig, get_config
-from taco_jax.parallel.mesh import parse_mesh
+from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
 from taco_jax.parallel.pipeline import check_pipeline
+
+#: Mesh axis -> the policy sites whose messages travel on it.
+AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CommFlags:
+    """The communication flags of `taco-jax train`, as typed (each field is a flag: underscores -> dashes).
+
+    `policy()` is the one place they become the run's `CommPolicy`. Precedence, later wins:
+      1. `--comm` (with `--codec-kind`, `--fmt`, `--group-size`, `--scale-layout`, `--group-axis`,
+         `--nonfinite`, `--backend`) on every tensor-axis site; `--dp-comm` / `--pp-comm` on the data /
+         stage axis (with the same `--fmt`, `--group-size`, `--nonfinite` and `--backend`);
+      2. `--policy FILE`: the sites it names (sites left out keep step 1's codec; docs/training.md);
+      3. `--site SITE:field=value,...` (repeatable): that site's codec with these `CodecConfig` fields.
+    """
+
+    comm: str = "taco"  # tensor-axis codec (every TP site): none (exact) | taco | a codec kind (int8, ...)
+    dp_comm: str = "none"  # data-axis gradient all-reduce codec: none | a codec kind (taco, int8, int4, ...)
+    pp_comm: str = "none"  # stage-axis send/recv codec: none | a codec kind (taco, tah, int4, ...)
+    codec_kind: str = "taco"  # kind of `--comm taco` (= `--comm KIND`): taco | fp8_tensor | fp8_group | int8 | ...
+    fmt: str = "e4m3"  # FP8 format, every axis (also --dp-comm / --pp-comm): e4m3 | e5m2
+    group_size: int = 128  # G, every axis (also --dp-comm / --pp-comm): 32..512
+    scale_layout: str = "dual"  # taco on the tensor axis: dual (two FP32 scales / group) | folded (one)
+    group_axis: str = "hidden"  # tensor axis: groups along hidden (channels) | token (one channel across tokens)
+    nonfinite: str = "propagate"  # NaN/Inf in a message, every axis: propagate | zero | error (raise naming the site)
+    backend: str = "reference"  # taco group math, every axis: reference | pallas | triton | ffi | auto
+    algorithm: str = "two_shot"  # compressed all-reduce: two_shot | one_shot
+    min_bytes: int = 0  # messages below this many bytes stay uncompressed
+    policy_file: str = ""  # JSON policy (docs/training.md; `taco-jax calibrate`); overrides the sites it names
+    site: tuple[str, ...] = ()  # per-site codec, repeatable: SITE:field=value,... e.g. ar_bwd:fmt=e5m2,group_size=64
+
+    def tensor_codec(self) -> CodecConfig:
+        """The codec of every tensor-axis site (`--comm` and the codec flags)."""
+        if self.comm not in CODEC_KINDS:
+            raise ValueError(f"comm={self.comm!r} is not supported; choose 'none' or a codec kind {CODEC_KINDS[1:]}")
+        kind = self.codec_kind if self.comm == "taco" else self.comm
+        if self.comm not in ("none", "taco") and self.codec_kind not in ("taco", self.comm):
+            raise ValueError(f"comm={self.comm!r} and codec_kind={self.codec_kind!r} disagree; give one of them")
+        if kind == "none":
+            return NONE
+        return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, scale_layout=self.scale_layout,
+                           backend=self.backend, group_axis=self.group_axis, nonfinite=self.nonfinite)
+
+    def axis_codec(self, kind: str, flag: str) -> CodecConfig:
+        """Codec of the data / stage axis (`--dp-comm`, `--pp-comm`): NONE, or `kind` with this run's
+        group size, FP8 format, non-finite policy and backend, and Hadamard smoothing where the kind
+        offers it. Raises ValueError naming `flag` for an unknown kind."""
+        if kind == "none":
+            return NONE
+        if kind not in CODEC_KINDS:
+            raise ValueError(f"{flag}={kind!r} is not supported; choose one of {CODEC_KINDS}")
+        return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, nonfinite=self.nonfinite,
+                           backend=self.backend, hadamard=kind in OPTIONAL_HADAMARD_KINDS)
+
+    def policy(self) -> CommPolicy:
+        """The run's policy (see the class docstring). Raises ValueError naming the bad flag or value."""
+        tensor = self.tensor_codec()
+        policy = CommPolicy(**dict.fromkeys(TENSOR_SITES, tensor), dp_grads=self.axis_codec(self.dp_comm, "dp_comm"),
+                            pp_send=self.axis_codec(self.pp_comm, "pp_comm"),
+                            all_reduce_algorithm=self.algorithm, min_bytes=self.min_bytes)
+        if self.policy_file:  # unknown site or field -> ValueError naming the file
+            policy = CommPolicy.from_json(self.policy_file, base=policy)
+        for spec in self.site:
+            name, fields = parse_site(spec)
+            policy = policy.with_sites({name: site_codec(getattr(policy, name), fields, spec, self)})
+        return policy
+
+
+def parse_site(spec: str) -> tuple[str, dict]:
+    """"ar_bwd:fmt=e5m2,group_size=64" -> ("ar_bwd", {"fmt": "e5m2", "group_size": 64}) (values typed
+    like `CodecConfig`'s fields). Raises ValueError naming `spec` for a malformed entry."""
+    name, sep, rest = spec.partition(":")
+    if not sep or name not in SITES:
+        raise ValueError(f"site={spec!r}: write SITE:field=value,... with SITE one of {SITES}")
+    types = {f.name: type(f.default) for f in dataclasses.fields(CodecConfig)}
+    fields = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or key not in types:
+            raise ValueError(f"site={spec!r}: {item!r} is not field=value with a field among {sorted(types)}")
+        try:
+            if types[key] is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                fields[key] = value.lower() == "true"
+            else:
+                fields[key] = types[key](value)
+        except ValueError:
+            raise ValueError(f"site={spec!r}: {key}={value!r} is not a {types[key].__name__}") from None
+    if not fields:
+        raise ValueError(f"site={spec!r} gives no field; write e.g. ar_bwd:fmt=e5m2,group_size=64")
+    return name, fields
+
+
+def site_codec(base: CodecConfig, fields: dict, spec: str, flags: CommFlags) -> CodecConfig:
+    """`base` (the site's codec so far) with `fields` replaced. A new `kind` starts from `CodecConfig`'s
+    defaults plus the run's `--backend` and `--nonfinite`. Raises ValueError naming `spec`."""
+    if "kind" in fields and fields["kind"] != base.kind:
+        start = {"kind": fields["kind"], "backend": flags.backend, "nonfinite": flags.nonfinite}
+    elif base.kind == "none":
+        raise ValueError(f"site={spec!r}: the site is exact (kind='none'); give kind=... to compress it")
+    else:
+        start = {f.name: getattr(base, f.name) for f in dataclasses.fields(CodecConfig) if f.name != "site"}
+    return CodecConfig.from_dict({**start, **fields}, where=f"site={spec!r}")
+
+
+def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
+    """"none", the one codec's name (e.g. "taco-e4m3-G128-dual") or "per-site" for `sites` of `policy`."""
+    names = {getattr(policy, s).name for s in sites}
+    return names.pop() if len(names) == 1 else "per-site"
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run. Every field is a CLI flag of `taco-jax train` (underscores -> dashes)."""
+    """One training run. Every field but `policy` is a CLI flag of `taco-jax train` (underscores -> dashes);
+    the communication flags are `CommFlags`'s, mapped into `policy` once (`TrainConfig.from_flags`)."""
 
     model: str = "gpt2-tiny"  # preset name (taco_jax.models.PRESETS)
-    comm: str = "taco"  # tensor-axis communication: "none" (exact) or "taco" (FP8 codec)
     mesh: str = "data=2,tensor=4"  # mesh axes and sizes; product = device count
     sequence_parallel: bool = False  # Megatron sequence parallelism on the tensor axis
     microbatches: int = 1  # pipeline microbatches per data shard (>= stages; > 1 without stages: accumulation)
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b (parallel/pipeline.py)
-    dp_comm: str = "none"  # data-axis gradient all-reduce codec: none | a codec kind (taco, int8, int4, ...)
-    pp_comm: str = "none"  # stage-axis send/recv codec: none | a codec kind (taco, tah, int4, ...)
     steps: int = 300  # optimizer steps
     batch_size: int = 16  # global batch (sequences); divided over the data axis
     seq_len: int = 128  # tokens per sequence
@@ -37,25 +146,19 @@ class TrainConfig:
     seed: int = 0  # init and data order (same for every --comm)
     eval_every: int = 50  # steps between validation evaluations (and at the last step)
     eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
-    # codec (used when comm == "taco")
-    fmt: str = "e4m3"  # FP8 format: e4m3 | e5m2
-    group_size: int = 128  # G: 32..512
-    scale_layout: str = "dual"  # dual (two FP32 scales / group) | folded (one)
-    algorithm: str = "two_shot"  # all-reduce: two_shot | one_shot
-    min_bytes: int = 0  # messages below this many bytes stay uncompressed
-    backend: str = "reference"  # taco group math: reference | pallas | triton | ffi | auto (taco_jax.kernels)
-    codec_kind: str = "taco"  # codec kind: taco | fp8_tensor | fp8_group | int8 | int4 | tah (taco_jax.codec)
-    group_axis: str = "hidden"  # groups along: hidden (contiguous channels) | token (one channel across tokens)
-    nonfinite: str = "propagate"  # NaN/Inf in a message: propagate | zero | error (raise naming the site)
-    policy_file: str = ""  # JSON policy (`taco-jax calibrate`); its per-site codecs override --comm's
-    capture: int = 0  # record the TP messages of N steps (evenly spaced) to <out>/captures (train/capture.py)
-    out: str = "runs/default"  # output folder
+    allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
+    log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
+    capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
+    out: str = "runs/default"  # output folder (created; must not be a file)
+    policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 
     def __post_init__(self):
-        if self.comm not in ("none", "taco"):
-            raise ValueError(f"comm={self.comm!r} is not supported; choose 'none' or 'taco'")
+        if not isinstance(self.policy, CommPolicy):
+            raise ValueError(f"policy={self.policy!r} must be a CommPolicy (use TrainConfig.from_flags for flags)")
         if self.capture < 0:
             raise ValueError(f"capture={self.capture} must be >= 0 (number of steps to record)")
+        if self.log_every < 0:
+            raise ValueError(f"log_every={self.log_every} must be >= 0 (0: no progress lines)")
         for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
@@ -66,19 +169,48 @@ class TrainConfig:
                 f"warmup_steps={self.warmup_steps} must be -1 (10% of steps) or in [0, steps={self.steps})"
             )
         axes = self.mesh_axes
-        if self.batch_size % axes.get("data", 1):
-            raise ValueError(f"batch_size={self.batch_size} is not divisible by data={axes.get('data', 1)}")
-        check_pipeline(self.model_config.n_layer, axes.get("stage", 1), self.microbatches, self.schedule)
-        if self.capture and (axes.get("stage", 1) > 1 or self.microbatches > 1):
-            raise ValueError(f"capture={self.capture} needs the unpipelined layout (stage=1, microbatches=1)")
-        if self.batch_size % (axes.get("data", 1) * self.microbatches):
+        data = axes.get(DATA, 1)
+        if self.batch_size % data:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by data={data}")
+        check_pipeline(self.model_config.n_layer, axes.get(STAGE, 1), self.microbatches, self.schedule)
+        if self.capture and (axes.get(STAGE, 1) > 1 or self.microbatches > 1):
+            raise ValueError(f"capture={self.capture} needs the unpipelined layout (stage=1, microbatches=1); "
+                             "capture on pipelined meshes is not supported")
+        if self.batch_size % (data * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} is not divisible by data × microbatches = "
-                             f"{axes.get('data', 1)} × {self.microbatches}")
+                             f"{data} × {self.microbatches}")
         if self.seq_len > self.model_config.block_size:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model_config.block_size}")
-        self.model_config.check_tensor_parallel(axes.get("tensor", 1), sequence_parallel=self.sequence_parallel,
+        self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), sequence_parallel=self.sequence_parallel,
                                                 seq_len=self.seq_len)
-        _ = self.policy  # validates the codec fields
+
+    @classmethod
+    def from_flags(cls, **kwargs) -> TrainConfig:
+        """A config from flag values: `TrainConfig`'s fields plus `CommFlags`'s (mapped to `policy` by
+        `CommFlags.policy()`), e.g. `TrainConfig.from_flags(comm="int8", dp_comm="taco", steps=20)`.
+
+        Raises: ValueError naming a bad value; TypeError for a name that is no flag, or for `policy`
+        given together with communication flags.
+        """
+        comm_names = {f.name for f in dataclasses.fields(CommFlags)}
+        comm = {k: kwargs.pop(k) for k in list(kwargs) if k in comm_names}
+        if comm and "policy" in kwargs:
+            raise TypeError(f"give policy= or the communication flags {sorted(comm)}, not both")
+        if "site" in comm:
+            comm["site"] = tuple(comm["site"] or ())
+        if "policy" not in kwargs:
+            kwargs["policy"] = CommFlags(**comm).policy()
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """JSON-ready fields, `policy` as `CommPolicy.to_dict()` (the `config.json` of a run)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy"}
+        return {**out, "policy": self.policy.to_dict()}
+
+    @property
+    def comm(self) -> str:
+        """Label of the tensor-axis codec: "none", its name (e.g. "taco-e4m3-G128-dual") or "per-site"."""
+        return policy_label(self.policy)
 
     @property
     def warmup(self) -> int:
@@ -90,40 +222,5 @@ class TrainConfig:
         return parse_mesh(self.mesh)
 
     @property
-    def n_devices(self) -> int:
-        return math.prod(self.mesh_axes.values())
-
-    @property
     def model_config(self) -> GPTConfig:
         return get_config(self.model, vocab_size=self.vocab_size)  # vocabulary = our tokenizer's
-
-    @property
-    def codec(self) -> CodecConfig:
-        return CodecConfig(kind=self.codec_kind, fmt=self.fmt, group_size=self.group_size,
-                           scale_layout=self.scale_layout, backend=self.backend, group_axis=self.group_axis,
-                           nonfinite=self.nonfinite)
-
-    def axis_codec(self, kind: str) -> CodecConfig:
-        """Codec of the data / stage axis (`--dp-comm`, `--pp-comm`): NONE, or `kind` with this run's
-        group size, FP8 format and non-finite policy, and Hadamard smoothing where the kind offers it."""
-        if kind == "none":
-            return NONE
-        kw = dict(kind=kind, fmt=self.fmt, group_size=self.group_size, nonfinite=self.nonfinite, backend=self.backend)
-        if kind in getattr(codec_config, "OPTIONAL_HADAMARD_KINDS", ()):
-            kw["hadamard"] = True
-        return CodecConfig(**kw)
-
-    @property
-    def policy(self) -> CommPolicy:
-        if self.comm == "none":
-            policy = CommPolicy.none()
-        else:
-            policy = CommPolicy.taco(self.codec, all_reduce_algorithm=self.algorithm, min_bytes=self.min_bytes)
-        policy = dataclasses.replace(policy, dp_grads=self.axis_codec(self.dp_comm),
-                                     pp_send=self.axis_codec(self.pp_comm))
-        if self.policy_file:  # per-site codecs from `taco-jax calibrate` (unknown site -> ValueError)
-            policy = dataclasses.replace(policy, all_reduce_algorithm=self.algorithm, min_bytes=self.min_bytes)
-            policy = CommPolicy.from_json(self.policy_file, base=policy)
-        if self.capture:
-            policy = dataclasses.replace(policy, capture=True)
-        return policy

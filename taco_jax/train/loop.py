@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import pathlib
+import sys
+import tempfile
 import time
 
 import jax
@@ -18,27 +22,73 @@ from tqdm.auto import tqdm
 
 from taco_jax.codec import raise_if_nonfinite
 from taco_jax.collectives.hlo import collective_bytes
-from taco_jax.collectives.policy import SITES
+from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.data import batch_iterator, eval_batches, load_shakespeare
+from taco_jax.parallel.mesh import MESH_AXES, STAGE
 from taco_jax.parallel.pipeline import schedule_stats
-from taco_jax.train import capture
-from taco_jax.train.config import TrainConfig
+from taco_jax.train import capture, jsonio
+from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
 from taco_jax.train.step import make_trainer, shard_batch
 
 
-def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
-    """Trains `cfg.model` on Shakespeare; writes `config.json`, `metrics.jsonl`, `summary.json` to `cfg.out`.
+def check_out_dir(out) -> pathlib.Path:
+    """Creates the output folder `out` and checks that a file can be written there.
 
-    Returns the summary: final train/validation loss, tokens/s, and the compiled train step's
-    wire bytes per step by mesh axis (`collectives.hlo.collective_bytes`).
-    `devices`: the mesh's devices (default all; `jax.devices()[:1]` for a one-device reference).
-    Raises: ValueError for a configuration that cannot run (before anything is compiled).
+    Raises: ValueError naming `out` when it is an existing file, cannot be created, or is not
+    writable (permissions, read-only or full disk).
     """
-    # 1. mesh, model, optimizer (checks the mesh and backend before anything is written)
+    out = pathlib.Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={str(out)!r} is an existing file; give a folder for the run's outputs")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out) as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ValueError(f"out={str(out)!r} is not a writable folder: {e.strerror or e}") from e
+    return out
+
+
+def describe_policy(policy: CommPolicy) -> str:
+    """One line per mesh axis: its sites' codecs (taco with its backend), for the start of a run."""
+    def codec(c):
+        return f"{c.name}[{c.backend}]" if c.kind == "taco" else c.name
+
+    parts = []
+    for axis, sites in AXIS_SITES.items():
+        names = {s: codec(getattr(policy, s)) for s in sites}
+        parts.append(f"{axis}: " + (names[sites[0]] if len(set(names.values())) == 1 else
+                                     ", ".join(f"{s}={n}" for s, n in names.items())))
+    return "; ".join(parts) + f" (all-reduce {policy.all_reduce_algorithm}, min_bytes {policy.min_bytes})"
+
+
+def compressed_axes(policy: CommPolicy) -> list[str]:
+    """Mesh axes on which at least one site compresses, in mesh order."""
+    return [a for a in MESH_AXES if any(getattr(policy, s).kind != "none" for s in AXIS_SITES[a])]
+
+
+def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
+    """Trains `cfg.model` on Shakespeare; writes `config.json`, `metrics.jsonl`, `summary.json` and
+    `loss.png` to `cfg.out` (strict JSON: non-finite numbers as strings, `train/jsonio.py`).
+
+    Returns the summary: final train/validation loss, tokens/s, the policy that ran (backends
+    resolved), and the compiled train step's wire bytes per step by mesh axis
+    (`collectives.hlo.collective_bytes`).
+    `progress`: a progress bar on a terminal; with stderr not a terminal, a line every `cfg.log_every` steps.
+    `devices`: the mesh's devices (default all; `jax.devices()[:1]` for a one-device reference).
+    Raises: ValueError for a configuration that cannot run or an output folder that cannot be
+    written (before anything is compiled); FloatingPointError when the loss or gradient norm of a
+    step is not finite (naming the step; unless `cfg.allow_nonfinite`) or, with a codec
+    `nonfinite="error"`, when a message held NaN/Inf (naming the site).
+    """
+    # 1. output folder, mesh, model, optimizer (all checked before anything is compiled)
+    out = check_out_dir(cfg.out)
     trainer = make_trainer(cfg, devices)
-    out = pathlib.Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    policy = trainer.policy  # backends resolved ("auto" -> what runs here)
+    print(f"[taco-jax] {cfg.model} on mesh {cfg.mesh}: {describe_policy(policy)}", file=sys.stderr, flush=True)
+    jsonio.write(out / "config.json", cfg.to_dict())
     ds = dataset or load_shakespeare(cfg.vocab_size)
     if ds.vocab_size > cfg.vocab_size:
         raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds vocab_size={cfg.vocab_size}")
@@ -50,7 +100,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     # 2. compile once and read the collectives' wire bytes off the optimized HLO
     x, y = shard_batch(trainer, *next(batches))
     recorder = capture.Recorder.start(cfg, out, trainer) if cfg.capture else None  # train --capture N
-    checked = any(getattr(cfg.policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
+    checked = any(getattr(policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
     t0 = time.perf_counter()
     train_step = trainer.train_step.lower(params, opt_state, x, y).compile()
     compile_s = time.perf_counter() - t0
@@ -65,6 +115,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     t_start = time.perf_counter()
     bar = tqdm(range(1, cfg.steps + 1), desc=f"train[{cfg.comm}]", dynamic_ncols=True,
                disable=None if progress else True)  # None: no bar when stderr is not a terminal (logs)
+    log_lines = progress and cfg.log_every and not sys.stderr.isatty()  # logs: a line every log_every steps
     with open(out / "metrics.jsonl", "w") as log:
         for step in bar:
             t = time.perf_counter()
@@ -79,19 +130,33 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 raise_if_nonfinite()  # FloatingPointError naming the site(s) that saw NaN/Inf this step
             rec = {"step": step, "loss": loss, "grad_norm": float(m["grad_norm"]), "step_s": dt,
                    "tokens_per_s": tokens_per_step / dt}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                val_loss = rec["val_loss"] = evaluate(params)
-            log.write(json.dumps(rec) + "\n")
+            finite = math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])
+            if finite or cfg.allow_nonfinite:
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    val_loss = rec["val_loss"] = evaluate(params)
+            log.write(jsonio.dumps(rec) + "\n")
             history.append(rec)
+            if not finite and not cfg.allow_nonfinite:
+                bad = ", ".join(f"{k}={rec[k]}" for k in ("loss", "grad_norm") if not math.isfinite(rec[k]))
+                raise FloatingPointError(
+                    f"step {step}: {bad} is not finite (loss={loss:.6g}); the run stopped (metrics up to step "
+                    f"{step} in {out / 'metrics.jsonl'}; --allow-nonfinite keeps training)")
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
+            if log_lines and (step % cfg.log_every == 0 or step == cfg.steps):
+                print(f"[train {cfg.comm}] step {step}/{cfg.steps} loss {loss:.4f} val "
+                      f"{f'{val_loss:.4f}' if val_loss is not None else '-'} {rec['tokens_per_s']:.0f} tokens/s",
+                      file=sys.stderr, flush=True)
             if step < cfg.steps:
                 x, y = shard_batch(trainer, *next(batches))
     wall = time.perf_counter() - t_start
     captured = recorder.close() if recorder else None
 
+    backends = sorted({getattr(policy, s).backend for s in SITES if getattr(policy, s).kind == "taco"})
     summary = {
         "comm": cfg.comm,
-        "backend": cfg.backend,
+        "backend": backends[0] if len(backends) == 1 else (backends or None),  # of the taco codecs, resolved
+        "compressed_axes": compressed_axes(policy),
+        "policy": policy.to_dict(),
         "model": cfg.model,
         "mesh": cfg.mesh,
         "steps": cfg.steps,
@@ -104,66 +169,94 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         "wire_detail": wire["detail"],
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",
     }
-    stages = cfg.mesh_axes.get("stage", 1)
+    stages = cfg.mesh_axes.get(STAGE, 1)
     if stages > 1 or cfg.microbatches > 1:  # pipeline: schedule and its bubble (parallel/pipeline.py)
         summary["pipeline"] = {"schedule": cfg.schedule, "stages": stages, "microbatches": cfg.microbatches,
                                **schedule_stats(cfg.schedule, stages, cfg.microbatches)}
     if captured:
         summary["captures"] = captured
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    jsonio.write(out / "summary.json", summary)
+    plot_losses(out / "loss.png", {cfg.comm: out / "metrics.jsonl"}, title=f"{cfg.model} on Shakespeare, mesh "
+                f"{cfg.mesh}; compressed axes: {', '.join(summary['compressed_axes']) or 'none'}")
     return summary
 
 
 def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Trains the same model twice (same seed and data order): `--comm none`, then `--comm taco`.
-
-    The "none" run is exact on every axis; the "taco" run keeps `--dp-comm` / `--pp-comm`.
+    """Trains the same model twice (same seed and data order): exact on every axis ("none"), then
+    with `cfg.policy` ("taco": `--comm` and its codec flags, `--dp-comm`, `--pp-comm`, `--policy`, `--site`).
 
     Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and
-    `<out>/summary.json` with both final validation losses and their relative difference.
+    `<out>/summary.json`: both final validation losses, their relative difference, and the wire
+    bytes per step of each run by mesh axis with the compressed / exact ratio per axis.
+    Raises: as `train`; ValueError before any training when `<out>` cannot be written.
     """
-    out = pathlib.Path(cfg.out)
+    out = check_out_dir(cfg.out)
     ds = load_shakespeare(cfg.vocab_size)
-    exact = dict(comm="none", dp_comm="none", pp_comm="none")  # baseline: every axis exact
-    runs = {c: train(dataclasses.replace(cfg, **(exact if c == "none" else dict(comm=c)), out=str(out / c)),
-                     dataset=ds, progress=progress)
-            for c in ("none", "taco")}
+    configs = {"none": dataclasses.replace(cfg, policy=CommPolicy.none(), out=str(out / "none")),
+               "taco": dataclasses.replace(cfg, out=str(out / "taco"))}
+    for c in configs.values():
+        check_out_dir(c.out)
+    runs = {c: train(run_cfg, dataset=ds, progress=progress) for c, run_cfg in configs.items()}
     base, taco = runs["none"]["final_val_loss"], runs["taco"]["final_val_loss"]
-    tensor = {c: r["wire_bytes_per_step"].get("tensor", 0) for c, r in runs.items()}
+    wire = {c: r["wire_bytes_per_step"] for c, r in runs.items()}
+    ratio = {a: wire["taco"].get(a, 0) / n for a, n in wire["none"].items() if n}
+    axes = runs["taco"]["compressed_axes"]
     summary = {
+        "model": cfg.model,
+        "mesh": cfg.mesh,
         "val_loss_none": base,
         "val_loss_taco": taco,
         "val_loss_rel_diff": (taco - base) / base,
         "within_1pct": abs(taco - base) / base <= 0.01,
-        "tensor_wire_bytes_per_step": tensor,
-        "tensor_wire_ratio_taco_over_none": tensor["taco"] / tensor["none"] if tensor["none"] else None,
-        "wire_bytes_per_step": {c: r["wire_bytes_per_step"] for c, r in runs.items()},
+        "compressed_axes": axes,
+        "policy_taco": runs["taco"]["policy"],
+        "tensor_wire_bytes_per_step": {c: w.get("tensor", 0) for c, w in wire.items()},
+        "tensor_wire_ratio_taco_over_none": ratio.get("tensor"),
+        "wire_ratio_taco_over_none": ratio,  # per mesh axis: compressed / exact wire bytes per step
+        "wire_bytes_per_step": wire,
         "tokens_per_s": {c: r["tokens_per_s"] for c, r in runs.items()},
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("comm", "out")},
+        "config": {k: v for k, v in cfg.to_dict().items() if k not in ("policy", "out")},
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_losses(out, list(runs))
+    jsonio.write(out / "summary.json", summary)
+    codecs = ", ".join(f"{a}: {policy_label(configs['taco'].policy, AXIS_SITES[a])}" for a in axes)
+    taco_label = f"compressed ({codecs})" if axes else "taco (nothing compressed)"
+    plot_losses(out / "loss.png", {"exact (every axis)": out / "none" / "metrics.jsonl",
+                                   taco_label: out / "taco" / "metrics.jsonl"},
+                title=f"{cfg.model} on Shakespeare, mesh {cfg.mesh}: exact vs compressed")
     return summary
 
 
-def plot_losses(out: pathlib.Path, comms: list[str]) -> pathlib.Path:
-    """Train (thin) and validation (markers) loss of each run in `out/<comm>/metrics.jsonl` -> loss.png."""
+def read_metrics(path) -> list[dict]:
+    """The records of a `metrics.jsonl`, non-finite numbers (written as strings) back as floats."""
+    recs = [json.loads(line) for line in open(path)]
+    return [{k: float(v) if k in ("loss", "val_loss", "grad_norm") else v for k, v in r.items()} for r in recs]
+
+
+def plot_losses(path, runs: dict, title: str) -> pathlib.Path:
+    """Train (thin) and validation (markers) loss of each run -> `path` (PNG; `title` and the run
+    labels also stored as its "Title" / "Description" text).
+
+    runs: {legend label: path of the run's metrics.jsonl}.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in comms:
-        recs = [json.loads(line) for line in open(out / c / "metrics.jsonl")]
-        line, = ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=0.8, alpha=0.7, label=f"{c} train")
+    for label, metrics in runs.items():
+        recs = read_metrics(metrics)
+        line, = ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=0.8, alpha=0.7,
+                        label=f"{label}: train")
         ev = [r for r in recs if "val_loss" in r]
-        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=line.get_color(), label=f"{c} val")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="GPT on Shakespeare: exact vs TACO TP comm")
+        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=line.get_color(),
+                label=f"{label}: val")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "loss.png"
-    fig.savefig(path, dpi=120)
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120, metadata={"Title": title, "Description": "; ".join(runs)})  # PNG text chunks
     plt.close(fig)
     return path

@@ -20,11 +20,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from taco_jax.collectives import CommPolicy
 from taco_jax.collectives.dp import sync_gradients, vary
 from taco_jax.models import make_model
 from taco_jax.parallel import ParallelContext, param_specs
 from taco_jax.parallel import pipeline as pp
 from taco_jax.parallel.mesh import make_mesh
+from taco_jax.parallel.state import merge_params
 from taco_jax.train.config import TrainConfig
 
 
@@ -47,6 +49,7 @@ class Trainer:
     train_step: callable
     eval_step: callable
     staged: pp.StagedModel | None = None
+    policy: CommPolicy | None = None  # cfg.policy with concrete backends (what the step runs)
 
     def init(self):
         """Initial (params, opt_state), sharded over the mesh; same values for any --comm and mesh."""
@@ -81,12 +84,6 @@ def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransform
     )
 
 
-def _merge(graphdef, abstract_state, params):
-    state = jax.tree.map(lambda v: v, abstract_state)  # fresh State to fill in
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Steps:
     """The sharded loss and gradient of a model on a mesh (what `make_trainer` jits).
@@ -106,7 +103,8 @@ class Steps:
 
 
 def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, microbatches: int = 1,
-               schedule: str = "gpipe", pipelined: bool | None = None, explicit_dp: bool | None = None) -> Steps:
+               schedule: str = "gpipe", pipelined: bool | None = None, explicit_dp: bool | None = None,
+               tap=None) -> Steps:
     """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
 
     pipelined: run the pipeline schedules (stacked layers); default: when the mesh has stage > 1
@@ -116,12 +114,13 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
     gradient is taken outside `shard_map` (its transpose inserts the data-axis psum) — the
     pre-3D formulation, kept so exact runs reproduce earlier numbers bit for bit (the explicit
     path with an exact codec agrees to float rounding, ~1e-7 relative; tests/test_3d.py).
+    tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
     """
     tensor_axis = "tensor" if "tensor" in mesh.axis_names else None
     stage_axis = "stage" if "stage" in mesh.axis_names else None
     data_axis = "data" if "data" in mesh.axis_names else None
     n_data = mesh.shape[data_axis] if data_axis else 1
-    ctx = ParallelContext(tensor_axis=tensor_axis, policy=policy, sequence_parallel=sequence_parallel)
+    ctx = ParallelContext(tensor_axis=tensor_axis, policy=policy, sequence_parallel=sequence_parallel, tap=tap)
     abstract = nnx.eval_shape(lambda: make_model(model_cfg, ctx, rngs=nnx.Rngs(0),
                                                  tensor_size=mesh.shape.get("tensor", 1)))
     graphdef, abstract_state = nnx.split(abstract, nnx.Param)
@@ -139,7 +138,7 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
         if staged:
             return pp.gpipe_loss(staged, params, inputs, targets, microbatches=microbatches, stage_axis=stage_axis,
                                  policy=policy)
-        return _merge(graphdef, abstract_state, params).loss(inputs, targets)
+        return merge_params(graphdef, abstract_state, params).loss(inputs, targets)
 
     def local_value_and_grad(params, inputs, targets):  # per device, inside shard_map
         params = jax.tree.map(lambda p: vary(p, (data_axis,)), params)  # 1. per-shard gradients
@@ -149,7 +148,7 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
                                             loss_scale=1.0 / n_data)
         else:
             def scaled(p):  # loss / n_data: the cotangent the transpose of pmean would give
-                loss = _merge(graphdef, abstract_state, p).loss(inputs, targets)
+                loss = merge_params(graphdef, abstract_state, p).loss(inputs, targets)
                 return loss / n_data, loss
 
             (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params)
@@ -187,7 +186,7 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
 
     eval_step = jax.jit(steps.loss)
     return Trainer(cfg, mesh, steps.graphdef, steps.abstract_state, steps.specs, tx, train_step, eval_step,
-                   steps.staged)
+                   steps.staged, policy)
 
 
 def _mean_over(x, axis):

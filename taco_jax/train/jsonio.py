@@ -1,0 +1,52 @@
+"""Strict JSON (RFC 8259) for every file and line the project writes: non-finite floats become strings.
+
+Python's `json` writes NaN / ±Inf as the bare tokens `NaN`, `Infinity`, `-Infinity`, which are not
+JSON (`jq`, browsers and most parsers reject them). Here a non-finite float is written as the
+*string* "NaN", "Infinity" or "-Infinity" (the sign of an infinity is kept; `null` would lose it),
+and `float(value)` reads it back in Python. numpy scalars become Python numbers. Documented in
+docs/training.md ("Outputs").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import numpy as np
+
+#: How each non-finite float is written (a JSON string).
+NONFINITE_STRINGS = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def strict(obj):
+    """`obj` with every non-finite float (Python or numpy) replaced by its string, numpy scalars and
+    arrays made Python numbers / lists, tuples made lists. Raises TypeError for other objects."""
+    if isinstance(obj, bool | np.bool_):
+        return bool(obj)
+    if isinstance(obj, int | np.integer):
+        return int(obj)
+    if isinstance(obj, float | np.floating):
+        v = float(obj)
+        return v if math.isfinite(v) else NONFINITE_STRINGS[repr(v)]
+    if isinstance(obj, dict):
+        return {str(k): strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [strict(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return strict(obj.tolist())
+    if obj is None or isinstance(obj, str):
+        return obj
+    raise TypeError(f"cannot write {type(obj).__name__} {obj!r} as JSON")
+
+
+def dumps(obj, **kwargs) -> str:
+    """`json.dumps` of `strict(obj)`; never writes NaN / Infinity tokens (allow_nan=False)."""
+    return json.dumps(strict(obj), allow_nan=False, **kwargs)
+
+
+def write(path, obj, *, indent: int | None = 2) -> pathlib.Path:
+    """Writes `dumps(obj)` and a newline to `path`."""
+    path = pathlib.Path(path)
+    path.write_text(dumps(obj, indent=indent) + "\n")
+    return path

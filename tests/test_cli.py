@@ -1,0 +1,157 @@
+"""`taco-jax` as a user meets it: version, flags -> policy, strict JSON outputs, a diverging run, output edges."""
+
+import json
+
+import pytest
+
+from taco_jax import __version__
+from taco_jax.cli import main
+from taco_jax.codec import CodecConfig
+from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
+from taco_jax.train import jsonio
+from taco_jax.train.config import TrainConfig
+
+#: Smallest useful run of the CLI (gpt2-tiny; vocabulary 512 keeps the tokenizer quick).
+TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
+
+
+def _strict_loads(text: str):
+    """json.loads that refuses the non-JSON tokens NaN / Infinity / -Infinity."""
+    def refuse(token):
+        raise ValueError(f"non-JSON token {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TACO_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "tokenizer_cache"))
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"taco-jax {__version__}"
+
+
+def test_strict_json_writes_nonfinite_as_strings():
+    text = jsonio.dumps({"a": float("nan"), "b": [float("inf"), -float("inf")], "c": 1.5})
+    assert _strict_loads(text) == {"a": "NaN", "b": ["Infinity", "-Infinity"], "c": 1.5}
+    assert [float(v) for v in _strict_loads(text)["b"]] == [float("inf"), -float("inf")]
+
+
+def test_diverging_run_stops_naming_the_step_with_strict_json(tmp_path, capsys):
+    """Issue 16's input: `taco-jax train --lr 1e6 --warmup-steps 0 --steps 4` (gpt2-tiny)."""
+    out = tmp_path / "run"
+    assert main(["train", "--lr", "1e6", "--warmup-steps", "0", "--steps", "4", "--out", str(out), *TINY]) == 1
+    err = capsys.readouterr().err
+    recs = [_strict_loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    bad = recs[-1]["step"]
+    assert f"step {bad}: " in err and "--allow-nonfinite" in err and "not finite" in err
+    assert all(isinstance(r["loss"], float) for r in recs[:-1])  # the steps before were finite
+    assert "NaN" in (recs[-1]["loss"], recs[-1]["grad_norm"]) or "Infinity" in (recs[-1]["loss"], recs[-1]["grad_norm"])
+    assert bad < 4 and not (out / "summary.json").exists()
+    _strict_loads((out / "config.json").read_text())
+
+
+def test_run_asked_to_continue_writes_strict_json_resolved_policy_and_progress_lines(tmp_path, capsys):
+    """--allow-nonfinite: all 4 steps, exit 0, non-finite numbers as strings in every JSON output; the
+    policy printed at start and stored in summary.json with the backend resolved (not "auto");
+    progress lines since pytest's stderr is not a terminal. (One run checks all three: compiles are slow.)"""
+    from taco_jax import kernels
+
+    out = tmp_path / "run"
+    assert main(["train", "--lr", "1e6", "--warmup-steps", "0", "--steps", "4", "--allow-nonfinite",
+                 "--log-every", "2", "--backend", "auto", "--comm", "int8", "--dp-comm", "taco",
+                 "--site", "ar_bwd:kind=taco,fmt=e5m2,group_size=64", "--out", str(out), *TINY[:-1]]) == 0
+    captured = capsys.readouterr()
+    stdout, err = _strict_loads(captured.out), captured.err
+    summary = _strict_loads((out / "summary.json").read_text())
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    assert summary["final_val_loss"] in ("NaN", "Infinity") and stdout["final_val_loss"] == summary["final_val_loss"]
+    assert (out / "loss.png").exists()  # `train` writes its loss plot
+
+    concrete = kernels.resolve("auto")
+    assert summary["backend"] == concrete != "auto"
+    assert summary["comm"] == "per-site" and summary["compressed_axes"] == ["data", "tensor"]
+    pol = CommPolicy.from_dict(summary["policy"])
+    assert pol.ar_fwd == CodecConfig(kind="int8")  # the other kinds run the jnp reference
+    assert pol.ar_bwd == CodecConfig(fmt="e5m2", group_size=64, backend=concrete)
+    assert pol.dp_grads.backend == concrete and pol.dp_grads.kind == "taco"
+    assert f"ar_bwd=taco-e5m2-G64-dual[{concrete}]" in err and f"data: taco-e4m3-G128-dual[{concrete}]" in err
+    assert "step 2/4" in err and "step 4/4" in err
+
+
+def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
+    from PIL import Image
+
+    from taco_jax.train.loop import compare
+
+    cfg = TrainConfig.from_flags(steps=2, warmup_steps=0, vocab_size=512, batch_size=8, seq_len=32, eval_batches=1,
+                                 dp_comm="int8", out=str(tmp_path))
+    summary = compare(cfg, progress=False)
+    ratio = summary["wire_ratio_taco_over_none"]
+    assert set(ratio) == {"data", "tensor"} and ratio["data"] < 0.5 and ratio["tensor"] < 0.5
+    assert summary["tensor_wire_ratio_taco_over_none"] == ratio["tensor"]
+    info = Image.open(tmp_path / "loss.png").info
+    assert info["Title"].startswith("gpt2-tiny on Shakespeare")
+    assert "compressed (data: int8-G128-had, tensor: taco-e4m3-G128-dual)" in info["Description"]
+
+
+def test_flags_map_to_one_policy(tmp_path):
+    cfg = TrainConfig.from_flags(comm="int8", dp_comm="taco", pp_comm="tah", backend="ffi", group_size=64)
+    assert {getattr(cfg.policy, s).kind for s in TENSOR_SITES} == {"int8"}
+    # every site's codec gets the requested backend (--dp-comm / --pp-comm included)
+    assert {getattr(cfg.policy, s).backend for s in SITES} == {"ffi"}
+    assert cfg.policy.pp_send == CodecConfig(kind="tah", group_size=64, backend="ffi")
+    # the policy file is read once, when the config is built
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"sites": {"ar_fwd": {"kind": "int4"}}}))
+    cfg = TrainConfig.from_flags(policy_file=str(path), site=["ar_fwd:group_size=256", "ar_bwd:kind=int8"])
+    path.unlink()
+    assert cfg.policy.ar_fwd == CodecConfig(kind="int4", group_size=256)  # file, then --site
+    assert cfg.policy.ar_bwd == CodecConfig(kind="int8") and cfg.policy.all_gather == CodecConfig()
+    assert _strict_loads(jsonio.dumps(cfg.to_dict()))["policy"]["sites"]["ar_fwd"] == {"kind": "int4",
+                                                                                       "group_size": 256}
+
+
+def test_default_flags_give_the_default_policy():
+    assert TrainConfig.from_flags() == TrainConfig()  # --comm taco: TACO on the tensor sites, other axes exact
+    assert TrainConfig().policy == CommPolicy.taco()
+    with pytest.raises(TypeError, match="not both"):
+        TrainConfig.from_flags(policy=CommPolicy.none(), comm="int8")
+
+
+@pytest.mark.parametrize("flags,match", [
+    (dict(site=["attn:fmt=e5m2"]), r"site='attn:fmt=e5m2': write SITE:field=value"),
+    (dict(site=["ar_bwd:groupsize=64"]), r"'groupsize=64' is not field=value"),
+    (dict(site=["ar_bwd:group_size=big"]), r"group_size='big' is not a int"),
+    (dict(site=["ar_bwd:group_size=48"]), r"site='ar_bwd:group_size=48': group_size=48"),
+    (dict(site=["ar_bwd:hadamard=maybe"]), r"hadamard='maybe' is not a bool"),
+    (dict(comm="none", site=["ar_bwd:fmt=e5m2"]), r"exact \(kind='none'\); give kind="),
+    (dict(comm="int8", codec_kind="tah"), r"comm='int8' and codec_kind='tah' disagree"),
+    (dict(dp_comm="zip"), r"dp_comm='zip'"),
+])
+def test_bad_flags_name_the_value(flags, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_flags(**flags)
+
+
+def test_out_that_cannot_be_a_folder_is_one_clear_error(tmp_path, capsys):
+    afile = tmp_path / "taken"
+    afile.write_text("x")
+    for out, match in ((afile, "is an existing file"), (afile / "sub", "is not a writable folder")):
+        assert main(["train", "--steps", "1", "--out", str(out), *TINY]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("taco-jax: error: ") and match in err and "Traceback" not in err
+
+
+def test_help_lists_presets_and_axis_flags(capsys):
+    from taco_jax.models import PRESETS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in PRESETS)
+    assert "also --dp-comm / --pp-comm" in text  # --fmt / --group-size apply to every axis
+    assert "--site SITE:FIELD=VALUE" in text and "data × tensor meshes only" in text
