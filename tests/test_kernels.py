@@ -1,5 +1,6 @@
 """Codec kernel backends conform to the reference (rule in `taco_jax.kernels`); FP8 casts match ml_dtypes."""
 
+import dataclasses
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # conftest normally sets it
@@ -143,11 +144,11 @@ def test_reference_backend_is_the_reference():
     assert kernels.get_backend("reference") == (reference.encode_groups, reference.decode_groups)
 
 
-def test_resolve_codec_makes_auto_concrete_and_leaves_other_kinds_alone():
+def test_resolve_codec_makes_auto_concrete_and_names_reference_for_other_kinds():
     got = kernels.resolve_codec(CodecConfig(backend="auto"), "cpu")
     assert got.backend == kernels.resolve("auto", "cpu") != "auto"
     int8 = CodecConfig(kind="int8", backend="auto")  # its group math is always the jnp reference
-    assert kernels.resolve_codec(int8, "cpu") is int8
+    assert kernels.resolve_codec(int8, "cpu") == dataclasses.replace(int8, backend="reference")
 
 
 def test_policy_resolution_names_the_site_whose_backend_cannot_run():
