@@ -68,9 +68,14 @@ def _tree(fn, enc):
     return jax.tree.map(move, enc)
 
 
-def _vary(x: jax.Array, axis_name: str) -> jax.Array:
+def _axes(axis_name) -> frozenset:
+    """The mesh axes named by `axis_name` (one name or a tuple of names, as `lax` accepts)."""
+    return frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+
+
+def _vary(x: jax.Array, axis_name) -> jax.Array:
     """x made varying over `axis_name` (identity forward; its transpose is a psum)."""
-    return pvary(x, frozenset((axis_name,)))
+    return pvary(x, _axes(axis_name))
 
 
 def _empty(shape, dtype, vma) -> jax.Array:
@@ -135,7 +140,7 @@ def _psum_value(x, axis_name, codec, algorithm):
     if p == 1:
         return x
     if x.size == 0:
-        return _empty(x.shape, x.dtype, vma_of(x) - {axis_name})
+        return _empty(x.shape, x.dtype, vma_of(x) - _axes(axis_name))
     if algorithm == "one_shot":
         return _sum_fp32(all_gather_encoded(x, axis_name, codec, to="invarying"), x.dtype)
     mine = reduce_scatter_chunks(_split_chunks(x, p), axis_name, codec)
@@ -189,7 +194,7 @@ def _all_gather_value(x, axis_name, codec, axis, tiled):
     if x.size == 0:
         shape = (*x.shape[:axis], p * x.shape[axis], *x.shape[axis + 1:]) if tiled else \
             (*x.shape[:axis], p, *x.shape[axis:])
-        return _empty(shape, x.dtype, vma_of(x) | {axis_name})
+        return _empty(shape, x.dtype, vma_of(x) | _axes(axis_name))
     g = jnp.moveaxis(all_gather_encoded(x, axis_name, codec), 0, axis)
     if tiled:
         g = g.reshape(*x.shape[:axis], -1, *x.shape[axis + 1 :])
@@ -205,7 +210,7 @@ def _psum_scatter_value(x, axis_name, codec, dim, tiled):
         return x if tiled else jnp.squeeze(x, dim)
     shape = (*x.shape[:dim], *((x.shape[dim] // p,) if tiled else ()), *x.shape[dim + 1:])
     if x.size == 0:
-        return _empty(shape, x.dtype, vma_of(x) | {axis_name})
+        return _empty(shape, x.dtype, vma_of(x) | _axes(axis_name))
     xm = jnp.moveaxis(x, dim, 0)
     out = reduce_scatter_chunks(xm.reshape(p, xm.shape[0] // p, *xm.shape[1:]), axis_name, codec)
     return jnp.moveaxis(out, 0, dim).reshape(shape)
@@ -295,7 +300,7 @@ def _ppermute_value(x, axis_name, perm, codec):
     if codec.kind == "none":
         return lax.ppermute(x, axis_name, perm)
     if x.size == 0:
-        return _empty(x.shape, x.dtype, vma_of(x) | {axis_name})
+        return _empty(x.shape, x.dtype, vma_of(x) | _axes(axis_name))
     return decode(_tree(lambda b: lax.ppermute(b, axis_name, perm), encode(x, codec)), codec)
 
 
