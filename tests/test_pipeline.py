@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedule arithmetic, compressed send/recv in both directions, GPipe and 1F1B == unpipelined."""
+"""Pipeline parallelism: schedule arithmetic, compressed send/recv in both directions, GPipe and 1F1B == unpipelined,
+and the layering of the pipeline modules."""
 
 import jax
 import jax.numpy as jnp
@@ -124,3 +125,29 @@ def test_1f1b_memory_does_not_grow_with_microbatches():
     assert temp["gpipe", 12] > 2 * temp["gpipe", 4], temp
     assert temp["1f1b", 12] < 1.3 * temp["1f1b", 4], temp
     assert temp["1f1b", 12] < 0.5 * temp["gpipe", 12], temp
+
+
+def test_parallel_does_not_import_models():
+    """parallel/ sits below models/: no module of it imports them (issue 10; the StagedModel adapter)."""
+    import ast
+    import pathlib
+
+    import taco_jax.parallel
+
+    for path in pathlib.Path(taco_jax.parallel.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith("taco_jax.models"), (path.name, name)
+
+
+def test_staged_model_needs_the_pipeline_interface():
+    class NoSplit(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(0))])
+
+    with pytest.raises(ValueError, match="NoSplit: its class lacks pipeline_layers, embed, head_loss"):
+        pp.StagedModel.from_model(NoSplit())
+    sm = pp.StagedModel.from_model(make_model(get_config("gpt2-tiny", n_layer=2), rngs=nnx.Rngs(0)))
+    assert (sm.layer_key, sm.n_layers) == ("h", 2)

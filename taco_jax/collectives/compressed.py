@@ -1,4 +1,4 @@
-"""Compressed collectives for use inside `jax.shard_map` (TACO spec §3), shaped like `lax`'s.
+"""Compressed collectives inside `jax.shard_map` (TACO spec §3), shaped and differentiated like `lax`'s.
 
 Algorithms (P = size of the named axis):
 - all-reduce, two-shot: encode P chunks -> all-to-all -> decode and sum the chunk this rank
@@ -9,19 +9,48 @@ Algorithms (P = size of the named axis):
 - reduce-scatter: the first half of two-shot. all-gather: encode -> all-gather -> decode.
 - ppermute (pipeline send/recv): encode -> ppermute -> decode.
 FP8 codes only ever move as data (all-to-all, all-gather, ppermute); sums are FP32.
-With a codec of kind "none" each function *is* the `lax` collective (bit-for-bit).
-Every function returns its input unchanged on an axis of size 1.
+With a codec of kind "none" (forward and backward) each function *is* the `lax` collective
+(bit-for-bit, derivatives included). Every function returns its input unchanged on an axis of
+size 1, and a zero-size message gives the empty result of the right shape and dtype without
+any communication (nothing is encoded).
+
+Derivatives (reverse mode, `jax.grad` / `jax.vjp`): each compressed collective has the
+derivative of the exact collective it stands for — its transpose, as `lax` defines it under
+`shard_map(check_vma=True)`:
+
+| collective    | backward (cotangent)                                         |
+|---------------|--------------------------------------------------------------|
+| psum          | identity, made varying over the axis (no communication)      |
+| all_gather    | psum_scatter of the cotangent along the gathered axis        |
+| psum_scatter  | all_gather of the cotangent along the scattered axis         |
+| ppermute      | ppermute of the cotangent with the inverse permutation       |
+
+The backward message goes through `bwd_codec` (default: the forward `codec`; `NONE` for an
+exact backward). The forward rule calls the differentiable function itself and the backward is
+a compressed collective too (the two codecs swapped), so higher-order reverse mode
+(grad of grad) is the exact collective's as well. Autodiff never goes through the quantizer: the
+codecs are `jax.custom_vjp` functions. Consequence: forward mode (`jax.jvp`, `jax.linearize`,
+`jax.jacfwd`) is NOT defined for a compressing codec and raises jax's `TypeError` ("can't apply
+forward-mode autodiff (jvp) to a custom_vjp function"); with kind "none" on both directions
+the function is the `lax` collective and forward mode works.
+An input that is not varying over the axis is first made varying (`lax.pcast`), as `lax`'s
+collectives do, so its gradient is the sum over ranks, as with `lax`.
 Limits: the chunking of two-shot and reduce-scatter is along the leading axis when it divides
 by P, else over the flattened message zero-padded to a multiple of P (padding is removed).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.codec import CodecConfig, decode, encode
+from taco_jax.kernels._vma import pvary, vma_of
+
+ALGORITHMS = ("two_shot", "one_shot")
 
 
 def _tree(fn, enc):
@@ -37,6 +66,21 @@ def _tree(fn, enc):
         return fn(leaf)
 
     return jax.tree.map(move, enc)
+
+
+def _axes(axis_name) -> frozenset:
+    """The mesh axes named by `axis_name` (one name or a tuple of names, as `lax` accepts)."""
+    return frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+
+
+def _vary(x: jax.Array, axis_name) -> jax.Array:
+    """x made varying over `axis_name` (identity forward; its transpose is a psum)."""
+    return pvary(x, _axes(axis_name))
+
+
+def _empty(shape, dtype, vma) -> jax.Array:
+    """A zero-size result of `shape` and `dtype`, varying over `vma`: built locally, nothing sent."""
+    return pvary(jnp.zeros(shape, dtype), frozenset(vma))
 
 
 def _split_chunks(x: jax.Array, p: int) -> jax.Array:
@@ -56,81 +100,237 @@ def _sum_fp32(x: jax.Array, dtype) -> jax.Array:
 
 
 def reduce_scatter_chunks(x: jax.Array, axis_name: str, codec: CodecConfig) -> jax.Array:
-    """[P, *chunk] per rank -> this rank's chunk of the sum over ranks ([*chunk], FP32 sum)."""
+    """[P, *chunk] per rank -> this rank's chunk of the sum over ranks ([*chunk], FP32 sum). Not differentiable."""
     enc = encode(x, codec, batch_dims=1)
     enc = _tree(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc)
     return _sum_fp32(decode(enc, codec, jnp.float32), x.dtype)
 
 
 def all_gather_encoded(x: jax.Array, axis_name: str, codec: CodecConfig, *, to: str = "varying") -> jax.Array:
-    """x [*shape] -> [P, *shape] decoded copies of every rank's x."""
+    """x [*shape] -> [P, *shape] decoded copies of every rank's x. Not differentiable."""
     enc = encode(x, codec)
     enc = _tree(lambda b: lax.all_gather(b, axis_name, axis=0, to=to), enc)
     return decode(enc, codec)
+
+
+def _bwd_codec(codec: CodecConfig, bwd_codec: CodecConfig | None) -> CodecConfig:
+    if bwd_codec is None:
+        return codec
+    if not isinstance(bwd_codec, CodecConfig):
+        raise ValueError(f"bwd_codec={bwd_codec!r} must be a CodecConfig or None")
+    return bwd_codec
+
+
+def _norm_axis(axis: int, ndim: int, name: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}={axis} is out of range for an array of rank {ndim}")
+    return axis % ndim
+
+
+# --------------------------------------------------------------------------------------
+# all-reduce
+# --------------------------------------------------------------------------------------
+
+
+def _psum_value(x, axis_name, codec, algorithm):
+    """The compressed all-reduce's value (no derivative of its own)."""
+    if codec.kind == "none":
+        return lax.psum(x, axis_name)
+    p = lax.axis_size(axis_name)
+    if p == 1:
+        return x
+    if x.size == 0:
+        return _empty(x.shape, x.dtype, vma_of(x) - _axes(axis_name))
+    if algorithm == "one_shot":
+        return _sum_fp32(all_gather_encoded(x, axis_name, codec, to="invarying"), x.dtype)
+    mine = reduce_scatter_chunks(_split_chunks(x, p), axis_name, codec)
+    full = all_gather_encoded(mine, axis_name, codec, to="invarying")  # [P, *chunk]
+    return full.reshape(-1)[: x.size].reshape(x.shape)  # drops only the padding, if any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _psum(x, axis_name, codec, algorithm):
+    return _psum_value(x, axis_name, codec, algorithm)
+
+
+_psum.defvjp(lambda x, a, c, alg: (_psum(x, a, c, alg), None),
+             lambda a, c, alg, _, ct: (_vary(ct, a),))
 
 
 def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "two_shot") -> jax.Array:
     """All-reduce (sum) of `x` over `axis_name`; result replicated (invariant) over the axis.
 
     Args:
-      x: float array, varying over `axis_name` (partial sums).
+      x: float array of any shape (zero-size included), normally varying over `axis_name`
+        (partial sums).
       axis_name: a manual mesh axis of the enclosing `shard_map`.
       codec: message codec; kind "none" gives exactly `lax.psum`.
       algorithm: "two_shot" or "one_shot" (module docstring).
     Returns: array of x's shape and dtype, equal on every rank.
+    Derivative: `lax.psum`'s — the cotangent made varying over the axis, no communication (so
+      there is no backward codec). Forward mode is undefined for a compressing codec (module
+      docstring).
     Raises: ValueError for an unknown algorithm.
     """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not supported; choose 'two_shot' or 'one_shot'")
     if codec.kind == "none":
         return lax.psum(x, axis_name)
-    p = lax.axis_size(axis_name)
-    if p == 1:
-        return x
-    if algorithm == "one_shot":
-        return _sum_fp32(all_gather_encoded(x, axis_name, codec, to="invarying"), x.dtype)
-    if algorithm != "two_shot":
-        raise ValueError(f"algorithm={algorithm!r} is not supported; choose 'two_shot' or 'one_shot'")
-    mine = reduce_scatter_chunks(_split_chunks(x, p), axis_name, codec)
-    full = all_gather_encoded(mine, axis_name, codec, to="invarying")  # [P, *chunk]
-    return full.reshape(-1)[: x.size].reshape(x.shape)  # drops only the padding, if any
+    return _psum(_vary(x, axis_name), axis_name, codec, algorithm)
 
 
-def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 0, tiled: bool = False) -> jax.Array:
-    """`lax.all_gather` with each rank's block sent through `codec` (result varying)."""
+# --------------------------------------------------------------------------------------
+# all-gather and reduce-scatter (each other's transpose)
+# --------------------------------------------------------------------------------------
+
+
+def _all_gather_value(x, axis_name, codec, axis, tiled):
+    """The compressed all-gather's value (no derivative of its own); `axis` already normalized."""
     if codec.kind == "none":
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-    if lax.axis_size(axis_name) == 1:
+    p = lax.axis_size(axis_name)
+    if p == 1:
         return jnp.expand_dims(x, axis) if not tiled else x
+    if x.size == 0:
+        shape = (*x.shape[:axis], p * x.shape[axis], *x.shape[axis + 1:]) if tiled else \
+            (*x.shape[:axis], p, *x.shape[axis:])
+        return _empty(shape, x.dtype, vma_of(x) | _axes(axis_name))
     g = jnp.moveaxis(all_gather_encoded(x, axis_name, codec), 0, axis)
     if tiled:
         g = g.reshape(*x.shape[:axis], -1, *x.shape[axis + 1 :])
     return g
 
 
-def psum_scatter(
-    x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_dimension: int = 0, tiled: bool = True
-) -> jax.Array:
-    """Reduce-scatter: `lax.psum_scatter(..., tiled=True)` with FP8 all-to-all and FP32 sums.
-
-    Raises: ValueError if x.shape[scatter_dimension] is not divisible by the axis size, or
-    `tiled=False` with a compressed codec.
-    """
+def _psum_scatter_value(x, axis_name, codec, dim, tiled):
+    """The compressed reduce-scatter's value (no derivative of its own); `dim` already checked."""
     if codec.kind == "none":
-        return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled)
+        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     p = lax.axis_size(axis_name)
-    if not tiled:
-        raise ValueError("compressed psum_scatter supports tiled=True only")
-    if x.shape[scatter_dimension] % p:
-        raise ValueError(f"x.shape[{scatter_dimension}]={x.shape[scatter_dimension]} is not divisible by axis size {p}")
     if p == 1:
-        return x
-    xm = jnp.moveaxis(x, scatter_dimension, 0)
+        return x if tiled else jnp.squeeze(x, dim)
+    shape = (*x.shape[:dim], *((x.shape[dim] // p,) if tiled else ()), *x.shape[dim + 1:])
+    if x.size == 0:
+        return _empty(shape, x.dtype, vma_of(x) | _axes(axis_name))
+    xm = jnp.moveaxis(x, dim, 0)
     out = reduce_scatter_chunks(xm.reshape(p, xm.shape[0] // p, *xm.shape[1:]), axis_name, codec)
-    return jnp.moveaxis(out, 0, scatter_dimension)
+    return jnp.moveaxis(out, 0, dim).reshape(shape)
 
 
-def ppermute(x: jax.Array, axis_name: str, perm, *, codec: CodecConfig) -> jax.Array:
-    """`lax.ppermute` of the encoded message (pipeline send/recv)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _all_gather(x, axis_name, codec, bwd_codec, axis, tiled):
+    return _all_gather_value(x, axis_name, codec, axis, tiled)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _psum_scatter(x, axis_name, codec, bwd_codec, dim, tiled):
+    return _psum_scatter_value(x, axis_name, codec, dim, tiled)
+
+
+_all_gather.defvjp(
+    lambda x, a, c, b, ax, t: (_all_gather(x, a, c, b, ax, t), None),
+    lambda a, c, b, ax, t, _, ct: (psum_scatter(ct, a, codec=b, bwd_codec=c, scatter_dimension=ax, tiled=t),),
+)
+_psum_scatter.defvjp(
+    lambda x, a, c, b, d, t: (_psum_scatter(x, a, c, b, d, t), None),
+    lambda a, c, b, d, t, _, ct: (all_gather(ct, a, codec=b, bwd_codec=c, axis=d, tiled=t),),
+)
+
+
+def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 0, tiled: bool = False,
+               bwd_codec: CodecConfig | None = None) -> jax.Array:
+    """`lax.all_gather` with each rank's block sent through `codec` (result varying over the axis).
+
+    Args:
+      x: array [*shape] (zero-size allowed).
+      axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
+      codec: forward codec; kind "none" with an exact backward gives exactly `lax.all_gather`.
+      axis: where the ranks' blocks go (negative counts from the end of the result's rank).
+      tiled: False: a new axis of size P at `axis`; True: the blocks concatenated along `axis`.
+      bwd_codec: codec of the backward reduce-scatter of the cotangent (default: `codec`).
+    Returns: x's dtype; shape x.shape with P inserted at `axis` (tiled=False) or x.shape[axis]
+      multiplied by P (tiled=True).
+    Derivative: `lax.all_gather`'s — `psum_scatter` of the cotangent along `axis` (FP32 sums,
+      `bwd_codec` on the wire).
+    Raises: ValueError for `axis` out of range or a `bwd_codec` that is not a CodecConfig.
+    """
+    bwd = _bwd_codec(codec, bwd_codec)
+    axis = _norm_axis(axis, x.ndim + (0 if tiled else 1), "axis")
+    if codec.kind == "none" and bwd.kind == "none":
+        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    return _all_gather(_vary(x, axis_name), axis_name, codec, bwd, axis, tiled)
+
+
+def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_dimension: int = 0,
+                 tiled: bool = True, bwd_codec: CodecConfig | None = None) -> jax.Array:
+    """Reduce-scatter: `lax.psum_scatter` with the codec on the all-to-all and FP32 sums.
+
+    Args:
+      x: float array, partial sums varying over `axis_name` (zero-size allowed).
+      axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
+      codec: forward codec; kind "none" with an exact backward gives exactly `lax.psum_scatter`.
+      scatter_dimension: the dimension split into P blocks (rank r keeps block r of the sum).
+      tiled: True: the dimension shrinks P-fold; False: x.shape[scatter_dimension] must be P and
+        the dimension is removed.
+      bwd_codec: codec of the backward all-gather of the cotangent (default: `codec`).
+    Returns: x's dtype; x's shape with `scatter_dimension` divided by P (tiled) or removed.
+    Derivative: `lax.psum_scatter`'s — `all_gather` of the cotangent along `scatter_dimension`
+      (`bwd_codec` on the wire).
+    Raises: ValueError if x.shape[scatter_dimension] is not divisible by P (tiled) or not P
+      (tiled=False), for a dimension out of range, or a `bwd_codec` that is not a CodecConfig.
+    """
+    bwd = _bwd_codec(codec, bwd_codec)
+    dim = _norm_axis(scatter_dimension, x.ndim, "scatter_dimension")
+    if codec.kind == "none" and bwd.kind == "none":
+        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+    p = lax.axis_size(axis_name)
+    if tiled and x.shape[dim] % p:
+        raise ValueError(f"x.shape[{dim}]={x.shape[dim]} is not divisible by axis size {p}")
+    if not tiled and x.shape[dim] != p:
+        raise ValueError(f"x.shape[{dim}]={x.shape[dim]} must equal the axis size {p} with tiled=False")
+    return _psum_scatter(_vary(x, axis_name), axis_name, codec, bwd, dim, tiled)
+
+
+# --------------------------------------------------------------------------------------
+# ppermute
+# --------------------------------------------------------------------------------------
+
+
+def _ppermute_value(x, axis_name, perm, codec):
+    """The compressed ppermute's value (no derivative of its own)."""
     if codec.kind == "none":
         return lax.ppermute(x, axis_name, perm)
-    enc = _tree(lambda b: lax.ppermute(b, axis_name, perm), encode(x, codec))
-    return decode(enc, codec)
+    if x.size == 0:
+        return _empty(x.shape, x.dtype, vma_of(x) | _axes(axis_name))
+    return decode(_tree(lambda b: lax.ppermute(b, axis_name, perm), encode(x, codec)), codec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _ppermute(x, axis_name, perm, codec, bwd_codec):
+    return _ppermute_value(x, axis_name, perm, codec)
+
+
+_ppermute.defvjp(
+    lambda x, a, perm, c, b: (_ppermute(x, a, perm, c, b), None),
+    lambda a, perm, c, b, _, ct: (ppermute(ct, a, tuple((d, s) for s, d in perm), codec=b, bwd_codec=c),),
+)
+
+
+def ppermute(x: jax.Array, axis_name: str, perm, *, codec: CodecConfig,
+             bwd_codec: CodecConfig | None = None) -> jax.Array:
+    """`lax.ppermute` of the encoded message (pipeline send/recv).
+
+    Args:
+      x: array (zero-size allowed). axis_name: a manual mesh axis of the enclosing `shard_map`.
+      perm: (source, destination) rank pairs, as `lax.ppermute`; a rank no pair sends to
+        receives zeros.
+      codec: forward codec; kind "none" with an exact backward gives exactly `lax.ppermute`.
+      bwd_codec: codec of the backward ppermute of the cotangent (default: `codec`).
+    Returns: x's shape and dtype.
+    Derivative: `lax.ppermute`'s — ppermute of the cotangent with the inverse permutation.
+    Raises: ValueError for a `bwd_codec` that is not a CodecConfig (bad `perm`: `lax`'s error).
+    """
+    bwd = _bwd_codec(codec, bwd_codec)
+    perm = tuple((int(s), int(d)) for s, d in perm)
+    if codec.kind == "none" and bwd.kind == "none":
+        return lax.ppermute(x, axis_name, perm)
+    return _ppermute(_vary(x, axis_name), axis_name, perm, codec, bwd)

@@ -126,7 +126,10 @@ class GPT(nnx.Module):
     (all of V when unsharded). `loss(ids, targets)`: mean next-token cross-entropy (float32
     scalar) over this rank's batch, computed vocab-parallel.
     Raises ValueError if T exceeds `block_size`.
+    The pipeline (`parallel/staged.py`) uses the pieces: `embed`, `pipeline_layers`, `head_loss`.
     """
+
+    pipeline_layers = "h"  # the nnx.List of identical blocks a pipeline stacks over stages
 
     def __init__(self, cfg: GPTConfig, ctx: ParallelContext | None = None, *, rngs: nnx.Rngs):
         ctx = ctx or ParallelContext()  # unsharded
@@ -137,8 +140,12 @@ class GPT(nnx.Module):
         self.h = nnx.List([Block(cfg, ctx, rngs=rngs) for _ in range(cfg.n_layer)])
         self.ln_f = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        b, t = ids.shape
+    def embed(self, ids: jax.Array) -> jax.Array:
+        """Token + learned position embeddings: int32 [B, T] -> [B, T(/tp with SP), D] in `cfg.dtype`.
+
+        Raises ValueError if T exceeds `block_size`.
+        """
+        t = ids.shape[1]
         if t > self.cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.cfg.block_size}")
         dtype = jnp.dtype(self.cfg.dtype)
@@ -147,10 +154,24 @@ class GPT(nnx.Module):
         if self.ctx.sequence_parallel and self.ctx.tensor_axis is not None:
             t_local = x.shape[1]
             pos = jax.lax.dynamic_slice_in_dim(pos, self.ctx.tp_rank() * t_local, t_local)
-        x = x + pos[None]
+        return x + pos[None]
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final LayerNorm and tied LM head: [B, T(/tp), D] -> this rank's vocab slice [B, T, V/tp]."""
+        return self.wte.attend(self.ctx.enter(self.ln_f(x)))
+
+    def head_loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean cross-entropy (float32 scalar) of the final hidden states x [B, T(/tp), D] against targets [B, T]."""
+        return jnp.mean(vocab_parallel_cross_entropy(self.logits(x), targets, self.ctx))
+
+    def _hidden(self, ids: jax.Array) -> jax.Array:
+        x = self.embed(ids)
         for block in self.h:
             x = block(x)
-        return self.wte.attend(self.ctx.enter(self.ln_f(x)))  # tied LM head, [B, T, V/tp]
+        return x
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return self.logits(self._hidden(ids))  # tied LM head, [B, T, V/tp]
 
     def loss(self, ids: jax.Array, targets: jax.Array) -> jax.Array:
-        return jnp.mean(vocab_parallel_cross_entropy(self(ids), targets, self.ctx))
+        return self.head_loss(self._hidden(ids), targets)

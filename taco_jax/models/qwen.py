@@ -263,8 +263,10 @@ class Qwen(nnx.Module):
     or replicated, hence their sharding); parameter shapes and values do not depend on it.
     `__call__(ids)`: int32 [B, T] -> this rank's vocab slice of the logits, [B, T, V / tp].
     `loss(ids, targets)`: mean next-token cross-entropy (float32 scalar), vocab-parallel.
-    The pipeline (`parallel/pipeline.py`) uses the pieces: `embed`, `layers`, `head_loss`.
+    The pipeline (`parallel/staged.py`) uses the pieces: `embed`, `pipeline_layers`, `head_loss`.
     """
+
+    pipeline_layers = "layers"  # the nnx.List of identical layers a pipeline stacks over stages
 
     def __init__(self, cfg: QwenConfig, ctx: ParallelContext | None = None, *, rngs: nnx.Rngs,
                  tensor_size: int = 1):

@@ -1,0 +1,36 @@
+"""Pipeline stage-to-stage transfer over the `stage` mesh axis, compressed per `CommPolicy.pp_send`.
+
+`send` is the compressed `ppermute` (`collectives.compressed.ppermute`) to the neighbour stage,
+so its derivative is `lax.ppermute`'s (the gradient travels back s + shift -> s), with the
+backward message compressed too. Source: TACO spec §4 (compressed pipeline send/recv).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from taco_jax.codec import CodecConfig
+from taco_jax.collectives import compressed
+from taco_jax.collectives.policy import CommPolicy
+
+
+def send(x: jax.Array, axis_name: str, policy: CommPolicy, shift: int = 1, *,
+         bwd_codec: CodecConfig | None = None) -> jax.Array:
+    """Stage s -> s + shift (`ppermute`, no wrap-around: the first receiver gets zeros).
+
+    Args:
+      x: activation (or gradient) of this stage, any shape and float dtype.
+      axis_name: the stage axis of the enclosing `shard_map`.
+      policy: `CommPolicy`; the message goes through `policy.codec_for("pp_send", x)`.
+      shift: +1 sends to the next stage, -1 to the previous one.
+      bwd_codec: codec of the backward transfer (the gradient s + shift -> s); default: the
+        forward codec.
+    Returns: x's shape and dtype: stage s + shift's value on stage s (zeros on the stages no
+      one sends to).
+    Derivative: `lax.ppermute`'s (inverse shift). Forward mode is undefined when the codec
+      compresses (`collectives.compressed`).
+    """
+    n = lax.axis_size(axis_name)
+    perm = [(i, i + shift) for i in range(n) if 0 <= i + shift < n]
+    return compressed.ppermute(x, axis_name, perm, codec=policy.codec_for("pp_send", x), bwd_codec=bwd_codec)
