@@ -127,21 +127,6 @@ def test_1f1b_memory_does_not_grow_with_microbatches():
     assert temp["1f1b", 12] < 0.5 * temp["gpipe", 12], temp
 
 
-def test_parallel_does_not_import_models():
-    """parallel/ sits below models/: no module of it imports them (issue 10; the StagedModel adapter)."""
-    import ast
-    import pathlib
-
-    import taco_jax.parallel
-
-    for path in pathlib.Path(taco_jax.parallel.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            for name in names:
-                assert not name.startswith("taco_jax.models"), (path.name, name)
-
-
 def test_staged_model_needs_the_pipeline_interface():
     class NoSplit(nnx.Module):
         def __init__(self):
