@@ -132,3 +132,77 @@ def test_every_train_flag_has_help():
     missing = [f.name for f in dataclasses.fields(TrainConfig) if not helps.get(f.name)]
     assert not missing, missing
 
+
+
+# --- optimizer: weight decay by role, learning-rate schedule (issue 11, faults 1 and 3)
+
+
+def _set_biases(params, value):
+    import jax
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: np.full_like(p, value) if getattr(path[-1], "key", None) == "bias" else p, params)
+
+
+@pytest.mark.parametrize("model,stages", [("gpt2-tiny", 1), ("qwen2.5-tiny", 1), ("qwen2.5-tiny", 2)])
+def test_weight_decay_by_role_not_rank(model, stages):
+    """Biases set to 1.0, all-zero gradients, one AdamW update (warmup 0, lr 1e-2, wd 0.1): biases
+    (GPT-2's fused QKV bias [3, H, hd], Qwen2.5's q/k/v biases [H, hd]) and norm scales stay exactly
+    1.0; kernels and embeddings shrink by lr · wd. With stages=2: the pipeline's stacked layers."""
+    import jax
+    from flax import nnx
+
+    from taco_jax.models import get_config, make_model
+    from taco_jax.parallel import pipeline as pp
+    from taco_jax.train.step import _decay_mask, make_optimizer
+
+    cfg = TrainConfig(model=model, mesh="data=1", steps=10, warmup_steps=0, lr=1e-2, weight_decay=0.1,
+                      vocab_size=256)
+    m = make_model(get_config(model, vocab_size=256), rngs=nnx.Rngs(0))
+    state = nnx.split(m, nnx.Param)[1]
+    params = _set_biases(nnx.to_pure_dict(state), 1.0)
+    mask = None
+    if stages > 1:
+        staged = pp.StagedModel.from_model(m)
+        params = staged.stack_layers(params)
+        mask = _decay_mask(state, staged)
+    tx = make_optimizer(cfg, mask)
+    updates, _ = tx.update(jax.tree.map(np.zeros_like, params), tx.init(params), params)
+    new = jax.tree.map(lambda p, u: np.asarray(p + u), params, updates)
+    seen = set()
+    for (path, p), q in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(new)):
+        name = path[-1].key
+        seen.add(name)
+        if name in ("bias", "scale"):
+            np.testing.assert_array_equal(q, p, err_msg=jax.tree_util.keystr(path))  # 1.000000
+        else:
+            np.testing.assert_allclose(q, p * (1 - 1e-2 * 0.1), rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert {"bias", "kernel", "embedding"} <= seen
+    layer0 = params["h"][0]["attn"]["qkv"] if model.startswith("gpt") else \
+        (params["layers"] if stages > 1 else params["layers"][0])["self_attn"]["q_proj"]
+    qkv_bias = layer0["bias"]
+    assert qkv_bias.ndim >= 2  # the case rank-based decay got wrong
+
+
+def test_unclassified_parameter_name_raises():
+    from taco_jax.models import decays
+
+    with pytest.raises(ValueError, match="'blk/gamma'.*no weight-decay rule"):
+        decays(("blk", "gamma"))
+
+
+def test_lr_schedule_starts_at_step_one_and_ends_at_min():
+    """steps=10, warmup 3, lr 1e-2, min_lr_ratio 0.1: lr·k/3 for steps 1..3 (peak at step 3), then the
+    cosine down to exactly 1e-3 at step 10 (optax counts from 0 at step 1)."""
+    from taco_jax.train.step import lr_schedule
+
+    cfg = TrainConfig(mesh="data=1", steps=10, warmup_steps=3, lr=1e-2, min_lr_ratio=0.1)
+    got = np.array([float(lr_schedule(cfg)(c)) for c in range(10)])
+    k = np.arange(1, 11)
+    cos = 1e-3 + (1e-2 - 1e-3) * 0.5 * (1 + np.cos(np.pi * (k - 3) / 7))
+    want = np.where(k <= 3, 1e-2 * k / 3, cos)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got[:3], [1e-2 / 3, 2e-2 / 3, 1e-2], rtol=1e-6)
+    assert got[0] > 0 and got.argmax() == 2 and abs(got[-1] - 1e-3) < 1e-9
+    no_warmup = lr_schedule(TrainConfig(mesh="data=1", steps=10, warmup_steps=0, lr=1e-2))
+    assert float(no_warmup(0)) == pytest.approx(1e-2)

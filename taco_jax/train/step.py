@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from taco_jax import kernels
 from taco_jax.collectives import SITES, CommPolicy
 from taco_jax.collectives.dp import sync_gradients, vary
-from taco_jax.models import make_model
+from taco_jax.models import decays, make_model
 from taco_jax.parallel import ParallelContext, param_specs
 from taco_jax.parallel import pipeline as pp
 from taco_jax.parallel.mesh import make_mesh
@@ -69,18 +69,45 @@ class Trainer:
         return self.train_step.lower(params, opt_state, inputs, targets).compile().as_text()
 
 
-def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
-    """AdamW (β2 = 0.95) with linear warmup + cosine decay and global-norm clipping (nanoGPT recipe).
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Learning rate of the update with optax step count c = 0, 1, ... (training step k = c + 1).
 
-    decay_mask: pytree of bools (weight decay on matrices only); default: leaves with ndim >= 2.
+    Linear warmup lr · k / W for k = 1..W (step 1 already moves the parameters; the peak first
+    applies at step W), then cosine decay from lr at step W to exactly lr · min_lr_ratio at the
+    last step (`cfg.steps`). With W = 0 the first step runs at the peak. Source: nanoGPT
+    `get_lr` / GPT-NeoX, which index the schedule by the step being taken (the off-by-one of
+    `optax.warmup_cosine_decay_schedule(0, ...)`, whose step 1 runs at lr 0).
     """
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
+    peak, floor, w, n = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup, cfg.steps
+    start = max(w, 1)  # the step the cosine starts at (the peak)
+
+    def schedule(count):
+        k = jnp.asarray(count, jnp.float32) + 1.0
+        warm = peak * k / max(w, 1)
+        progress = jnp.clip((k - start) / max(n - start, 1), 0.0, 1.0)
+        cosine = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(k <= w, warm, cosine)
+
+    return schedule
+
+
+def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
+    """AdamW (β2 = 0.95) with linear warmup + cosine decay (`lr_schedule`) and global-norm clipping (nanoGPT recipe).
+
+    decay_mask: pytree of bools, or a function params -> pytree of bools; default: by role
+    (`taco_jax.models.decays`: kernels and embeddings decayed, biases and norm scales never).
+    """
     if decay_mask is None:
-        decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+        decay_mask = role_decay_mask
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.adamw(lr_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
     )
+
+
+def role_decay_mask(params):
+    """Pytree of bools like `params` (pure dict, model or pipeline layout): True where weight decay applies."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
 
 def _merge(graphdef, abstract_state, params):
@@ -216,8 +243,9 @@ def _mean_over(x, axis):
 
 
 def _decay_mask(abstract_state, staged):
-    """Weight decay on matrices (ndim >= 2 in the model's own layout, whatever the stacking)."""
-    mask = nnx.to_pure_dict(jax.tree.map(lambda v: v.ndim >= 2, abstract_state))
+    """Weight-decay mask by role (`role_decay_mask`) of the model's parameters, in the layout the
+    trainer holds them (pipeline layout when `staged`: the stacked layers keep their names)."""
+    mask = role_decay_mask(nnx.to_pure_dict(abstract_state))
     if staged is not None:
         mask = {**mask, staged.layer_key: mask[staged.layer_key][0]}
     return mask
