@@ -109,9 +109,9 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, ctx: ParallelContext, *, rngs: nnx.Rngs):
         self.ctx = ctx
-        self.ln_1 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+        self.ln_1 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
         self.attn = Attention(cfg, ctx, rngs=rngs)
-        self.ln_2 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
         self.mlp = MLP(cfg, ctx, rngs=rngs)
 
     def __call__(self, x):
@@ -135,7 +135,7 @@ class GPT(nnx.Module):
         self.wpe = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.block_size, cfg.n_embd)),
                              axes=("position", "embed"))
         self.h = nnx.List([Block(cfg, ctx, rngs=rngs) for _ in range(cfg.n_layer)])
-        self.ln_f = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         b, t = ids.shape
