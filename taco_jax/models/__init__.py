@@ -8,8 +8,8 @@ from taco_jax.models.qwen import Qwen, QwenConfig
 #: Every named preset, GPT and Qwen.
 PRESETS = {**GPT_PRESETS, **QWEN_PRESETS}
 
-__all__ = ["DECAY_BY_NAME", "GPT", "GPTConfig", "PRESETS", "Qwen", "QwenConfig", "decays", "get_config",
-           "make_model"]
+__all__ = ["DECAY_BY_NAME", "GPT", "GPTConfig", "PRESETS", "Qwen", "QwenConfig", "count_params", "decays",
+           "get_config", "make_model"]
 
 #: Weight decay by what a parameter is (the last key of its path): kernels of every dense layer and
 #: the embedding tables (token `embedding`, GPT-2's position table `wpe`) are decayed; biases and
@@ -49,3 +49,19 @@ def make_model(cfg, ctx=None, *, rngs, tensor_size: int = 1):
     if isinstance(cfg, GPTConfig):
         return GPT(cfg, ctx, rngs=rngs)
     raise ValueError(f"no model for config type {type(cfg).__name__}")
+
+
+def count_params(cfg) -> int:
+    """Parameter count of `cfg`'s model without vocabulary padding (the published count).
+
+    The padded rows of the embedding table (and of an untied LM head) are left out, so a model
+    padded for tensor parallelism reports the same count as the checkpoint. Allocates nothing.
+    """
+    import jax
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: make_model(cfg, rngs=nnx.Rngs(0)))
+    n = sum(x.size for x in jax.tree.leaves(nnx.split(model, nnx.Param)[1]))
+    d = cfg.n_embd if isinstance(cfg, GPTConfig) else cfg.emb_dim
+    heads = 1 if isinstance(cfg, GPTConfig) or cfg.tie_word_embeddings else 2
+    return n - heads * (cfg.padded_vocab_size - cfg.vocab_size) * d
