@@ -206,3 +206,59 @@ def test_lr_schedule_starts_at_step_one_and_ends_at_min():
     assert got[0] > 0 and got.argmax() == 2 and abs(got[-1] - 1e-3) < 1e-9
     no_warmup = lr_schedule(TrainConfig(mesh="data=1", steps=10, warmup_steps=0, lr=1e-2))
     assert float(no_warmup(0)) == pytest.approx(1e-2)
+
+
+def test_real_gpt2_vocabulary_runs_tensor_parallel_with_padding():
+    """GPT-2's real 50,257-token vocabulary on data=2,tensor=4 (refused before padding existed): padded
+    to 50,688 rows (128 × 4), and the mesh loss equals the unpadded one-device loss on the same weights."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from taco_jax.collectives import CommPolicy
+    from taco_jax.models import get_config, make_model
+    from taco_jax.train.step import make_steps
+
+    cfg = TrainConfig(model="gpt2-tiny", vocab_size=50257, mesh="data=2,tensor=4", seq_len=32)
+    assert cfg.model_config.padded_vocab_size == 50688
+    small = get_config("gpt2-tiny", vocab_size=50257, n_layer=1)
+    padded = get_config("gpt2-tiny", vocab_size=50257, n_layer=1, vocab_multiple=128 * 4)
+    params = nnx.to_pure_dict(nnx.split(make_model(small, rngs=nnx.Rngs(0)), nnx.Param)[1])
+    params_p = nnx.to_pure_dict(nnx.split(make_model(padded, rngs=nnx.Rngs(0)), nnx.Param)[1])
+    ids = jax.random.randint(jax.random.key(1), (4, 32), 0, 50257)
+    tgt = jnp.roll(ids, -1, axis=1)
+    one = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    want = float(jax.jit(make_steps(small, one, CommPolicy.none()).loss)(params, ids, tgt))
+    got = float(jax.jit(make_steps(padded, mesh, CommPolicy.none()).loss)(params_p, ids, tgt))
+    assert abs(got - want) / want <= 1e-5, (got, want)
+
+
+def test_init_from_hf_checkpoint(dataset, tmp_path):
+    """`--init-from DIR`: the model comes from DIR's config.json, the weights land on the mesh as stored
+    (vocabulary padded on tensor=4), and a short run trains from them."""
+    import jax
+    from flax import nnx
+
+    from taco_jax.models import count_params, get_config, hf, make_model
+
+    src = get_config("gpt2-tiny", vocab_size=520, n_layer=2)
+    params = nnx.to_pure_dict(nnx.split(make_model(src, rngs=nnx.Rngs(7)), nnx.Param)[1])
+    hf.save_hf(tmp_path / "ckpt", src, params)
+    run = dict(SMALL, model="ignored-with-init-from", vocab_size=512, steps=2, warmup_steps=1, eval_every=2)
+    cfg = TrainConfig(init_from=str(tmp_path / "ckpt"), out=str(tmp_path / "run"), **run)
+    assert cfg.model_config == get_config("gpt2-tiny", vocab_size=520, n_layer=2, vocab_multiple=512)
+    got, _ = make_trainer(cfg).init()
+    np.testing.assert_array_equal(np.asarray(got["wte"]["embedding"])[:520], params["wte"]["embedding"])
+    assert got["wte"]["embedding"].shape == (1024, 128) and not np.any(np.asarray(got["wte"]["embedding"])[520:])
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in got.items() if k != "wte"},
+                 {k: v for k, v in params.items() if k != "wte"})
+    summary = train(cfg, dataset=dataset, progress=False)
+    assert np.isfinite(summary["final_val_loss"]) and summary["n_params"] == count_params(src)
+    small = get_config("gpt2-tiny", vocab_size=500, n_layer=2)
+    hf.save_hf(tmp_path / "small", small, nnx.to_pure_dict(nnx.split(make_model(small, rngs=nnx.Rngs(7)),
+                                                                      nnx.Param)[1]))
+    with pytest.raises(ValueError, match="tokenizer vocab 512 exceeds the model's vocab_size=500"):
+        train(TrainConfig(init_from=str(tmp_path / "small"), out=str(tmp_path / "run2"), **run), dataset=dataset,
+              progress=False)

@@ -48,6 +48,8 @@ class TrainConfig:
     group_axis: str = "hidden"  # groups along: hidden (contiguous channels) | token (one channel across tokens)
     nonfinite: str = "propagate"  # NaN/Inf in a message: propagate | zero | error (raise naming the site)
     policy_file: str = ""  # JSON policy (`taco-jax calibrate`); its per-site codecs override --comm's
+    init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
+    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
     capture: int = 0  # record the TP messages of N steps (evenly spaced) to <out>/captures (train/capture.py)
     out: str = "runs/default"  # output folder
 
@@ -59,6 +61,8 @@ class TrainConfig:
         for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
         if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
@@ -95,7 +99,14 @@ class TrainConfig:
 
     @property
     def model_config(self) -> GPTConfig:
-        return get_config(self.model, vocab_size=self.vocab_size)  # vocabulary = our tokenizer's
+        """The model: `--init-from`'s config.json, else the preset with our tokenizer's vocabulary; its
+        vocabulary padded to a multiple of make_vocab_size_divisible_by × tensor size (Megatron)."""
+        multiple = self.make_vocab_size_divisible_by * self.mesh_axes.get("tensor", 1)
+        if self.init_from:
+            from taco_jax.models.hf import config_from_hf
+
+            return config_from_hf(self.init_from, vocab_multiple=multiple)
+        return get_config(self.model, vocab_size=self.vocab_size, vocab_multiple=multiple)
 
     @property
     def codec(self) -> CodecConfig:

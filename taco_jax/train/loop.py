@@ -20,6 +20,7 @@ from taco_jax.codec import raise_if_nonfinite
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES
 from taco_jax.data import batch_iterator, eval_batches, load_shakespeare
+from taco_jax.models import count_params
 from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture
 from taco_jax.train.config import TrainConfig
@@ -40,8 +41,9 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     ds = dataset or load_shakespeare(cfg.vocab_size)
-    if ds.vocab_size > cfg.vocab_size:
-        raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds vocab_size={cfg.vocab_size}")
+    if ds.vocab_size > min(cfg.vocab_size, cfg.model_config.vocab_size):
+        raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds the model's vocab_size="
+                         f"{min(cfg.vocab_size, cfg.model_config.vocab_size)}")
     params, opt_state = trainer.init()  # identical initial parameters for every --comm (same seed)
     batches = batch_iterator(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     val = [shard_batch(trainer, x, y) for x, y in
@@ -92,7 +94,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     summary = {
         "comm": cfg.comm,
         "backend": cfg.backend,
-        "model": cfg.model,
+        "model": cfg.model if not cfg.init_from else f"init_from={cfg.init_from}",
+        "n_params": count_params(cfg.model_config),  # without vocabulary padding (published counts)
         "mesh": cfg.mesh,
         "steps": cfg.steps,
         "final_train_loss": float(np.mean([r["loss"] for r in history[-10:]])),

@@ -51,7 +51,16 @@ class Trainer:
     staged: pp.StagedModel | None = None
 
     def init(self):
-        """Initial (params, opt_state), sharded over the mesh; same values for any --comm and mesh."""
+        """Initial (params, opt_state), sharded over the mesh; same values for any --comm and mesh.
+
+        With `cfg.init_from` the parameters are read from that HF checkpoint straight into the mesh
+        sharding (`models.hf.load_params`); otherwise initialised from `cfg.seed`."""
+        if self.cfg.init_from:
+            from taco_jax.models.hf import load_params
+
+            params = load_params(self.cfg.init_from, self.cfg.model_config, shardings=self.shardings,
+                                 stacked_key=self.staged.layer_key if self.staged else None)
+            return params, jax.jit(self.tx.init)(params)
         model = make_model(self.cfg.model_config, rngs=nnx.Rngs(self.cfg.seed))
         params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
         if self.staged is not None:
