@@ -26,7 +26,7 @@ def test_short_taco_run_loss_falls(dataset, tmp_path):
     summary = train(cfg, dataset=dataset, progress=False)
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(recs) == cfg.steps
-    first, last = np.mean([r["loss"] for r in recs[:3]]), np.mean([r["loss"] for r in recs[-3:]])
+    first, last = recs[0]["loss"], np.mean([r["loss"] for r in recs[-3:]])  # step 1's loss: untrained model
     assert last < first - 0.8, (first, last)
     assert summary["final_val_loss"] < np.log(512)  # better than uniform over the vocabulary
     assert summary["wire_bytes_per_step"]["tensor"] > 0

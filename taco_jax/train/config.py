@@ -49,6 +49,7 @@ class TrainConfig:
     nonfinite: str = "propagate"  # NaN/Inf in a message: propagate | zero | error (raise naming the site)
     policy_file: str = ""  # JSON policy (`taco-jax calibrate`); its per-site codecs override --comm's
     init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
+    export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
     make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
     capture: int = 0  # record the TP messages of N steps (evenly spaced) to <out>/captures (train/capture.py)
     out: str = "runs/default"  # output folder

@@ -21,6 +21,7 @@ from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES
 from taco_jax.data import batch_iterator, eval_batches, load_shakespeare
 from taco_jax.models import count_params
+from taco_jax.models.hf import save_hf
 from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture
 from taco_jax.train.config import TrainConfig
@@ -90,6 +91,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 x, y = shard_batch(trainer, *next(batches))
     wall = time.perf_counter() - t_start
     captured = recorder.close() if recorder else None
+    if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py)
+        save_hf(cfg.export_hf, cfg.model_config, trainer.staged.unstack_layers(params) if trainer.staged else params)
 
     summary = {
         "comm": cfg.comm,
