@@ -131,7 +131,8 @@ def hf_config(cfg: GPTConfig | QwenConfig) -> dict:
                     n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
                     n_inner=cfg.mlp_ratio * cfg.n_embd, activation_function="gelu_new", layer_norm_epsilon=1e-5,
                     initializer_range=cfg.init_std, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                    scale_attn_weights=True, tie_word_embeddings=True, dtype="float32")
+                    scale_attn_weights=True, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                    dtype="float32")
     qwen3 = cfg.qk_norm
     if qwen3 == cfg.qkv_bias or (not qwen3 and cfg.head_dim * cfg.num_heads != cfg.emb_dim):
         raise ValueError(f"QwenConfig(qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, head_dim={cfg.head_dim}) is "
@@ -374,11 +375,13 @@ def load_hf(path, *, vocab_multiple: int = 1, dtype: str = "float32", shardings=
     return cfg, load_params(path, cfg, shardings=shardings, stacked_key=stacked_key)
 
 
-def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict) -> pathlib.Path:
+def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict, *, base_config: dict | None = None) -> pathlib.Path:
     """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`.
 
     params: the model's pure dict (model layout; `StagedModel.unstack_layers` first for the
     pipeline layout), numpy or (sharded) jax arrays — each is gathered to the host in turn.
+    base_config: a source `config.json` dict (e.g. of the `--init-from` checkpoint) whose other keys
+      (token ids, generation settings) are kept; the architecture keys come from `cfg`.
     `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
     Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
     """
@@ -399,5 +402,9 @@ def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict) -> pathlib.Path:
             raise ValueError(f"parameter {'/'.join(map(str, e.path))} has shape {a.shape}, expected {e.shape}")
         tensors[e.name] = np.ascontiguousarray(e.to_hf(a))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    keep = {k: v for k, v in (base_config or {}).items()
+            if k not in ("rope_scaling", "torch_dtype", "quantization_config")}
+    merged = {**keep, **hf_config(cfg)}
+    merged.update({k: keep[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in keep})
+    (out / "config.json").write_text(json.dumps(merged, indent=2))
     return out

@@ -21,7 +21,7 @@ from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES
 from taco_jax.data import batch_iterator, eval_batches, load_shakespeare
 from taco_jax.models import count_params
-from taco_jax.models.hf import save_hf
+from taco_jax.models.hf import read_config, save_hf
 from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture
 from taco_jax.train.config import TrainConfig
@@ -92,7 +92,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     wall = time.perf_counter() - t_start
     captured = recorder.close() if recorder else None
     if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py)
-        save_hf(cfg.export_hf, cfg.model_config, trainer.staged.unstack_layers(params) if trainer.staged else params)
+        save_hf(cfg.export_hf, cfg.model_config, trainer.staged.unstack_layers(params) if trainer.staged else params,
+                base_config=read_config(cfg.init_from) if cfg.init_from else None)
 
     summary = {
         "comm": cfg.comm,
