@@ -183,3 +183,17 @@ def test_transformers_loads_the_export(name, tmp_path):
     with torch.no_grad():
         got = model(torch.from_numpy(ids).long()).logits.numpy()
     assert np.abs(got - want).max() <= TOL
+
+
+def test_gpt2_hub_naming_without_prefix_and_mask_buffers(tmp_path):
+    """The `gpt2` hub checkpoint stores `wte.weight`, `h.0.…` (no `transformer.` prefix) and each layer's
+    causal-mask buffer `h.N.attn.bias` [1, 1, P, P]: same parameters, buffers skipped."""
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy("gpt2", tmp_path)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(d / "model.safetensors")).items()}
+    tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 64, 64), np.float32)) for i in range(2)})
+    save_file(tensors, str(d / "model.safetensors"))
+    _, want = hf.load_hf(FIXTURES / "gpt2")
+    _, got = hf.load_hf(d)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
