@@ -197,3 +197,29 @@ def test_gpt2_hub_naming_without_prefix_and_mask_buffers(tmp_path):
     _, want = hf.load_hf(FIXTURES / "gpt2")
     _, got = hf.load_hf(d)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_bfloat16_checkpoint_is_read_exactly(tmp_path):
+    """Published Qwen checkpoints are bf16 (numpy has no bf16: read through ml_dtypes): each value is
+    the bf16 number stored, widened to float32 exactly. The file is written by hand (safetensors format)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    d = _copy("qwen3", tmp_path)
+    tensors = {}
+    for f in sorted(d.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+        f.unlink()
+    (d / "model.safetensors.index.json").unlink()
+    header, blobs, offset = {}, [], 0
+    for k, v in sorted(tensors.items()):
+        b = v.astype(ml_dtypes.bfloat16).tobytes()
+        header[k] = {"dtype": "BF16", "shape": list(v.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    h = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+    _, want = hf.load_hf(FIXTURES / "qwen3")
+    _, got = hf.load_hf(d)
+    jax.tree.map(lambda g, w: np.testing.assert_array_equal(g, w.astype(ml_dtypes.bfloat16).astype(np.float32)),
+                 got, want)
