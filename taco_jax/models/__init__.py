@@ -8,7 +8,29 @@ from taco_jax.models.qwen import Qwen, QwenConfig
 #: Every named preset, GPT and Qwen.
 PRESETS = {**GPT_PRESETS, **QWEN_PRESETS}
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "Qwen", "QwenConfig", "get_config", "make_model"]
+__all__ = ["DECAY_BY_NAME", "GPT", "GPTConfig", "PRESETS", "Qwen", "QwenConfig", "count_params", "decays",
+           "get_config", "make_model"]
+
+#: Weight decay by what a parameter is (the last key of its path): kernels of every dense layer and
+#: the embedding tables (token `embedding`, GPT-2's position table `wpe`) are decayed; biases and
+#: norm scales never (GPT-2 / nanoGPT, Megatron `no_weight_decay_cond`, MaxText).
+DECAY_BY_NAME = {"kernel": True, "embedding": True, "wpe": True, "bias": False, "scale": False}
+
+
+def decays(path) -> bool:
+    """Whether the parameter at `path` (a pytree key path or a tuple of names) gets weight decay.
+
+    Decided by the parameter's role (its name, `DECAY_BY_NAME`), never by its rank: GPT-2's fused
+    QKV bias [3, H, hd] and Qwen2.5's q/k/v biases [H, hd] are biases. Works on the model's own
+    layout and on the pipeline's stacked layers alike (same names).
+    Raises: ValueError for a parameter name with no decay rule (a new parameter must be classified).
+    """
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    name = names[-1] if names else ""
+    if name not in DECAY_BY_NAME:
+        raise ValueError(f"parameter {'/'.join(names)!r} has no weight-decay rule (name {name!r}); "
+                         f"known names: {sorted(DECAY_BY_NAME)}")
+    return DECAY_BY_NAME[name]
 
 
 def get_config(name: str, **overrides):
@@ -27,3 +49,19 @@ def make_model(cfg, ctx=None, *, rngs, tensor_size: int = 1):
     if isinstance(cfg, GPTConfig):
         return GPT(cfg, ctx, rngs=rngs)
     raise ValueError(f"no model for config type {type(cfg).__name__}")
+
+
+def count_params(cfg) -> int:
+    """Parameter count of `cfg`'s model without vocabulary padding (the published count).
+
+    The padded rows of the embedding table (and of an untied LM head) are left out, so a model
+    padded for tensor parallelism reports the same count as the checkpoint. Allocates nothing.
+    """
+    import jax
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: make_model(cfg, rngs=nnx.Rngs(0)))
+    n = sum(x.size for x in jax.tree.leaves(nnx.split(model, nnx.Param)[1]))
+    d = cfg.n_embd if isinstance(cfg, GPTConfig) else cfg.emb_dim
+    heads = 1 if isinstance(cfg, GPTConfig) or cfg.tie_word_embeddings else 2
+    return n - heads * (cfg.padded_vocab_size - cfg.vocab_size) * d

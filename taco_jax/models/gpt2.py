@@ -33,6 +33,8 @@ class GPTConfig:
       mlp_ratio: MLP hidden size = mlp_ratio · D (4 in GPT-2).
       init_std: std of the normal initialiser (0.02 in GPT-2).
       dtype: compute dtype of activations (parameters stay float32).
+      vocab_multiple: the embedding table's rows are padded to a multiple of this (Megatron's
+        make_vocab_size_divisible_by × tp); padded rows are zeros whose logits are masked out.
     """
 
     vocab_size: int = 50257
@@ -43,9 +45,10 @@ class GPTConfig:
     mlp_ratio: int = 4
     init_std: float = 0.02
     dtype: str = "float32"
+    vocab_multiple: int = 1
 
     def __post_init__(self):
-        for f in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+        for f in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "vocab_multiple"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
         if self.n_embd % self.n_head:
@@ -55,14 +58,27 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding table: vocab_size rounded up to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool = False, seq_len: int | None = None):
         """Raises ValueError if this model cannot be split over `tp` tensor ranks."""
-        for name, n in (("n_head", self.n_head), ("vocab_size", self.vocab_size),
-                        ("mlp hidden size", self.mlp_ratio * self.n_embd)):
+        for name, n in (("n_head", self.n_head), ("mlp hidden size", self.mlp_ratio * self.n_embd)):
             if n % tp:
                 raise ValueError(f"{name}={n} is not divisible by the tensor axis size {tp}")
+        _check_vocab(self, tp)
         if sequence_parallel and seq_len is not None and seq_len % tp:
             raise ValueError(f"seq_len={seq_len} is not divisible by the tensor axis size {tp} (sequence parallelism)")
+
+
+def _check_vocab(cfg, tp: int) -> None:
+    """Raises ValueError if the (padded) vocabulary cannot be split over `tp` tensor ranks."""
+    if cfg.padded_vocab_size % tp:
+        raise ValueError(f"vocab_size={cfg.vocab_size} (padded to {cfg.padded_vocab_size} rows, vocab_multiple="
+                         f"{cfg.vocab_multiple}) is not divisible by the tensor axis size {tp}; pad the vocabulary "
+                         f"(--make-vocab-size-divisible-by, Megatron style)")
 
 
 #: Named presets. `gpt2-124m`/`gpt2-350m` are GPT-2 small/medium (published sizes); the small
@@ -109,9 +125,9 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, ctx: ParallelContext, *, rngs: nnx.Rngs):
         self.ctx = ctx
-        self.ln_1 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+        self.ln_1 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
         self.attn = Attention(cfg, ctx, rngs=rngs)
-        self.ln_2 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
         self.mlp = MLP(cfg, ctx, rngs=rngs)
 
     def __call__(self, x):
@@ -134,11 +150,12 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, ctx: ParallelContext | None = None, *, rngs: nnx.Rngs):
         ctx = ctx or ParallelContext()  # unsharded
         self.cfg, self.ctx = cfg, ctx
-        self.wte = VocabParallelEmbed(cfg.vocab_size, cfg.n_embd, ctx=ctx, std=cfg.init_std, rngs=rngs)
+        self.wte = VocabParallelEmbed(cfg.vocab_size, cfg.n_embd, ctx=ctx, std=cfg.init_std, rngs=rngs,
+                                      padded_size=cfg.padded_vocab_size)
         self.wpe = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.block_size, cfg.n_embd)),
                              axes=("position", "embed"))
         self.h = nnx.List([Block(cfg, ctx, rngs=rngs) for _ in range(cfg.n_layer)])
-        self.ln_f = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
 
     def embed(self, ids: jax.Array) -> jax.Array:
         """Token + learned position embeddings: int32 [B, T] -> [B, T(/tp with SP), D] in `cfg.dtype`.

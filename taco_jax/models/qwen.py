@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from taco_jax.models.gpt2 import _check_vocab
 from taco_jax.parallel import (
     ColumnParallel,
     ParallelContext,
@@ -30,6 +31,7 @@ from taco_jax.parallel import (
     VocabParallelEmbed,
     vocab_parallel_cross_entropy,
 )
+from taco_jax.parallel.layers import mask_vocab_padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,7 @@ class QwenConfig:
       block_size: longest sequence this trainer accepts (max_position_embeddings caps RoPE use).
       init_std: std of the normal initialiser [initializer_range].
       dtype: compute dtype of activations (parameters stay float32).
+      vocab_multiple: embedding / LM-head rows padded to a multiple of this (as `GPTConfig`).
     """
 
     vocab_size: int = 151_936
@@ -69,10 +72,11 @@ class QwenConfig:
     block_size: int = 40_960
     init_std: float = 0.02
     dtype: str = "float32"
+    vocab_multiple: int = 1
 
     def __post_init__(self):
         for f in ("vocab_size", "emb_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "block_size"):
+                  "block_size", "vocab_multiple"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
         if self.num_heads % self.num_kv_heads:
@@ -81,6 +85,11 @@ class QwenConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotate-half RoPE)")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be positive")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding / LM head: vocab_size rounded up to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def n_layer(self) -> int:  # same name as GPTConfig (pipeline / trainer checks)
@@ -98,9 +107,9 @@ class QwenConfig:
         if (k >= tp and k % tp) or (k < tp and tp % k):
             raise ValueError(f"num_kv_heads={k} is not compatible with the tensor axis size {tp}: KV heads are "
                              f"split when num_kv_heads % tp == 0 and replicated when tp % num_kv_heads == 0")
-        for name, n in (("vocab_size", self.vocab_size), ("mlp_dim", self.mlp_dim)):
-            if n % tp:
-                raise ValueError(f"{name}={n} is not divisible by the tensor axis size {tp}")
+        if self.mlp_dim % tp:
+            raise ValueError(f"mlp_dim={self.mlp_dim} is not divisible by the tensor axis size {tp}")
+        _check_vocab(self, tp)
         if sequence_parallel and seq_len is not None and seq_len % tp:
             raise ValueError(f"seq_len={seq_len} is not divisible by the tensor axis size {tp} (sequence parallelism)")
 
@@ -273,13 +282,17 @@ class Qwen(nnx.Module):
         ctx = ctx or ParallelContext()  # unsharded
         cfg.check_tensor_parallel(tensor_size)
         self.cfg, self.ctx = cfg, ctx
-        self.embed_tokens = VocabParallelEmbed(cfg.vocab_size, cfg.emb_dim, ctx=ctx, std=cfg.init_std, rngs=rngs)
+        self.embed_tokens = VocabParallelEmbed(cfg.vocab_size, cfg.emb_dim, ctx=ctx, std=cfg.init_std, rngs=rngs,
+                                               padded_size=cfg.padded_vocab_size)
         self.layers = nnx.List([DecoderLayer(cfg, ctx, tensor_size=tensor_size, rngs=rngs)
                                 for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, "embed")
         if not cfg.tie_word_embeddings:
             self.lm_head = ColumnParallel(cfg.emb_dim, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False,
                                           std=cfg.init_std, rngs=rngs)
+            if cfg.padded_vocab_size > cfg.vocab_size:  # zero columns, masked in `logits`
+                pad = ((0, 0), (0, cfg.padded_vocab_size - cfg.vocab_size))
+                self.lm_head.kernel = nnx.Param(jnp.pad(self.lm_head.kernel[...], pad), axes=("embed", "vocab"))
 
     def embed(self, ids: jax.Array) -> jax.Array:  # int32 [B, T] -> [B, T(/tp with SP), D]
         if ids.shape[1] > self.cfg.block_size:
@@ -290,7 +303,7 @@ class Qwen(nnx.Module):
         h = self.ctx.enter(self.norm(x))
         if self.cfg.tie_word_embeddings:
             return self.embed_tokens.attend(h)
-        return self.lm_head(h)
+        return mask_vocab_padding(self.lm_head(h), self.cfg.vocab_size, self.ctx)
 
     def head_loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
         """Mean cross-entropy of the final hidden states x [B, T(/tp), D] against targets [B, T]."""

@@ -66,9 +66,14 @@ class VocabParallelEmbed(nnx.Module):
     `attend`: h [B, T, D] (already through `ctx.enter`) -> local logits [B, T, V / tp].
     """
 
-    def __init__(self, vocab_size: int, features: int, *, ctx: ParallelContext, std: float, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, features: int, *, ctx: ParallelContext, std: float, rngs: nnx.Rngs,
+                 padded_size: int | None = None):
         self.ctx = ctx
-        self.embedding = nnx.Param(_normal(rngs, (vocab_size, features), std), axes=("vocab", "embed"))
+        self.vocab_size = vocab_size  # real rows; rows [vocab_size, padded_size) are padding (zeros, masked)
+        table = _normal(rngs, (vocab_size, features), std)  # same real rows whatever the padding
+        if padded_size is not None and padded_size > vocab_size:
+            table = jnp.pad(table, ((0, padded_size - vocab_size), (0, 0)))
+        self.embedding = nnx.Param(table, axes=("vocab", "embed"))
 
     def __call__(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
         table = self.embedding[...]
@@ -80,7 +85,20 @@ class VocabParallelEmbed(nnx.Module):
         return self.ctx.exit(jnp.where(inside[..., None], x, 0))
 
     def attend(self, h: jax.Array) -> jax.Array:
-        return jnp.einsum("btd,vd->btv", h, self.embedding[...].astype(h.dtype))
+        logits = jnp.einsum("btd,vd->btv", h, self.embedding[...].astype(h.dtype))
+        return mask_vocab_padding(logits, self.vocab_size, self.ctx)
+
+
+def mask_vocab_padding(logits: jax.Array, vocab_size: int, ctx: ParallelContext) -> jax.Array:
+    """Local logits [..., V_pad / tp] with the padded vocabulary columns (global id >= vocab_size)
+    set to the dtype's lowest value, so they get no probability in the softmax / cross-entropy
+    (Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × tp).
+    No-op (same array) when the table is not padded."""
+    v_local = logits.shape[-1]
+    if v_local * ctx.tp_size <= vocab_size:
+        return logits
+    ids = ctx.tp_rank() * v_local + jnp.arange(v_local)
+    return jnp.where(ids < vocab_size, logits, jnp.finfo(logits.dtype).min)
 
 
 def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, ctx: ParallelContext) -> jax.Array:

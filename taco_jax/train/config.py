@@ -146,6 +146,9 @@ class TrainConfig:
     seed: int = 0  # init and data order (same for every --comm)
     eval_every: int = 50  # steps between validation evaluations (and at the last step)
     eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
+    init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
+    export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
+    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
     allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
     log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
     capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
@@ -162,6 +165,8 @@ class TrainConfig:
         for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
         if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
@@ -223,4 +228,11 @@ class TrainConfig:
 
     @property
     def model_config(self) -> GPTConfig:
-        return get_config(self.model, vocab_size=self.vocab_size)  # vocabulary = our tokenizer's
+        """The model: `--init-from`'s config.json, else the preset with our tokenizer's vocabulary; its
+        vocabulary padded to a multiple of make_vocab_size_divisible_by × tensor size (Megatron)."""
+        multiple = self.make_vocab_size_divisible_by * self.mesh_axes.get("tensor", 1)
+        if self.init_from:
+            from taco_jax.models.hf import config_from_hf
+
+            return config_from_hf(self.init_from, vocab_multiple=multiple)
+        return get_config(self.model, vocab_size=self.vocab_size, vocab_multiple=multiple)

@@ -24,6 +24,8 @@ from taco_jax.codec import raise_if_nonfinite
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.data import batch_iterator, eval_batches, load_shakespeare
+from taco_jax.models import count_params
+from taco_jax.models.hf import read_config, save_hf
 from taco_jax.parallel.mesh import MESH_AXES, STAGE
 from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture, jsonio
@@ -90,8 +92,9 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     print(f"[taco-jax] {cfg.model} on mesh {cfg.mesh}: {describe_policy(policy)}", file=sys.stderr, flush=True)
     jsonio.write(out / "config.json", cfg.to_dict())
     ds = dataset or load_shakespeare(cfg.vocab_size)
-    if ds.vocab_size > cfg.vocab_size:
-        raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds vocab_size={cfg.vocab_size}")
+    if ds.vocab_size > min(cfg.vocab_size, cfg.model_config.vocab_size):
+        raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds the model's vocab_size="
+                         f"{min(cfg.vocab_size, cfg.model_config.vocab_size)}")
     params, opt_state = trainer.init()  # identical initial parameters for every --comm (same seed)
     batches = batch_iterator(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     val = [shard_batch(trainer, x, y) for x, y in
@@ -150,6 +153,9 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 x, y = shard_batch(trainer, *next(batches))
     wall = time.perf_counter() - t_start
     captured = recorder.close() if recorder else None
+    if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py)
+        save_hf(cfg.export_hf, cfg.model_config, trainer.staged.unstack_layers(params) if trainer.staged else params,
+                base_config=read_config(cfg.init_from) if cfg.init_from else None)
 
     backends = sorted({getattr(policy, s).backend for s in SITES if getattr(policy, s).kind == "taco"})
     summary = {
@@ -158,6 +164,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         "compressed_axes": compressed_axes(policy),
         "policy": policy.to_dict(),
         "model": cfg.model,
+        "n_params": count_params(cfg.model_config),  # without vocabulary padding (published counts)
+        "init_from": cfg.init_from or None,
         "mesh": cfg.mesh,
         "steps": cfg.steps,
         "final_train_loss": float(np.mean([r["loss"] for r in history[-10:]])),

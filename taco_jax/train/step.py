@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax.collectives import CommPolicy
 from taco_jax.collectives.dp import sync_gradients, vary
-from taco_jax.models import make_model
+from taco_jax.models import decays, make_model
 from taco_jax.parallel import ParallelContext, param_specs
 from taco_jax.parallel import pipeline as pp
 from taco_jax.parallel.mesh import make_mesh
@@ -52,7 +52,16 @@ class Trainer:
     policy: CommPolicy | None = None  # cfg.policy with concrete backends (what the step runs)
 
     def init(self):
-        """Initial (params, opt_state), sharded over the mesh; same values for any --comm and mesh."""
+        """Initial (params, opt_state), sharded over the mesh; same values for any --comm and mesh.
+
+        With `cfg.init_from` the parameters are read from that HF checkpoint straight into the mesh
+        sharding (`models.hf.load_params`); otherwise initialised from `cfg.seed`."""
+        if self.cfg.init_from:
+            from taco_jax.models.hf import load_params
+
+            params = load_params(self.cfg.init_from, self.cfg.model_config, shardings=self.shardings,
+                                 stacked_key=self.staged.layer_key if self.staged else None)
+            return params, jax.jit(self.tx.init)(params)
         model = make_model(self.cfg.model_config, rngs=nnx.Rngs(self.cfg.seed))
         params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
         if self.staged is not None:
@@ -70,18 +79,45 @@ class Trainer:
         return self.train_step.lower(params, opt_state, inputs, targets).compile().as_text()
 
 
-def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
-    """AdamW (β2 = 0.95) with linear warmup + cosine decay and global-norm clipping (nanoGPT recipe).
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Learning rate of the update with optax step count c = 0, 1, ... (training step k = c + 1).
 
-    decay_mask: pytree of bools (weight decay on matrices only); default: leaves with ndim >= 2.
+    Linear warmup lr · k / W for k = 1..W (step 1 already moves the parameters; the peak first
+    applies at step W), then cosine decay from lr at step W to exactly lr · min_lr_ratio at the
+    last step (`cfg.steps`). With W = 0 the first step runs at the peak. Source: nanoGPT
+    `get_lr` / GPT-NeoX, which index the schedule by the step being taken (the off-by-one of
+    `optax.warmup_cosine_decay_schedule(0, ...)`, whose step 1 runs at lr 0).
     """
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
+    peak, floor, w, n = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup, cfg.steps
+    start = max(w, 1)  # the step the cosine starts at (the peak)
+
+    def schedule(count):
+        k = jnp.asarray(count, jnp.float32) + 1.0
+        warm = peak * k / max(w, 1)
+        progress = jnp.clip((k - start) / max(n - start, 1), 0.0, 1.0)
+        cosine = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(k <= w, warm, cosine)
+
+    return schedule
+
+
+def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
+    """AdamW (β2 = 0.95) with linear warmup + cosine decay (`lr_schedule`) and global-norm clipping (nanoGPT recipe).
+
+    decay_mask: pytree of bools, or a function params -> pytree of bools; default: by role
+    (`taco_jax.models.decays`: kernels and embeddings decayed, biases and norm scales never).
+    """
     if decay_mask is None:
-        decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+        decay_mask = role_decay_mask
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.adamw(lr_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
     )
+
+
+def role_decay_mask(params):
+    """Pytree of bools like `params` (pure dict, model or pipeline layout): True where weight decay applies."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -194,8 +230,9 @@ def _mean_over(x, axis):
 
 
 def _decay_mask(abstract_state, staged):
-    """Weight decay on matrices (ndim >= 2 in the model's own layout, whatever the stacking)."""
-    mask = nnx.to_pure_dict(jax.tree.map(lambda v: v.ndim >= 2, abstract_state))
+    """Weight-decay mask by role (`role_decay_mask`) of the model's parameters, in the layout the
+    trainer holds them (pipeline layout when `staged`: the stacked layers keep their names)."""
+    mask = role_decay_mask(nnx.to_pure_dict(abstract_state))
     if staged is not None:
         mask = {**mask, staged.layer_key: mask[staged.layer_key][0]}
     return mask

@@ -1,0 +1,410 @@
+"""Hugging Face `transformers` checkpoint interchange (safetensors): GPT-2, Qwen2.5, Qwen3.
+
+`load_hf(dir)` reads a local checkpoint directory (`config.json` + `model.safetensors`, or shards
+listed by `model.safetensors.index.json`) into this package's model; `save_hf(dir, cfg, params)`
+writes one that `transformers.AutoModelForCausalLM.from_pretrained(dir)` loads. Nothing is
+downloaded.
+
+Layouts (HF -> taco_jax, global shapes; D hidden, H / K query / KV heads, hd head size, F MLP):
+- GPT-2 (`GPT2LMHeadModel`, `Conv1D` stores [in, out]): `c_attn.weight` [D, 3D] -> qkv kernel
+  [D, 3, H, hd] (q, k, v blocks, heads contiguous); `c_attn.bias` [3D] -> [3, H, hd];
+  `attn.c_proj.weight` [D, D] -> [H, hd, D]; `mlp.c_fc` / `mlp.c_proj` as stored; LayerNorm
+  weight/bias -> scale/bias; `wte` / `wpe` as stored; `lm_head` tied to `wte` (not stored).
+- Qwen2 / Qwen3 (`nn.Linear` stores [out, in]): q/k/v `weight` [N·hd, D] -> kernel [D, N, hd]
+  (transposed), bias [N·hd] -> [N, hd]; `o_proj.weight` [D, H·hd] -> [H, hd, D];
+  gate/up [F, D] -> [D, F]; down [D, F] -> [F, D]; RMSNorm (and Qwen3's q_norm / k_norm)
+  weight -> scale; `lm_head.weight` [V, D] -> kernel [D, V] when untied.
+- Vocabulary padding (`vocab_multiple`, Megatron's make_vocab_size_divisible_by × tp): padded
+  rows are zeros on import and dropped on export.
+
+Sources: `transformers` `models/gpt2/modeling_gpt2.py`, `models/qwen2/modeling_qwen2.py`,
+`models/qwen3/modeling_qwen3.py`; safetensors format (8-byte little-endian header length, JSON
+header of dtype / shape / data_offsets, raw little-endian data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from taco_jax.models.gpt2 import GPTConfig
+from taco_jax.models.qwen import QwenConfig
+
+#: HF `architectures[0]` -> family handled here.
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+
+# GPT-2 checkpoints of older transformers versions store the causal-mask buffers; they are not parameters.
+_GPT2_BUFFERS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+
+
+# --------------------------------------------------------------------------------------
+# config.json <-> model config
+# --------------------------------------------------------------------------------------
+
+
+def read_config(path) -> dict:
+    """The `config.json` of an HF checkpoint directory. Raises ValueError if it is missing or unreadable."""
+    f = pathlib.Path(path) / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{path!s} is not a Hugging Face checkpoint directory: no config.json")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON: {e}") from e
+
+
+def architecture(hf: dict) -> str:
+    """'gpt2' | 'qwen2' | 'qwen3' for an HF config dict. Raises ValueError naming an unknown architecture."""
+    archs = hf.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    raise ValueError(f"architectures={archs} (model_type={hf.get('model_type')!r}) is not supported; "
+                     f"known: {sorted(ARCHITECTURES)}")
+
+
+def _require(hf: dict, key: str, want, default=None):
+    got = hf.get(key, default)
+    if got != want:
+        raise ValueError(f"config.json {key}={got!r} is not supported (taco_jax implements {key}={want!r})")
+
+
+def _rope_theta(hf: dict) -> float:
+    rp = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = rp.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        raise ValueError(f"config.json rope_type={kind!r} is not supported (only the default RoPE)")
+    return float(rp.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+
+
+def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GPTConfig | QwenConfig:
+    """Model config of an HF checkpoint (a directory, or its `config.json` as a dict).
+
+    vocab_multiple: pad the vocabulary rows to a multiple of this (see `GPTConfig.vocab_multiple`).
+    Raises ValueError for an unknown architecture or a setting taco_jax does not implement
+    (naming the config key and its value).
+    """
+    if not isinstance(hf, dict):
+        hf = read_config(hf)
+    arch = architecture(hf)
+    if arch == "gpt2":
+        _require(hf, "activation_function", "gelu_new")
+        _require(hf, "layer_norm_epsilon", 1e-5)
+        _require(hf, "scale_attn_weights", True, True)
+        _require(hf, "scale_attn_by_inverse_layer_idx", False, False)
+        _require(hf, "tie_word_embeddings", True, True)
+        d = hf["n_embd"]
+        inner = hf.get("n_inner") or 4 * d
+        if inner % d:
+            raise ValueError(f"config.json n_inner={inner} is not a multiple of n_embd={d}")
+        return GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+                         n_head=hf["n_head"], n_embd=d, mlp_ratio=inner // d,
+                         init_std=hf.get("initializer_range", 0.02), dtype=dtype, vocab_multiple=vocab_multiple)
+    _require(hf, "hidden_act", "silu")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=True is not supported (full causal attention only)")
+    if arch == "qwen3" and hf.get("attention_bias"):
+        raise ValueError("config.json attention_bias=True is not supported for Qwen3 (no o_proj bias here)")
+    heads = hf["num_attention_heads"]
+    return QwenConfig(
+        vocab_size=hf["vocab_size"], emb_dim=hf["hidden_size"], mlp_dim=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rope_theta=_rope_theta(hf),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        tie_word_embeddings=hf.get("tie_word_embeddings", False), block_size=hf["max_position_embeddings"],
+        init_std=hf.get("initializer_range", 0.02), dtype=dtype, vocab_multiple=vocab_multiple)
+
+
+def hf_config(cfg: GPTConfig | QwenConfig) -> dict:
+    """The `config.json` dict `transformers` builds this model from (float32, eager attention)."""
+    if isinstance(cfg, GPTConfig):
+        return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size,
+                    n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                    n_inner=cfg.mlp_ratio * cfg.n_embd, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                    initializer_range=cfg.init_std, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                    scale_attn_weights=True, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                    dtype="float32")
+    qwen3 = cfg.qk_norm
+    if qwen3 == cfg.qkv_bias or (not qwen3 and cfg.head_dim * cfg.num_heads != cfg.emb_dim):
+        raise ValueError(f"QwenConfig(qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, head_dim={cfg.head_dim}) is "
+                         f"neither a Qwen2 (bias, no QK-norm, head_dim = D/H) nor a Qwen3 (QK-norm, no bias) model")
+    return dict(architectures=["Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM"],
+                model_type="qwen3" if qwen3 else "qwen2", vocab_size=cfg.vocab_size, hidden_size=cfg.emb_dim,
+                intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+                max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, rope_theta=cfg.rope_theta,
+                tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, use_sliding_window=False,
+                initializer_range=cfg.init_std, attention_dropout=0.0, dtype="float32")
+
+
+# --------------------------------------------------------------------------------------
+# parameter map
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One parameter: HF tensor `name` of shape `hf_shape` <-> model pure-dict `path` of `shape`.
+
+    model = pad((hf.T if transpose else hf).reshape(unpadded shape)) along `vocab_axis`.
+    """
+
+    name: str
+    hf_shape: tuple[int, ...]
+    path: tuple
+    shape: tuple[int, ...]  # model shape, padded
+    transpose: bool = False
+    vocab_axis: int | None = None
+    vocab_size: int = 0
+
+    def to_model(self, a: np.ndarray) -> np.ndarray:
+        a = a.T if self.transpose else a
+        if self.vocab_axis is None:
+            return a.reshape(self.shape)
+        unpadded = list(self.shape)
+        unpadded[self.vocab_axis] = self.vocab_size
+        a = a.reshape(unpadded)
+        pad = [(0, 0)] * a.ndim
+        pad[self.vocab_axis] = (0, self.shape[self.vocab_axis] - self.vocab_size)
+        return np.pad(a, pad)
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        if self.vocab_axis is not None:
+            a = np.take(a, np.arange(self.vocab_size), axis=self.vocab_axis)
+        if self.transpose:
+            return a.reshape(self.hf_shape[::-1]).T
+        return a.reshape(self.hf_shape)
+
+
+def param_map(cfg: GPTConfig | QwenConfig) -> list[Entry]:
+    """Every parameter of `cfg`'s model with its HF tensor name (no prefix-free variants) and layout."""
+    e = []
+    if isinstance(cfg, GPTConfig):
+        d, h, hd, f, v = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.mlp_ratio * cfg.n_embd, cfg.vocab_size
+        pv = cfg.padded_vocab_size
+        e.append(Entry("transformer.wte.weight", (v, d), ("wte", "embedding"), (pv, d), vocab_axis=0, vocab_size=v))
+        e.append(Entry("transformer.wpe.weight", (cfg.block_size, d), ("wpe",), (cfg.block_size, d)))
+        for i in range(cfg.n_layer):
+            p, n = ("h", i), f"transformer.h.{i}."
+            for ln in ("ln_1", "ln_2"):
+                e.append(Entry(n + ln + ".weight", (d,), (*p, ln, "scale"), (d,)))
+                e.append(Entry(n + ln + ".bias", (d,), (*p, ln, "bias"), (d,)))
+            e += [Entry(n + "attn.c_attn.weight", (d, 3 * d), (*p, "attn", "qkv", "kernel"), (d, 3, h, hd)),
+                  Entry(n + "attn.c_attn.bias", (3 * d,), (*p, "attn", "qkv", "bias"), (3, h, hd)),
+                  Entry(n + "attn.c_proj.weight", (d, d), (*p, "attn", "proj", "kernel"), (h, hd, d)),
+                  Entry(n + "attn.c_proj.bias", (d,), (*p, "attn", "proj", "bias"), (d,)),
+                  Entry(n + "mlp.c_fc.weight", (d, f), (*p, "mlp", "fc", "kernel"), (d, f)),
+                  Entry(n + "mlp.c_fc.bias", (f,), (*p, "mlp", "fc", "bias"), (f,)),
+                  Entry(n + "mlp.c_proj.weight", (f, d), (*p, "mlp", "proj", "kernel"), (f, d)),
+                  Entry(n + "mlp.c_proj.bias", (d,), (*p, "mlp", "proj", "bias"), (d,))]
+        e.append(Entry("transformer.ln_f.weight", (d,), ("ln_f", "scale"), (d,)))
+        e.append(Entry("transformer.ln_f.bias", (d,), ("ln_f", "bias"), (d,)))
+        return e
+    d, h, k, hd, f, v = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    pv = cfg.padded_vocab_size
+    e.append(Entry("model.embed_tokens.weight", (v, d), ("embed_tokens", "embedding"), (pv, d), vocab_axis=0,
+                   vocab_size=v))
+    for i in range(cfg.num_layers):
+        p, n = ("layers", i), f"model.layers.{i}."
+        a = (*p, "self_attn")
+        e.append(Entry(n + "input_layernorm.weight", (d,), (*p, "input_layernorm", "scale"), (d,)))
+        e.append(Entry(n + "post_attention_layernorm.weight", (d,), (*p, "post_attention_layernorm", "scale"), (d,)))
+        for proj, heads in (("q_proj", h), ("k_proj", k), ("v_proj", k)):
+            e.append(Entry(n + f"self_attn.{proj}.weight", (heads * hd, d), (*a, proj, "kernel"), (d, heads, hd),
+                           transpose=True))
+            if cfg.qkv_bias:
+                e.append(Entry(n + f"self_attn.{proj}.bias", (heads * hd,), (*a, proj, "bias"), (heads, hd)))
+        e.append(Entry(n + "self_attn.o_proj.weight", (d, h * hd), (*a, "o_proj", "kernel"), (h, hd, d),
+                       transpose=True))
+        if cfg.qk_norm:
+            e.append(Entry(n + "self_attn.q_norm.weight", (hd,), (*a, "q_norm", "scale"), (hd,)))
+            e.append(Entry(n + "self_attn.k_norm.weight", (hd,), (*a, "k_norm", "scale"), (hd,)))
+        m = (*p, "mlp")
+        e += [Entry(n + "mlp.gate_proj.weight", (f, d), (*m, "gate_proj", "kernel"), (d, f), transpose=True),
+              Entry(n + "mlp.up_proj.weight", (f, d), (*m, "up_proj", "kernel"), (d, f), transpose=True),
+              Entry(n + "mlp.down_proj.weight", (d, f), (*m, "down_proj", "kernel"), (f, d), transpose=True)]
+    e.append(Entry("model.norm.weight", (d,), ("norm", "scale"), (d,)))
+    if not cfg.tie_word_embeddings:
+        e.append(Entry("lm_head.weight", (v, d), ("lm_head", "kernel"), (d, pv), transpose=True, vocab_axis=1,
+                       vocab_size=v))
+    return e
+
+
+# --------------------------------------------------------------------------------------
+# safetensors files
+# --------------------------------------------------------------------------------------
+
+
+class _Tensors:
+    """The tensors of a checkpoint directory, read lazily (memory-mapped) by name."""
+
+    def __init__(self, path):
+        path = pathlib.Path(path)
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({path / f for f in weight_map.values()})
+        else:
+            files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path!s} holds no *.safetensors file")
+        self.where: dict[str, tuple[pathlib.Path, dict, int]] = {}
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"{file} is listed in model.safetensors.index.json but missing")
+            with open(file, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self.where[name] = (file, info, 8 + n)
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name][1]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        file, info, base = self.where[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {info['dtype']}, not one of {sorted(_DTYPES)}")
+        start, end = info["data_offsets"]
+        dt = np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")
+        a = np.memmap(file, dtype=dt, mode="r", offset=base + start, shape=(end - start) // dt.itemsize)
+        return a.reshape(info["shape"])
+
+
+def _resolve_names(cfg, tensors: _Tensors) -> dict[str, str]:
+    """Map expected names (`param_map`) to the names stored: GPT-2 checkpoints may lack the `transformer.` prefix."""
+    stored = tensors.names()
+    if isinstance(cfg, GPTConfig) and "transformer.wte.weight" not in stored and "wte.weight" in stored:
+        return {e.name: e.name.removeprefix("transformer.") for e in param_map(cfg)}
+    return {e.name: e.name for e in param_map(cfg)}
+
+
+def _check_names(cfg, tensors: _Tensors, names: dict[str, str]) -> None:
+    stored = tensors.names()
+    missing = sorted(n for n in names.values() if n not in stored)
+    tied = {"lm_head.weight"} if isinstance(cfg, GPTConfig) or cfg.tie_word_embeddings else set()
+    extra = sorted(n for n in stored - set(names.values()) - tied
+                   if not (isinstance(cfg, GPTConfig) and _GPT2_BUFFERS.match(n.removeprefix("transformer."))))
+    if missing or extra:
+        raise ValueError(f"checkpoint tensors do not match the {type(cfg).__name__} model: missing {missing[:8]}"
+                         f"{' …' if len(missing) > 8 else ''} ({len(missing)}), unexpected {extra[:8]}"
+                         f"{' …' if len(extra) > 8 else ''} ({len(extra)})")
+    for e in param_map(cfg):
+        got = tensors.shape(names[e.name])
+        if got != e.hf_shape:
+            raise ValueError(f"tensor {names[e.name]!r} has shape {got}, expected {e.hf_shape} for this config")
+    for n in tied & stored:  # a stored tied head must be the embedding, else it would be silently dropped
+        emb = names["transformer.wte.weight" if isinstance(cfg, GPTConfig) else "model.embed_tokens.weight"]
+        if tensors.shape(n) != tensors.shape(emb) or not np.array_equal(tensors.get(n), tensors.get(emb)):
+            raise ValueError(f"tensor {n!r} differs from {emb!r} but tie_word_embeddings is set: the checkpoint "
+                             f"has an untied LM head")
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+# --------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------
+
+
+def load_params(path, cfg: GPTConfig | QwenConfig, *, shardings=None, stacked_key: str | None = None) -> dict:
+    """The parameters stored in HF checkpoint `path`, as the model's pure dict (float32).
+
+    cfg: the model config (`config_from_hf(path, ...)`; its `vocab_multiple` sets the padding).
+    shardings: optional pytree of `jax.sharding.Sharding` matching the result; each array is then
+      built with `jax.make_array_from_callback`, every device receiving only its shard (the host
+      holds one tensor — or one stacked layer parameter — at a time, memory-mapped).
+    stacked_key: return the pipeline layout (`parallel.pipeline.StagedModel`): params[stacked_key]
+      is one per-layer tree whose leaves are stacked along a new leading axis.
+    Returns: numpy arrays (no shardings) or `jax.Array`s.
+    Raises ValueError for missing or unexpected tensors, a shape mismatch (naming the tensor and
+    both shapes), an unsupported dtype, or a stored tied LM head that differs from the embedding.
+    """
+    import jax
+
+    tensors = _Tensors(path)
+    names = _resolve_names(cfg, tensors)
+    _check_names(cfg, tensors, names)
+    host: dict = {}
+    for e in param_map(cfg):
+        _set(host, e.path, e)
+    if stacked_key is not None:
+        layers = host[stacked_key]
+        host[stacked_key] = jax.tree.map(lambda *es: es, *[layers[i] for i in range(len(layers))],
+                                         is_leaf=lambda x: isinstance(x, Entry))
+
+    def build(entries, sharding=None):
+        def value():
+            if isinstance(entries, Entry):
+                return entries.to_model(np.asarray(tensors.get(names[entries.name]), np.float32))
+            return np.stack([e.to_model(np.asarray(tensors.get(names[e.name]), np.float32)) for e in entries])
+
+        a = value()
+        if sharding is None:
+            return a
+        return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+    is_leaf = lambda x: isinstance(x, (Entry, tuple))  # noqa: E731
+    if shardings is None:
+        return jax.tree.map(build, host, is_leaf=is_leaf)
+    return jax.tree.map(build, host, shardings, is_leaf=is_leaf)
+
+
+def load_hf(path, *, vocab_multiple: int = 1, dtype: str = "float32", shardings=None,
+            stacked_key: str | None = None):
+    """(model config, parameters) of the HF checkpoint directory `path` (see `config_from_hf`, `load_params`)."""
+    cfg = config_from_hf(path, vocab_multiple=vocab_multiple, dtype=dtype)
+    return cfg, load_params(path, cfg, shardings=shardings, stacked_key=stacked_key)
+
+
+def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict, *, base_config: dict | None = None) -> pathlib.Path:
+    """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`.
+
+    params: the model's pure dict (model layout; `StagedModel.unstack_layers` first for the
+    pipeline layout), numpy or (sharded) jax arrays — each is gathered to the host in turn.
+    base_config: a source `config.json` dict (e.g. of the `--init-from` checkpoint) whose other keys
+      (token ids, generation settings) are kept; the architecture keys come from `cfg`.
+    `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
+    Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
+    """
+    from safetensors.numpy import save_file
+
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for e in param_map(cfg):
+        node = params
+        try:
+            for k in e.path:
+                node = node[k]
+        except (KeyError, IndexError, TypeError) as err:
+            raise ValueError(f"parameter {'/'.join(map(str, e.path))} is missing (for {e.name!r})") from err
+        a = np.asarray(node, np.float32)
+        if a.shape != e.shape:
+            raise ValueError(f"parameter {'/'.join(map(str, e.path))} has shape {a.shape}, expected {e.shape}")
+        tensors[e.name] = np.ascontiguousarray(e.to_hf(a))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    keep = {k: v for k, v in (base_config or {}).items()
+            if k not in ("rope_scaling", "torch_dtype", "quantization_config")}
+    merged = {**keep, **hf_config(cfg)}
+    merged.update({k: keep[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in keep})
+    (out / "config.json").write_text(json.dumps(merged, indent=2))
+    return out
