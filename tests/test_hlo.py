@@ -30,3 +30,33 @@ LINES = {
 def test_parse(mesh, name, axis, op, nbytes):
     (row,) = collective_bytes(LINES[name], mesh)["detail"]
     assert (row["axis"], row["op"], row["bytes"]) == (axis, op, int(nbytes))
+
+
+def test_named_scopes_name_taco_work_in_the_compiled_hlo():
+    """Each compressed collective runs under `taco_<collective>`, its codec under `taco_encode` /
+    `taco_decode` (op_name metadata: what a profile or an HLO dump shows)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from taco_jax.codec import TACO
+    from taco_jax.collectives import compressed
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tensor",))
+
+    def body(x):
+        y = compressed.psum(x, "tensor", codec=TACO)
+        g = compressed.all_gather(x, "tensor", codec=TACO, tiled=True)
+        s = compressed.psum_scatter(g, "tensor", codec=TACO)
+        r = compressed.ppermute(2 * x, "tensor", [(i, (i + 1) % 4) for i in range(4)], codec=TACO)
+        return y, s + r  # (2 * x: else XLA shares the all-gather's encode of x)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=(P(), P("tensor"))))
+    names = set(re.findall(r'op_name="([^"]*)"', f.lower(jnp.ones((32, 256))).compile().as_text()))
+    for scope in ("taco_psum", "taco_all_gather", "taco_psum_scatter", "taco_ppermute"):
+        assert any(f"/{scope}/taco_encode/" in n for n in names), scope
+        assert any(f"/{scope}/taco_decode/" in n for n in names), scope
