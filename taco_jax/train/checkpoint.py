@@ -46,6 +46,19 @@ def _fingerprints(tree):
     return jax.tree.map(lambda a: jnp.sum(jnp.abs(a.astype(jnp.float32))), tree)
 
 
+def _mesh_shardings(tree):
+    """Shardings of `tree`'s leaves, a leaf that is not on the mesh (e.g. the optimizer's step count,
+    a constant of `tx.init`, lives on one device) given the mesh's replicated sharding."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    leaves = jax.tree.leaves(tree)
+    mesh = next((a.sharding.mesh for a in leaves if isinstance(a.sharding, NamedSharding)), None)
+    if mesh is None:
+        return jax.tree.map(lambda a: a.sharding, tree)
+    return jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding)
+                        else NamedSharding(mesh, PartitionSpec()), tree)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed here (another model or vocabulary, corrupt, truncated)."""
 
@@ -74,6 +87,7 @@ class Checkpoints:
         `wait`, when the checkpoint is complete. Every process must call it with the same step."""
         ocp = _ocp()
         state = {"params": params, "opt_state": opt_state}
+        state = jax.device_put(state, _mesh_shardings(state))  # one mesh for every leaf (a no-op after a step)
         fp = {k: float(v) for k, v in _paths(jax.device_get(_fingerprints(state))).items()}
         shapes = {k: [list(v.shape), str(v.dtype)] for k, v in _paths(state).items()}
         meta = {"format": FORMAT, "step": step, "processes": jax.process_count(), "shapes": shapes,
@@ -128,7 +142,8 @@ class Checkpoints:
         if diff:
             raise CheckpointError(f"checkpoint {where} does not match this run's parameters / optimizer state "
                                   f"({len(diff)} differ; e.g. {'; '.join(diff[:3])})")
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                              _mesh_shardings(state))
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
             jax.block_until_ready(out)
