@@ -45,18 +45,19 @@ def start(cmd, cache_dir, log_path, **extra) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for(pred, proc, *, timeout: float, what: str) -> float:
+def wait_for(pred, proc, *, timeout: float, what: str, log=None) -> float:
     """Polls `pred()` every 50 ms until true (returns the time.monotonic() it became true); fails
-    the test when `proc` ended first or `timeout` s passed."""
+    the test (showing the end of the file `log`) when `proc` ended first or `timeout` s passed."""
+    tail = lambda: pathlib.Path(log).read_text()[-3000:] if log else ""  # noqa: E731
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():
             return time.monotonic()
         if proc.poll() is not None:
-            raise AssertionError(f"process ended (status {proc.returncode}) before {what}")
+            raise AssertionError(f"process ended (status {proc.returncode}) before {what}\n{tail()}")
         time.sleep(0.05)
     proc.kill()
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tail()}")
 
 
 def metrics(out) -> list[dict]:

@@ -165,7 +165,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, cache, uninterrupted):
     out, log = tmp_path / "run", tmp_path / "log"
     p = start(cli(*ARGS, "--out", out), cache, log)
     wait_for(lambda: (out / "checkpoints" / "2").is_dir() and "step 3/6" in log.read_text(), p,
-             timeout=400, what="checkpoint 2 and step 3")
+             timeout=400, what="checkpoint 2 and step 3", log=log)
     os.killpg(p.pid, signal.SIGKILL)
     assert p.wait(timeout=30) == -signal.SIGKILL
     summary = _resume(out, cache)
@@ -176,7 +176,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, cache, uninterrupted):
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, cache, uninterrupted):
     out, log = tmp_path / "run", tmp_path / "log"
     p = start(cli(*ARGS, "--out", out, "--checkpoint-every", "0"), cache, log)
-    wait_for(lambda: "step 2/6" in log.read_text(), p, timeout=400, what="step 2")
+    wait_for(lambda: "step 2/6" in log.read_text(), p, timeout=400, what="step 2", log=log)
     os.killpg(p.pid, signal.SIGTERM)
     assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
     text = log.read_text()

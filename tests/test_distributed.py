@@ -130,34 +130,36 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, comm):
 
 def test_two_processes_vs_in_process_collectives(tmp_path, cache):
     """Known answer from another implementation: a plain one-process run (XLA's in-process CPU
-    all-reduce, no gloo) gives the same step-1 loss bit for bit and later losses within 1e-5
-    relative (gloo's ring all-reduce sums in another order; the gradient norm differs first)."""
-    args = ["train", *TINY, "--steps", "3", "--comm", "taco", "--no-progress"]
+    all-reduce, no gloo) gives per-step losses within 1e-5 relative: gloo's ring all-reduce adds the
+    partial sums in another order, so they differ from step 1 in the last bits (~6e-8 relative).
+    Exact communication (--comm none): with a codec the FP8 rounding of messages that differ in
+    their last bits amplifies the difference (~2e-5 relative at step 3 with taco)."""
+    args = ["train", *TINY, "--steps", "3", "--comm", "none", "--no-progress"]
     p2 = start(cli(*args, "--out", tmp_path / "p2", processes=2), cache, tmp_path / "p2.log")
     ref = run(cli(*args, "--out", tmp_path / "ref"), cache)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert p2.wait(timeout=420) == 0, (tmp_path / "p2.log").read_text()[-3000:]
     a, b = losses(tmp_path / "ref"), losses(tmp_path / "p2")
-    assert a[0][1] == b[0][1]
+    assert [r[0] for r in a] == [r[0] for r in b] == [1, 2, 3]
     for (_, la, ga), (_, lb, gb) in zip(a, b):
-        assert abs(la - lb) <= 1e-5 * abs(la) and abs(ga - gb) <= 1e-4 * abs(ga)
+        assert abs(la - lb) <= 1e-5 * abs(la) and abs(ga - gb) <= 1e-4 * abs(ga), (a, b)
 
 
 def test_watchdog_names_the_late_process(tmp_path, cache):
     """Process 1 stalls before step 2: the run ends with an error naming step 2 and process 1 within
     --step-timeout + 10 s, and the launcher fails as a whole."""
-    timeout = 5
+    timeout = 10
     log = tmp_path / "log"
     args = ["train", *TINY, "--steps", "4", "--step-timeout", timeout, "--out", tmp_path / "run"]
     p = start(cli(*args, processes=2), cache, log, TACO_JAX_TEST_STALL="1:2:600")
-    t_step1 = wait_for(lambda: "step 1/4" in log.read_text(), p, timeout=400, what="step 1")
+    t_step1 = wait_for(lambda: "step 1/4" in log.read_text(), p, timeout=400, what="step 1", log=log)
     t_err = wait_for(lambda: "did not finish within --step-timeout" in log.read_text(), p,
-                     timeout=timeout + 60, what="the watchdog's error")
+                     timeout=timeout + 60, what="the watchdog's error", log=log)
     assert t_err - t_step1 <= timeout + 10, t_err - t_step1
     assert p.wait(timeout=60) == 1
     text = log.read_text()
     err = next(line for line in text.splitlines() if "did not finish" in line)
-    assert "step 2 did not finish within --step-timeout 5 s" in err
+    assert "step 2 did not finish within --step-timeout 10 s" in err
     assert re.search(r"did not arrive at step 2: process 1 \(last started step 1\)", err), err
     assert "stopping the others" in text
     assert len(metrics(tmp_path / "run")) == 1  # step 1 logged, nothing after

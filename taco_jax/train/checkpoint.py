@@ -117,16 +117,11 @@ class Checkpoints:
                                   f"{meta.get('format') if isinstance(meta, dict) else meta!r}, expected {FORMAT}")
         return meta
 
-    def restore(self, step: int, config: dict, params, opt_state) -> tuple:
-        """Checkpoint `step` placed like `params` / `opt_state` (this run's arrays: their shapes,
-        dtypes and shardings, so a checkpoint saved on another mesh is resharded by Orbax).
-
-        config: this run's `TrainConfig.to_dict()`.
-        Returns (params, opt_state, meta, notes): notes name run-config fields that differ from the
-        checkpoint's but do not prevent resuming (e.g. lr). Raises CheckpointError naming what
-        differs (model, vocab_size, a parameter's shape), or a corrupt / truncated checkpoint.
-        """
-        ocp = _ocp()
+    def check(self, step: int, config: dict, params, opt_state) -> dict:
+        """The meta of checkpoint `step` after checking that it can be restored into arrays shaped like
+        `params` / `opt_state` of a run with `config` (`TrainConfig.to_dict()`); reads no array.
+        Raises CheckpointError naming what differs (model, vocab_size, a parameter's shape) or an
+        unreadable meta."""
         where = self.directory / str(step)
         meta = self.read_meta(step)
         saved = meta.get("config", {})
@@ -142,8 +137,27 @@ class Checkpoints:
         if diff:
             raise CheckpointError(f"checkpoint {where} does not match this run's parameters / optimizer state "
                                   f"({len(diff)} differ; e.g. {'; '.join(diff[:3])})")
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                              _mesh_shardings(state))
+        return meta
+
+    def restore(self, step: int, config: dict, params, opt_state, *, shardings=None) -> tuple:
+        """Checkpoint `step` placed like `params` / `opt_state` (this run's arrays: their shapes and
+        dtypes, and their shardings unless `shardings` = (params', opt_state') shardings is given; a
+        checkpoint saved on another mesh is resharded by Orbax).
+
+        config: this run's `TrainConfig.to_dict()`.
+        Returns (params, opt_state, meta, notes): notes name run-config fields that differ from the
+        checkpoint's but do not prevent resuming (e.g. lr). Raises CheckpointError as `check`, or
+        for a corrupt / truncated checkpoint (unreadable arrays, or arrays that differ from the
+        fingerprints saved with them).
+        """
+        ocp = _ocp()
+        where = self.directory / str(step)
+        meta = self.check(step, config, params, opt_state)
+        saved = meta.get("config", {})
+        state = {"params": params, "opt_state": opt_state}
+        shardings = _mesh_shardings(state) if shardings is None else \
+            {"params": shardings[0], "opt_state": shardings[1]}
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
             jax.block_until_ready(out)

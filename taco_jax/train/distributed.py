@@ -187,13 +187,15 @@ class StepWatchdog:
     it: each process records the last step it started in the coordinator's key-value store) to
     stderr and ends the process with `os._exit(exit_status)` (a hung collective cannot be
     interrupted from Python; the launcher or the cluster then stops the other processes).
-    timeout_s <= 0: disabled.
+    The first step a process runs gets `first_factor` × timeout_s (it also opens the collectives'
+    connections, e.g. gloo's TCP mesh, and warms caches). timeout_s <= 0: disabled.
     """
 
-    def __init__(self, timeout_s: float, *, exit_status: int = 1):
+    def __init__(self, timeout_s: float, *, exit_status: int = 1, first_factor: float = 10.0):
         import jax
 
-        self.timeout_s, self.exit_status = timeout_s, exit_status
+        self.timeout_s, self.exit_status, self.first_factor = timeout_s, exit_status, first_factor
+        self._first = True
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._step, self._since = None, 0.0
         self._cond = threading.Condition()
@@ -205,6 +207,8 @@ class StepWatchdog:
         if self.timeout_s > 0:
             with self._cond:
                 self._step, self._since = step, time.monotonic()
+                self._limit = self.timeout_s * (self.first_factor if self._first else 1.0)
+                self._first = False
                 self._cond.notify()
         if stall:  # test hook: "PROCESS:STEP:SECONDS"
             proc, at, secs = stall.split(":")
@@ -227,13 +231,13 @@ class StepWatchdog:
                 if self._step is None:
                     self._cond.wait()
                     continue
-                left = self._since + self.timeout_s - time.monotonic()
+                left = self._since + self._limit - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)
                     continue
                 step = self._step
                 break
-        msg = f"step {step} did not finish within --step-timeout {self.timeout_s:g} s"
+        msg = f"step {step} did not finish within --step-timeout {self._limit:g} s"
         if self.processes > 1:
             msg += f" (process {self.process} of {self.processes}; {self.missing(step)})"
         print(f"taco-jax: error: {msg}; the run stopped", file=sys.stderr, flush=True)

@@ -128,9 +128,24 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     params, opt_state = trainer.init()  # identical initial parameters for every --comm (same seed)
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in ("data",) if a in trainer.mesh.axis_names)))
     batches = dist.TrainBatches(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # = batch_iterator's stream
+    resume_from = saved[-1] if cfg.resume and saved else None  # the latest complete checkpoint
+    if resume_from is not None:
+        ckpt.check(resume_from, cfg.to_dict(), params, opt_state)  # CheckpointError naming what differs
+
+    # 2. compile once (from the initial arrays: a resumed run runs the same program) and read the
+    #    collectives' wire bytes off the optimized HLO
+    recorder = capture.Recorder.start(cfg, out, trainer) if cfg.capture else None  # train --capture N
+    checked = any(getattr(policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
+    t0 = time.perf_counter()
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)
+    train_step = trainer.train_step.lower(params, opt_state, batch, batch).compile()
+    compile_s = time.perf_counter() - t0
+    wire = collective_bytes(train_step.as_text(), trainer.mesh)
+
     start, history = 0, []
-    if cfg.resume and saved:  # the latest complete checkpoint (unfinished saves are temporary folders)
-        params, opt_state, meta, notes = ckpt.restore(saved[-1], cfg.to_dict(), params, opt_state)
+    if resume_from is not None:  # placed as the compiled step returns them (its steady-state layout)
+        params, opt_state, meta, notes = ckpt.restore(resume_from, cfg.to_dict(), params, opt_state,
+                                                      shardings=train_step.output_shardings[:2])
         batches.restore(meta["data"])
         start = meta["step"]
         history = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] <= start] \
@@ -143,15 +158,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     val = [dist.global_arrays(batch_sharding, x, y) for x, y in
            eval_batches(ds.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]
     stop = _Preemption()
-
-    # 2. compile once and read the collectives' wire bytes off the optimized HLO
     x, y = batches.next(batch_sharding)
-    recorder = capture.Recorder.start(cfg, out, trainer) if cfg.capture else None  # train --capture N
-    checked = any(getattr(policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
-    t0 = time.perf_counter()
-    train_step = trainer.train_step.lower(params, opt_state, x, y).compile()
-    compile_s = time.perf_counter() - t0
-    wire = collective_bytes(train_step.as_text(), trainer.mesh)
 
     def evaluate(p):
         return float(np.mean([float(trainer.eval_step(p, vx, vy)) for vx, vy in val]))
