@@ -1,5 +1,6 @@
-"""`taco-jax` command line: `train` (one run), `compare` (exact vs compressed, same seed and data) and
-`calibrate` (a per-site policy from captured messages). Flags and outputs: docs/training.md."""
+"""`taco-jax` command line: `train` (one run), `compare` (exact vs compressed, same seed and data),
+`calibrate` (a per-site policy from captured messages) and `launch` (N local processes of one run;
+docs/distributed.md). Flags and outputs: docs/training.md."""
 
 from __future__ import annotations
 

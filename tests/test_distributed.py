@@ -9,8 +9,10 @@ in-process CPU all-reduce. Same collectives -> the same bits; the default in-pro
 differ in the last bits (a few 1e-6 relative after a step; checked against a bound below).
 """
 
+import json
 import math
 import re
+import signal
 
 import jax
 import numpy as np
@@ -104,14 +106,17 @@ def _summaries(stdout: str) -> int:
     return len(re.findall(r"^\[\d+\] \{$", stdout, flags=re.M))
 
 
-@pytest.mark.parametrize("mesh_spec, comm", [
-    ("data=2,tensor=4", "taco"),  # tensor axis inside each process, data axis across them
-    ("tensor=4,data=2", "none"),  # device order: each tensor group spans both processes
-], ids=["tensor-in-process-taco", "tensor-spans-processes-none"])
-def test_two_processes_match_one(tmp_path, cache, mesh_spec, comm):
+@pytest.mark.parametrize("mesh_spec, extra", [
+    ("data=2,tensor=4", ["--comm", "taco"]),  # tensor axis inside each process, data axis across them
+    pytest.param("tensor=4,data=2", ["--comm", "none"], marks=pytest.mark.slow),  # each tensor group spans both
+    pytest.param("tensor=2,data=4", ["--model", "qwen3-tiny", "--comm", "taco"], marks=pytest.mark.slow),
+    pytest.param("stage=2,tensor=4", ["--microbatches", "2", "--comm", "taco", "--pp-comm", "taco"],
+                 marks=pytest.mark.slow),  # pipeline: stage 0 on process 0, stage 1 on process 1
+], ids=["tensor-in-process-taco", "tensor-spans-processes-none", "qwen3-tensor-spans-taco", "stage-spans-taco"])
+def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
     """2 processes × 4 devices give the 1 process × 8 devices per-step losses and gradient norms bit
     for bit (both on gloo collectives); the files are written once (process 0)."""
-    args = ["train", *TINY, "--steps", "3", "--mesh", mesh_spec, "--comm", comm, "--no-progress"]
+    args = ["train", *TINY, "--steps", "3", "--mesh", mesh_spec, *extra, "--no-progress"]
     procs = {n: start(cli(*args, "--out", tmp_path / f"p{n}", processes=n), cache, tmp_path / f"p{n}.log")
              for n in (1, 2)}
     for n, p in procs.items():
@@ -120,6 +125,7 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, comm):
     assert [r[0] for r in two] == [1, 2, 3]
     assert one == two  # bit-identical
     assert all(math.isfinite(v) and 4 < v < 9 for _, v, _ in two)  # ln(2048) = 7.6 at the start
+    assert two[-1][1] < two[0][1]  # it learns
     log = (tmp_path / "p2.log").read_text()
     assert _summaries(log) == 1, log[-2000:]  # one summary, from process 0
     assert '"processes": 2' in log
@@ -163,3 +169,28 @@ def test_watchdog_names_the_late_process(tmp_path, cache):
     assert re.search(r"did not arrive at step 2: process 1 \(last started step 1\)", err), err
     assert "stopping the others" in text
     assert len(metrics(tmp_path / "run")) == 1  # step 1 logged, nothing after
+
+
+def test_sigterm_to_the_launcher_then_resume_on_another_mesh(tmp_path, cache):
+    """SIGTERM to `launch` (a preemption) reaches both processes; JAX's preemption sync point makes
+    them stop at the same step with one checkpoint (each process writing its shards) and exit 0.
+    Resumed on data=4,tensor=2 (saved on data=2,tensor=4), Orbax reshards and the run continues."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    args = ["train", *TINY, "--steps", "6", "--comm", "none", "--out", out]
+    p = start(cli(*args, processes=2), cache, log)
+    wait_for(lambda: "step 2/6" in log.read_text(), p, timeout=400, what="step 2", log=log)
+    p.send_signal(signal.SIGTERM)  # the launcher forwards it
+    assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    stopped = json.loads((out / "summary.json").read_text())["preempted_at_step"]
+    assert 2 <= stopped < 6
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [str(stopped)]
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in (out / "checkpoints" / str(stopped) /
+                                                                       "state").iterdir()}
+    r = run(cli(*args, "--mesh", "data=4,tensor=2", "--resume", processes=2), cache)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert f"resumed from {out / 'checkpoints' / str(stopped)} (step {stopped}); mesh: checkpoint " \
+           "'data=2,tensor=4', now 'data=4,tensor=2' (resharded)" in r.stdout
+    recs = metrics(out)
+    assert [x["step"] for x in recs] == list(range(1, 7))
+    assert all(math.isfinite(x["loss"]) for x in recs) and recs[-1]["loss"] < recs[0]["loss"]
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == stopped
