@@ -188,3 +188,19 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, cache, uninterr
     summary = _resume(out, cache)  # the remaining steps, --checkpoint-every 2 again
     assert summary["resumed_from_step"] == stopped
     assert _records(out) == uninterrupted
+
+
+def test_cli_refuses_a_checkpoint_of_another_model(saved, tmp_path, capsys):
+    """`train --resume` on a checkpoint of another model exits with status 2 before compiling, naming
+    the model; without --resume an --out holding checkpoints is refused (never overwritten)."""
+    from taco_jax.cli import main
+
+    d, _, _, _ = saved
+    shutil.copytree(d, tmp_path / "checkpoints")
+    args = ["train", "--batch-size", "8", "--seq-len", "32", "--steps", "4", "--comm", "none", "--no-progress",
+            "--out", str(tmp_path)]
+    assert main([*args, "--model", "gpt2-mini", "--vocab-size", "2048", "--resume"]) == 2
+    assert "is of model='gpt2-tiny', this run has model='gpt2-mini'" in capsys.readouterr().err
+    assert main(args) == 2
+    assert "holds checkpoints (latest step 3); give --resume" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["3"]
