@@ -197,7 +197,7 @@ class StepWatchdog:
         self.timeout_s, self.exit_status, self.first_factor = timeout_s, exit_status, first_factor
         self._first = True
         self.process, self.processes = jax.process_index(), jax.process_count()
-        self._step, self._since = None, 0.0
+        self._step, self._since, self._closed = None, 0.0, False
         self._cond = threading.Condition()
         if timeout_s > 0:
             threading.Thread(target=self._watch, name="taco-jax-step-watchdog", daemon=True).start()
@@ -225,9 +225,18 @@ class StepWatchdog:
                 self._step = None
                 self._cond.notify()
 
+    def close(self) -> None:
+        """Disarms the watchdog for good and ends its thread (the run is over, however it ended)."""
+        if self.timeout_s > 0:
+            with self._cond:
+                self._step, self._closed = None, True
+                self._cond.notify()
+
     def _watch(self):
         with self._cond:
             while True:
+                if self._closed:
+                    return
                 if self._step is None:
                     self._cond.wait()
                     continue

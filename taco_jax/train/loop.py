@@ -172,7 +172,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     bar = tqdm(range(start + 1, cfg.steps + 1), desc=f"train[{cfg.comm}]", dynamic_ncols=True, initial=start,
                total=cfg.steps, disable=None if progress and writer else True)  # None: no bar off a terminal
     log_lines = progress and writer and cfg.log_every and not sys.stderr.isatty()  # logs: a line every log_every
-    with _metrics_log(out / "metrics.jsonl", history, writer) as log:
+    with _metrics_log(out / "metrics.jsonl", history, writer) as log, _closing(watchdog, stop, ckpt):
         for step in bar:
             t = time.perf_counter()
             if recorder:  # on capture steps: this step's TP messages -> <out>/captures/stepNNNNN.npz
@@ -218,9 +218,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 break
             if step < cfg.steps:
                 x, y = batches.next(batch_sharding)
-    ckpt.wait()
-    ckpt.close()
-    stop.restore()
+        ckpt.wait()  # the last save complete (raises its error)
     wall = time.perf_counter() - t_start
     captured = recorder.close() if recorder else None
 
@@ -286,6 +284,18 @@ class _Preemption:
         if self.old is not None:
             signal.signal(signal.SIGTERM, self.old)
             self.old = None
+
+
+@contextlib.contextmanager
+def _closing(watchdog, stop, ckpt):
+    """Ends the run's helpers however the loop ends: the watchdog disarmed and its thread stopped,
+    the SIGTERM handler restored, the checkpoint manager closed (a pending save is finished)."""
+    try:
+        yield
+    finally:
+        watchdog.close()
+        stop.restore()
+        ckpt.close()
 
 
 @contextlib.contextmanager
