@@ -71,18 +71,6 @@ class DistConfig:
         return cls(coordinator, num_processes, process_id)
 
 
-def local_device_count(mesh_size: int, dist: DistConfig | None) -> int | None:
-    """Simulated CPU devices this process needs for a mesh of `mesh_size` devices: mesh_size / N.
-    None when the process count is not known yet (auto-detection). Raises ValueError when N does not
-    divide the mesh."""
-    n = 1 if dist is None else dist.num_processes
-    if not n:
-        return None
-    if mesh_size % n:
-        raise ValueError(f"the mesh's {mesh_size} devices cannot be split over num_processes={n}")
-    return mesh_size // n
-
-
 def initialize(dist: DistConfig, *, heartbeat_timeout_s: int = 100) -> None:
     """Joins the run: selects gloo for CPU collectives (must precede the backend's start, i.e. the
     first device query), then `jax.distributed.initialize`. Blocks until every process connected
