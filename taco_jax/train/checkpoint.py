@@ -110,8 +110,9 @@ class Checkpoints:
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:
+            why = " ".join(str(e).split())[:300]
             raise CheckpointError(f"checkpoint {self.directory / str(step)}: its meta cannot be read "
-                                  f"({type(e).__name__}: {e}); corrupt or truncated") from e
+                                  f"({type(e).__name__}: {why}); corrupt or truncated") from e
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {self.directory / str(step)}: meta format "
                                   f"{meta.get('format') if isinstance(meta, dict) else meta!r}, expected {FORMAT}")
@@ -162,8 +163,9 @@ class Checkpoints:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
             jax.block_until_ready(out)
         except Exception as e:
+            why = " ".join(str(e).split())  # one line
             raise CheckpointError(f"checkpoint {where}: its arrays cannot be read ({type(e).__name__}: "
-                                  f"{str(e)[:300]}); corrupt or truncated") from e
+                                  f"{why[:300]}); corrupt or truncated") from e
         got = {k: float(v) for k, v in _paths(jax.device_get(_fingerprints(out))).items()}
         bad = [k for k, v in meta.get("fingerprints", {}).items() if not _same(got.get(k, math.nan), v)]
         if bad:
