@@ -1,5 +1,6 @@
-"""`taco-jax` command line: `train` (one run), `compare` (exact vs compressed, same seed and data) and
-`calibrate` (a per-site policy from captured messages). Flags and outputs: docs/training.md."""
+"""`taco-jax` command line: `train` (one run), `compare` (exact vs compressed, same seed and data),
+`calibrate` (a per-site policy from captured messages) and `launch` (N local processes of one run;
+docs/distributed.md). Flags and outputs: docs/training.md."""
 
 from __future__ import annotations
 
@@ -69,7 +70,17 @@ def _parser() -> argparse.ArgumentParser:
         for cls, f in _flag_fields():
             _add_flag(sp, cls, f, helps)
         sp.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
-        sp.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() (multi-host)")
+        sp.add_argument("--distributed", action="store_true",
+                        help="multi-process run; unset --coordinator / --num-processes / --process-id are "
+                             "auto-detected by JAX (SLURM, Open MPI, ...); docs/distributed.md")
+        sp.add_argument("--coordinator", default="", metavar="HOST:PORT",
+                        help="coordinator of a multi-process run (process 0's host; default $JAX_COORDINATOR_ADDRESS)")
+        sp.add_argument("--num-processes", type=int, default=0, help="process count (default $JAX_NUM_PROCESSES)")
+        sp.add_argument("--process-id", type=int, default=-1, help="this process, 0..N-1 (default $JAX_PROCESS_ID)")
+    lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
+                        usage="taco-jax launch --processes N -- train [flags ...]")
+    lp.add_argument("--processes", type=int, required=True, help="number of local processes")
+    lp.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command for every process (train / compare)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cal.add_argument("--captures", required=True, help="<run>/captures folder written by `train --capture N`")
@@ -86,10 +97,10 @@ def _error(e: Exception, status: int) -> int:
     return status
 
 
-def _force_cpu_devices(mesh: str) -> None:
-    """A simulated CPU mesh needs its device count in XLA_FLAGS before jax creates its CPU backend
-    (at the first device query, not at `import jax`; importing the config imports jax already).
-    Harmless on GPU. A malformed --mesh is left to the config, which names it."""
+def _force_cpu_devices(mesh: str, processes: int = 1) -> None:
+    """A simulated CPU mesh needs its device count (mesh size / `processes`) in XLA_FLAGS before jax
+    creates its CPU backend (at the first device query, not at `import jax`; importing the config
+    imports jax already). Harmless on GPU. A malformed --mesh is left to the config, which names it."""
     from taco_jax.parallel.mesh import parse_mesh
 
     try:
@@ -99,8 +110,9 @@ def _force_cpu_devices(mesh: str) -> None:
     n = 1
     for v in sizes:
         n *= v
+    n //= max(processes, 1)
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
+    if n and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
@@ -117,7 +129,21 @@ def main(argv=None) -> int:
             return _error(e, EXIT_BAD_INPUT)
         print(jsonio.dumps(result, indent=2))
         return 0
-    _force_cpu_devices(args.mesh)
+    if args.command == "launch":
+        from taco_jax.launch import launch
+
+        try:
+            return launch(args.processes, args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
+        except ValueError as e:
+            return _error(e, EXIT_BAD_INPUT)
+    from taco_jax.train import distributed
+
+    try:
+        dist = distributed.DistConfig.resolve(args.coordinator, args.num_processes, args.process_id,
+                                              auto=args.distributed)
+    except ValueError as e:
+        return _error(e, EXIT_BAD_INPUT)
+    _force_cpu_devices(args.mesh, dist.num_processes if dist else 1)
     from taco_jax.train.config import TrainConfig
 
     flags = {f.name: getattr(args, f.name) for _, f in _flag_fields()}  # the one mapping: flags -> TrainConfig
@@ -127,8 +153,8 @@ def main(argv=None) -> int:
         return _error(e, EXIT_BAD_INPUT)
     import jax
 
-    if args.distributed:
-        jax.distributed.initialize()
+    if dist is not None:
+        distributed.initialize(dist)  # gloo for CPU collectives, then jax.distributed.initialize
     from taco_jax.train.loop import compare, train
 
     try:
@@ -138,8 +164,9 @@ def main(argv=None) -> int:
         return _error(e, EXIT_BAD_INPUT)
     except FloatingPointError as e:  # non-finite loss, or a codec with nonfinite="error"
         return _error(e, EXIT_RUN_FAILED)
-    shown = {k: v for k, v in result.items() if k not in ("wire_detail", "config")}
-    print(jsonio.dumps(shown, indent=2))
+    if jax.process_index() == 0:  # one summary per run
+        shown = {k: v for k, v in result.items() if k not in ("wire_detail", "config")}
+        print(jsonio.dumps(shown, indent=2))
     return 0
 
 

@@ -153,6 +153,10 @@ class TrainConfig:
     log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
     capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
     out: str = "runs/default"  # output folder (created; must not be a file)
+    checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps and at the end (0: only on SIGTERM)
+    keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
+    resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
+    step_timeout: float = 0.0  # end the run when a step takes over S seconds,, naming step and late processes (0: off)
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 
     def __post_init__(self):
@@ -160,6 +164,9 @@ class TrainConfig:
             raise ValueError(f"policy={self.policy!r} must be a CommPolicy (use TrainConfig.from_flags for flags)")
         if self.capture < 0:
             raise ValueError(f"capture={self.capture} must be >= 0 (number of steps to record)")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not self.step_timeout >= 0:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0, keep_checkpoints="
+                             f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout} >= 0")
         if self.log_every < 0:
             raise ValueError(f"log_every={self.log_every} must be >= 0 (0: no progress lines)")
         for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):

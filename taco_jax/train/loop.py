@@ -7,30 +7,37 @@ Run from the shell:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import pathlib
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from taco_jax.codec import raise_if_nonfinite
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES, CommPolicy
-from taco_jax.data import batch_iterator, eval_batches, load_shakespeare
+from taco_jax.data import eval_batches, load_shakespeare
 from taco_jax.models import count_params
 from taco_jax.models.hf import read_config, save_hf
 from taco_jax.parallel.mesh import MESH_AXES, STAGE
 from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture, jsonio
+from taco_jax.train import distributed as dist
+from taco_jax.train.checkpoint import Checkpoints
 from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
-from taco_jax.train.step import make_trainer, shard_batch
+from taco_jax.train.step import make_trainer
 
 
 def check_out_dir(out) -> pathlib.Path:
@@ -80,52 +87,91 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     (`collectives.hlo.collective_bytes`).
     `progress`: a progress bar on a terminal; with stderr not a terminal, a line every `cfg.log_every` steps.
     `devices`: the mesh's devices (default all; `jax.devices()[:1]` for a one-device reference).
-    Raises: ValueError for a configuration that cannot run or an output folder that cannot be
-    written (before anything is compiled); FloatingPointError when the loss or gradient norm of a
+    Multi-process (`jax.distributed` initialized): every process runs this; each builds only its
+    rows of the batches, process 0 writes the files. Checkpoints (`cfg.checkpoint_every`, SIGTERM,
+    `cfg.resume`): `train/checkpoint.py`; a SIGTERM ends the run at the next step boundary with a
+    checkpoint and a summary holding "preempted_at_step". `cfg.step_timeout`: `distributed.StepWatchdog`.
+    Raises: ValueError for a configuration that cannot run, an output folder that cannot be
+    written (before anything is compiled) or a checkpoint that cannot be resumed (CheckpointError,
+    naming what differs); FloatingPointError when the loss or gradient norm of a
     step is not finite (naming the step; unless `cfg.allow_nonfinite`) or, with a codec
     `nonfinite="error"`, when a message held NaN/Inf (naming the site).
     """
     # 1. output folder, mesh, model, optimizer (all checked before anything is compiled)
     out = check_out_dir(cfg.out)
+    writer = dist.is_writer()  # process 0 writes the run's files
+    if cfg.capture and jax.process_count() > 1:
+        raise ValueError(f"capture={cfg.capture} records on one process; run it without --num-processes")
     trainer = make_trainer(cfg, devices)
     policy = trainer.policy  # backends resolved ("auto" -> what runs here)
-    print(f"[taco-jax] {cfg.model} on mesh {cfg.mesh}: {describe_policy(policy)}", file=sys.stderr, flush=True)
-    jsonio.write(out / "config.json", cfg.to_dict())
+    if writer:
+        print(f"[taco-jax] {cfg.model} on mesh {cfg.mesh}: {describe_policy(policy)}"
+              + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""), file=sys.stderr, flush=True)
     ds = dataset or load_shakespeare(cfg.vocab_size)
     if ds.vocab_size > min(cfg.vocab_size, cfg.model_config.vocab_size):
         raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds the model's vocab_size="
                          f"{min(cfg.vocab_size, cfg.model_config.vocab_size)}")
+    ckpt = Checkpoints(out / "checkpoints", keep=cfg.keep_checkpoints)
+    saved = ckpt.steps()
+    if saved and not cfg.resume:
+        raise ValueError(f"{ckpt.directory} holds checkpoints (latest step {saved[-1]}); give --resume to continue "
+                         "that run, or another --out")
     params, opt_state = trainer.init()  # identical initial parameters for every --comm (same seed)
-    batches = batch_iterator(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
-    val = [shard_batch(trainer, x, y) for x, y in
-           eval_batches(ds.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]
+    batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in ("data",) if a in trainer.mesh.axis_names)))
+    batches = dist.TrainBatches(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # = batch_iterator's stream
+    resume_from = saved[-1] if cfg.resume and saved else None  # the latest complete checkpoint
+    if resume_from is not None:
+        ckpt.check(resume_from, cfg.to_dict(), params, opt_state)  # CheckpointError naming what differs
 
-    # 2. compile once and read the collectives' wire bytes off the optimized HLO
-    x, y = shard_batch(trainer, *next(batches))
+    # 2. compile once (from the initial arrays: a resumed run runs the same program) and read the
+    #    collectives' wire bytes off the optimized HLO
     recorder = capture.Recorder.start(cfg, out, trainer) if cfg.capture else None  # train --capture N
     checked = any(getattr(policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
     t0 = time.perf_counter()
-    train_step = trainer.train_step.lower(params, opt_state, x, y).compile()
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)
+    train_step = trainer.train_step.lower(params, opt_state, batch, batch).compile()
     compile_s = time.perf_counter() - t0
     wire = collective_bytes(train_step.as_text(), trainer.mesh)
+
+    start, history = 0, []
+    if resume_from is not None:  # placed as the compiled step returns them (its steady-state layout)
+        params, opt_state, meta, notes = ckpt.restore(resume_from, cfg.to_dict(), params, opt_state,
+                                                      shardings=train_step.output_shardings[:2])
+        batches.restore(meta["data"])
+        start = meta["step"]
+        history = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] <= start] \
+            if (out / "metrics.jsonl").exists() else []
+        if writer:
+            print(f"[taco-jax] resumed from {ckpt.directory / str(start)} (step {start})"
+                  + "".join(f"; {n}" for n in notes), file=sys.stderr, flush=True)
+    if writer:
+        jsonio.write(out / "config.json", cfg.to_dict())
+    val = [dist.global_arrays(batch_sharding, x, y) for x, y in
+           eval_batches(ds.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]
+    stop = _Preemption()
+    x, y = batches.next(batch_sharding)
 
     def evaluate(p):
         return float(np.mean([float(trainer.eval_step(p, vx, vy)) for vx, vy in val]))
 
     # 3. the loop: step, log, evaluate every `eval_every` steps and at the end
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    history, val_loss = [], None
+    val_loss = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
+    watchdog = dist.StepWatchdog(cfg.step_timeout)
+    preempted = None
     t_start = time.perf_counter()
-    bar = tqdm(range(1, cfg.steps + 1), desc=f"train[{cfg.comm}]", dynamic_ncols=True,
-               disable=None if progress else True)  # None: no bar when stderr is not a terminal (logs)
-    log_lines = progress and cfg.log_every and not sys.stderr.isatty()  # logs: a line every log_every steps
-    with open(out / "metrics.jsonl", "w") as log:
+    bar = tqdm(range(start + 1, cfg.steps + 1), desc=f"train[{cfg.comm}]", dynamic_ncols=True, initial=start,
+               total=cfg.steps, disable=None if progress and writer else True)  # None: no bar off a terminal
+    log_lines = progress and writer and cfg.log_every and not sys.stderr.isatty()  # logs: a line every log_every
+    with _metrics_log(out / "metrics.jsonl", history, writer) as log, _closing(watchdog, stop, ckpt):
         for step in bar:
             t = time.perf_counter()
             if recorder:  # on capture steps: this step's TP messages -> <out>/captures/stepNNNNN.npz
                 recorder.capture(step, params, x, y)
+            watchdog.start(step)
             params, opt_state, m = train_step(params, opt_state, x, y)
             loss = float(m["loss"])  # blocks: the step time below is real
+            watchdog.done()
             dt = time.perf_counter() - t
             if recorder:
                 recorder.finish_step(step, loss)
@@ -138,6 +184,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     val_loss = rec["val_loss"] = evaluate(params)
             log.write(jsonio.dumps(rec) + "\n")
+            log.flush()
             history.append(rec)
             if not finite and not cfg.allow_nonfinite:
                 bad = ", ".join(f"{k}={rec[k]}" for k in ("loss", "grad_norm") if not math.isfinite(rec[k]))
@@ -149,8 +196,20 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 print(f"[train {cfg.comm}] step {step}/{cfg.steps} loss {loss:.4f} val "
                       f"{f'{val_loss:.4f}' if val_loss is not None else '-'} {rec['tokens_per_s']:.0f} tokens/s",
                       file=sys.stderr, flush=True)
+            if stop.reached(step):  # SIGTERM (preemption): checkpoint now, then stop
+                preempted = step
+            if preempted or step == cfg.steps and cfg.checkpoint_every or \
+                    cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                ckpt.save(step, params, opt_state, {"data": batches.state(), "config": cfg.to_dict()},
+                          wait=bool(preempted))
+            if preempted:
+                if writer:
+                    print(f"[taco-jax] SIGTERM: checkpoint {ckpt.directory / str(step)} written; the run stopped "
+                          f"at step {step} (continue with --resume)", file=sys.stderr, flush=True)
+                break
             if step < cfg.steps:
-                x, y = shard_batch(trainer, *next(batches))
+                x, y = batches.next(batch_sharding)
+        ckpt.wait()  # the last save complete (raises its error)
     wall = time.perf_counter() - t_start
     captured = recorder.close() if recorder else None
     if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py)
@@ -170,23 +229,82 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         "steps": cfg.steps,
         "final_train_loss": float(np.mean([r["loss"] for r in history[-10:]])),
         "final_val_loss": val_loss,
-        "tokens_per_s": tokens_per_step * cfg.steps / wall,
+        "tokens_per_s": tokens_per_step * (len(history) and history[-1]["step"] - start) / wall,
         "train_wall_s": wall,
         "compile_s": compile_s,
         "wire_bytes_per_step": wire["by_axis"],
         "wire_detail": wire["detail"],
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",
+        "processes": jax.process_count(),
     }
+    if start:
+        summary["resumed_from_step"] = start
+    if preempted:
+        summary["preempted_at_step"] = preempted
     stages = cfg.mesh_axes.get(STAGE, 1)
     if stages > 1 or cfg.microbatches > 1:  # pipeline: schedule and its bubble (parallel/pipeline.py)
         summary["pipeline"] = {"schedule": cfg.schedule, "stages": stages, "microbatches": cfg.microbatches,
                                **schedule_stats(cfg.schedule, stages, cfg.microbatches)}
     if captured:
         summary["captures"] = captured
+    if not writer:
+        return summary
     jsonio.write(out / "summary.json", summary)
     plot_losses(out / "loss.png", {cfg.comm: out / "metrics.jsonl"}, title=f"{cfg.model} on Shakespeare, mesh "
                 f"{cfg.mesh}; compressed axes: {', '.join(summary['compressed_axes']) or 'none'}")
     return summary
+
+
+class _Preemption:
+    """SIGTERM (preemption) -> stop at a step boundary. One process: a Python SIGTERM handler sets a
+    flag. Several: JAX's preemption sync manager (its SIGTERM notifier, started by
+    `jax.distributed.initialize`) makes `reached(step)` true at the same step on every process, so
+    all of them save the same checkpoint."""
+
+    def __init__(self):
+        self.multi, self.flag, self.old = jax.process_count() > 1, False, None
+        if not self.multi and threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, *_):
+        self.flag = True
+
+    def reached(self, step: int) -> bool:
+        if self.multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.flag
+
+    def restore(self) -> None:
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+            self.old = None
+
+
+@contextlib.contextmanager
+def _closing(watchdog, stop, ckpt):
+    """Ends the run's helpers however the loop ends: the watchdog disarmed and its thread stopped,
+    the SIGTERM handler restored, the checkpoint manager closed (a pending save is finished)."""
+    try:
+        yield
+    finally:
+        watchdog.close()
+        stop.restore()
+        ckpt.close()
+
+
+@contextlib.contextmanager
+def _metrics_log(path, kept: list[dict], writer: bool):
+    """`metrics.jsonl` opened for the step records: rewritten with the `kept` records of a resumed
+    run first; process 0 only (other processes get a sink)."""
+    if not writer:
+        yield open(os.devnull, "w")
+        return
+    with open(path, "w") as log:
+        for rec in kept:
+            log.write(jsonio.dumps(rec) + "\n")
+        yield log
 
 
 def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:

@@ -1,0 +1,129 @@
+"""`taco-jax launch --processes N -- train ...`: N local processes of one multi-process run (development
+and tests, in the manner of `torchrun --standalone`).
+
+Each process runs `python -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
+--process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on
+CPU. Every output line is prefixed with "[I] "; when one process fails (exit status != 0) the others
+are stopped (SIGTERM, then SIGKILL after `grace_s`) and the launcher returns that status. SIGTERM /
+SIGINT to the launcher is forwarded to every process (a preemption: they checkpoint and exit).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mesh_size(argv: list[str]) -> int | None:
+    from taco_jax.parallel.mesh import parse_mesh
+    from taco_jax.train.config import TrainConfig
+
+    spec = TrainConfig.mesh
+    for i, a in enumerate(argv):
+        if a == "--mesh" and i + 1 < len(argv):
+            spec = argv[i + 1]
+        elif a.startswith("--mesh="):
+            spec = a.split("=", 1)[1]
+    try:
+        return math.prod(parse_mesh(spec).values())
+    except ValueError:
+        return None  # the processes report the bad --mesh
+
+
+def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, out=None) -> int:
+    """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
+    the first failure's). `out`: stream for the prefixed lines (default stdout).
+    Raises ValueError for processes < 1, an empty command, or flags the launcher sets itself."""
+    if processes < 1:
+        raise ValueError(f"processes={processes} must be >= 1")
+    if not argv:
+        raise ValueError("no command after `--`; e.g. taco-jax launch --processes 2 -- train --steps 20")
+    for flag in ("--coordinator", "--num-processes", "--process-id"):
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            raise ValueError(f"{flag} is set by the launcher; remove it from the command")
+    out = out or sys.stdout
+    port = free_port()
+    base = dict(os.environ if env is None else env)
+    n_mesh = _mesh_size(argv)
+    if n_mesh and n_mesh % processes == 0 and "xla_force_host_platform_device_count" not in base.get("XLA_FLAGS", ""):
+        base["XLA_FLAGS"] = (base.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={n_mesh // processes}").strip()
+    base["PYTHONUNBUFFERED"] = "1"
+    procs = []
+    for i in range(processes):
+        cmd = [sys.executable, "-m", "taco_jax.cli", *argv, "--coordinator", f"127.0.0.1:{port}",
+               "--num-processes", str(processes), "--process-id", str(i)]
+        procs.append(subprocess.Popen(cmd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    lock = threading.Lock()
+
+    def pump(i, p):
+        for line in iter(p.stdout.readline, b""):
+            with lock:
+                out.write(f"[{i}] {line.decode(errors='replace')}")
+                out.flush()
+
+    pumps = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for t in pumps:
+        t.start()
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    status = 0
+    try:
+        pending = set(range(processes))
+        while pending:
+            for i in sorted(pending):
+                rc = procs[i].poll()
+                if rc is None:
+                    continue
+                pending.discard(i)
+                if rc != 0 and status == 0:
+                    status = rc if rc > 0 else 128 - rc  # killed by a signal: 128 + signal number
+                    with lock:
+                        print(f"[launch] process {i} exited with status {rc}; stopping the others",
+                              file=out, flush=True)
+                    _stop([procs[j] for j in pending], grace_s)
+            time.sleep(0.05)
+    finally:
+        _stop(procs, grace_s)
+        for s, h in old.items():
+            signal.signal(s, h)
+        for t in pumps:
+            t.join(timeout=5)
+    return status
+
+
+def _stop(procs, grace_s: float) -> None:
+    """SIGTERM each running process, then SIGKILL (its whole session) after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()

@@ -1,0 +1,261 @@
+"""Multi-process runs on JAX's multi-controller runtime (`jax.distributed`): start-up, process-local
+data, outputs written once, and the step watchdog.
+
+One process per host (or per GPU) runs the same program; `jax.distributed.initialize` connects them
+through a coordinator (process 0), after which `jax.devices()` lists every process's devices and a
+mesh may span processes. Collectives between processes run over NCCL on GPU and over gloo (TCP) on
+CPU. Launch on a cluster: docs/distributed.md; locally: `taco-jax launch --processes N -- train ...`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+#: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+#: Test hook: "PROCESS:STEP:SECONDS" makes that process sleep before that step (watchdog tests).
+ENV_STALL = "TACO_JAX_TEST_STALL"
+_STEP_KEY = "taco_jax/step/"  # coordinator key-value store: the last step each process started
+
+
+@dataclasses.dataclass(frozen=True)
+class DistConfig:
+    """How this process joins a multi-process run (`--coordinator`, `--num-processes`, `--process-id`).
+
+    coordinator: "HOST:PORT" of the coordinator service (process 0 starts it, all connect);
+      "" = auto-detect (SLURM, Open MPI, ... as `jax.distributed.initialize` does).
+    num_processes, process_id: 0 / -1 = from the environment or auto-detected.
+    """
+
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+
+    @classmethod
+    def resolve(cls, coordinator: str = "", num_processes: int = 0, process_id: int = -1,
+                auto: bool = False) -> DistConfig | None:
+        """The flags, else `$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JAX_PROCESS_ID`.
+
+        Returns None for a single-process run (nothing given and `auto` False); with `auto`
+        (`--distributed`) unset values are left to JAX's cluster auto-detection.
+        Raises ValueError naming a malformed value (HOST:PORT, a count < 1, an id outside [0, N)).
+        """
+        env = os.environ
+        coordinator = coordinator or env.get(ENV_COORDINATOR, "")
+        try:
+            num_processes = num_processes or int(env.get(ENV_NUM_PROCESSES, 0))
+            process_id = process_id if process_id >= 0 else int(env.get(ENV_PROCESS_ID, -1))
+        except ValueError as e:
+            raise ValueError(f"${ENV_NUM_PROCESSES} / ${ENV_PROCESS_ID} must be integers: {e}") from None
+        if not (coordinator or num_processes or process_id >= 0 or auto):
+            return None
+        if coordinator:
+            host, sep, port = coordinator.rpartition(":")
+            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(f"coordinator={coordinator!r} must be HOST:PORT (e.g. 10.0.0.1:1234)")
+        if num_processes < 0:
+            raise ValueError(f"num_processes={num_processes} must be >= 1")
+        if process_id >= 0 and num_processes and process_id >= num_processes:
+            raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+        if not auto and not (coordinator and num_processes and process_id >= 0):
+            raise ValueError(f"a multi-process run needs --coordinator HOST:PORT, --num-processes N and --process-id I "
+                             f"(or ${ENV_COORDINATOR}, ${ENV_NUM_PROCESSES}, ${ENV_PROCESS_ID}; or --distributed "
+                             f"to auto-detect); got coordinator={coordinator!r}, num_processes={num_processes}, "
+                             f"process_id={process_id}")
+        return cls(coordinator, num_processes, process_id)
+
+
+def initialize(dist: DistConfig, *, heartbeat_timeout_s: int = 100) -> None:
+    """Joins the run: selects gloo for CPU collectives (must precede the backend's start, i.e. the
+    first device query), then `jax.distributed.initialize`. Blocks until every process connected
+    (up to 300 s). Raises RuntimeError from JAX when the coordinator cannot be reached."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(dist.coordinator or None, dist.num_processes or None,
+                               dist.process_id if dist.process_id >= 0 else None,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def is_writer() -> bool:
+    """True in the process that writes the run's files (process 0)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+# -----------------------------------------------------------------------------
+# data: each process builds only its own rows of the global batch
+
+
+class TrainBatches:
+    """The training stream of `data.batch_iterator` (same windows for the same seed), built as global
+    arrays from process-local data: every process draws the window starts of the whole batch (a few
+    integers) but gathers the tokens of its own devices' rows only.
+
+    `next(sharding)` -> (inputs, targets): int32 [batch_size, seq_len] `jax.Array`s on `sharding`.
+    `position` counts the batches drawn; `state()` / `restore(state)` save and restore the stream
+    (position and the numpy PCG64 bit-generator state) for checkpoints.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int):
+        from taco_jax.data.shakespeare import _check_batch_args
+
+        self.tokens = _check_batch_args(tokens, batch_size, seq_len)
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.rng = np.random.default_rng(seed)
+        self.position = 0
+
+    def next(self, sharding):
+        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)  # as batch_iterator
+        self.position += 1
+        return global_batch(self.tokens, starts, self.seq_len, sharding)
+
+    def state(self) -> dict:
+        return {"position": self.position, "bit_generator": self.rng.bit_generator.state}
+
+    def restore(self, state: dict) -> None:
+        """Continues the stream from `state()`. Raises ValueError for a state of another generator."""
+        bg = state["bit_generator"]
+        if bg.get("bit_generator") != type(self.rng.bit_generator).__name__:
+            raise ValueError(f"data RNG state of {bg.get('bit_generator')!r}, expected "
+                             f"{type(self.rng.bit_generator).__name__!r}")
+        self.rng.bit_generator.state = bg
+        self.position = int(state["position"])
+
+
+def global_batch(tokens, starts, seq_len: int, sharding):
+    """(inputs, targets) int32 [len(starts), seq_len] as global arrays on `sharding`: row i is the
+    window `tokens[starts[i] : starts[i] + seq_len + 1]`, split into inputs and targets shifted by one.
+    Only rows on this process's devices are read (`jax.make_array_from_callback`)."""
+    import jax
+
+    offsets = np.arange(seq_len + 1)
+    shape = (len(starts), seq_len)
+
+    def part(shift):
+        def rows(index):
+            r, c = index if len(index) == 2 else (index[0], slice(None))
+            return tokens[np.asarray(starts)[r][:, None] + offsets[shift:shift + seq_len][c]].astype(np.int32)
+        return jax.make_array_from_callback(shape, sharding, rows)
+
+    return part(0), part(1)
+
+
+def global_arrays(sharding, *arrays):
+    """Host arrays identical on every process -> global arrays on `sharding` (each process places only
+    its own devices' slices)."""
+    import jax
+
+    return tuple(jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: np.asarray(a[idx]))
+                 for a in arrays)
+
+
+# -----------------------------------------------------------------------------
+# hangs: the step watchdog
+
+
+class StepWatchdog:
+    """Ends the run when a step does not finish within `timeout_s` seconds.
+
+    `start(step)` before the step's work, `done()` after its result arrived. When the time passes,
+    a thread prints an error naming the step (and, multi-process, which processes had not started
+    it: each process records the last step it started in the coordinator's key-value store) to
+    stderr and ends the process with `os._exit(exit_status)` (a hung collective cannot be
+    interrupted from Python; the launcher or the cluster then stops the other processes).
+    The first step a process runs gets `first_factor` × timeout_s (it also opens the collectives'
+    connections, e.g. gloo's TCP mesh, and warms caches). timeout_s <= 0: disabled.
+    """
+
+    def __init__(self, timeout_s: float, *, exit_status: int = 1, first_factor: float = 10.0):
+        import jax
+
+        self.timeout_s, self.exit_status, self.first_factor = timeout_s, exit_status, first_factor
+        self._first = True
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        self._step, self._since, self._closed = None, 0.0, False
+        self._cond = threading.Condition()
+        if timeout_s > 0:
+            threading.Thread(target=self._watch, name="taco-jax-step-watchdog", daemon=True).start()
+
+    def start(self, step: int) -> None:
+        stall = os.environ.get(ENV_STALL)
+        if self.timeout_s > 0:
+            with self._cond:
+                self._step, self._since = step, time.monotonic()
+                self._limit = self.timeout_s * (self.first_factor if self._first else 1.0)
+                self._first = False
+                self._cond.notify()
+        if stall:  # test hook: "PROCESS:STEP:SECONDS"
+            proc, at, secs = stall.split(":")
+            if int(proc) == self.process and int(at) == step:
+                print(f"[taco-jax] {ENV_STALL}: process {proc} sleeps {secs} s before step {step}",
+                      file=sys.stderr, flush=True)
+                time.sleep(float(secs))
+        if self.timeout_s > 0 and self.processes > 1:
+            _client().key_value_set(f"{_STEP_KEY}{self.process}", str(step), allow_overwrite=True)
+
+    def done(self) -> None:
+        if self.timeout_s > 0:
+            with self._cond:
+                self._step = None
+                self._cond.notify()
+
+    def close(self) -> None:
+        """Disarms the watchdog for good and ends its thread (the run is over, however it ended)."""
+        if self.timeout_s > 0:
+            with self._cond:
+                self._step, self._closed = None, True
+                self._cond.notify()
+
+    def _watch(self):
+        with self._cond:
+            while True:
+                if self._closed:
+                    return
+                if self._step is None:
+                    self._cond.wait()
+                    continue
+                left = self._since + self._limit - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                step = self._step
+                break
+        msg = f"step {step} did not finish within --step-timeout {self._limit:g} s"
+        if self.processes > 1:
+            msg += f" (process {self.process} of {self.processes}; {self.missing(step)})"
+        print(f"taco-jax: error: {msg}; the run stopped", file=sys.stderr, flush=True)
+        os._exit(self.exit_status)
+
+    def missing(self, step: int) -> str:
+        """Which processes had not started `step`, read from the coordinator's key-value store."""
+        late, unknown = [], []
+        try:
+            client = _client()
+            for p in range(self.processes):
+                try:
+                    last = int(client.key_value_try_get(f"{_STEP_KEY}{p}"))
+                except Exception:  # not set: the process never started a step
+                    last = 0
+                if last < step:
+                    late.append(f"process {p} (last started step {last})")
+        except Exception as e:  # coordinator gone (process 0 died)
+            unknown.append(f"coordinator unreachable: {e}")
+        if unknown:
+            return "; ".join(unknown)
+        if late:
+            return f"did not arrive at step {step}: " + ", ".join(late)
+        return f"every process started step {step}; a collective of the step hung"

@@ -1,0 +1,69 @@
+"""Helpers of the multi-process and checkpoint tests: real `taco_jax.cli` processes (no mocks), each
+with a bounded timeout, sharing one persistent compilation cache so that repeated configurations
+compile once."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: A tiny run: seconds per step on 2 loaded cores.
+TINY = ["--model", "gpt2-tiny", "--batch-size", "8", "--seq-len", "32", "--eval-every", "100", "--eval-batches", "1",
+        "--log-every", "1", "--seed", "0"]
+
+
+def env(cache_dir, **extra) -> dict:
+    """Environment of a child: this worktree first on the path, CPU only, the shared compilation
+    cache, and no XLA_FLAGS device count (the CLI / launcher set it from the mesh)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
+                                                           "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    e.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
+    return e
+
+
+def cli(*args, processes: int = 0) -> list[str]:
+    """The command of `taco_jax.cli args` (through `launch --processes N` when N > 0)."""
+    pre = ["launch", "--processes", str(processes), "--"] if processes else []
+    return [sys.executable, "-m", "taco_jax.cli", *pre, *map(str, args)]
+
+
+def run(cmd, cache_dir, *, timeout: float = 420, **extra) -> subprocess.CompletedProcess:
+    """Runs `cmd` to its end (killed after `timeout` s: the test fails, nothing hangs)."""
+    return subprocess.run(cmd, cwd=ROOT, env=env(cache_dir, **extra), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start(cmd, cache_dir, log_path, **extra) -> subprocess.Popen:
+    """Starts `cmd` with stdout + stderr into `log_path` (read it with `wait_for`)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(cache_dir, **extra), stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(pred, proc, *, timeout: float, what: str, log=None) -> float:
+    """Polls `pred()` every 50 ms until true (returns the time.monotonic() it became true); fails
+    the test (showing the end of the file `log`) when `proc` ended first or `timeout` s passed."""
+    tail = lambda: pathlib.Path(log).read_text()[-3000:] if log else ""  # noqa: E731
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return time.monotonic()
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended (status {proc.returncode}) before {what}\n{tail()}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tail()}")
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in open(pathlib.Path(out) / "metrics.jsonl")]
+
+
+def losses(out) -> list[tuple[int, float, float]]:
+    """(step, loss, grad_norm) of every step record."""
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(out)]

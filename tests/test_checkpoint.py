@@ -1,0 +1,206 @@
+"""Orbax checkpoints of a training run: restore onto another mesh, bad checkpoints refused with a named
+reason, unfinished / failed saves never taking a good checkpoint's place, SIGKILL + --resume bit for bit,
+SIGTERM -> checkpoint and a clean exit. Process tests run real `taco_jax.cli` processes (bounded)."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+
+import jax
+import numpy as np
+import pytest
+from _procs import TINY, cli, metrics, run, start, wait_for
+
+from taco_jax.train.checkpoint import CheckpointError, Checkpoints
+from taco_jax.train.config import TrainConfig
+from taco_jax.train.step import make_trainer
+
+# -----------------------------------------------------------------------------
+# in-process: the Checkpoints API on the 8-device test mesh
+
+
+def _state(mesh: str):
+    cfg = TrainConfig.from_flags(mesh=mesh, steps=4, batch_size=8, seq_len=32, comm="none")
+    trainer = make_trainer(cfg)
+    params, opt_state = trainer.init()
+    return cfg, trainer, params, opt_state
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint at step 3 of gpt2-tiny on data=2,tensor=4 (parameters perturbed so that every leaf
+    differs from a fresh init), and those arrays on the host."""
+    cfg, trainer, params, opt_state = _state("data=2,tensor=4")
+    params = jax.jit(lambda p: jax.tree.map(lambda a: a + 0.01 * a.size % 7, p))(params)
+    d = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    ck = Checkpoints(d, keep=2)
+    ck.save(3, params, opt_state, {"data": {"position": 3}, "config": cfg.to_dict()}, wait=True)
+    ck.close()
+    return d, cfg, jax.device_get(params), jax.device_get(opt_state)
+
+
+def test_restore_onto_another_mesh_is_exact(saved):
+    """Saved on data=2,tensor=4, restored on data=4,tensor=2: Orbax reshards to the target's
+    shardings; every array equal bit for bit; the mesh change is reported."""
+    d, _, params0, opt0 = saved
+    cfg, trainer, params, opt_state = _state("data=4,tensor=2")
+    ck = Checkpoints(d, keep=2)
+    assert ck.steps() == [3]
+    p, o, meta, notes = ck.restore(3, cfg.to_dict(), params, opt_state)
+    assert meta["step"] == 3 and meta["data"] == {"position": 3}
+    assert notes == ["mesh: checkpoint 'data=2,tensor=4', now 'data=4,tensor=2' (resharded)"]
+    for got, want, like in zip(jax.tree.leaves(p), jax.tree.leaves(params0), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.sharding == like.sharding  # the new mesh's layout
+    for got, want in zip(jax.tree.leaves(o), jax.tree.leaves(opt0)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    ck.close()
+
+
+def test_other_model_or_vocab_refused_naming_it(saved, tmp_path):
+    d, cfg, _, _ = saved
+    _, _, params, opt_state = _state("data=2,tensor=4")
+    ck = Checkpoints(d, keep=2)
+    with pytest.raises(CheckpointError, match=r"is of model='gpt2-tiny', this run has model='gpt2-mini'"):
+        ck.restore(3, {**cfg.to_dict(), "model": "gpt2-mini"}, params, opt_state)
+    with pytest.raises(CheckpointError, match=r"vocab_size=2048, this run has vocab_size=4096"):
+        ck.restore(3, {**cfg.to_dict(), "vocab_size": 4096}, params, opt_state)
+    # same names, other shapes (e.g. a preset edited in between): the parameter is named
+    wide = TrainConfig.from_flags(mesh="data=2,tensor=4", batch_size=8, seq_len=32, comm="none", vocab_size=4096)
+    p2, o2 = make_trainer(wide).init()
+    with pytest.raises(CheckpointError, match=r"\['wte'\]\['embedding'\]: checkpoint \[\[2048, 128\]"):
+        ck.restore(3, cfg.to_dict(), p2, o2)
+    ck.close()
+
+
+def _copy(d, tmp_path) -> pathlib.Path:
+    dst = tmp_path / "checkpoints"
+    shutil.copytree(d, dst)
+    return dst
+
+
+def test_truncated_or_corrupt_checkpoint_refused(saved, tmp_path):
+    d, cfg, _, _ = saved
+    _, _, params, opt_state = _state("data=2,tensor=4")
+    files = lambda root: sorted((f for f in (root / "3" / "state").rglob("*") if f.is_file() and  # noqa: E731
+                                 f.parent.name == "d"), key=lambda f: -f.stat().st_size)
+    truncated = _copy(d, tmp_path / "t")
+    for f in files(truncated):  # every data file cut to half
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    ck = Checkpoints(truncated, keep=2)
+    with pytest.raises(CheckpointError, match=r"checkpoints/3: .*corrupt"):
+        ck.restore(3, cfg.to_dict(), params, opt_state)
+    ck.close()
+    corrupt = _copy(d, tmp_path / "c")
+    big = files(corrupt)[0]
+    raw = bytearray(big.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)  # zeroed bytes in the middle of the largest file
+    big.write_bytes(bytes(raw))
+    ck = Checkpoints(corrupt, keep=2)
+    with pytest.raises(CheckpointError, match=r"checkpoints/3: .*corrupt"):
+        ck.restore(3, cfg.to_dict(), params, opt_state)
+    ck.close()
+    no_meta = _copy(d, tmp_path / "m")
+    for f in (no_meta / "3" / "meta").iterdir():
+        f.unlink()
+    ck = Checkpoints(no_meta, keep=2)
+    with pytest.raises(CheckpointError, match=r"meta cannot be read"):
+        ck.restore(3, cfg.to_dict(), params, opt_state)
+    ck.close()
+
+
+def test_unfinished_and_failed_saves_keep_the_good_checkpoint(saved, tmp_path):
+    """A save interrupted mid-way (its temporary folder left behind) is not a checkpoint; a save
+    that fails does not remove or replace the previous one, even with keep=1."""
+    d, cfg, params0, _ = saved
+    root = _copy(d, tmp_path)
+    shutil.copytree(root / "3", root / "5.orbax-checkpoint-tmp-1234")  # a crash during the save of step 5
+    _, _, params, opt_state = _state("data=2,tensor=4")
+    ck = Checkpoints(root, keep=1)
+    assert ck.steps() == [3]
+    with pytest.raises(TypeError):  # a meta value JSON cannot hold: Orbax's write of step 7 fails
+        ck.save(7, params, opt_state, {"data": object()}, wait=True)
+    assert ck.steps() == [3]
+    p, _, meta, _ = ck.restore(3, cfg.to_dict(), params, opt_state)
+    assert meta["step"] == 3
+    np.testing.assert_array_equal(np.asarray(p["wte"]["embedding"]), params0["wte"]["embedding"])
+    ck.close()
+
+
+# -----------------------------------------------------------------------------
+# real processes: kill and resume
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+ARGS = ["train", *TINY, "--steps", "6", "--checkpoint-every", "2", "--comm", "taco"]
+
+
+def _records(out) -> list[dict]:
+    """Per-step records without the timing fields."""
+    return [{k: v for k, v in r.items() if k not in ("step_s", "tokens_per_s")} for r in metrics(out)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    r = run(cli(*ARGS, "--out", out), cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4", "6"]  # keep 3
+    return _records(out)
+
+
+def _resume(out, cache) -> dict:
+    r = run(cli(*ARGS, "--out", out, "--resume"), cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_sigkill_then_resume_is_bit_exact(tmp_path, cache, uninterrupted):
+    out, log = tmp_path / "run", tmp_path / "log"
+    p = start(cli(*ARGS, "--out", out), cache, log)
+    wait_for(lambda: (out / "checkpoints" / "2").is_dir() and "step 3/6" in log.read_text(), p,
+             timeout=400, what="checkpoint 2 and step 3", log=log)
+    os.killpg(p.pid, signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    summary = _resume(out, cache)
+    assert summary["resumed_from_step"] in (2, 4)
+    assert _records(out) == uninterrupted  # every step's loss, grad norm and val loss, bit for bit
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, cache, uninterrupted):
+    out, log = tmp_path / "run", tmp_path / "log"
+    p = start(cli(*ARGS, "--out", out, "--checkpoint-every", "0"), cache, log)
+    wait_for(lambda: "step 2/6" in log.read_text(), p, timeout=400, what="step 2", log=log)
+    os.killpg(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    stopped = json.loads((out / "summary.json").read_text())["preempted_at_step"]
+    assert 2 <= stopped < 6
+    assert "SIGTERM: checkpoint" in text
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [str(stopped)]
+    assert [r["step"] for r in metrics(out)] == list(range(1, stopped + 1))
+    summary = _resume(out, cache)  # the remaining steps, --checkpoint-every 2 again
+    assert summary["resumed_from_step"] == stopped
+    assert _records(out) == uninterrupted
+
+
+def test_cli_refuses_a_checkpoint_of_another_model(saved, tmp_path, capsys):
+    """`train --resume` on a checkpoint of another model exits with status 2 before compiling, naming
+    the model; without --resume an --out holding checkpoints is refused (never overwritten)."""
+    from taco_jax.cli import main
+
+    d, _, _, _ = saved
+    shutil.copytree(d, tmp_path / "checkpoints")
+    args = ["train", "--batch-size", "8", "--seq-len", "32", "--steps", "4", "--comm", "none", "--no-progress",
+            "--out", str(tmp_path)]
+    assert main([*args, "--model", "gpt2-mini", "--vocab-size", "2048", "--resume"]) == 2
+    assert "is of model='gpt2-tiny', this run has model='gpt2-mini'" in capsys.readouterr().err
+    assert main(args) == 2
+    assert "holds checkpoints (latest step 3); give --resume" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["3"]
