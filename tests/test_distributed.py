@@ -131,6 +131,7 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
     assert not list((tmp_path / "p2" / "checkpoints").iterdir())  # no --checkpoint-every, no SIGTERM
 
 
+@pytest.mark.slow  # make test-slow (~40 s); the default suite keeps the gloo 2-vs-1 process test
 def test_two_processes_vs_in_process_collectives(tmp_path, cache):
     """Known answer from another implementation: a plain one-process run (XLA's in-process CPU
     all-reduce, no gloo) gives per-step losses within 1e-5 relative: gloo's ring all-reduce adds the
@@ -168,6 +169,7 @@ def test_watchdog_names_the_late_process(tmp_path, cache):
     assert len(metrics(tmp_path / "run")) == 1  # step 1 logged, nothing after
 
 
+@pytest.mark.slow  # make test-slow (~70 s); default: tests/test_checkpoint.py's SIGTERM and reshard tests
 def test_sigterm_to_the_launcher_then_resume_on_another_mesh(tmp_path, cache):
     """SIGTERM to `launch` (a preemption) reaches both processes; JAX's preemption sync point makes
     them stop at the same step with one checkpoint (each process writing its shards) and exit 0.
