@@ -30,7 +30,7 @@ from taco_jax.parallel.mesh import MESH_AXES, STAGE
 from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture, jsonio
 from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
-from taco_jax.train.step import make_trainer, shard_batch
+from taco_jax.train.step import compiled_memory, make_trainer, shard_batch
 
 
 def check_out_dir(out) -> pathlib.Path:
@@ -108,6 +108,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     train_step = trainer.train_step.lower(params, opt_state, x, y).compile()
     compile_s = time.perf_counter() - t0
     wire = collective_bytes(train_step.as_text(), trainer.mesh)
+    memory = compiled_memory(train_step)  # per device; temp = activations etc. (what --remat lowers)
 
     def evaluate(p):
         return float(np.mean([float(trainer.eval_step(p, vx, vy)) for vx, vy in val]))
@@ -173,6 +174,9 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         "tokens_per_s": tokens_per_step * cfg.steps / wall,
         "train_wall_s": wall,
         "compile_s": compile_s,
+        "dtype": cfg.dtype,  # compute dtype (TP messages); parameters and optimizer state are float32
+        "remat": cfg.remat,
+        "compiled_memory_bytes": memory,  # per device, of the compiled train step (None: not reported)
         "wire_bytes_per_step": wire["by_axis"],
         "wire_detail": wire["detail"],
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",

@@ -79,6 +79,21 @@ class Trainer:
         return self.train_step.lower(params, opt_state, inputs, targets).compile().as_text()
 
 
+def compiled_memory(compiled) -> dict | None:
+    """Per-device memory of a compiled step in bytes (XLA `memory_analysis()`): `temp` (the scratch
+    buffers: activations kept for the backward pass, what `--remat` lowers), `argument`, `output`,
+    `alias` (donated arguments reused as outputs), `generated_code`. None where the backend gives no
+    analysis."""
+    try:
+        mem = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):  # backends without an analysis
+        return None
+    if mem is None:
+        return None
+    return {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output", "alias",
+                                                                   "generated_code")}
+
+
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Learning rate of the update with optax step count c = 0, 1, ... (training step k = c + 1).
 
