@@ -149,8 +149,8 @@ class TrainConfig:
     eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
     init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
     export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
-    dtype: str = "bfloat16"  # compute dtype: bfloat16 (TP messages bf16; FP32 master weights, Adam, norms, softmax, loss) | float32
-    remat: str = "none"  # rematerialise each decoder layer: none | block (save matmul outputs) | full (save layer input)
+    dtype: str = "bfloat16"  # compute dtype: bfloat16 (bf16 TP messages; FP32 weights, Adam, norms, loss) | float32
+    remat: str = "none"  # rematerialise each decoder layer: none | block (keep matmul outputs) | full (keep input)
     make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
     allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
     log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
