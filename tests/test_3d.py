@@ -102,8 +102,8 @@ def test_3d_run_matches_one_device_after_20_steps(tmp_path, model, schedule):
     from taco_jax.train.loop import train
 
     ds = load_shakespeare(512, cache_dir=str(tmp_path / "cache"))
-    base = TrainConfig.from_flags(model=model, comm="none", vocab_size=512, batch_size=8, seq_len=64, steps=20,
-                       warmup_steps=2, eval_every=20, eval_batches=2)
+    base = TrainConfig.from_flags(model=model, comm="none", dtype="float32", vocab_size=512, batch_size=8,
+                                  seq_len=64, steps=20, warmup_steps=2, eval_every=20, eval_batches=2)
     runs = {}
     for name, cfg in (("one", dataclasses.replace(base, mesh="data=1")),
                       ("3d", dataclasses.replace(base, mesh="data=2,stage=2,tensor=2", microbatches=2,

@@ -20,6 +20,7 @@ from taco_jax.parallel import (
     residual_std,
     vocab_parallel_cross_entropy,
 )
+from taco_jax.parallel.layers import check_compute, layer_norm, remat_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,9 @@ class GPTConfig:
       n_layer, n_head, n_embd: depth, attention heads, hidden size D (D % n_head == 0).
       mlp_ratio: MLP hidden size = mlp_ratio · D (4 in GPT-2).
       init_std: std of the normal initialiser (0.02 in GPT-2).
-      dtype: compute dtype of activations (parameters stay float32).
+      dtype: compute dtype of activations and tensor-parallel messages, "float32" or "bfloat16"
+        (parameters stay float32; norms, softmax and the loss compute in float32).
+      remat: rematerialisation of each block, "none" | "block" | "full" (`parallel.layers.REMAT_POLICIES`).
       vocab_multiple: the embedding table's rows are padded to a multiple of this (Megatron's
         make_vocab_size_divisible_by × tp); padded rows are zeros whose logits are masked out.
     """
@@ -46,8 +49,10 @@ class GPTConfig:
     init_std: float = 0.02
     dtype: str = "float32"
     vocab_multiple: int = 1
+    remat: str = "none"
 
     def __post_init__(self):
+        check_compute(self.dtype, self.remat)
         for f in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "vocab_multiple"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
@@ -124,13 +129,16 @@ class Block(nnx.Module):
     """Pre-LN transformer block: x + attn(ln1(x)); x + mlp(ln2(x))."""
 
     def __init__(self, cfg: GPTConfig, ctx: ParallelContext, *, rngs: nnx.Rngs):
-        self.ctx = ctx
-        self.ln_1 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
+        self.ctx, self.remat = ctx, cfg.remat
+        self.ln_1 = layer_norm(cfg.n_embd, cfg.dtype, rngs=rngs)
         self.attn = Attention(cfg, ctx, rngs=rngs)
-        self.ln_2 = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
+        self.ln_2 = layer_norm(cfg.n_embd, cfg.dtype, rngs=rngs)
         self.mlp = MLP(cfg, ctx, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x):  # [B, T(/tp with SP), D] in cfg.dtype
+        return remat_call(self, Block.forward, x, self.remat)
+
+    def forward(self, x):
         x = x + self.attn(self.ctx.enter(self.ln_1(x)))
         return x + self.mlp(self.ctx.enter(self.ln_2(x)))
 
@@ -155,7 +163,7 @@ class GPT(nnx.Module):
         self.wpe = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.block_size, cfg.n_embd)),
                              axes=("position", "embed"))
         self.h = nnx.List([Block(cfg, ctx, rngs=rngs) for _ in range(cfg.n_layer)])
-        self.ln_f = nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
+        self.ln_f = layer_norm(cfg.n_embd, cfg.dtype, rngs=rngs)
 
     def embed(self, ids: jax.Array) -> jax.Array:
         """Token + learned position embeddings: int32 [B, T] -> [B, T(/tp with SP), D] in `cfg.dtype`.

@@ -31,7 +31,7 @@ from taco_jax.parallel import (
     VocabParallelEmbed,
     vocab_parallel_cross_entropy,
 )
-from taco_jax.parallel.layers import mask_vocab_padding
+from taco_jax.parallel.layers import check_compute, mask_vocab_padding, remat_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,9 @@ class QwenConfig:
       tie_word_embeddings: LM head = embedding table transposed.
       block_size: longest sequence this trainer accepts (max_position_embeddings caps RoPE use).
       init_std: std of the normal initialiser [initializer_range].
-      dtype: compute dtype of activations (parameters stay float32).
+      dtype: compute dtype of activations and tensor-parallel messages, "float32" or "bfloat16"
+        (parameters stay float32; RMSNorm, RoPE angles, softmax and the loss compute in float32).
+      remat: rematerialisation of each layer, "none" | "block" | "full" (`parallel.layers.REMAT_POLICIES`).
       vocab_multiple: embedding / LM-head rows padded to a multiple of this (as `GPTConfig`).
     """
 
@@ -73,8 +75,10 @@ class QwenConfig:
     init_std: float = 0.02
     dtype: str = "float32"
     vocab_multiple: int = 1
+    remat: str = "none"
 
     def __post_init__(self):
+        check_compute(self.dtype, self.remat)
         for f in ("vocab_size", "emb_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "block_size", "vocab_multiple"):
             if getattr(self, f) <= 0:
@@ -229,7 +233,7 @@ class Attention(nnx.Module):
         b, t, h_l, hd = q.shape
         k_l = k.shape[2]
         q = q.reshape(b, t, k_l, h_l // k_l, hd)  # [B, T, K_l, G, hd]: G query heads per KV head
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(hd))
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K_l, G, T, S]
@@ -254,13 +258,16 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x))."""
 
     def __init__(self, cfg: QwenConfig, ctx: ParallelContext, *, tensor_size: int, rngs: nnx.Rngs):
-        self.ctx = ctx
+        self.ctx, self.remat = ctx, cfg.remat
         self.input_layernorm = RMSNorm(cfg.emb_dim, cfg.norm_eps, "embed")
         self.self_attn = Attention(cfg, ctx, tensor_size=tensor_size, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.emb_dim, cfg.norm_eps, "embed")
         self.mlp = MLP(cfg, ctx, rngs=rngs)
 
-    def __call__(self, x):  # [B, T(/tp with SP), D]
+    def __call__(self, x):  # [B, T(/tp with SP), D] in cfg.dtype
+        return remat_call(self, DecoderLayer.forward, x, self.remat)
+
+    def forward(self, x):
         x = x + self.self_attn(self.ctx.enter(self.input_layernorm(x)))
         return x + self.mlp(self.ctx.enter(self.post_attention_layernorm(x)))
 

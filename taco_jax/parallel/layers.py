@@ -127,3 +127,45 @@ def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, ctx: Par
 def residual_std(n_layers: int, std: float = 0.02) -> float:
     """GPT-2's scaled init for projections into the residual stream: std / sqrt(2 · n_layers)."""
     return std / math.sqrt(2 * n_layers)
+
+
+#: Activation rematerialisation of each decoder layer (`--remat`), MaxText's `remat_policy` names
+#: in brackets: "none" keeps every activation for the backward pass; "block" saves the outputs of
+#: the layer's weight matmuls and recomputes the rest (norms, GELU/SwiGLU, attention scores and
+#: softmax) [minimal]; "full" saves only the layer's input and recomputes the whole layer [full;
+#: Megatron `--recompute-granularity full --recompute-method uniform`, 1 layer per group].
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+#: Compute dtypes a model may run in (`--dtype`); parameters always stay float32.
+COMPUTE_DTYPES = ("bfloat16", "float32")
+
+
+def check_compute(dtype: str, remat: str) -> None:
+    """Raises ValueError naming a compute dtype or remat mode that is not supported."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {COMPUTE_DTYPES}")
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r} is not supported; choose one of {tuple(REMAT_POLICIES)}")
+
+
+def remat_call(layer: nnx.Module, forward, x: jax.Array, remat: str) -> jax.Array:
+    """forward(layer, x), rematerialised per `REMAT_POLICIES[remat]` (`nnx.remat`, i.e. `jax.checkpoint`).
+
+    Recomputation repeats the layer's forward all-reduces in the backward pass (as Megatron's
+    recompute does); the values, hence the loss and gradients, are unchanged.
+    """
+    if remat == "none":
+        return forward(layer, x)
+    return nnx.remat(forward, policy=REMAT_POLICIES[remat])(layer, x)
+
+
+def layer_norm(features: int, dtype: str, *, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """LayerNorm (ε 1e-5, two-pass variance) that computes its statistics in float32 and returns `dtype`
+    (flax otherwise promotes bf16 input with the float32 scale to a float32 output, so the tensor-parallel
+    message after the norm would be float32). Scale and bias are float32 parameters."""
+    return nnx.LayerNorm(features, epsilon=1e-5, use_fast_variance=False, dtype=jnp.dtype(dtype),
+                         param_dtype=jnp.float32, rngs=rngs)

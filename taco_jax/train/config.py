@@ -9,6 +9,7 @@ from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
 from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.models import GPTConfig, get_config
+from taco_jax.parallel.layers import check_compute
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
 from taco_jax.parallel.pipeline import check_pipeline
 
@@ -148,6 +149,8 @@ class TrainConfig:
     eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
     init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
     export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
+    dtype: str = "bfloat16"  # compute dtype: bfloat16 (bf16 TP messages; FP32 weights, Adam, norms, loss) | float32
+    remat: str = "none"  # rematerialise each decoder layer: none | block (keep matmul outputs) | full (keep input)
     make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
     allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
     log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
@@ -172,6 +175,7 @@ class TrainConfig:
         for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
+        check_compute(self.dtype, self.remat)
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
         if not self.lr > 0:
@@ -236,10 +240,13 @@ class TrainConfig:
     @property
     def model_config(self) -> GPTConfig:
         """The model: `--init-from`'s config.json, else the preset with our tokenizer's vocabulary; its
-        vocabulary padded to a multiple of make_vocab_size_divisible_by × tensor size (Megatron)."""
+        vocabulary padded to a multiple of make_vocab_size_divisible_by × tensor size (Megatron); with
+        this run's compute `dtype` and `remat`."""
         multiple = self.make_vocab_size_divisible_by * self.mesh_axes.get("tensor", 1)
         if self.init_from:
             from taco_jax.models.hf import config_from_hf
 
-            return config_from_hf(self.init_from, vocab_multiple=multiple)
-        return get_config(self.model, vocab_size=self.vocab_size, vocab_multiple=multiple)
+            cfg = config_from_hf(self.init_from, vocab_multiple=multiple)
+            return dataclasses.replace(cfg, dtype=self.dtype, remat=self.remat)
+        return get_config(self.model, vocab_size=self.vocab_size, vocab_multiple=multiple, dtype=self.dtype,
+                          remat=self.remat)

@@ -7,6 +7,7 @@ Run from the shell:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -37,7 +38,7 @@ from taco_jax.train import capture, jsonio
 from taco_jax.train import distributed as dist
 from taco_jax.train.checkpoint import Checkpoints
 from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
-from taco_jax.train.step import make_trainer
+from taco_jax.train.step import compiled_memory, make_trainer
 
 
 def check_out_dir(out) -> pathlib.Path:
@@ -129,9 +130,14 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     checked = any(getattr(policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
     t0 = time.perf_counter()
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)
-    train_step = trainer.train_step.lower(params, opt_state, batch, batch).compile()
+    lowered = trainer.train_step.lower(params, opt_state, batch, batch)
+    train_step = lowered.compile()
     compile_s = time.perf_counter() - t0
     wire = collective_bytes(train_step.as_text(), trainer.mesh)
+    # as the program issues them, before the backend's dtype rewrites (XLA:CPU has no bf16 all-reduce
+    # and promotes it to f32; GPUs send bf16)
+    issued = collective_bytes(lowered.as_text(dialect="hlo"), trainer.mesh)
+    memory = compiled_memory(train_step)  # per device; temp = activations etc. (what --remat lowers)
 
     start, history = 0, []
     if resume_from is not None:  # placed as the compiled step returns them (its steady-state layout)
@@ -232,8 +238,13 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         "tokens_per_s": tokens_per_step * (len(history) and history[-1]["step"] - start) / wall,
         "train_wall_s": wall,
         "compile_s": compile_s,
+        "dtype": cfg.dtype,  # compute dtype (TP messages); parameters and optimizer state are float32
+        "remat": cfg.remat,
+        "compiled_memory_bytes": memory,  # per device, of the compiled train step (None: not reported)
         "wire_bytes_per_step": wire["by_axis"],
         "wire_detail": wire["detail"],
+        "wire_bytes_per_step_issued": issued["by_axis"],  # uncompiled HLO: bf16 all-reduces counted as bf16
+        "wire_bytes_per_step_issued_as_f32": as_f32(issued["detail"]),  # the same, every bf16 message at 4 bytes
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",
         "processes": jax.process_count(),
     }
@@ -307,6 +318,21 @@ def _metrics_log(path, kept: list[dict], writer: bool):
         yield log
 
 
+def as_f32(detail: list[dict]) -> dict[str, int]:
+    """Wire bytes by axis from `collective_bytes(...)["detail"]` with every bf16 / f16 message counted at
+    4 bytes per element (what the same run would send computing in FP32)."""
+    out = collections.Counter()
+    for row in detail:
+        out[row["axis"]] += row["bytes"] * (2 if row["dtype"] in ("bf16", "f16") else 1)
+    return dict(out)
+
+
+def _ratio(runs: dict, key: str) -> float | None:
+    """Compressed / exact tensor-axis wire bytes of `compare`'s two runs under summary key `key`."""
+    exact = runs["none"][key].get("tensor", 0)
+    return runs["taco"][key].get("tensor", 0) / exact if exact else None
+
+
 def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Trains the same model twice (same seed and data order): exact on every axis ("none"), then
     with `cfg.policy` ("taco": `--comm` and its codec flags, `--dp-comm`, `--pp-comm`, `--policy`, `--site`).
@@ -340,6 +366,11 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
         "tensor_wire_ratio_taco_over_none": ratio.get("tensor"),
         "wire_ratio_taco_over_none": ratio,  # per mesh axis: compressed / exact wire bytes per step
         "wire_bytes_per_step": wire,
+        # wire ratio against the exact run's messages as issued (bf16 with --dtype bfloat16) and as if
+        # they were FP32 (the uncompiled HLO; XLA:CPU's compiled exact all-reduces are f32 either way)
+        "tensor_wire_ratio_vs_exact_issued": _ratio(runs, "wire_bytes_per_step_issued"),
+        "tensor_wire_ratio_vs_exact_f32": _ratio(runs, "wire_bytes_per_step_issued_as_f32"),
+        "dtype": cfg.dtype,
         "tokens_per_s": {c: r["tokens_per_s"] for c, r in runs.items()},
         "config": {k: v for k, v in cfg.to_dict().items() if k not in ("policy", "out")},
     }

@@ -79,6 +79,21 @@ class Trainer:
         return self.train_step.lower(params, opt_state, inputs, targets).compile().as_text()
 
 
+def compiled_memory(compiled) -> dict | None:
+    """Per-device memory of a compiled step in bytes (XLA `memory_analysis()`): `temp` (the scratch
+    buffers: activations kept for the backward pass, what `--remat` lowers), `argument`, `output`,
+    `alias` (donated arguments reused as outputs), `generated_code`. None where the backend gives no
+    analysis."""
+    try:
+        mem = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):  # backends without an analysis
+        return None
+    if mem is None:
+        return None
+    return {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output", "alias",
+                                                                   "generated_code")}
+
+
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Learning rate of the update with optax step count c = 0, 1, ... (training step k = c + 1).
 
@@ -146,7 +161,9 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
     pipelined: run the pipeline schedules (stacked layers); default: when the mesh has stage > 1
     or microbatches > 1.
     explicit_dp: differentiate per data shard inside `shard_map` and sum the gradients with
-    `sync_gradients`; default: when pipelined or `policy.dp_grads` compresses. Otherwise the
+    `sync_gradients`; default: when pipelined, when `policy.dp_grads` compresses, or when the model
+    computes in a dtype other than float32 (the implicit path would all-reduce the gradients in
+    that dtype, before their cast back to the FP32 parameters; here they are summed in FP32). Otherwise the
     gradient is taken outside `shard_map` (its transpose inserts the data-axis psum) — the
     pre-3D formulation, kept so exact runs reproduce earlier numbers bit for bit (the explicit
     path with an exact codec agrees to float rounding, ~1e-7 relative; tests/test_3d.py).
@@ -163,8 +180,8 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
     if pipelined is None:
         pipelined = mesh.shape.get("stage", 1) > 1 or microbatches > 1
     staged = pp.StagedModel.from_model(abstract) if pipelined else None
-    if explicit_dp is None:
-        explicit_dp = pipelined or policy.dp_grads.kind != "none"
+    if explicit_dp is None:  # mixed precision: FP32 gradient all-reduce over data (as Megatron's main grads)
+        explicit_dp = pipelined or policy.dp_grads.kind != "none" or model_cfg.dtype != "float32"
     if pipelined and not explicit_dp:
         raise ValueError("pipelined=True needs explicit_dp=True (the schedules compute gradients inside shard_map)")
     specs = staged.specs(mesh.axis_names) if staged else param_specs(abstract_state, mesh.axis_names)
