@@ -316,11 +316,15 @@ class Qwen(nnx.Module):
         """Mean cross-entropy of the final hidden states x [B, T(/tp), D] against targets [B, T]."""
         return jnp.mean(vocab_parallel_cross_entropy(self.logits(x), targets, self.ctx))
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
+    def _hidden(self, ids: jax.Array) -> jax.Array:
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
-        return self.logits(x)
+        return x
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return self.logits(self._hidden(ids))  # [B, T, V/tp]
 
     def loss(self, ids: jax.Array, targets: jax.Array) -> jax.Array:
-        return jnp.mean(vocab_parallel_cross_entropy(self(ids), targets, self.ctx))
+        """Mean cross-entropy of the next-token predictions for ids, targets: int32 [B, T]."""
+        return self.head_loss(self._hidden(ids), targets)

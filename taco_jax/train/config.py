@@ -242,7 +242,7 @@ class TrainConfig:
         """The model: `--init-from`'s config.json, else the preset with our tokenizer's vocabulary; its
         vocabulary padded to a multiple of make_vocab_size_divisible_by × tensor size (Megatron); with
         this run's compute `dtype` and `remat`."""
-        multiple = self.make_vocab_size_divisible_by * self.mesh_axes.get("tensor", 1)
+        multiple = self.make_vocab_size_divisible_by * self.mesh_axes.get(TENSOR, 1)
         if self.init_from:
             from taco_jax.models.hf import config_from_hf
 

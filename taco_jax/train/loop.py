@@ -32,7 +32,7 @@ from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.data import eval_batches, load_shakespeare
 from taco_jax.models import count_params
 from taco_jax.models.hf import read_config, save_hf
-from taco_jax.parallel.mesh import MESH_AXES, STAGE
+from taco_jax.parallel.mesh import DATA, MESH_AXES, STAGE
 from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture, jsonio
 from taco_jax.train import distributed as dist
@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         raise ValueError(f"{ckpt.directory} holds checkpoints (latest step {saved[-1]}); give --resume to continue "
                          "that run, or another --out")
     params, opt_state = trainer.init()  # identical initial parameters for every --comm (same seed)
-    batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in ("data",) if a in trainer.mesh.axis_names)))
+    batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
     batches = dist.TrainBatches(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # = batch_iterator's stream
     resume_from = saved[-1] if cfg.resume and saved else None  # the latest complete checkpoint
     if resume_from is not None:

@@ -25,7 +25,7 @@ from taco_jax.collectives.dp import sync_gradients, vary
 from taco_jax.models import decays, make_model
 from taco_jax.parallel import ParallelContext, param_specs
 from taco_jax.parallel import pipeline as pp
-from taco_jax.parallel.mesh import make_mesh
+from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, make_mesh
 from taco_jax.parallel.state import merge_params
 from taco_jax.train.config import TrainConfig
 
@@ -169,16 +169,16 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
     path with an exact codec agrees to float rounding, ~1e-7 relative; tests/test_3d.py).
     tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
     """
-    tensor_axis = "tensor" if "tensor" in mesh.axis_names else None
-    stage_axis = "stage" if "stage" in mesh.axis_names else None
-    data_axis = "data" if "data" in mesh.axis_names else None
+    tensor_axis = TENSOR if TENSOR in mesh.axis_names else None
+    stage_axis = STAGE if STAGE in mesh.axis_names else None
+    data_axis = DATA if DATA in mesh.axis_names else None
     n_data = mesh.shape[data_axis] if data_axis else 1
     ctx = ParallelContext(tensor_axis=tensor_axis, policy=policy, sequence_parallel=sequence_parallel, tap=tap)
     abstract = nnx.eval_shape(lambda: make_model(model_cfg, ctx, rngs=nnx.Rngs(0),
-                                                 tensor_size=mesh.shape.get("tensor", 1)))
+                                                 tensor_size=mesh.shape.get(TENSOR, 1)))
     graphdef, abstract_state = nnx.split(abstract, nnx.Param)
     if pipelined is None:
-        pipelined = mesh.shape.get("stage", 1) > 1 or microbatches > 1
+        pipelined = mesh.shape.get(STAGE, 1) > 1 or microbatches > 1
     staged = pp.StagedModel.from_model(abstract) if pipelined else None
     if explicit_dp is None:  # mixed precision: FP32 gradient all-reduce over data (as Megatron's main grads)
         explicit_dp = pipelined or policy.dp_grads.kind != "none" or model_cfg.dtype != "float32"
@@ -257,6 +257,6 @@ def _decay_mask(abstract_state, staged):
 
 def shard_batch(trainer: Trainer, *arrays):
     """Puts host int32 [B, T] arrays on the mesh, split over the data axis."""
-    axes = tuple(a for a in ("data",) if a in trainer.mesh.axis_names)
+    axes = tuple(a for a in (DATA,) if a in trainer.mesh.axis_names)
     sharding = NamedSharding(trainer.mesh, P(axes or None))
     return tuple(jax.device_put(jnp.asarray(a), sharding) for a in arrays)
