@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--captures", required=True, help="<run>/captures folder written by `train --capture N`")
     cal.add_argument("--out", default="policy.json", help="policy file to write (for `train --policy FILE`)")
     cal.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
-                     help="max wire bytes per element of a chosen codec (default: TACO's, E4M3 G=128 dual scales)")
+                     help="max wire bytes per element of a chosen codec (= TACO's E4M3 G=128 dual codec)")
     cal.add_argument("--max-messages", type=int, default=16, help="messages per site in each split")
     cal.add_argument("--kinds", nargs="+", default=None, help="restrict the candidates to these codec kinds")
     return p

@@ -121,6 +121,9 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
     batches = dist.TrainBatches(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # = batch_iterator's stream
     resume_from = saved[-1] if cfg.resume and saved else None  # the latest complete checkpoint
+    if cfg.resume and not saved and writer:
+        print(f"[taco-jax] --resume: no checkpoint in {ckpt.directory}; starting from step 0", file=sys.stderr,
+              flush=True)
     if resume_from is not None:
         ckpt.check(resume_from, cfg.to_dict(), params, opt_state)  # CheckpointError naming what differs
 
