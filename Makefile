@@ -26,12 +26,13 @@ cuda: $(STAMP)
 	  $(MAKE) --no-print-directory -C custom_calls cuda PYTHON=$(abspath $(PY)); \
 	else echo "nvcc not found: CUDA FFI library not built"; fi
 
-## CPU torch + triton for the Triton interpreter test (the `gpu-sim` extra; ~30 s from the local wheel).
-## Where no CPU torch wheel exists for this Python, the test skips (named reason) instead of failing.
+## CPU torch + triton for the Triton interpreter test (the `gpu-sim` extra; ~30 s from the local wheel),
+## and transformers for the Hugging Face cross-check (the `hf` extra: transformers loads our export).
+## Where no CPU torch wheel exists for this Python, those tests skip (named reason) instead of failing.
 gpu-sim: $(SIM)
 $(SIM): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,gpu-sim]' \
-	  || echo "gpu-sim extra not installed (no torch 2.13.0+cpu wheel for this Python): Triton interpreter test skips"
+	$(PY) -m pip install --quiet -e '.[dev,gpu-sim,hf]' \
+	  || echo "gpu-sim/hf extras not installed (no torch 2.13.0+cpu wheel for this Python): their tests skip"
 	touch $(SIM)
 
 ## Main job: GPT on Shakespeare, --comm none vs --comm taco on a simulated data=2 × tensor=4 CPU mesh.
