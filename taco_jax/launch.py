@@ -10,6 +10,7 @@ SIGINT to the launcher is forwarded to every process (a preemption: they checkpo
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -18,6 +19,15 @@ import subprocess
 import sys
 import threading
 import time
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGKILL when the launcher dies, even by SIGKILL, so a killed
+    launcher never leaves training processes behind (prctl PR_SET_PDEATHSIG). Elsewhere: no-op."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:
@@ -67,7 +77,7 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         cmd = [sys.executable, "-m", "taco_jax.cli", *argv, "--coordinator", f"127.0.0.1:{port}",
                "--num-processes", str(processes), "--process-id", str(i)]
         procs.append(subprocess.Popen(cmd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+                                      start_new_session=True, preexec_fn=_die_with_parent))
     lock = threading.Lock()
 
     def pump(i, p):

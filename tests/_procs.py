@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -34,9 +35,17 @@ def cli(*args, processes: int = 0) -> list[str]:
 
 
 def run(cmd, cache_dir, *, timeout: float = 420, **extra) -> subprocess.CompletedProcess:
-    """Runs `cmd` to its end (killed after `timeout` s: the test fails, nothing hangs)."""
-    return subprocess.run(cmd, cwd=ROOT, env=env(cache_dir, **extra), capture_output=True, text=True,
-                          timeout=timeout)
+    """Runs `cmd` to its end; after `timeout` s its whole process group is killed (a launcher's
+    children die with it: `launch._die_with_parent`) and the test fails: nothing hangs or lingers."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(cache_dir, **extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout} s\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def start(cmd, cache_dir, log_path, **extra) -> subprocess.Popen:
@@ -56,7 +65,7 @@ def wait_for(pred, proc, *, timeout: float, what: str, log=None) -> float:
         if proc.poll() is not None:
             raise AssertionError(f"process ended (status {proc.returncode}) before {what}\n{tail()}")
         time.sleep(0.05)
-    proc.kill()
+    os.killpg(proc.pid, signal.SIGKILL)  # started in its own session: the group is its processes
     raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tail()}")
 
 
