@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
 from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
@@ -237,7 +238,7 @@ class TrainConfig:
     def mesh_axes(self) -> dict[str, int]:
         return parse_mesh(self.mesh)
 
-    @property
+    @functools.cached_property  # built once: with --init-from it reads config.json
     def model_config(self) -> GPTConfig:
         """The model: `--init-from`'s config.json, else the preset with our tokenizer's vocabulary; its
         vocabulary padded to a multiple of make_vocab_size_divisible_by × tensor size (Megatron); with

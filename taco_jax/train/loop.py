@@ -103,6 +103,9 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     writer = dist.is_writer()  # process 0 writes the run's files
     if cfg.capture and jax.process_count() > 1:
         raise ValueError(f"capture={cfg.capture} records on one process; run it without --num-processes")
+    if cfg.export_hf and jax.process_count() > 1:  # each process holds only its shards of the parameters
+        raise ValueError(f"export_hf={cfg.export_hf!r} writes from one process; export from a one-process run "
+                         "(e.g. --resume the checkpoint without --num-processes)")
     trainer = make_trainer(cfg, devices)
     policy = trainer.policy  # backends resolved ("auto" -> what runs here)
     if writer:
