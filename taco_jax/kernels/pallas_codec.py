@@ -121,6 +121,9 @@ def _encode_kernel(x_ref, h_ref, codes_ref, s_ref, a_ref, *, block, g, n_groups,
     m = jnp.sum(x * x, axis=1) / count
     v = jnp.maximum(m + np.float32(lam), np.float32(C.EPS))
     a = jnp.clip(np.float32(fmax) / jnp.sqrt(v), np.float32(C.ADAPTIVE_SCALE_MIN), np.float32(C.ADAPTIVE_SCALE_MAX))
+    # NaN in -> NaN a, as the reference: Triton lowers maximum/clip to fmax/fmin, which drop NaN
+    # (seen on an H200: a NaN group got a = ADAPTIVE_SCALE_MAX)
+    a = jnp.where(jnp.isnan(m), np.float32(np.nan), a)
     xa = a[:, None] * x
     # 3. y = WHT(a x) / sqrt(G), by column chunks of H (a loop, not unrolled: G = 512 would
     # otherwise make a huge Triton kernel); pass 1 takes the absmax, pass 2 recomputes y.
