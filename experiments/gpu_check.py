@@ -1,11 +1,11 @@
 """One JSON report of the GPU path, for a lent GPU (run by experiments/gpu_check.sh; <= 8 min on an H200).
 
 Sections (each runs even if an earlier one failed; a failure is recorded as {"error": ...} and named
-in "errors"):
+in "errors"; a section left out by --sections is {"skipped": ...}, not an error):
   conformance  every available codec backend (not `auto`) against `reference` under the rule of
                `taco_jax.kernels` (tests/test_kernels.py::check_backend): E4M3 / E5M2, G 32/128/512;
-  throughput   encode / decode GB/s of the f32 message beside a device memcpy of the same bytes
-               (experiments/bench_codec.py, steady regime: donated buffers), 1-256 MB;
+  throughput   encode / decode GB/s of the f32 message beside an XLA device copy of the same bytes
+               (back-to-back calls, two inputs rotated, median of 3 passes), --sizes MB (16,64,256);
   collectives  compressed (taco) vs exact all-reduce and all-gather over the visible devices
                (skipped, with the reason, on one device), time and relative error;
   training     a short compressed training run (gpt2-tiny, synthetic learnable tokens): losses, s/step.
@@ -93,20 +93,46 @@ def conformance(dry: bool) -> list[dict]:
     return rows
 
 
-def throughput(dry: bool) -> list[dict]:
-    import bench_codec  # noqa: PLC0415
+def _per_call(fn, args_list, reps: int) -> float:
+    """Seconds per call of `fn` over `reps` back-to-back calls (inputs rotated, so a message below
+    the L2 size is not served from the cache), after a warm-up; median of 3 such passes."""
+    jax.block_until_ready(fn(*args_list[0]))
+    passes = []
+    for _ in range(3):
+        t = time.perf_counter()
+        outs = [fn(*args_list[i % len(args_list)]) for i in range(reps)]
+        jax.block_until_ready(outs)
+        passes.append((time.perf_counter() - t) / reps)
+    return float(np.median(passes))
 
+
+def throughput(dry: bool, sizes_mb=(16, 64, 256)) -> list[dict]:
+    """Encode / decode GB/s of an f32 message (bytes of the f32 message per second) beside an XLA
+    device copy of the same bytes (`jnp.copy`: read + write), per backend and size."""
+    from taco_jax import kernels  # noqa: PLC0415
     from taco_jax.codec.config import CodecConfig  # noqa: PLC0415
 
     cfg = CodecConfig()
+    g = cfg.group_size
     names = [b for b in backends_here() if not (b == "pallas" and jax.default_backend() == "cpu")]
     rows = []
-    for mb in (0.0625,) if dry else (1, 4, 16, 64, 256):
-        res = bench_codec.bench_size(mb, cfg, names, rounds=1 if dry else 10)
-        for r in res["rows"]:
-            if r["regime"] == "steady" and r["kind"] != "memcpy":
-                rows.append(dict(backend=r["backend"], op=r["kind"], size_mb=res["size_mb"], gbps=r["gbps"],
-                                 memcpy_gbps=res["memcpy_gbps"]["steady"], ratio_vs_memcpy=r["ratio_vs_memcpy"]))
+    rng = np.random.default_rng(0)
+    for mb in (0.0625,) if dry else sizes_mb:
+        n = max(1, int(mb * 2**20) // (4 * g))
+        xs = [jnp.asarray(rng.standard_normal((n, g), dtype=np.float32)) for _ in range(2)]
+        nbytes = n * g * 4
+        reps = 2 if dry else 20
+        t_copy = _per_call(jax.jit(jnp.copy), [(x,) for x in xs], reps)
+        for name in names:
+            enc, dec = kernels.get_backend(name)
+            f_enc = jax.jit(lambda t, enc=enc: enc(t, cfg, last_count=g))
+            f_dec = jax.jit(dec)
+            encs = [jax.block_until_ready(f_enc(x)) for x in xs]
+            for op, fn, args in (("encode", f_enc, [(x,) for x in xs]), ("decode", f_dec, encs)):
+                t = _per_call(fn, args, reps)
+                rows.append(dict(backend=name, op=op, size_mb=nbytes / 2**20, gbps=nbytes / t / 1e9,
+                                 memcpy_gbps=nbytes / t_copy / 1e9, ratio_vs_memcpy=t_copy / t))
+            del encs
     return rows
 
 
@@ -144,7 +170,7 @@ def collectives(dry: bool) -> dict:
     return dict(n_devices=n, backend=codec.backend, rows=rows)
 
 
-def training(dry: bool) -> dict:
+def training(dry: bool, n_steps: int = 30) -> dict:
     from taco_jax import kernels  # noqa: PLC0415
     from taco_jax.train.config import TrainConfig  # noqa: PLC0415
     from taco_jax.train.step import make_trainer, shard_batch  # noqa: PLC0415
@@ -154,7 +180,7 @@ def training(dry: bool) -> dict:
     tp = next(t for t in (4, 2, 1) if n % t == 0)  # gpt2-tiny's 4 heads split over <= 4 devices
     mesh = f"data={n // tp},tensor={tp}" if tp > 1 else f"data={n}"  # tensor=1: no TP message to compress
     backend = kernels.resolve("auto")
-    steps, v, b, t = (2, 512, 8, 32) if dry else (30, 2048, 16, 128)
+    steps, v, b, t = (2, 512, 8, 32) if dry else (max(3, n_steps), 2048, 16, 128)
     cfg = TrainConfig.from_flags(model="gpt2-tiny", comm="taco", backend=backend, mesh=mesh, vocab_size=v, batch_size=b,
                       seq_len=t, steps=steps, warmup_steps=1, dp_comm="taco" if n == 1 else "none")
     tr = make_trainer(cfg, devices=devices)
@@ -212,6 +238,8 @@ def validate(report: dict) -> None:
         raise ValueError(f"errors must be a list, got {report['errors']!r}")
     for name in SECTIONS:
         sec = report[name]
+        if isinstance(sec, dict) and set(sec) == {"skipped"}:
+            continue
         if isinstance(sec, dict) and "error" in sec:
             if name not in report["errors"]:
                 raise ValueError(f"{name} failed but is not listed in errors")
@@ -238,16 +266,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for gpu_check.json")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny sizes; validates the report's format")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--sizes", default="16,64,256", help="throughput: message sizes in MB (f32), comma-separated")
+    p.add_argument("--train-steps", type=int, default=30, help="training: steps (2 in a dry run)")
     args = p.parse_args(argv)
     wanted = args.sections.split(",")
     if bad := [s for s in wanted if s not in SECTIONS]:
         raise ValueError(f"--sections {bad} not in {SECTIONS}")
     t_all = time.perf_counter()
     report = dict(schema=SCHEMA, dry_run=args.dry_run, environment=environment(), errors=[])
-    for name, fn in zip(SECTIONS, (conformance, throughput, collectives, training)):
+    sizes = tuple(float(v) for v in args.sizes.split(","))
+    fns = (conformance, lambda dry: throughput(dry, sizes), collectives, lambda dry: training(dry, args.train_steps))
+    for name, fn in zip(SECTIONS, fns):
         if name not in wanted:
-            report[name] = {"error": "not run (--sections)"}
-            report["errors"].append(name)
+            report[name] = {"skipped": "not run (--sections)"}
             continue
         t = time.perf_counter()
         try:

@@ -15,7 +15,9 @@
 # Usage:  bash experiments/gpu_check.sh             # on the GPU (device tool; OUT=$OUT there)
 #         bash experiments/gpu_check.sh --dry-run   # on CPU: tiny sizes, validates the report format
 #   env: OUT (results folder, default runs/gpu_check), PYTHON (default python3, or .venv's),
-#        CUDA_ARCH (default sm_90), LIMIT_S (default 480: the report step's time limit).
+#        CUDA_ARCH (default sm_90), LIMIT_S (default 480: the report step's time limit),
+#        PYTEST_GPU (1: run `pytest -m gpu` first, into $OUT/pytest_gpu.log), AOT (1: triton_aot.py),
+#        SECTIONS, SIZES (MB), TRAIN_STEPS: passed to gpu_check.py.
 # Exit status: that of gpu_check.py (0: no section failed and every backend conforms).
 
 DRY=0
@@ -57,12 +59,20 @@ make -C custom_calls clean > /dev/null
 make -C custom_calls cpu cuda PYTHON="$PYTHON" CUDA_ARCH="$CUDA_ARCH" > "$OUT/build.log" 2>&1 \
   || { echo "gpu_check: FFI build failed (see build.log); the ffi backend will be missing"; tail -5 "$OUT/build.log"; }
 
-# 3. Triton kernels compiled ahead of time for this GPU: registers, shared memory, spills (seconds)
-timeout 120 $PYTHON experiments/triton_aot.py --out "$OUT/triton_aot.json" --arch "${CUDA_ARCH#sm_}" \
+# 3. the GPU tests (pytest -m gpu: every GPU backend against `reference`); PYTEST_GPU=0 skips
+if [ "${PYTEST_GPU:-1}" = 1 ]; then
+  JAX_PLATFORMS=cuda timeout 200 $PYTHON -m pytest -q -m gpu tests/test_kernels.py -p no:cacheprovider \
+    > "$OUT/pytest_gpu.log" 2>&1; echo "gpu_check: pytest -m gpu rc=$? ($(tail -1 "$OUT/pytest_gpu.log"))"
+fi
+
+# 4. Triton kernels compiled ahead of time for this GPU: registers, shared memory, spills (seconds); AOT=0 skips
+[ "${AOT:-1}" = 1 ] && timeout 120 $PYTHON experiments/triton_aot.py --out "$OUT/triton_aot.json" --arch "${CUDA_ARCH#sm_}" \
   || echo "gpu_check: triton_aot failed"
 
-# 4. the report
-timeout "$LIMIT_S" $PYTHON experiments/gpu_check.py --out "$OUT"
+# 5. the report (SECTIONS: a comma-separated subset; SIZES: throughput sizes in MB; TRAIN_STEPS)
+timeout "$LIMIT_S" $PYTHON experiments/gpu_check.py --out "$OUT" \
+  --sections "${SECTIONS:-conformance,throughput,collectives,training}" --sizes "${SIZES:-16,64,256}" \
+  --train-steps "${TRAIN_STEPS:-30}"
 rc=$?
 date
 exit $rc

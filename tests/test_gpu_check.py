@@ -60,3 +60,9 @@ def test_validate_names_the_bad_field(dry_report, edit, match):
     edit(bad)
     with pytest.raises(ValueError, match=match):
         gpu_check.validate(bad)
+
+
+def test_a_section_left_out_is_skipped_not_an_error(dry_report):
+    rep = copy.deepcopy(dry_report)
+    rep["training"] = {"skipped": "not run (--sections)"}
+    gpu_check.validate(rep)  # no error: --sections left it out
