@@ -66,8 +66,10 @@ if [ "${PYTEST_GPU:-1}" = 1 ]; then
 fi
 
 # 4. Triton kernels compiled ahead of time for this GPU: registers, shared memory, spills (seconds); AOT=0 skips
-[ "${AOT:-1}" = 1 ] && timeout 120 $PYTHON experiments/triton_aot.py --out "$OUT/triton_aot.json" --arch "${CUDA_ARCH#sm_}" \
-  || echo "gpu_check: triton_aot failed"
+if [ "${AOT:-1}" = 1 ]; then
+  timeout 120 $PYTHON experiments/triton_aot.py --out "$OUT/triton_aot.json" --arch "${CUDA_ARCH#sm_}" \
+    || echo "gpu_check: triton_aot failed"
+fi
 
 # 5. the report (SECTIONS: a comma-separated subset; SIZES: throughput sizes in MB; TRAIN_STEPS)
 timeout "$LIMIT_S" $PYTHON experiments/gpu_check.py --out "$OUT" \
