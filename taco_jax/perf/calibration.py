@@ -1,0 +1,222 @@
+"""Fitting the cost model to measurements, and the `min_bytes="auto"` break-even threshold.
+
+Rows are dicts in the shape of `experiments/bench_collectives.py`'s JSON (schema
+"taco_jax.bench_collectives/1": collective, algorithm, codec, backend, dtype, transport, processes,
+size_bytes (per-rank message), time_s_median, ...) or of `experiments/costmodel_measure.py`'s (the
+same keys, plus rows with collective "codec" holding encode_s / decode_s of a whole message).
+
+Calibration file (`CALIBRATION_FORMAT`, e.g. `calibration_cpu_gloo.json` beside this module): the
+fitted link and codec speeds, the rows' source and the command that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from taco_jax.codec import CodecConfig
+from taco_jax.collectives.policy import TENSOR_SITES, CommPolicy
+from taco_jax.perf import model
+from taco_jax.perf.model import CodecSpeed, Link
+
+CALIBRATION_FORMAT = "taco_jax.perf.calibration/1"
+#: The calibration shipped for CPU (2 processes, gloo over 127.0.0.1 on this repository's machine).
+CPU_CALIBRATION = pathlib.Path(__file__).with_name("calibration_cpu_gloo.json")
+_OP_OF = {"psum": "all_reduce", "all_reduce": "all_reduce", "all_gather": "all_gather",
+          "psum_scatter": "reduce_scatter", "reduce_scatter": "reduce_scatter", "ppermute": "send", "send": "send"}
+
+
+def _num(row: dict, key: str) -> float:
+    v = row.get(key)
+    if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"row {row.get('collective')!r} size {row.get('size_bytes')!r}: {key}={v!r} "
+                         f"must be a finite number >= 0")
+    return float(v)
+
+
+def fit_link(rows, *, name: str = "gloo-loopback", source: str = "") -> Link:
+    """α (s) and β (s/byte) from exact all-reduce timings by least squares on
+    t = 2(p-1)·α + 2(p-1)/p·n·β (n = size_bytes, p = processes; rows with codec "none" and
+    collective psum / all_reduce; time_s_median). With a single p this is a straight-line fit of t on n.
+
+    Raises: ValueError when fewer than two distinct sizes are given, for a bad row value, or when
+      the fit gives a negative β (the rows do not grow with size). A negative α is clipped to 0.
+    """
+    pts = [(int(r.get("processes", 2)), _num(r, "size_bytes"), _num(r, "time_s_median")) for r in rows
+           if r.get("codec", "none") == "none" and _OP_OF.get(r.get("collective")) == "all_reduce"]
+    if len({n for _, n, _ in pts}) < 2:
+        raise ValueError(f"fit_link needs exact all-reduce rows at >= 2 sizes; got {len(pts)} rows")
+    a = np.array([[2.0 * (p - 1), 2.0 * (p - 1) / p * n] for p, n, _ in pts])
+    t = np.array([t for _, _, t in pts])
+    w = 1.0 / np.maximum(t, 1e-12)  # relative residuals: every size counts alike
+    (alpha, beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+    if beta <= 0:
+        raise ValueError(f"fitted beta={beta!r} s/byte is not positive: the exact timings do not grow with size")
+    return Link(name, max(float(alpha), 0.0), float(beta), source or f"least squares on {len(pts)} exact rows")
+
+
+def fit_codec(rows, backend: str, *, source: str = "") -> CodecSpeed:
+    """Codec speed of `backend` from rows with collective "codec" (size_bytes, encode_s, decode_s):
+    least squares (relative residuals) of t = overhead + n / throughput for encode and decode (one shared overhead, the
+    mean of the two intercepts, clipped at 0).
+
+    Raises: ValueError when fewer than two sizes of that backend are given or a slope is not positive.
+    """
+    pts = [(_num(r, "size_bytes"), _num(r, "encode_s"), _num(r, "decode_s")) for r in rows
+           if r.get("collective") == "codec" and r.get("backend") == backend]
+    if len({n for n, _, _ in pts}) < 2:
+        raise ValueError(f"fit_codec needs codec rows of backend={backend!r} at >= 2 sizes; got {len(pts)}")
+    n = np.array([p[0] for p in pts])
+    a = np.stack([np.ones_like(n), n], 1)
+    out = []
+    for col in (1, 2):
+        t = np.array([p[col] for p in pts])
+        w = 1.0 / np.maximum(t, 1e-12)  # relative residuals, as fit_link
+        (c0, c1), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+        if c1 <= 0:
+            raise ValueError(f"backend={backend!r}: fitted {'encode' if col == 1 else 'decode'} time does not grow "
+                             f"with size (slope {c1!r} s/byte)")
+        out.append((c0, c1))
+    overhead = max(0.0, (out[0][0] + out[1][0]) / 2)
+    return CodecSpeed(1e-9 / out[0][1], 1e-9 / out[1][1], overhead, source or f"least squares on {len(pts)} rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A fitted link and codec speeds per backend, with provenance (`CALIBRATION_FORMAT`)."""
+
+    link: Link
+    codec: dict
+    processes: int = 2
+    command: str = ""
+    machine: str = ""
+
+    def to_json(self, path) -> pathlib.Path:
+        path = pathlib.Path(path)
+        d = {"format": CALIBRATION_FORMAT, "command": self.command, "machine": self.machine,
+             "processes": self.processes, "link": dataclasses.asdict(self.link),
+             "codec": {k: dataclasses.asdict(v) for k, v in self.codec.items()}}
+        path.write_text(json.dumps(d, indent=2, allow_nan=False) + "\n")
+        return path
+
+    @classmethod
+    def from_json(cls, path) -> Calibration:
+        """Reads a calibration file. Raises ValueError naming the file for a wrong format or field."""
+        path = pathlib.Path(path)
+        try:
+            d = json.loads(path.read_text())
+            if d.get("format") != CALIBRATION_FORMAT:
+                raise ValueError(f"format={d.get('format')!r}, expected {CALIBRATION_FORMAT!r}")
+            return cls(Link(**d["link"]), {k: CodecSpeed(**v) for k, v in d["codec"].items()},
+                       int(d.get("processes", 2)), d.get("command", ""), d.get("machine", ""))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"calibration file {str(path)!r}: {e}") from e
+
+
+def calibrate(rows, *, command: str = "", machine: str = "") -> Calibration:
+    """`Calibration` of the gloo rows: `fit_link` on exact all-reduces and `fit_codec` per backend
+    that has codec rows. Raises ValueError from the fits."""
+    rows = [r for r in rows if r.get("transport", "gloo") == "gloo" or r.get("collective") == "codec"]
+    backends = sorted({r["backend"] for r in rows if r.get("collective") == "codec"})
+    procs = {int(r.get("processes", 2)) for r in rows if r.get("collective") != "codec"}
+    return Calibration(fit_link(rows), {b: fit_codec(rows, b) for b in backends}, max(procs or {2}), command,
+                       machine)
+
+
+def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None) -> list[dict]:
+    """Predicted vs measured time of every compressed and exact collective row that `cal` covers:
+    [{collective, backend, size_bytes, measured_s, predicted_s, error (predicted/measured - 1)}]."""
+    codec = codec or CodecConfig()
+    out = []
+    for r in rows:
+        op = _OP_OF.get(r.get("collective"))
+        if op is None or r.get("transport", "gloo") != "gloo" or r.get("dtype", "float32") != "float32":
+            continue
+        backend = r.get("backend", "none")
+        compressed = r.get("codec", "none") != "none"
+        if compressed and (r.get("codec") != "taco" or backend not in cal.codec):
+            continue
+        c = dataclasses.replace(codec, backend=backend) if compressed else model.NONE
+        pred = model.collective_time(op, r["size_bytes"], int(r.get("processes", 2)), cal.link, c,
+                                     cal.codec.get(backend), itemsize=4)
+        meas = float(r["time_s_median"])
+        out.append({"collective": r["collective"], "backend": backend if compressed else "exact",
+                    "size_bytes": r["size_bytes"], "measured_s": meas, "predicted_s": pred,
+                    "error": pred / meas - 1})
+    return out
+
+
+def load_rows(path) -> list[dict]:
+    """The rows of a bench JSON file ({"rows": [...]} or a bare list). Raises ValueError naming the file."""
+    path = pathlib.Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"bench file {str(path)!r}: {e}") from e
+    rows = d.get("rows") if isinstance(d, dict) else d
+    if not isinstance(rows, list):
+        raise ValueError(f"bench file {str(path)!r}: expected a list of rows or {{'rows': [...]}}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# min_bytes = "auto"
+# ---------------------------------------------------------------------------------------------
+def site_break_even(policy: CommPolicy, link: Link, speeds: dict, p: int, *, itemsize: int = 4,
+                    sequence_parallel: bool | None = None) -> int:
+    """Smallest message (bytes, as `CommPolicy.codec_for` measures it) from which every compressed
+    tensor site of `policy` that runs pays on `link` over `p` ranks: the largest of the sites'
+    `model.break_even_bytes` (ar_fwd / ar_bwd: all-reduce; all_gather: all-gather, threshold on the
+    local shard, i.e. the gathered size / p; reduce_scatter: reduce-scatter). `sequence_parallel`
+    True: only all_gather / reduce_scatter run; False: only ar_fwd / ar_bwd; None: all four.
+    Returns `model.NEVER` if one never pays; 0 if no site compresses.
+    `speeds`: {backend: CodecSpeed} ("default" as the fallback).
+    Raises: ValueError when a compressed site's backend has no speed in `speeds`.
+    """
+    ops = {"ar_fwd": "all_reduce", "ar_bwd": "all_reduce", "all_gather": "all_gather",
+           "reduce_scatter": "reduce_scatter"}
+    running = {None: TENSOR_SITES, True: ("all_gather", "reduce_scatter"), False: ("ar_fwd", "ar_bwd")}
+    out = 0
+    for site in running[sequence_parallel]:
+        c = getattr(policy, site)
+        if c.kind == "none":
+            continue
+        speed = speeds.get(c.backend, speeds.get("default"))
+        if speed is None:
+            raise ValueError(f"site {site}: no codec speed for backend={c.backend!r} (known: {sorted(speeds)})")
+        n = model.break_even_bytes(ops[site], p, link, c, speed, itemsize=itemsize)
+        if site == "all_gather" and n < model.NEVER:
+            n = -(-n // p)
+        out = max(out, n)
+    return out
+
+
+def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2, itemsize: int = 4,
+                      sequence_parallel: bool | None = None, calibration=None) -> CommPolicy:
+    """`policy` with min_bytes "auto" replaced by the predicted break-even size (others: unchanged).
+
+    CPU: the shipped gloo calibration (`CPU_CALIBRATION`, or `calibration`, a `Calibration` or
+    path); backends "reference" / "ffi" as measured there. GPU ("cuda"/"gpu"/"rocm"): NVLink 4 and
+    the declared H200 codec speed (`model.H200`). `tensor_size` ranks on the tensor axis (< 2 -> 2).
+    `sequence_parallel`: which tensor sites run (`site_break_even`). The threshold is computed for
+    the tensor sites and, being one number, applies to every site (`CommPolicy.codec_for`).
+    Call once the policy's backends are concrete (`CommPolicy.resolve_backends`).
+    Raises: ValueError for an unknown platform or a backend without a speed.
+    """
+    if policy.min_bytes != "auto":
+        return policy
+    p = max(int(tensor_size), 2)
+    if platform == "cpu":
+        cal = calibration if isinstance(calibration, Calibration) else Calibration.from_json(
+            calibration or CPU_CALIBRATION)
+        link, speeds = cal.link, cal.codec
+    elif platform in ("cuda", "gpu", "rocm"):
+        link, speeds = model.H200.intra, model.H200.codec
+    else:
+        raise ValueError(f"platform={platform!r}: min_bytes='auto' knows 'cpu' and 'cuda'")
+    return dataclasses.replace(policy, min_bytes=site_break_even(policy, link, speeds, p, itemsize=itemsize,
+                                                                        sequence_parallel=sequence_parallel))
