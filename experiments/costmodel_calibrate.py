@@ -26,6 +26,8 @@ def main(argv=None):
     p.add_argument("rows", nargs="+", help="bench JSON files (rows with the bench_collectives/1 keys)")
     p.add_argument("--write", default="", help="calibration JSON to write")
     p.add_argument("--stat", default="time_s_median", choices=("time_s_median", "time_s_min"))
+    p.add_argument("--codec-from", default="auto", choices=("auto", "sim", "codec"),
+                   help="codec speed from sim psum rows (the collective's local work) or isolated codec rows")
     a = p.parse_args(argv)
     rows = [r for f in a.rows for r in perf.load_rows(f)]
     if a.stat == "time_s_min":
@@ -33,7 +35,8 @@ def main(argv=None):
                  "encode_s": r.get("encode_s_min", r.get("encode_s")),
                  "decode_s": r.get("decode_s_min", r.get("decode_s"))} for r in rows]
     cmd = "python experiments/costmodel_calibrate.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    cal = perf.calibrate(rows, command=cmd, machine=f"{platform.node()} {platform.machine()} ({a.stat})")
+    cal = perf.calibrate(rows, codec_from=a.codec_from, command=cmd,
+                         machine=f"{platform.node()} {platform.machine()} ({a.stat})")
     print(f"link: alpha = {cal.link.alpha_s * 1e6:.1f} us, beta = {cal.link.beta_s_per_byte * 1e9:.3f} ns/B "
           f"({cal.link.bandwidth_GBps:.3f} GB/s)")
     for b, s in cal.codec.items():

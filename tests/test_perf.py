@@ -10,7 +10,7 @@ import pytest
 from taco_jax import perf
 from taco_jax.codec import NONE, TACO, CodecConfig
 from taco_jax.collectives.policy import TENSOR_SITES, CommPolicy
-from taco_jax.models import count_params, get_config
+from taco_jax.models import get_config
 from taco_jax.perf import model
 from taco_jax.perf.model import CodecSpeed, Hardware, Layout, Link
 
@@ -56,17 +56,17 @@ def test_flops_of_gpt2_124m_are_6_n_tokens_plus_attention():
     cfg = get_config("gpt2-124m")
     b, t = 8, 1024
     n = perf.param_count(cfg)
-    assert n == count_params(cfg)  # the analytic count matches the model's parameters exactly
+    assert n == 124_439_808  # GPT-2 small, published (= models.count_params, tests/test_model.py)
     f = perf.flops(cfg, b, t)
     attention = 3 * 4 * t * cfg.n_embd * cfg.n_layer * b * t  # QK^T and AV, forward + backward
     assert f["total"] == pytest.approx(6 * n * b * t + attention, rel=0.01)
     assert perf.flops(cfg, b, t, backward=False)["total"] == pytest.approx(f["total"] / 3)
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen2.5-7b"])
-def test_qwen_param_count_close_to_the_model(name):
-    cfg = get_config(name)
-    assert perf.param_count(cfg) == pytest.approx(count_params(cfg), rel=2e-3)
+@pytest.mark.parametrize("name, published", [("qwen3-0.6b", 596_049_920), ("qwen2.5-7b", 7_615_616_512)])
+def test_qwen_param_count_close_to_the_published_one(name, published):
+    # published counts as checked against the model in tests/test_qwen.py (models.count_params)
+    assert perf.param_count(get_config(name)) == pytest.approx(published, rel=2e-3)
 
 
 def test_times_grow_with_size_and_speedup_with_slower_links():
@@ -174,3 +174,35 @@ def test_paper_predictions_are_finite_and_tp_sites_only_touch_tp_time():
     a, b = perf.step_time(cfg, lay, hw), perf.step_time(cfg, lay, hw, CommPolicy.taco())
     assert a["pp_s"] == b["pp_s"] and a["dp_s"] == b["dp_s"] and b["tp_s"] < a["tp_s"]
     assert set(TENSOR_SITES) >= {"ar_fwd", "ar_bwd"}
+
+
+def test_fit_codec_sim_recovers_the_local_work_of_the_collective():
+    speed = CodecSpeed(3.0, 3.0, 2e-5)
+    rows = []
+    for n in (1 << 18, 1 << 20, 1 << 22):
+        base = 1e-4 + n * 1e-10
+        work = speed.encode_s(n * 1.5, 2) + speed.decode_s(2 * n, 2)
+        rows += [{"collective": "psum", "codec": "none", "backend": "lax", "transport": "sim", "processes": 1,
+                  "devices": 2, "size_bytes": n, "time_s_median": base},
+                 {"collective": "psum", "codec": "taco", "backend": "ffi", "transport": "sim", "processes": 1,
+                  "devices": 2, "size_bytes": n, "time_s_median": base + work}]
+    got = perf.fit_codec_sim(rows, "ffi")
+    assert got.encode_GBps == pytest.approx(3.0, rel=1e-6) and got.overhead_s == pytest.approx(2e-5, rel=1e-6)
+    with pytest.raises(ValueError, match="backend='ffi'|at >= 2 sizes"):
+        perf.fit_codec_sim(rows[:2], "ffi")
+    with pytest.raises(ValueError, match="codec_from='x'"):
+        perf.calibrate(rows, codec_from="x")
+
+
+def test_trainer_resolves_min_bytes_auto_before_tracing():
+    import jax
+
+    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.step import make_trainer
+
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", mesh="tensor=2", batch_size=2, seq_len=16, backend="ffi",
+                                 min_bytes="auto")
+    trainer = make_trainer(cfg, jax.devices()[:2])
+    cal = perf.Calibration.from_json(perf.CPU_CALIBRATION)
+    want = perf.site_break_even(trainer.policy, cal.link, cal.codec, 2, itemsize=2, sequence_parallel=False)  # bf16
+    assert isinstance(trainer.policy.min_bytes, int) and trainer.policy.min_bytes == want

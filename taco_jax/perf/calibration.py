@@ -117,14 +117,56 @@ class Calibration:
             raise ValueError(f"calibration file {str(path)!r}: {e}") from e
 
 
-def calibrate(rows, *, command: str = "", machine: str = "") -> Calibration:
-    """`Calibration` of the gloo rows: `fit_link` on exact all-reduces and `fit_codec` per backend
-    that has codec rows. Raises ValueError from the fits."""
-    rows = [r for r in rows if r.get("transport", "gloo") == "gloo" or r.get("collective") == "codec"]
-    backends = sorted({r["backend"] for r in rows if r.get("collective") == "codec"})
-    procs = {int(r.get("processes", 2)) for r in rows if r.get("collective") != "codec"}
-    return Calibration(fit_link(rows), {b: fit_codec(rows, b) for b in backends}, max(procs or {2}), command,
-                       machine)
+def fit_codec_sim(rows, backend: str, *, codec: str = "taco", source: str = "") -> CodecSpeed:
+    """Codec speed of `backend` from simulated-mesh psum rows (transport "sim": in-process copies),
+    where compressed minus exact time is the local work of the two-shot all-reduce (encode,
+    decode, the FP32 sum, splits): least squares (relative to the compressed time) of
+    Δ = 4·overhead + (n(1+1/p) + 2n) / throughput, one throughput for encode and decode.
+
+    Raises: ValueError when fewer than two sizes have both an exact and a compressed row, or the
+      fitted slope is not positive.
+    """
+    def key(r):
+        return int(r.get("processes", 1)), int(r.get("devices", 2)), r.get("dtype", "float32"), r["size_bytes"]
+
+    sim = [r for r in rows if r.get("transport") == "sim" and _OP_OF.get(r.get("collective")) == "all_reduce"
+           and r.get("algorithm", "two_shot") == "two_shot"]
+    exact = {key(r): _num(r, "time_s_median") for r in sim if r.get("codec", "none") == "none"}
+    pts = [(key(r)[1], _num(r, "size_bytes"), _num(r, "time_s_median") - exact[key(r)], _num(r, "time_s_median"))
+           for r in sim if r.get("codec") == codec and r.get("backend") == backend and key(r) in exact]
+    if len({n for _, n, _, _ in pts}) < 2:
+        raise ValueError(f"fit_codec_sim needs sim psum rows (exact and {codec}/{backend}) at >= 2 sizes; "
+                         f"got {len(pts)}")
+    a = np.array([[4.0, n * (1 + 1 / p) + 2 * n] for p, n, _, _ in pts])
+    d = np.array([dt for _, _, dt, _ in pts])
+    w = 1.0 / np.array([t for _, _, _, t in pts])
+    (c0, c1), *_ = np.linalg.lstsq(a * w[:, None], d * w, rcond=None)
+    if c1 <= 0:
+        raise ValueError(f"backend={backend!r}: the sim compressed - exact time does not grow with size "
+                         f"(slope {c1!r} s/byte)")
+    tp = 1e-9 / c1
+    return CodecSpeed(tp, tp, max(0.0, float(c0)), source or f"sim psum compressed - exact, {len(pts)} sizes")
+
+
+def calibrate(rows, *, codec_from: str = "auto", command: str = "", machine: str = "") -> Calibration:
+    """`Calibration` of the rows: `fit_link` on the exact gloo all-reduces; per backend, the codec
+    speed from `codec_from`: "sim" (`fit_codec_sim`, the local work of the collective), "codec"
+    (`fit_codec`, encode / decode timed alone) or "auto" (sim where such rows exist, else codec).
+    Raises: ValueError from the fits, or for an unknown `codec_from`."""
+    if codec_from not in ("auto", "sim", "codec"):
+        raise ValueError(f"codec_from={codec_from!r} must be 'auto', 'sim' or 'codec'")
+    gloo = [r for r in rows if r.get("transport", "gloo") == "gloo" and r.get("collective") != "codec"]
+    sim_backends = {r.get("backend") for r in rows if r.get("transport") == "sim" and r.get("codec") == "taco"}
+    codec_backends = {r["backend"] for r in rows if r.get("collective") == "codec"}
+    speeds = {}
+    for b in sorted(sim_backends | codec_backends):
+        use_sim = codec_from == "sim" or (codec_from == "auto" and b in sim_backends)
+        if use_sim:
+            speeds[b] = fit_codec_sim(rows, b)
+        elif b in codec_backends:
+            speeds[b] = fit_codec(rows, b)
+    procs = {int(r.get("processes", 2)) for r in gloo}
+    return Calibration(fit_link(gloo), speeds, max(procs or {2}), command, machine)
 
 
 def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None) -> list[dict]:

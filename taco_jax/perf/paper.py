@@ -47,6 +47,8 @@ def settings() -> list[tuple[str, object, Layout, model.Hardware, str]]:
         ("GPT-13B tp8 pp2 dp2 (32 H800)", GPT_13B, Layout(tp=8, pp=2, dp=2, **lay), model.H800, "COCCL 1.24x"),
         ("GPT-13B tp16 (TP over IB) pp2 (32 H800)", GPT_13B, Layout(tp=16, pp=2, dp=1, **lay), model.H800,
          "TACO up to 1.87x"),
+        ("GPT-13B tp16 (TP over IB) pp2, FP32 wire", GPT_13B, Layout(tp=16, pp=2, dp=1, **{**lay, "act_bytes": 4}),
+         model.H800, "TACO up to 1.87x"),
         ("Qwen2.5-7B tp8 pp4 (32 H200)", get_config("qwen2.5-7b"), Layout(tp=8, pp=4, dp=1, **lay), model.H200,
          "TACO up to 1.87x"),
     ]
