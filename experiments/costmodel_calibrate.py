@@ -42,17 +42,24 @@ def main(argv=None):
     for b, s in cal.codec.items():
         print(f"codec {b}: encode {s.encode_GBps:.3f} GB/s, decode {s.decode_GBps:.3f} GB/s, "
               f"overhead {s.overhead_s * 1e6:.1f} us")
-    print(f"{'collective':10s} {'backend':10s} {'MB':>7s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
-    worst = 0.0
-    for v in perf.validate(cal, rows):
-        worst = max(worst, abs(v["error"]))
-        print(f"{v['collective']:10s} {v['backend']:10s} {v['size_bytes'] / 2**20:7.2f} {v['measured_s'] * 1e3:12.2f} "
-              f"{v['predicted_s'] * 1e3:13.2f} {v['error']:+7.0%}")
-    print(f"largest |error|: {worst:.0%}")
-    taco = perf.site_break_even
+    tables = [("model: alpha-beta link + linear codec", cal, "model")]
+    if perf.sim_times(rows):
+        link = perf.fit_link(rows, subtract_sim=True)
+        tables.append((f"decomposed: sim-measured local work + transfer on alpha = {link.alpha_s * 1e6:.1f} us, "
+                       f"beta = {link.beta_s_per_byte * 1e9:.3f} ns/B (fit on exact gloo - sim)",
+                       dataclasses.replace(cal, link=link), "sim"))
+    for title, c, local in tables:
+        print(f"-- {title}")
+        print(f"{'collective':10s} {'backend':10s} {'MB':>7s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
+        worst = 0.0
+        for v in perf.validate(c, rows, local=local):
+            worst = max(worst, abs(v["error"]))
+            print(f"{v['collective']:10s} {v['backend']:10s} {v['size_bytes'] / 2**20:7.2f} "
+                  f"{v['measured_s'] * 1e3:12.2f} {v['predicted_s'] * 1e3:13.2f} {v['error']:+7.0%}")
+        print(f"largest |error|: {worst:.0%}")
     for b in cal.codec:
-
-        n = taco(CommPolicy.taco(dataclasses.replace(TACO, backend=b)), cal.link, cal.codec, cal.processes)
+        pol = CommPolicy.taco(dataclasses.replace(TACO, backend=b))
+        n = perf.site_break_even(pol, cal.link, cal.codec, cal.processes, sequence_parallel=False)
         print(f"break-even (min_bytes auto) {b}: {'never' if n >= perf.NEVER else f'{n / 2**20:.2f} MB'}")
     if a.write:
         print("wrote", cal.to_json(a.write))

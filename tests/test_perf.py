@@ -206,3 +206,24 @@ def test_trainer_resolves_min_bytes_auto_before_tracing():
     cal = perf.Calibration.from_json(perf.CPU_CALIBRATION)
     want = perf.site_break_even(trainer.policy, cal.link, cal.codec, 2, itemsize=2, sequence_parallel=False)  # bf16
     assert isinstance(trainer.policy.min_bytes, int) and trainer.policy.min_bytes == want
+
+
+def test_decomposed_fit_subtracts_the_sim_local_work():
+    link = Link("l", 3e-4, 2e-9)
+    taco = dataclasses.replace(TACO, backend="ffi")
+    rows = []
+    for n in (1 << 18, 1 << 20, 1 << 22, 1 << 24):
+        local = {"none": 1e-4 + (n / 1e6) ** 1.5 * 1e-4, "taco": 5e-4 + (n / 1e6) ** 1.3 * 3e-4}  # not affine
+        for kind, c in (("none", NONE), ("taco", taco)):
+            common = {"collective": "psum", "algorithm": "two_shot", "codec": kind, "dtype": "float32",
+                      "backend": "ffi" if kind == "taco" else "lax", "size_bytes": n}
+            rows.append({**common, "transport": "sim", "processes": 1, "devices": 2, "time_s_median": local[kind]})
+            rows.append({**common, "transport": "gloo", "processes": 2, "devices": 2, "time_s_median":
+                         local[kind] + model.comm_time("all_reduce", n, 2, link, perf.wire_ratio(c))})
+    got = perf.fit_link(rows, subtract_sim=True)
+    assert got.alpha_s == pytest.approx(3e-4, rel=1e-6) and got.beta_s_per_byte == pytest.approx(2e-9, rel=1e-6)
+    cal = perf.Calibration(got, {})
+    checks = perf.validate(cal, rows, local="sim")
+    assert len(checks) == 8 and max(abs(c["error"]) for c in checks) < 1e-6
+    with pytest.raises(ValueError, match="local='x'"):
+        perf.validate(cal, rows, local="x")

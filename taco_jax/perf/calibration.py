@@ -38,16 +38,44 @@ def _num(row: dict, key: str) -> float:
     return float(v)
 
 
-def fit_link(rows, *, name: str = "gloo-loopback", source: str = "") -> Link:
+def _sim_key(r: dict) -> tuple:
+    codec = r.get("codec", "none")
+    return (_OP_OF.get(r.get("collective")), codec, "none" if codec == "none" else r.get("backend"),
+            r.get("dtype", "float32"), int(r.get("devices", r.get("processes", 2))), int(r["size_bytes"]))
+
+
+def sim_times(rows) -> dict:
+    """{(op, codec, backend, dtype, ranks, size_bytes): time_s_median} of the simulated-mesh rows
+    (transport "sim"; exact rows under codec "none", backend "none")."""
+    return {_sim_key(r): _num(r, "time_s_median") for r in rows if r.get("transport") == "sim"
+            and _OP_OF.get(r.get("collective")) and r.get("algorithm", "two_shot") in ("two_shot", "default")}
+
+
+def fit_link(rows, *, name: str = "gloo-loopback", source: str = "", subtract_sim: bool = False) -> Link:
     """α (s) and β (s/byte) from exact all-reduce timings by least squares on
-    t = 2(p-1)·α + 2(p-1)/p·n·β (n = size_bytes, p = processes; rows with codec "none" and
-    collective psum / all_reduce; time_s_median). With a single p this is a straight-line fit of t on n.
+    t = 2(p-1)·α + 2(p-1)/p·n·β (n = size_bytes, p = processes; gloo rows with codec "none" and
+    collective psum / all_reduce; time_s_median), residuals relative to t (weights 1/t, so that
+    small and large messages count alike). With a single p this is a straight line of t on n.
+    `subtract_sim`: t minus the same exact collective's time on the simulated mesh (its local
+    work: output buffers, copies), so that α–β describe the transport alone; sizes without a sim
+    row are left out.
 
     Raises: ValueError when fewer than two distinct sizes are given, for a bad row value, or when
       the fit gives a negative β (the rows do not grow with size). A negative α is clipped to 0.
     """
-    pts = [(int(r.get("processes", 2)), _num(r, "size_bytes"), _num(r, "time_s_median")) for r in rows
-           if r.get("codec", "none") == "none" and _OP_OF.get(r.get("collective")) == "all_reduce"]
+    sim = sim_times(rows) if subtract_sim else {}
+    pts = []
+    for r in rows:
+        if r.get("codec", "none") != "none" or _OP_OF.get(r.get("collective")) != "all_reduce" or \
+                r.get("transport", "gloo") != "gloo":
+            continue
+        p, n, t = int(r.get("processes", 2)), _num(r, "size_bytes"), _num(r, "time_s_median")
+        if subtract_sim:
+            local = sim.get(_sim_key({**r, "devices": p}))
+            if local is None or t <= local:
+                continue
+            t -= local
+        pts.append((p, n, t))
     if len({n for _, n, _ in pts}) < 2:
         raise ValueError(f"fit_link needs exact all-reduce rows at >= 2 sizes; got {len(pts)} rows")
     a = np.array([[2.0 * (p - 1), 2.0 * (p - 1) / p * n] for p, n, _ in pts])
@@ -56,7 +84,8 @@ def fit_link(rows, *, name: str = "gloo-loopback", source: str = "") -> Link:
     (alpha, beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
     if beta <= 0:
         raise ValueError(f"fitted beta={beta!r} s/byte is not positive: the exact timings do not grow with size")
-    return Link(name, max(float(alpha), 0.0), float(beta), source or f"least squares on {len(pts)} exact rows")
+    what = "exact rows minus their sim time" if subtract_sim else "exact rows"
+    return Link(name, max(float(alpha), 0.0), float(beta), source or f"least squares on {len(pts)} {what}")
 
 
 def fit_codec(rows, backend: str, *, source: str = "") -> CodecSpeed:
@@ -169,10 +198,21 @@ def calibrate(rows, *, codec_from: str = "auto", command: str = "", machine: str
     return Calibration(fit_link(gloo), speeds, max(procs or {2}), command, machine)
 
 
-def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None) -> list[dict]:
-    """Predicted vs measured time of every compressed and exact collective row that `cal` covers:
-    [{collective, backend, size_bytes, measured_s, predicted_s, error (predicted/measured - 1)}]."""
+def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None, local: str = "model") -> list[dict]:
+    """Predicted vs measured time of every gloo collective row (float32; exact, and taco with a
+    backend `cal` knows) of `rows`: [{collective, backend, size_bytes, measured_s, predicted_s,
+    error (predicted/measured - 1)}].
+
+    local: "model": `model.collective_time` (α–β plus the linear codec model); "sim": the same
+      collective's measured time on the simulated mesh (its local work: codec, sums, buffers) plus
+      the α–β transfer of its wire bytes (use with `fit_link(subtract_sim=True)`); rows without a
+      sim counterpart are left out.
+    Raises: ValueError for an unknown `local`.
+    """
+    if local not in ("model", "sim"):
+        raise ValueError(f"local={local!r} must be 'model' or 'sim'")
     codec = codec or CodecConfig()
+    sim = sim_times(rows)
     out = []
     for r in rows:
         op = _OP_OF.get(r.get("collective"))
@@ -180,11 +220,17 @@ def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None) -> lis
             continue
         backend = r.get("backend", "none")
         compressed = r.get("codec", "none") != "none"
-        if compressed and (r.get("codec") != "taco" or backend not in cal.codec):
+        if compressed and (r.get("codec") != "taco" or (local == "model" and backend not in cal.codec)):
             continue
         c = dataclasses.replace(codec, backend=backend) if compressed else model.NONE
-        pred = model.collective_time(op, r["size_bytes"], int(r.get("processes", 2)), cal.link, c,
-                                     cal.codec.get(backend), itemsize=4)
+        p = int(r.get("processes", 2))
+        if local == "sim":
+            t_local = sim.get(_sim_key({**r, "devices": p}))
+            if t_local is None:
+                continue
+            pred = t_local + model.comm_time(op, r["size_bytes"], p, cal.link, model.wire_ratio(c, 4))
+        else:
+            pred = model.collective_time(op, r["size_bytes"], p, cal.link, c, cal.codec.get(backend), itemsize=4)
         meas = float(r["time_s_median"])
         out.append({"collective": r["collective"], "backend": backend if compressed else "exact",
                     "size_bytes": r["size_bytes"], "measured_s": meas, "predicted_s": pred,
