@@ -288,7 +288,10 @@ def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2
     """`policy` with min_bytes "auto" replaced by the predicted break-even size (others: unchanged).
 
     CPU: the shipped gloo calibration (`CPU_CALIBRATION`, or `calibration`, a `Calibration` or
-    path); backends "reference" / "ffi" as measured there. GPU ("cuda"/"gpu"/"rocm"): NVLink 4 and
+    path); backends "reference" / "ffi" as measured there. A one-process run on the simulated mesh
+    gets the same threshold as over gloo (its "collectives" are in-process copies, where compression
+    never saves time; the threshold it gets is the one a real transport would, so that the
+    numerics do not depend on the process count). GPU ("cuda"/"gpu"/"rocm"): NVLink 4 and
     the declared H200 codec speed (`model.H200`). `tensor_size` ranks on the tensor axis (< 2 -> 2).
     `sequence_parallel`: which tensor sites run (`site_break_even`). The threshold is computed for
     the tensor sites and, being one number, applies to every site (`CommPolicy.codec_for`).

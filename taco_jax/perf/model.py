@@ -72,8 +72,10 @@ class Link:
     @classmethod
     def from_bandwidth(cls, name: str, alpha_s: float, bandwidth_Bps: float, source: str = "") -> Link:
         """A link from its latency (s) and achieved bandwidth per direction (bytes/s; inf = free)."""
-        _check_pos("bandwidth_Bps", bandwidth_Bps) if not math.isinf(bandwidth_Bps) else None
-        return cls(name, alpha_s, 0.0 if math.isinf(bandwidth_Bps) else 1.0 / bandwidth_Bps, source)
+        if bandwidth_Bps == math.inf:
+            return cls(name, alpha_s, 0.0, source)
+        _check_pos("bandwidth_Bps", bandwidth_Bps)
+        return cls(name, alpha_s, 1.0 / bandwidth_Bps, source)
 
     @property
     def bandwidth_GBps(self) -> float:
