@@ -26,6 +26,7 @@ def main(argv=None):
     p.add_argument("rows", nargs="+", help="bench JSON files (rows with the bench_collectives/1 keys)")
     p.add_argument("--write", default="", help="calibration JSON to write")
     p.add_argument("--stat", default="time_s_median", choices=("time_s_median", "time_s_min"))
+    p.add_argument("--dtypes", default="float32", help="message dtypes of the rows compared (float32,bfloat16)")
     p.add_argument("--codec-from", default="auto", choices=("auto", "sim", "codec"),
                    help="codec speed from sim psum rows (the collective's local work) or isolated codec rows")
     a = p.parse_args(argv)
@@ -50,13 +51,16 @@ def main(argv=None):
                        dataclasses.replace(cal, link=link), "sim"))
     for title, c, local in tables:
         print(f"-- {title}")
-        print(f"{'collective':10s} {'backend':10s} {'MB':>7s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
-        worst = 0.0
-        for v in perf.validate(c, rows, local=local):
+        print(f"{'collective':12s} {'backend':9s} {'dtype':8s} {'MB/rank':>7s} {'measured ms':>12s} "
+              f"{'predicted ms':>13s} {'error':>7s}")
+        worst, within = 0.0, 0
+        checks = perf.validate(c, rows, local=local, dtypes=tuple(a.dtypes.split(",")))
+        for v in checks:
             worst = max(worst, abs(v["error"]))
-            print(f"{v['collective']:10s} {v['backend']:10s} {v['size_bytes'] / 2**20:7.2f} "
+            within += abs(v["error"]) <= 0.25
+            print(f"{v['collective']:12s} {v['backend']:9s} {v['dtype']:8s} {v['size_bytes'] / 2**20:7.2f} "
                   f"{v['measured_s'] * 1e3:12.2f} {v['predicted_s'] * 1e3:13.2f} {v['error']:+7.0%}")
-        print(f"largest |error|: {worst:.0%}")
+        print(f"largest |error|: {worst:.0%}; within 25%: {within} of {len(checks)}")
     for b in cal.codec:
         pol = CommPolicy.taco(dataclasses.replace(TACO, backend=b))
         n = perf.site_break_even(pol, cal.link, cal.codec, cal.processes, sequence_parallel=False)

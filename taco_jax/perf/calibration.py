@@ -51,14 +51,16 @@ def sim_times(rows) -> dict:
             and _OP_OF.get(r.get("collective")) and r.get("algorithm", "two_shot") in ("two_shot", "default")}
 
 
-def fit_link(rows, *, name: str = "gloo-loopback", source: str = "", subtract_sim: bool = False) -> Link:
+def fit_link(rows, *, name: str = "gloo-loopback", source: str = "", subtract_sim: bool = False,
+             dtype: str = "float32") -> Link:
     """α (s) and β (s/byte) from exact all-reduce timings by least squares on
     t = 2(p-1)·α + 2(p-1)/p·n·β (n = size_bytes, p = processes; gloo rows with codec "none" and
     collective psum / all_reduce; time_s_median), residuals relative to t (weights 1/t, so that
     small and large messages count alike). With a single p this is a straight line of t on n.
     `subtract_sim`: t minus the same exact collective's time on the simulated mesh (its local
     work: output buffers, copies), so that α–β describe the transport alone; sizes without a sim
-    row are left out.
+    row are left out. Only rows of message `dtype` (gloo reduces bfloat16 far slower than float32
+    on CPU, so the two are different links).
 
     Raises: ValueError when fewer than two distinct sizes are given, for a bad row value, or when
       the fit gives a negative β (the rows do not grow with size). A negative α is clipped to 0.
@@ -67,7 +69,7 @@ def fit_link(rows, *, name: str = "gloo-loopback", source: str = "", subtract_si
     pts = []
     for r in rows:
         if r.get("codec", "none") != "none" or _OP_OF.get(r.get("collective")) != "all_reduce" or \
-                r.get("transport", "gloo") != "gloo":
+                r.get("transport", "gloo") != "gloo" or r.get("dtype", "float32") != dtype:
             continue
         p, n, t = int(r.get("processes", 2)), _num(r, "size_bytes"), _num(r, "time_s_median")
         if subtract_sim:
@@ -198,10 +200,13 @@ def calibrate(rows, *, codec_from: str = "auto", command: str = "", machine: str
     return Calibration(fit_link(gloo), speeds, max(procs or {2}), command, machine)
 
 
-def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None, local: str = "model") -> list[dict]:
-    """Predicted vs measured time of every gloo collective row (float32; exact, and taco with a
-    backend `cal` knows) of `rows`: [{collective, backend, size_bytes, measured_s, predicted_s,
-    error (predicted/measured - 1)}].
+def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None, local: str = "model",
+             dtypes=("float32",)) -> list[dict]:
+    """Predicted vs measured time of every gloo collective row of `rows` (psum two-shot,
+    all_gather, psum_scatter, ppermute; exact, and taco with a backend `cal` knows; message dtype
+    in `dtypes`): [{collective, backend, dtype, size_bytes (per rank, as the row), measured_s,
+    predicted_s, error (predicted/measured - 1)}]. A row's size_bytes is the per-rank message
+    (bench_collectives/1), so an all-gather's model size is processes × size_bytes.
 
     local: "model": `model.collective_time` (α–β plus the linear codec model); "sim": the same
       collective's measured time on the simulated mesh (its local work: codec, sums, buffers) plus
@@ -216,7 +221,9 @@ def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None, local:
     out = []
     for r in rows:
         op = _OP_OF.get(r.get("collective"))
-        if op is None or r.get("transport", "gloo") != "gloo" or r.get("dtype", "float32") != "float32":
+        dtype = r.get("dtype", "float32")
+        if op is None or r.get("transport", "gloo") != "gloo" or dtype not in dtypes or \
+                r.get("algorithm", "two_shot") not in ("two_shot", "default"):
             continue
         backend = r.get("backend", "none")
         compressed = r.get("codec", "none") != "none"
@@ -224,15 +231,17 @@ def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None, local:
             continue
         c = dataclasses.replace(codec, backend=backend) if compressed else model.NONE
         p = int(r.get("processes", 2))
+        item = 2 if dtype == "bfloat16" else 4
+        n = r["size_bytes"] * (p if op == "all_gather" else 1)  # the model's all-gather size is the gathered one
         if local == "sim":
             t_local = sim.get(_sim_key({**r, "devices": p}))
             if t_local is None:
                 continue
-            pred = t_local + model.comm_time(op, r["size_bytes"], p, cal.link, model.wire_ratio(c, 4))
+            pred = t_local + model.comm_time(op, n, p, cal.link, model.wire_ratio(c, item))
         else:
-            pred = model.collective_time(op, r["size_bytes"], p, cal.link, c, cal.codec.get(backend), itemsize=4)
+            pred = model.collective_time(op, n, p, cal.link, c, cal.codec.get(backend), itemsize=item)
         meas = float(r["time_s_median"])
-        out.append({"collective": r["collective"], "backend": backend if compressed else "exact",
+        out.append({"collective": r["collective"], "backend": backend if compressed else "exact", "dtype": dtype,
                     "size_bytes": r["size_bytes"], "measured_s": meas, "predicted_s": pred,
                     "error": pred / meas - 1})
     return out
