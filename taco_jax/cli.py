@@ -34,6 +34,16 @@ def _flag_fields():
         [(CommFlags, f) for f in dataclasses.fields(CommFlags)]
 
 
+def _min_bytes(text: str):
+    """`--min-bytes` value: "auto" or an integer >= 0 (argparse reports the ValueError)."""
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
 def _add_flag(sp, cls, f, helps) -> None:
     from taco_jax.models import PRESETS
 
@@ -43,6 +53,8 @@ def _add_flag(sp, cls, f, helps) -> None:
         sp.add_argument(flag, action="append", default=[], metavar="SITE:FIELD=VALUE,...", help=help_)
     elif f.type in ("bool", bool):
         sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+    elif f.name == "min_bytes":  # an integer or "auto" (taco_jax.perf.resolve_min_bytes)
+        sp.add_argument(flag, type=_min_bytes, default=f.default, metavar="BYTES|auto", help=help_)
     elif f.name == "model":
         sp.add_argument(flag, default=f.default, choices=sorted(PRESETS), metavar="PRESET",
                         help=f"{help_}: {', '.join(sorted(PRESETS))}")

@@ -36,7 +36,9 @@ class CommPolicy:
         gradients).
       all_reduce_algorithm: "two_shot" (all-to-all reduce-scatter + all-gather; two
         quantizations) or "one_shot" (all-gather of the whole message; one quantization).
-      min_bytes: messages smaller than this (uncompressed bytes) use the exact collective.
+      min_bytes: messages smaller than this (uncompressed bytes) use the exact collective; "auto"
+        until resolved (`taco_jax.perf.resolve_min_bytes`: the predicted break-even size, once,
+        before tracing, like backend "auto").
 
     Raises:
       ValueError: for an unknown algorithm or a negative threshold.
@@ -49,7 +51,7 @@ class CommPolicy:
     dp_grads: CodecConfig = NONE
     pp_send: CodecConfig = NONE
     all_reduce_algorithm: str = "two_shot"
-    min_bytes: int = 0
+    min_bytes: int | str = 0
 
     def __post_init__(self):
         if self.all_reduce_algorithm not in ALL_REDUCE_ALGORITHMS:
@@ -57,8 +59,8 @@ class CommPolicy:
                 f"all_reduce_algorithm={self.all_reduce_algorithm!r} is not supported; "
                 f"choose one of {ALL_REDUCE_ALGORITHMS}"
             )
-        if self.min_bytes < 0:
-            raise ValueError(f"min_bytes={self.min_bytes} must be >= 0")
+        if self.min_bytes != "auto" and not (isinstance(self.min_bytes, int) and self.min_bytes >= 0):
+            raise ValueError(f"min_bytes={self.min_bytes!r} must be an integer >= 0 or 'auto'")
         for site in SITES:
             if not isinstance(getattr(self, site), CodecConfig):
                 raise ValueError(f"{site}={getattr(self, site)!r} must be a CodecConfig")
@@ -70,6 +72,9 @@ class CommPolicy:
         """
         if site not in SITES:
             raise ValueError(f"site={site!r} is not one of {SITES}")
+        if self.min_bytes == "auto":
+            raise ValueError("min_bytes='auto' is unresolved; resolve it before tracing "
+                             "(taco_jax.perf.resolve_min_bytes)")
         nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
         codec = NONE if nbytes < self.min_bytes else getattr(self, site)
         if codec.nonfinite == "error" and not codec.site:

@@ -41,7 +41,7 @@ class CommFlags:
     nonfinite: str = "propagate"  # NaN/Inf in a message, every axis: propagate | zero | error (raise naming the site)
     backend: str = "reference"  # taco group math, every axis: reference | pallas | triton | ffi | auto
     algorithm: str = "two_shot"  # compressed all-reduce: two_shot | one_shot
-    min_bytes: int = 0  # messages below this many bytes stay uncompressed
+    min_bytes: int | str = 0  # messages below this many bytes stay uncompressed; auto: the cost model's break-even size
     policy_file: str = ""  # JSON policy (docs/training.md; `taco-jax calibrate`); overrides the sites it names
     site: tuple[str, ...] = ()  # per-site codec, repeatable: SITE:field=value,... e.g. ar_bwd:fmt=e5m2,group_size=64
 

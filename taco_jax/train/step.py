@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from taco_jax import perf
 from taco_jax.collectives import CommPolicy
 from taco_jax.collectives.dp import sync_gradients, vary
 from taco_jax.models import decays, make_model
@@ -226,6 +227,9 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     """
     mesh = make_mesh(cfg.mesh_axes, devices)
     policy = cfg.policy.resolve_backends(n_devices=mesh.devices.size)  # concrete backends, before tracing
+    policy = perf.resolve_min_bytes(policy, mesh.devices.flat[0].platform, tensor_size=cfg.mesh_axes.get(TENSOR, 1),
+                                    itemsize=jnp.dtype(cfg.model_config.dtype).itemsize,
+                                    sequence_parallel=cfg.sequence_parallel)  # min_bytes "auto"
     steps = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
                        microbatches=cfg.microbatches, schedule=cfg.schedule)
     tx = make_optimizer(cfg, _decay_mask(steps.abstract_state, steps.staged))

@@ -1,0 +1,49 @@
+"""Cost model of compressed communication (issue 13): α–β links, codec throughput, per-layer FLOPs
+and an MFU give predicted collective and training-step times, the break-even message size
+(`min_bytes="auto"`) and an `auto_policy` that compresses only the sites predicted to gain.
+
+Floor: with `train` (imports codec, collectives and models configs; `train` may import it).
+Modules: `model` (equations, declared hardware, step time), `calibration` (fits to benchmark rows,
+the shipped CPU/gloo calibration, `resolve_min_bytes`), `paper` (the paper's setting).
+"""
+
+from taco_jax.perf.calibration import (
+           CPU_CALIBRATION,
+           Calibration,
+           calibrate,
+           fit_codec,
+           fit_codec_sim,
+           fit_link,
+           load_rows,
+           resolve_min_bytes,
+           sim_times,
+           site_break_even,
+           validate,
+)
+from taco_jax.perf.model import (
+           H200,
+           H800,
+           IB_NDR,
+           NEVER,
+           NVLINK4,
+           NVLINK_H800,
+           CodecSpeed,
+           Hardware,
+           Layout,
+           Link,
+           auto_policy,
+           break_even_bytes,
+           collective_time,
+           comm_time,
+           flops,
+           param_count,
+           site_messages,
+           speedup,
+           step_time,
+           wire_ratio,
+)
+
+__all__ = ["CPU_CALIBRATION", "H200", "H800", "IB_NDR", "NEVER", "NVLINK4", "NVLINK_H800", "Calibration", "CodecSpeed",
+           "Hardware", "Layout", "Link", "auto_policy", "break_even_bytes", "calibrate", "collective_time", "comm_time",
+           "fit_codec", "fit_codec_sim", "fit_link", "flops", "load_rows", "param_count", "resolve_min_bytes",
+           "sim_times", "site_break_even", "site_messages", "speedup", "step_time", "validate", "wire_ratio"]
