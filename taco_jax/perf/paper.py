@@ -5,7 +5,7 @@ over InfiniBand.
 
 Assumptions (all parameters of `model`, stated in each row): BF16 activations on the TP/PP wire,
 FP32 gradients on the DP wire; no overlap of TP communication with compute; DP all-reduce exposed;
-MFU 0.40 of 989 TFLOP/s; codec at the declared H200 speed (`model.H200_CODEC`) for every kind;
+MFU 0.40 of 989 TFLOP/s; codec at the measured H200 speed (`model.H200_CODEC`: CUDA FFI, 256 MB) for every kind;
 Megatron placement (TP inside a node, then DP, then PP); b = 1, T = 2048, 1F1B with m = 32
 microbatches. Run: `python -m taco_jax.perf.paper`.
 """
