@@ -126,3 +126,28 @@ def test_monitor_warning_is_printed(capsys):
     err = capsys.readouterr().err
     assert "monitor: step 3: site ar_fwd: SQNR 15.00 dB (worst call exit01, h0.attn) is below 20 dB" in err
     assert "ar_bwd" not in err
+
+
+def test_monitor_summary_and_plot(tmp_path):
+    """summary.json's "monitor" and monitor.png from a run's records (non-finite values as strings)."""
+    from taco_jax.train import jsonio
+    from taco_jax.train.loop import monitor_summary, plot_monitor
+
+    def site(db, worst):
+        return {"sqnr_db": db, "min_sqnr_db": worst, "worst_call": "exit01", "rel_err": 10 ** (-db / 20),
+                "max_rel_err": 0.05, "calls": 9}
+
+    recs = [{"step": k, "loss": 6.0 - k / 10, "grad_norm": 1.0, "step_s": 0.1, "tokens_per_s": 1.0}
+            for k in range(1, 5)]
+    recs[1].update(monitor={"ar_fwd": site(29.0, 28.0), "ar_bwd": site(float("inf"), float("inf"))}, monitor_s=9.0)
+    recs[3].update(monitor={"ar_fwd": site(31.0, 27.0), "ar_bwd": site(30.0, 29.5)}, monitor_s=0.3, val_loss=5.7)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(jsonio.dumps(r) + "\n" for r in recs))
+    got = monitor_summary(recs)
+    assert got["steps"] == [2, 4]
+    assert got["sites"]["ar_fwd"] == {"mean_sqnr_db": 30.0, "min_sqnr_db": 27.0, "first_sqnr_db": 29.0,
+                                      "last_sqnr_db": 31.0}
+    assert got["sites"]["ar_bwd"]["min_sqnr_db"] == 29.5 and got["sites"]["ar_bwd"]["mean_sqnr_db"] == float("inf")
+    assert got["monitor_s_mean"] == 0.3 and got["step_s_mean"] == pytest.approx(0.1)
+    assert '"Infinity"' in metrics.read_text()
+    assert plot_monitor(tmp_path / "monitor.png", metrics, title="t").stat().st_size > 1000

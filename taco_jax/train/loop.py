@@ -278,6 +278,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                                **schedule_stats(cfg.schedule, stages, cfg.microbatches)}
     if captured:
         summary["captures"] = captured
+    if monitor and monitor.sites:
+        summary["monitor"] = monitor_summary(history, start)
     if not writer:
         return summary
     jsonio.write(out / "summary.json", summary)
@@ -410,6 +412,28 @@ def read_metrics(path) -> list[dict]:
     """The records of a `metrics.jsonl`, non-finite numbers (written as strings) back as floats."""
     recs = [json.loads(line) for line in open(path)]
     return [{k: float(v) if k in ("loss", "val_loss", "grad_norm") else v for k, v in r.items()} for r in recs]
+
+
+def monitor_summary(history: list[dict], start: int = 0) -> dict:
+    """The monitor over a run (`summary.json` "monitor"): per site the mean and minimum over the
+    monitored steps of `sqnr_db` and the minimum of `min_sqnr_db` (NaN if any step's was NaN), and
+    the cost: mean `monitor_s` over the monitored steps but the first of this process (it compiles
+    the monitor) and mean `step_s` over the steps after the first of this process (`start + 1`)."""
+    mon = [r for r in history if "monitor" in r and r["step"] > start]
+    sites = {}
+    for site in SITES:
+        vals = [(float(r["monitor"][site]["sqnr_db"]), float(r["monitor"][site]["min_sqnr_db"]))
+                for r in mon if site in r["monitor"]]
+        if vals:
+            worst = [v[1] for v in vals]
+            sites[site] = {"mean_sqnr_db": float(np.mean([v[0] for v in vals])), "min_sqnr_db": float(np.min(worst)),
+                           "first_sqnr_db": vals[0][0], "last_sqnr_db": vals[-1][0]}
+    later = [r for r in history if r["step"] > start + 1]
+    timed = [r["monitor_s"] for r in mon[1:]]  # the first measurement compiles the monitor
+    step_s = float(np.mean([r["step_s"] for r in later])) if later else None
+    monitor_s = float(np.mean(timed)) if timed else None
+    return {"steps": [r["step"] for r in mon], "sites": sites, "monitor_s_mean": monitor_s, "step_s_mean": step_s,
+            "monitor_over_step": monitor_s / step_s if monitor_s and step_s else None}
 
 
 def plot_monitor(path, metrics, title: str) -> pathlib.Path:
