@@ -136,8 +136,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     recorder = capture.Recorder.start(cfg, out, trainer) if cfg.capture else None  # train --capture N
     monitor = Monitor.start(cfg, trainer) if cfg.monitor_every else None  # train --monitor-every N
     if monitor and not monitor.sites and writer:
-        print("[taco-jax] --monitor-every: no tensor site is compressed; nothing to monitor", file=sys.stderr,
-              flush=True)
+        print("[taco-jax] --monitor-every: no tensor site is compressed (or no tensor axis); nothing to monitor",
+              file=sys.stderr, flush=True)
     checked = any(getattr(policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
     t0 = time.perf_counter()
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)

@@ -149,7 +149,8 @@ class Monitor:
         self.trainer, self.every, self.steps = trainer, every, steps
         self.warn_db, self.min_db = warn_db, min_db
         self.roles = roles or {}
-        self.sites = monitored_sites(trainer.policy or trainer.cfg.policy)
+        tp = trainer.mesh.shape.get(TENSOR, 1)  # no tensor axis (or size 1): no message is compressed
+        self.sites = monitored_sites(trainer.policy or trainer.cfg.policy) if tp > 1 else []
         self._fn = None
 
     @classmethod
