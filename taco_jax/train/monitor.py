@@ -15,13 +15,13 @@ for every message m of a compressed tensor site the site's collective twice
 collective in the message's dtype, what an exact run computes from the same m). Per device it
 reduces to four float32 numbers — Σx², Σ(y−x)², max|y−x|, max|x| — summed (`psum`) or maximised
 (`pmax`) over all devices, so only 4 numbers per message leave the accelerator (the same on every
-process). The train step that follows is the unchanged one, so a monitored
-step updates the parameters exactly as an unmonitored one.
+process; a value replicated over an axis is summed once, `_over_devices`). The train step that
+follows is the unchanged one, so a monitored step updates the parameters exactly as an unmonitored one.
 
 What is logged (per compressed site, in the step's `metrics.jsonl` record under "monitor"; the
 "calls" of a site are its messages in one step, e.g. one per layer and direction, over all devices):
 
-| key          | definition (sums over all devices)                                             |
+| key          | definition (Σx²: sum over the message's elements on all devices)               |
 |--------------|--------------------------------------------------------------------------------|
 | sqnr_db      | 10·log10(Σ_calls Σx² / Σ_calls Σ(y−x)²): energy-weighted over the site's calls  |
 | min_sqnr_db  | the worst call's 10·log10(Σx² / Σ(y−x)²)                                        |
