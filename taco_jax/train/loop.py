@@ -287,7 +287,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 f"{cfg.mesh}; compressed axes: {', '.join(summary['compressed_axes']) or 'none'}")
     if any("monitor" in r for r in history):
         plot_monitor(out / "monitor.png", out / "metrics.jsonl", title=f"{cfg.model}, mesh {cfg.mesh}, {cfg.comm}: "
-                     "per-site SQNR of the compressed TP collectives (--monitor-every)")
+                     "SQNR of the compressed TP collectives")
     return summary
 
 
