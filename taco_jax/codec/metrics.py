@@ -24,9 +24,17 @@ def sqnr_db(x, y) -> float:
     for a, b in _pairs(x, y):
         sig += float(np.sum(a * a))
         noise += float(np.sum((b - a) ** 2))
+    return db_from_powers(sig, noise)
+
+
+def db_from_powers(signal: float, noise: float) -> float:
+    """10·log10(signal / noise) of summed powers Σx², Σ(y − x)²: ∞ when noise is 0, −∞ when only the
+    signal is 0, NaN when either is NaN."""
+    if np.isnan(signal) or np.isnan(noise):
+        return float("nan")
     if noise == 0.0:
         return float("inf")
-    return float(10 * np.log10(sig / noise)) if sig > 0 else float("-inf")
+    return float(10 * np.log10(signal / noise)) if signal > 0 else float("-inf")
 
 
 def max_rel_error(x, y) -> float:

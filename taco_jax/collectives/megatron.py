@@ -139,6 +139,29 @@ def gather_from_sp(x: jax.Array, axis_name: str, policy: CommPolicy, dim: int) -
     return _gather_from_sp(x, axis_name, policy, dim)
 
 
+def site_collective(x: jax.Array, site: str, axis_name: str, policy: CommPolicy, dim: int = 1) -> jax.Array:
+    """The collective a tensor-axis `site` applies to one message `x`, forward value only (no
+    derivative): what the operators above run on it, with `policy`'s codec for `site` (`codec_for`:
+    `min_bytes` applies) — with `CommPolicy.none()` the exact `lax` collective.
+
+    | site                   | collective                     | message `x`                          |
+    |------------------------|--------------------------------|--------------------------------------|
+    | ar_fwd, ar_bwd         | all-reduce (`policy.all_reduce_algorithm`) | partial sums / cotangent |
+    | all_gather             | all-gather along `dim`, tiled  | this rank's sequence shard           |
+    | reduce_scatter         | reduce-scatter along `dim`, tiled | partial sums over the whole sequence |
+
+    Used by the fidelity monitor (`taco_jax/train/monitor.py`). Raises: ValueError for a site that
+    is not a tensor-axis site.
+    """
+    if site in ("ar_fwd", "ar_bwd"):
+        return _all_reduce(x, axis_name, policy, site)
+    if site == "all_gather":
+        return _gather(x, axis_name, policy, dim)
+    if site == "reduce_scatter":
+        return _scatter(x, axis_name, policy, dim)
+    raise ValueError(f"site={site!r} is not a tensor-axis site (ar_fwd, ar_bwd, all_gather, reduce_scatter)")
+
+
 def scatter_to_sp(x: jax.Array, axis_name: str, policy: CommPolicy, dim: int) -> jax.Array:
     """Sequence parallelism: reduce-scatter partial sums along `dim` (all-gather backward).
 

@@ -68,7 +68,7 @@ class _Collector:
         return r
 
     def forward(self, x, key):
-        self.fwd.append(x[None].astype(jnp.float32))
+        self.fwd.append(x[None])
         self.fwd_keys.append(key)
 
     def backward(self, h, key):
@@ -124,8 +124,23 @@ class Tap:
 # ------------------------------------- the capture twin -------------------------------------
 
 
-def make_capture_fn(trainer):
-    """(params, inputs, targets) -> (loss, {key: [n_devices, *message]}) for `trainer`'s model and mesh.
+@dataclasses.dataclass(frozen=True)
+class MessageFn:
+    """The twin (see the module docstring), traceable: `fn(params, inputs, targets) -> (loss, fwd, bwd)`
+    with `fwd[i]` the forward message `fwd_keys[i]` and `bwd[j]` the backward message `bwd_keys[j]`,
+    each stacked over the mesh's devices in mesh order, `[n_devices, *message]`, in the message's own
+    dtype (the model's compute dtype). Call it inside `jax.jit` (capture: `make_capture_fn`; the
+    fidelity monitor: `train/monitor.py`)."""
+
+    fn: callable
+    fwd_keys: list
+    bwd_keys: list
+    spec: P  # PartitionSpec of one message's [n_devices, ...] stack: one slot per device
+
+
+def make_message_fn(trainer) -> MessageFn:
+    """The capture twin of `trainer`'s train step (its mesh, model, parameter specs and resolved
+    policy `trainer.policy`, i.e. the codecs the real step runs).
 
     Raises: ValueError for a pipelined trainer (not supported).
     """
@@ -133,7 +148,8 @@ def make_capture_fn(trainer):
         raise ValueError("capture supports data × tensor meshes without pipeline stages")
     cfg, mesh, abstract_state = trainer.cfg, trainer.mesh, trainer.abstract_state
     tap = Tap()  # the twin's model: the trainer's, with the tap in its ParallelContext
-    graphdef = make_steps(cfg.model_config, mesh, cfg.policy, sequence_parallel=cfg.sequence_parallel,
+    policy = trainer.policy or cfg.policy  # backends resolved as the real step's
+    graphdef = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
                           pipelined=False, tap=tap).graphdef
     data_axes = tuple(a for a in (DATA,) if a in mesh.axis_names)
     batch_spec = P(data_axes or None)
@@ -171,16 +187,27 @@ def make_capture_fn(trainer):
     grad_fn = jax.value_and_grad(smap, argnums=1, has_aux=True)
     probe_sharding = NamedSharding(mesh, every)
 
-    @jax.jit
     def run(params, inputs, targets):
         probes = [jax.lax.with_sharding_constraint(jnp.zeros(s.shape, s.dtype), probe_sharding) for s in probe_shapes]
         (loss, fwd), bwd = grad_fn(params, probes, inputs, targets)
         return loss, fwd, bwd
 
+    return MessageFn(run, fwd_keys, list(disc.probe_keys), every)
+
+
+def make_capture_fn(trainer):
+    """(params, inputs, targets) -> (loss, {key: [n_devices, *message] float32 numpy}) for `trainer`'s
+    model and mesh (`make_message_fn`, jitted).
+
+    Raises: ValueError for a pipelined trainer (not supported).
+    """
+    msg = make_message_fn(trainer)
+    run = jax.jit(msg.fn)
+
     def capture_fn(params, inputs, targets):
         loss, fwd, bwd = run(params, inputs, targets)
-        out = dict(zip(fwd_keys, fwd))
-        out.update(zip(disc.probe_keys, bwd))
+        out = dict(zip(msg.fwd_keys, fwd))
+        out.update(zip(msg.bwd_keys, bwd))
         return float(loss), {k: np.asarray(v, np.float32) for k, v in out.items()}
 
     return capture_fn
@@ -199,6 +226,12 @@ def gpt_roles(n_layer: int) -> dict[str, str]:
         roles[f"enter{2 * i + 1:02d}"] = f"h{i}.mlp_in"
     roles[f"enter{2 * n_layer:02d}"] = "lm_head_in"
     return roles
+
+
+def model_roles(cfg) -> dict[str, str]:
+    """`gpt_roles` for a GPT `TrainConfig`, else {} (roles then stay "exitNN" / "enterNN")."""
+    n_layer = getattr(cfg.model_config, "n_layer", None)
+    return gpt_roles(n_layer) if n_layer and cfg.model.startswith("gpt") else {}
 
 
 def capture_steps(steps: int, n: int) -> list[int]:
@@ -229,8 +262,7 @@ class Recorder:
         meta = {"model": cfg.model, "mesh": cfg.mesh, "comm": cfg.comm, "sequence_parallel": cfg.sequence_parallel,
                 "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "steps": cfg.steps,
                 "captured_steps": capture_steps(cfg.steps, cfg.capture), "kept": "all tensor ranks, data rank 0"}
-        n_layer = getattr(cfg.model_config, "n_layer", None)
-        meta["roles"] = gpt_roles(n_layer) if n_layer and cfg.model.startswith("gpt") else {}
+        meta["roles"] = model_roles(cfg)
         rec = cls(trainer, pathlib.Path(out) / "captures", meta["captured_steps"], meta)
         rec.out_dir.mkdir(parents=True, exist_ok=True)
         return rec

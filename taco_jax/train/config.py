@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
 from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
@@ -156,6 +157,9 @@ class TrainConfig:
     allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
     log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
     capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
+    monitor_every: int = 0  # log per-site SQNR of compressed vs exact TP collectives on steps k % N == 0 and the last
+    monitor_warn_sqnr: float = 15.0  # monitor: warn on stderr when a site's worst call is below this SQNR (dB)
+    monitor_min_sqnr: float = float("-inf")  # monitor: stop the run (exit 1) when a site's worst call is below this dB
     out: str = "runs/default"  # output folder (created; must not be a file)
     checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps and at the end (0: only on SIGTERM)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
@@ -173,6 +177,11 @@ class TrainConfig:
                              f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout} >= 0")
         if self.log_every < 0:
             raise ValueError(f"log_every={self.log_every} must be >= 0 (0: no progress lines)")
+        if self.monitor_every < 0:
+            raise ValueError(f"monitor_every={self.monitor_every} must be >= 0 (0: no monitor)")
+        for f in ("monitor_warn_sqnr", "monitor_min_sqnr"):
+            if math.isnan(getattr(self, f)):
+                raise ValueError(f"{f}={getattr(self, f)} must be a number of dB (-inf: never)")
         for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
@@ -193,6 +202,9 @@ class TrainConfig:
         if self.capture and (axes.get(STAGE, 1) > 1 or self.microbatches > 1):
             raise ValueError(f"capture={self.capture} needs the unpipelined layout (stage=1, microbatches=1); "
                              "capture on pipelined meshes is not supported")
+        if self.monitor_every and (axes.get(STAGE, 1) > 1 or self.microbatches > 1):
+            raise ValueError(f"monitor_every={self.monitor_every} needs the unpipelined layout (stage=1, "
+                             "microbatches=1); the monitor on pipelined meshes is not supported")
         if self.batch_size % (data * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} is not divisible by data × microbatches = "
                              f"{data} × {self.microbatches}")

@@ -38,6 +38,7 @@ from taco_jax.train import capture, jsonio
 from taco_jax.train import distributed as dist
 from taco_jax.train.checkpoint import Checkpoints
 from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
+from taco_jax.train.monitor import Monitor
 from taco_jax.train.step import compiled_memory, make_trainer
 
 
@@ -133,6 +134,10 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     # 2. compile once (from the initial arrays: a resumed run runs the same program) and read the
     #    collectives' wire bytes off the optimized HLO
     recorder = capture.Recorder.start(cfg, out, trainer) if cfg.capture else None  # train --capture N
+    monitor = Monitor.start(cfg, trainer) if cfg.monitor_every else None  # train --monitor-every N
+    if monitor and not monitor.sites and writer:
+        print("[taco-jax] --monitor-every: no tensor site is compressed (or no tensor axis); nothing to monitor",
+              file=sys.stderr, flush=True)
     checked = any(getattr(policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
     t0 = time.perf_counter()
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)
@@ -177,6 +182,11 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     log_lines = progress and writer and cfg.log_every and not sys.stderr.isatty()  # logs: a line every log_every
     with _metrics_log(out / "metrics.jsonl", history, writer) as log, _closing(watchdog, stop, ckpt):
         for step in bar:
+            fidelity = None
+            if monitor and monitor.due(step):  # this step's messages: compressed vs exact (train step untouched)
+                t = time.perf_counter()
+                fidelity = monitor.measure(step, params, x, y)
+                monitor_s = time.perf_counter() - t
             t = time.perf_counter()
             if recorder:  # on capture steps: this step's TP messages -> <out>/captures/stepNNNNN.npz
                 recorder.capture(step, params, x, y)
@@ -191,6 +201,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 raise_if_nonfinite()  # FloatingPointError naming the site(s) that saw NaN/Inf this step
             rec = {"step": step, "loss": loss, "grad_norm": float(m["grad_norm"]), "step_s": dt,
                    "tokens_per_s": tokens_per_step / dt}
+            if fidelity is not None:
+                rec.update(monitor=fidelity, monitor_s=monitor_s)
             finite = math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])
             if finite or cfg.allow_nonfinite:
                 if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -203,6 +215,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 raise FloatingPointError(
                     f"step {step}: {bad} is not finite (loss={loss:.6g}); the run stopped (metrics up to step "
                     f"{step} in {out / 'metrics.jsonl'}; --allow-nonfinite keeps training)")
+            if fidelity is not None:  # warnings; MonitorError under --monitor-min-sqnr
+                monitor.check(step, fidelity, f" (metrics up to step {step} in {out / 'metrics.jsonl'})")
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
             if log_lines and (step % cfg.log_every == 0 or step == cfg.steps):
                 print(f"[train {cfg.comm}] step {step}/{cfg.steps} loss {loss:.4f} val "
@@ -264,11 +278,16 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                                **schedule_stats(cfg.schedule, stages, cfg.microbatches)}
     if captured:
         summary["captures"] = captured
+    if monitor and monitor.sites:
+        summary["monitor"] = monitor_summary(history, start)
     if not writer:
         return summary
     jsonio.write(out / "summary.json", summary)
     plot_losses(out / "loss.png", {cfg.comm: out / "metrics.jsonl"}, title=f"{cfg.model} on Shakespeare, mesh "
                 f"{cfg.mesh}; compressed axes: {', '.join(summary['compressed_axes']) or 'none'}")
+    if any("monitor" in r for r in history):
+        plot_monitor(out / "monitor.png", out / "metrics.jsonl", title=f"{cfg.model}, mesh {cfg.mesh}, {cfg.comm}: "
+                     "SQNR of the compressed TP collectives")
     return summary
 
 
@@ -393,6 +412,66 @@ def read_metrics(path) -> list[dict]:
     """The records of a `metrics.jsonl`, non-finite numbers (written as strings) back as floats."""
     recs = [json.loads(line) for line in open(path)]
     return [{k: float(v) if k in ("loss", "val_loss", "grad_norm") else v for k, v in r.items()} for r in recs]
+
+
+def monitor_summary(history: list[dict], start: int = 0) -> dict:
+    """The monitor over a run (`summary.json` "monitor"): per site the mean and minimum over the
+    monitored steps of `sqnr_db` and the minimum of `min_sqnr_db` (NaN if any step's was NaN), and
+    the cost: mean `monitor_s` over the monitored steps but the first of this process (it compiles
+    the monitor) and mean `step_s` over the steps after the first of this process (`start + 1`)."""
+    mon = [r for r in history if "monitor" in r and r["step"] > start]
+    sites = {}
+    for site in SITES:
+        vals = [(float(r["monitor"][site]["sqnr_db"]), float(r["monitor"][site]["min_sqnr_db"]))
+                for r in mon if site in r["monitor"]]
+        if vals:
+            worst = [v[1] for v in vals]
+            sites[site] = {"mean_sqnr_db": float(np.mean([v[0] for v in vals])), "min_sqnr_db": float(np.min(worst)),
+                           "first_sqnr_db": vals[0][0], "last_sqnr_db": vals[-1][0]}
+    later = [r for r in history if r["step"] > start + 1]
+    timed = [r["monitor_s"] for r in mon[1:]]  # the first measurement compiles the monitor
+    step_s = float(np.mean([r["step_s"] for r in later])) if later else None
+    monitor_s = float(np.mean(timed)) if timed else None
+    return {"steps": [r["step"] for r in mon], "sites": sites, "monitor_s_mean": monitor_s, "step_s_mean": step_s,
+            "monitor_over_step": monitor_s / step_s if monitor_s and step_s else None}
+
+
+def plot_monitor(path, metrics, title: str) -> pathlib.Path:
+    """Fidelity monitor plot -> `path` (PNG): the training loss (top) and, below it on the same step
+    axis, each monitored site's SQNR (dB; solid: energy-weighted over the site's calls, dashed: its
+    worst call) from the "monitor" entries of `metrics` (a run's metrics.jsonl). Infinite or NaN
+    values are left out of the plot (they stay in metrics.jsonl)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = read_metrics(metrics)
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(1, 1.2))
+    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=0.8, label="train")
+    ev = [r for r in recs if "val_loss" in r]
+    ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="val")
+    ax.set(ylabel="cross-entropy (nats/token)")
+    ax.legend(fontsize=8)
+    mon = [r for r in recs if "monitor" in r]
+    for site in SITES:
+        pts = [(r["step"], float(r["monitor"][site]["sqnr_db"]), float(r["monitor"][site]["min_sqnr_db"]))
+               for r in mon if site in r["monitor"]]
+        pts = [p for p in pts if math.isfinite(p[1]) and math.isfinite(p[2])]
+        if pts:
+            line, = bx.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=f"{site}")
+            bx.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(), lw=0.8,
+                    label=f"{site}: worst call")
+    bx.set(xlabel="step", ylabel="SQNR (dB)")
+    bx.legend(fontsize=7, ncol=2)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120, metadata={"Title": title})
+    plt.close(fig)
+    return path
 
 
 def plot_losses(path, runs: dict, title: str) -> pathlib.Path:
