@@ -34,6 +34,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--backend", default="auto")
     p.add_argument("--algorithm", default="two_shot")
     p.add_argument("--variants", default="none,taco", help="comma-separated --comm values; the first is the base")
@@ -69,6 +70,7 @@ def main(argv=None) -> dict:
     for v in variants:
         cfg = TrainConfig.from_flags(comm=v, mesh=args.mesh, model=args.model, batch_size=args.batch_size,
                                      seq_len=args.seq_len, dtype=args.dtype, backend=args.backend,
+                                     vocab_size=args.vocab_size,
                                      algorithm=args.algorithm)
         tr = make_trainer(cfg)
         sharding = NamedSharding(tr.mesh, P(*(a for a in (DATA,) if a in tr.mesh.axis_names)))
