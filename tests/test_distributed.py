@@ -195,7 +195,7 @@ def test_sigterm_to_the_launcher_then_resume_on_another_mesh(tmp_path, cache):
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == stopped
 
 
-@pytest.mark.slow  # make test-slow (two runs of 3 steps in 2 processes: ~40-60 s on 2 loaded cores)
+@pytest.mark.slow  # make test-slow (two runs of 3 steps in 2 processes: 153 s wall, 70 s CPU, on 2 cores at load ~20)
 def test_launch_compare_with_the_tensor_axis_spanning_two_processes(tmp_path, cache):
     """`launch --processes 2 -- compare` with tensor=2 over 2 processes × 1 device: both runs (exact,
     then TACO) on the distributed runtime; process 0 writes one summary.json naming both runs, with
