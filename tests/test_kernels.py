@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import warnings
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # conftest normally sets it
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -159,10 +160,37 @@ def test_policy_resolution_names_the_site_whose_backend_cannot_run():
         CommPolicy.taco(CodecConfig(backend="pallas")).resolve_backends("cpu", n_devices=8)
 
 
-def test_encode_refuses_an_unresolved_or_unregistered_backend():
-    x = jnp.ones((4, 128))
-    with pytest.raises(ValueError, match="'auto' must be resolved"):
-        encode(x, CodecConfig(backend="auto"))
+def test_auto_is_the_default_and_resolves_at_trace_time_in_a_library_call():
+    """`CodecConfig()` (TACO) defaults to "auto"; `encode` called directly (no trainer, no
+    `resolve_codec`) runs what `resolve("auto")` names here, and gives the same wire buffers as
+    that concrete backend."""
+    assert CodecConfig().backend == "auto"
+    assert codec_backends.resolve_auto() == kernels.resolve("auto")
+    assert codec_backends.get_backend("auto") == codec_backends.get_backend(kernels.resolve("auto"))
+    x = jax.random.normal(jax.random.key(0), (4, 256))
+    got = encode(x, CodecConfig())
+    want = encode(x, CodecConfig(backend=kernels.resolve("auto")))
+    np.testing.assert_array_equal(np.asarray(got.codes, np.float32), np.asarray(want.codes, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+
+
+def test_auto_without_a_chooser_is_reference(monkeypatch):
+    monkeypatch.setattr(codec_backends, "_AUTO", [])
+    assert codec_backends.resolve_auto() == "reference"
+
+
+def test_auto_warns_once_when_ffi_is_not_built(monkeypatch):
+    monkeypatch.setattr(ffi_codec, "unavailable_reason", lambda platform="cpu": "libtaco_ffi.so not built")
+    kernels._warn_auto_fallback.cache_clear()
+    with pytest.warns(UserWarning, match=r"'auto' on cpu.*not built.*using 'reference'.*make -C custom_calls"):
+        assert kernels.resolve("auto", "cpu") == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.resolve("auto", "cpu") == "reference"  # once per process
+    kernels._warn_auto_fallback.cache_clear()
+
+
+def test_encode_refuses_an_unregistered_backend():
     with pytest.raises(ValueError, match="'nosuch' is not registered"):
         codec_backends.get_backend("nosuch")
 

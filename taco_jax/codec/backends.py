@@ -3,8 +3,14 @@
 The codec defines the contract and looks a backend up by name; it never imports an
 implementation. `taco_jax.codec.reference` registers "reference" (plain jnp, the
 specification); `taco_jax.kernels` registers "pallas", "triton" and "ffi" when it is imported,
-and turns "auto" into one of them (`taco_jax.kernels.resolve_codec`,
-`CommPolicy.resolve_backends`) before anything is traced, so "auto" never reaches a kernel.
+and the chooser of "auto" (`register_auto`). "auto" (the default of `CodecConfig.backend`) is
+resolved in one of two places, both before a kernel is called:
+  * training: once, before tracing (`taco_jax.kernels.resolve_codec`, `CommPolicy.resolve_backends`),
+    so the run's policy, printed and stored in summary.json, names the concrete backend;
+  * a library call with an "auto" codec (`encode(x, TACO)`, `collectives.psum(x, codec=TACO)`): at
+    trace time, by `get_backend("auto")`, which asks the registered chooser (kernels: ffi on CPU
+    when built, else reference with a one-time warning; GPU kernels on GPU) for jax's default
+    platform, or gives "reference" when no chooser is registered (`taco_jax.kernels` not imported).
 
 Contract of a backend (spec §2 steps 1-5 and their inverse):
   encode_groups(xg, cfg, *, last_count) -> (codes, s, a)
@@ -29,6 +35,7 @@ class GroupBackend(NamedTuple):
 
 _LOADERS: dict[str, Callable[[], GroupBackend]] = {}
 _LOADED: dict[str, GroupBackend] = {}
+_AUTO: list[Callable[[], str]] = []  # the chooser of "auto" (at most one; `register_auto`)
 
 
 def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
@@ -38,22 +45,33 @@ def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
     _LOADED.pop(name, None)
 
 
+def register_auto(chooser: Callable[[], str]) -> None:
+    """Registers `chooser() -> name`, the concrete backend "auto" stands for (jax's default platform);
+    `taco_jax.kernels` registers its `resolve("auto")`. Re-registering replaces it."""
+    _AUTO[:] = [chooser]
+
+
+def resolve_auto() -> str:
+    """The concrete backend "auto" stands for here: the registered chooser's answer, or "reference"
+    when nothing registered one (`taco_jax.kernels` not imported)."""
+    return _AUTO[0]() if _AUTO else "reference"
+
+
 def registered_backends() -> tuple[str, ...]:
     return tuple(_LOADERS)
 
 
 def get_backend(name: str) -> GroupBackend:
-    """The backend registered as `name` (loaded once per process).
+    """The backend registered as `name` (loaded once per process); "auto" is `resolve_auto()`'s.
 
     Raises:
-      ValueError: for "auto" (resolve it first) or a name nothing registered.
+      ValueError: for a name nothing registered, or a backend that cannot run here (its loader's).
     """
+    if name == "auto":
+        name = resolve_auto()
     got = _LOADED.get(name)
     if got is not None:
         return got
-    if name == "auto":
-        raise ValueError("codec backend 'auto' must be resolved to a concrete backend before encoding: "
-                         "taco_jax.kernels.resolve_codec(cfg) or CommPolicy.resolve_backends()")
     if name not in _LOADERS:
         raise ValueError(f"codec backend {name!r} is not registered (registered: {registered_backends()}); "
                          "`import taco_jax.kernels` registers pallas, triton and ffi")

@@ -31,8 +31,9 @@ _SCALE_WORDS = {"fp8_group": 1, "int8": 1, "int4": 1, "tah": 2}
 
 
 #: Implementations of the taco group math (registry: `taco_jax.codec.backends`; filled in by
-#: `taco_jax.kernels`). "auto" and whether a backend runs here are resolved once, before tracing
-#: (`taco_jax.kernels.resolve_codec`, `CommPolicy.resolve_backends`).
+#: `taco_jax.kernels`). "auto" (the default) and whether a backend runs here are resolved once,
+#: before tracing, in training (`taco_jax.kernels.resolve_codec`, `CommPolicy.resolve_backends`);
+#: a library call with an "auto" codec resolves it at trace time (`codec.backends.get_backend`).
 BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
 
 
@@ -86,10 +87,14 @@ class CodecConfig:
         `taco_jax.codec.raise_if_nonfinite()` raises `FloatingPointError` naming it (the
         training loop calls it after every step; `taco_jax.codec.reference.check_finite`).
       site: name of the communication site, for "error" messages (`CommPolicy.codec_for` sets it).
-      backend: which implementation runs the taco group math, one of `BACKENDS` ("reference" =
-        plain jnp; see `taco_jax.kernels`). The other kinds always run the jnp reference. Only
-        the name is checked here; "auto" and availability (e.g. "triton" on CPU is refused,
-        listing the available ones) are resolved by `taco_jax.kernels.resolve_codec`.
+      backend: which implementation runs the taco group math, one of `BACKENDS`. Default "auto":
+        the fastest conforming backend on jax's default platform (C++ FFI on CPU when its library
+        is built, else "reference" with a one-time warning; fused kernels on GPU), resolved by
+        `taco_jax.kernels.resolve_codec` before tracing in training, or at trace time when a
+        library call gets an "auto" codec. "reference" = plain jnp, the specification and the
+        tests' oracle (see `taco_jax.kernels`). The other kinds always run the jnp reference.
+        Only the name is checked here; availability (e.g. "triton" on CPU is refused, listing the
+        available ones) is checked by `taco_jax.kernels.resolve_codec`.
 
     Raises:
       ValueError: on any value outside the sets above, naming it.
@@ -103,7 +108,7 @@ class CodecConfig:
     scale_layout: str = "dual"
     group_axis: str = "hidden"
     nonfinite: str = "propagate"
-    backend: str = "reference"
+    backend: str = "auto"
     hadamard: bool = False
     site: str = ""
 

@@ -130,16 +130,16 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
         `cfg.group_size`, the last one zero-padded (fp8_tensor: one group per message). A
         zero-size `x` gives an `Encoded` of zero-size buffers (no groups when a message is empty).
       cfg: a `CodecConfig` of a compressing kind (not "none"); kind "taco" runs the group math of
-        the registered backend `cfg.backend` (`taco_jax.codec.backends`; "auto" must be resolved
-        first, e.g. by `taco_jax.kernels.resolve_codec`).
+        the registered backend `cfg.backend` (`taco_jax.codec.backends`; "auto", the default,
+        is resolved here, at trace time, for jax's default platform: `backends.resolve_auto`).
       batch_dims: number of leading message axes.
 
     Returns:
       An `Encoded` pytree (see its docstring).
 
     Raises:
-      ValueError: if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is "auto"
-        or not registered.
+      ValueError: if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is not
+        registered or cannot run here.
     """
     if cfg.kind == "none":
         raise ValueError(f"encode needs a compressing codec (kind 'taco' or another of {CODEC_KINDS[1:]}); "
@@ -205,7 +205,8 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
     inputs within rounding of float32's largest value), so the float32 program has no extra op.
     Zero-size buffers decode to a zero-size array, with no group math run.
 
-    Raises: ValueError if `cfg.backend` is "auto" or not registered (kind "taco").
+    Raises: ValueError if `cfg.backend` is not registered or cannot run here (kind "taco"; "auto"
+    is resolved as in `encode`).
     """
     with jax.named_scope("taco_decode"):
         n = math.prod(enc.shape)

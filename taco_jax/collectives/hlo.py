@@ -68,8 +68,14 @@ def _groups(line: str) -> list[tuple[int, ...]] | None:
 
 
 def mesh_axis_groups(mesh) -> dict[str, set[frozenset[int]]]:
-    """For each mesh axis (and each combination used by XLA), the device-id groups it spans."""
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    """For each mesh axis, the groups of logical device ids it spans.
+
+    The replica groups of a compiled SPMD program name logical ids: positions in its device
+    assignment, which for a jit over `mesh` is `mesh.devices` flattened in order. They are not
+    `Device.id`s: those coincide on one host's CPU devices 0..N-1, but not across processes
+    (process 1's CPU devices have other ids) or for a mesh of permuted devices.
+    """
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     out = {}
     for i, name in enumerate(mesh.axis_names):
         moved = np.moveaxis(ids, i, -1).reshape(-1, ids.shape[i])

@@ -11,9 +11,13 @@ turn `CodecConfig.backend` into a concrete one once, before tracing:
   triton     Triton kernels through jax-triton (`triton_codec`); GPU only, imported lazily.
   ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU (AVX2 when the CPU has it), CUDA on
              GPU; needs the shared library built by `make -C custom_calls` (`... cuda` for GPU).
-  auto       the fastest correct backend available: CPU: ffi if built, else reference;
-             GPU: ffi (CUDA) if built, else reference (measured on an H200, README "GPU path":
-             the pallas / triton encoders run at < 0.01x a device copy, the reference at 0.18x).
+  auto       the default: the fastest correct backend available: CPU: ffi if built, else
+             reference; GPU: ffi (CUDA) if built, else reference (measured on an H200, README
+             "GPU path": the pallas / triton encoders run at < 0.01x a device copy, the reference
+             at 0.18x). When ffi is not built, a one-time warning says so and how to build it.
+             Training resolves it once, before tracing (`resolve_codec`); a library call with an
+             "auto" codec resolves it at trace time (this package registers `resolve("auto")` as
+             the registry's chooser).
 
 Conformance rule (tested in tests/test_kernels.py against `reference` on the same inputs):
   For a group whose input is finite:
@@ -46,7 +50,7 @@ import importlib
 import importlib.util
 import warnings
 
-from taco_jax.codec.backends import GroupBackend, register_backend
+from taco_jax.codec.backends import GroupBackend, register_auto, register_backend
 from taco_jax.codec.backends import get_backend as _registered
 from taco_jax.codec.config import BACKENDS, CodecConfig
 from taco_jax.kernels._platform import default_platform
@@ -105,7 +109,10 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
         # On an H200 (README "GPU path") the CUDA FFI codec runs at 0.78x / 1.10x a device copy, the
         # jnp reference at 0.18x / 0.26x, pallas and triton encoders at < 0.01x: never pick those.
         order = ("ffi", "reference")
-        return next(b for b in order if _unavailable(b, platform) is None)
+        got = next(b for b in order if _unavailable(b, platform) is None)
+        if got != "ffi":
+            _warn_auto_fallback(platform, got, _unavailable("ffi", platform))
+        return got
     reason = _unavailable(name, platform)
     if reason is not None:
         raise ValueError(
@@ -128,6 +135,16 @@ def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: i
         return cfg if cfg.backend == "reference" else dataclasses.replace(cfg, backend="reference")
     name = resolve(cfg.backend, platform, n_devices=n_devices)
     return cfg if name == cfg.backend else dataclasses.replace(cfg, backend=name)
+
+
+@functools.cache
+def _warn_auto_fallback(platform: str, got: str, reason: str):
+    warnings.warn(
+        f"codec backend 'auto' on {platform}: the FFI kernels are not available ({reason}); using "
+        f"{got!r}, which is slower. Build them with `make -C custom_calls` (CPU) or `make -C "
+        "custom_calls cuda` (GPU), or pass backend 'reference' to silence this",
+        stacklevel=4,
+    )
 
 
 @functools.cache
@@ -164,3 +181,4 @@ def get_backend(name: str) -> GroupBackend:
 
 for _name in _MODULES:
     register_backend(_name, _loader(_name))
+register_auto(lambda: resolve("auto"))

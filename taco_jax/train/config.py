@@ -40,7 +40,7 @@ class CommFlags:
     scale_layout: str = "dual"  # taco on the tensor axis: dual (two FP32 scales / group) | folded (one)
     group_axis: str = "hidden"  # tensor axis: groups along hidden (channels) | token (one channel across tokens)
     nonfinite: str = "propagate"  # NaN/Inf in a message, every axis: propagate | zero | error (raise naming the site)
-    backend: str = "reference"  # taco group math, every axis: reference | pallas | triton | ffi | auto
+    backend: str = "auto"  # taco group math: auto (CPU: ffi if built; GPU kernels) | reference | pallas | triton | ffi
     algorithm: str = "two_shot"  # compressed all-reduce: two_shot | one_shot
     min_bytes: int | str = 0  # messages below this many bytes stay uncompressed; auto: the cost model's break-even size
     policy_file: str = ""  # JSON policy (docs/training.md; `taco-jax calibrate`); overrides the sites it names

@@ -365,6 +365,8 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and
     `<out>/summary.json`: both final validation losses, their relative difference, and the wire
     bytes per step of each run by mesh axis with the compressed / exact ratio per axis.
+    In a multi-process run (`taco-jax launch --processes N -- compare ...`) every process trains
+    both runs on the distributed runtime and returns the summary; process 0 writes the files.
     Raises: as `train`; ValueError before any training when `<out>` cannot be written.
     """
     out = check_out_dir(cfg.out)
@@ -398,7 +400,10 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
         "dtype": cfg.dtype,
         "tokens_per_s": {c: r["tokens_per_s"] for c, r in runs.items()},
         "config": {k: v for k, v in cfg.to_dict().items() if k not in ("policy", "out")},
+        "processes": runs["taco"]["processes"],
     }
+    if not dist.is_writer():
+        return summary
     jsonio.write(out / "summary.json", summary)
     codecs = ", ".join(f"{a}: {policy_label(configs['taco'].policy, AXIS_SITES[a])}" for a in axes)
     taco_label = f"compressed ({codecs})" if axes else "taco (nothing compressed)"

@@ -1,0 +1,122 @@
+"""Paired step-time measurement: the compiled train step of each policy, run in alternation.
+
+Builds one trainer per `--variants` entry (a `--comm` value: `none` = exact, `taco`, ...) with the
+same model, mesh, batch and codec flags, compiles each, then times `--steps` rounds; each round
+runs one step of every variant back to back (the same random token batch), so machine load that
+drifts during the measurement (other jobs on shared cores) hits every variant alike. Prints, per
+variant, the median step time and tokens/s, and the median over rounds of the per-round ratio
+to the first variant (`step_ratio`: > 1 is slower than the first).
+
+Single process (simulated mesh):
+  python experiments/step_time.py --mesh data=2,tensor=4 --steps 30
+Several processes over the real transport (jax.distributed + gloo on 127.0.0.1), one per shell:
+  python experiments/step_time.py --mesh data=1,tensor=2 --coordinator 127.0.0.1:PORT \
+      --num-processes 2 --process-id I ...
+Comm fraction of the exact step over the real transport: the same flags with one process holding
+both devices (in-process collectives are memory copies) gives the step without the transport.
+Step times are seconds of wall clock around one jitted step (blocking on its loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mesh", default="data=2,tensor=4")
+    p.add_argument("--model", default="gpt2-tiny")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--algorithm", default="two_shot")
+    p.add_argument("--variants", default="none,taco", help="comma-separated --comm values; the first is the base")
+    p.add_argument("--steps", type=int, default=20, help="timed rounds (after 2 warm-up rounds)")
+    p.add_argument("--json", default="", help="write the result here (process 0)")
+    p.add_argument("--coordinator", default="")
+    p.add_argument("--num-processes", type=int, default=0)
+    p.add_argument("--process-id", type=int, default=-1)
+    args = p.parse_args(argv)
+
+    from taco_jax.parallel.mesh import parse_mesh  # noqa: PLC0415
+
+    n = 1
+    for v in parse_mesh(args.mesh).values():
+        n *= v
+    local = n // max(args.num_processes, 1)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={local}"
+    from taco_jax.train import distributed  # noqa: PLC0415
+
+    if args.num_processes > 1:
+        distributed.initialize(distributed.DistConfig(args.coordinator, args.num_processes, args.process_id))
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    from taco_jax.parallel.mesh import DATA  # noqa: PLC0415
+    from taco_jax.train.config import TrainConfig  # noqa: PLC0415
+    from taco_jax.train.step import make_trainer  # noqa: PLC0415
+
+    variants = args.variants.split(",")
+    state = {}
+    for v in variants:
+        cfg = TrainConfig.from_flags(comm=v, mesh=args.mesh, model=args.model, batch_size=args.batch_size,
+                                     seq_len=args.seq_len, dtype=args.dtype, backend=args.backend,
+                                     vocab_size=args.vocab_size,
+                                     algorithm=args.algorithm)
+        tr = make_trainer(cfg)
+        sharding = NamedSharding(tr.mesh, P(*(a for a in (DATA,) if a in tr.mesh.axis_names)))
+        rng = np.random.default_rng(0)
+        tok = rng.integers(0, cfg.model_config.vocab_size, (args.batch_size, args.seq_len), dtype=np.int32)
+        x, y = distributed.global_arrays(sharding, tok, np.roll(tok, -1, axis=1))
+        params, opt = tr.init()
+        t = time.perf_counter()
+        compiled = tr.train_step.lower(params, opt, x, y).compile()
+        state[v] = [compiled, params, opt, x, y, time.perf_counter() - t, tr.policy]
+    times = {v: [] for v in variants}
+    losses = {v: [] for v in variants}
+    for r in range(args.steps + 2):
+        for v in variants:
+            compiled, params, opt, x, y = state[v][:5]
+            t = time.perf_counter()
+            params, opt, m = compiled(params, opt, x, y)
+            loss = float(m["loss"])
+            dt = time.perf_counter() - t
+            state[v][1:3] = [params, opt]
+            if r >= 2:
+                times[v].append(dt)
+                losses[v].append(loss)
+    base = variants[0]
+    tokens = args.batch_size * args.seq_len
+    result = {
+        "command": " ".join(sys.argv),
+        "mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "dtype": args.dtype, "processes": jax.process_count(), "devices": len(jax.devices()),
+        "tensor_codec": {v: f"{state[v][6].ar_fwd.name}[{state[v][6].ar_fwd.backend}]" for v in variants},
+        "compile_s": {v: state[v][5] for v in variants},
+        "median_step_s": {v: statistics.median(times[v]) for v in variants},
+        "tokens_per_s": {v: tokens / statistics.median(times[v]) for v in variants},
+        "step_ratio": {v: statistics.median(a / b for a, b in zip(times[v], times[base], strict=True))
+                       for v in variants},
+        "last_loss": {v: losses[v][-1] for v in variants},
+        "step_s": times,
+    }
+    if jax.process_index() == 0:
+        shown = {k: v for k, v in result.items() if k != "step_s"}
+        print(json.dumps(shown, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
