@@ -127,6 +127,22 @@ QUICK_SIZES = "64K,1M"
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
 
 
+def _light(module: str):
+    """`module` of taco_jax.train (jsonio, distributed: both import only the standard library and
+    numpy at module level) loaded from its file without the package's __init__, which imports the
+    models (about 1 s of CPU per process on the 2-core machine, paid by every worker)."""
+    import importlib.util
+
+    name = f"_bench_collectives_{module.rpartition('.')[2]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / (module.replace(".", "/") + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 # -----------------------------------------------------------------------------------------------
 # options
 
@@ -220,8 +236,8 @@ def parse_args(argv=None):
 
 def build_config(args) -> dict:
     """Checked options -> the plain config every worker gets. Raises ValueError naming a bad value."""
-    from taco_jax.codec.presets import NAMED
     from taco_jax.codec.config import BACKENDS
+    from taco_jax.codec.presets import NAMED
 
     transports = _csv(args.transports)
     for t in transports:
@@ -315,9 +331,8 @@ def worker(cfg_path: str, process_id: int) -> None:
     cfg = json.loads(pathlib.Path(cfg_path).read_text())
     transport, p = cfg["transport"], cfg["ranks"]
     if transport == "gloo":
-        from taco_jax.train.distributed import DistConfig, initialize
-
-        initialize(DistConfig(cfg["coordinator"], p, process_id))
+        dist = _light("taco_jax.train.distributed")  # gloo selected before the backend starts
+        dist.initialize(dist.DistConfig(cfg["coordinator"], p, process_id))
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
@@ -616,9 +631,7 @@ def main(argv=None) -> dict:
                note="CPU timings on the machine as it was (see loadavg_*): other processes may share the cores")
     result = dict(schema=SCHEMA, env=env, config={k: v for k, v in cfg.items()}, rows=rows,
                   summary=dict(break_even=break_even(rows)))
-    from taco_jax.train import jsonio
-
-    path = jsonio.write(out / "bench_collectives.json", result)
+    path = _light("taco_jax.train.jsonio").write(out / "bench_collectives.json", result)
     _log(f"wrote {path}")
     if not args.no_plot and rows:
         plot(rows, out / "bench_collectives.png")
