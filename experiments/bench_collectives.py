@@ -70,8 +70,10 @@ One row per (transport, ranks, collective, algorithm, codec, backend, dtype, siz
   rel_err           ||y - y_exact||_2 / ||y_exact||_2 over every rank's output, float64 on the host;
                     y_exact from a direct `lax` call (so codec "none" must give 0.0)
   speedup_vs_exact  exact time_s_median / this row's time_s_median, same rounds (1.0 for "none")
-Extra row keys (also stable): exact_time_s_median, exact_wire_bytes, runs, times_s (every round's
-time), variant_kwargs (keyword arguments passed to the compressed function).
+Extra row keys (also stable): exact_time_s_median, exact_time_s_min, exact_wire_bytes,
+speedup_vs_exact_min (exact time_s_min / time_s_min: the least load-disturbed ratio on a shared
+machine), runs, times_s (every round's time), variant_kwargs (keyword arguments passed to the
+compressed function).
 
 summary.break_even: per (transport, processes, collective, algorithm, codec, backend, dtype), the
 smallest measured size from which the compressed collective beats the exact one at every larger
@@ -84,6 +86,8 @@ collective runs the variants given for it, or its default ("two_shot", "one_shot
 "default" with no keyword arguments for the others). Keyword arguments the function does not
 accept are refused (ValueError) before anything runs, so new options of `compressed.py`
 (chunking, a transform-domain two-shot) are benchmarked by naming them.
+
+`OUT/bench_collectives.md`: the rows as a Markdown table (exact beside each codec).
 
 PNG `OUT/bench_collectives.png`: per transport and rank count, bus bandwidth and speedup vs
 size for each collective (× algorithm): exact in black, compressed in colour, float32 solid,
@@ -506,8 +510,9 @@ def merge(results: list[dict], transport: str, p: int) -> list[dict]:
         row = dict(collective=coll, algorithm=c["algorithm"], codec=c["codec"], backend=c["backend"],
                    dtype=c["dtype"], transport=transport, processes=len(results), devices=p, size_bytes=size,
                    time_s_median=med, time_s_min=mn, algbw_gbps=algbw, busbw_gbps=algbw * _bus_factor(coll, p),
-                   wire_bytes=int(c["wire_bytes"]), rel_err=rel, speedup_vs_exact=None,
-                   exact_time_s_median=None, exact_wire_bytes=None, runs=len(times), times_s=times.tolist(),
+                   wire_bytes=int(c["wire_bytes"]), rel_err=rel, speedup_vs_exact=None, speedup_vs_exact_min=None,
+                   exact_time_s_median=None, exact_time_s_min=None, exact_wire_bytes=None,
+                   runs=len(times), times_s=times.tolist(),
                    variant_kwargs=c["variant_kwargs"])
         if c["codec"] == "none":
             base[k[:2] + k[4:]] = row
@@ -515,7 +520,9 @@ def merge(results: list[dict], transport: str, p: int) -> list[dict]:
     for row in rows:
         ex = base[(row["collective"], row["algorithm"], row["dtype"], row["size_bytes"])]
         row["exact_time_s_median"], row["exact_wire_bytes"] = ex["time_s_median"], ex["wire_bytes"]
+        row["exact_time_s_min"] = ex["time_s_min"]
         row["speedup_vs_exact"] = ex["time_s_median"] / row["time_s_median"]
+        row["speedup_vs_exact_min"] = ex["time_s_min"] / row["time_s_min"]
     return rows
 
 
@@ -541,6 +548,30 @@ def break_even(rows: list[dict]) -> list[dict]:
                         break_even_bytes=be, speedup_at_largest=rs[-1]["speedup_vs_exact"],
                         largest_bytes=rs[-1]["size_bytes"], max_speedup=max(r["speedup_vs_exact"] for r in rs)))
     return out
+
+
+def markdown(rows: list[dict]) -> str:
+    """A README table: per transport, P, dtype, collective × algorithm and size, the exact time and
+    each compressed codec's time, speedup (medians; min-based in brackets), wire-byte ratio, rel_err."""
+    lines = []
+    comp = sorted({(r["codec"], r["backend"]) for r in rows if r["codec"] != "none"})
+    exact = [r for r in rows if r["codec"] == "none"]
+    index = {(r["transport"], r["devices"], r["collective"], r["algorithm"], r["dtype"], r["size_bytes"],
+              r["codec"], r["backend"]): r for r in rows}
+    head = "| transport | P | dtype | collective | size/rank | exact ms |" + "".join(
+        f" {c}/{b} ms | speedup (min) | wire × | rel_err |" for c, b in comp)
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for e in exact:
+        cells = [e["transport"], str(e["devices"]), e["dtype"], f"{e['collective']}/{e['algorithm']}",
+                 _human(e["size_bytes"]), f"{e['time_s_median'] * 1e3:.2f}"]
+        for c, b in comp:
+            r = index.get((*[e[k] for k in ("transport", "devices", "collective", "algorithm", "dtype",
+                                            "size_bytes")], c, b))
+            cells += ["–"] * 4 if r is None else [
+                f"{r['time_s_median'] * 1e3:.2f}", f"{r['speedup_vs_exact']:.2f} ({r['speedup_vs_exact_min']:.2f})",
+                f"{r['wire_bytes'] / e['wire_bytes']:.3f}", f"{r['rel_err']:.3g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _git_commit() -> str | None:
@@ -593,6 +624,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                 ax.set_xscale("log", base=2)
                 ax.grid(alpha=0.3)
             ab.set_yscale("log")
+            asp.set_yscale("log")
             ab.set_title(f"{coll}/{alg} — {tr}, P={p} ({nproc} proc)", fontsize=9)
             ab.set_ylabel("busbw (GB/s)")
             asp.set_ylabel("speedup vs exact")
@@ -636,6 +668,7 @@ def main(argv=None) -> dict:
     if not args.no_plot and rows:
         plot(rows, out / "bench_collectives.png")
         _log(f"wrote {out / 'bench_collectives.png'}")
+    (out / "bench_collectives.md").write_text(markdown(rows))
     _print_table(rows)
     return result
 
