@@ -67,13 +67,15 @@ One row per (transport, ranks, collective, algorithm, codec, backend, dtype, siz
                     busbw measures the *uncompressed* bytes moved per second)
   wire_bytes        bytes sent per rank per call, read from the compiled HLO
                     (`taco_jax.collectives.hlo.collective_bytes`, summed over ops)
-  rel_err           ||y - y_exact||_2 / ||y_exact||_2 over every rank's output, float64 on the host;
+  rel_err           ||y - y_exact||_2 / ||y_exact||_2 over every rank's output of the first call,
+                    float64 on the host;
                     y_exact from a direct `lax` call (so codec "none" must give 0.0)
   speedup_vs_exact  exact time_s_median / this row's time_s_median, same rounds (1.0 for "none")
 Extra row keys (also stable): exact_time_s_median, exact_time_s_min, exact_wire_bytes,
 speedup_vs_exact_min (exact time_s_min / time_s_min: the least load-disturbed ratio on a shared
-machine), runs, times_s (every round's time), variant_kwargs (keyword arguments passed to the
-compressed function).
+machine), rel_err_last (rel_err of the last timed call's output: a deterministic collective gives
+rel_err_last == rel_err; a difference flags a race), runs, times_s (every round's time),
+variant_kwargs (keyword arguments passed to the compressed function).
 
 summary.break_even: per (transport, processes, collective, algorithm, codec, backend, dtype), the
 smallest measured size from which the compressed collective beats the exact one at every larger
@@ -393,17 +395,20 @@ def worker(cfg_path: str, process_id: int) -> None:
                     for _ in range(cfg["warmup"]):
                         for label in labels:
                             jax.block_until_ready(compiled[label](x))
-                    times = {label: [] for label in labels}
+                    times, sq_last = {label: [] for label in labels}, {}
                     for r in range(cfg["runs"]):
                         for label in labels[r % len(labels):] + labels[: r % len(labels)]:
                             t0 = time.perf_counter()
                             y = jax.block_until_ready(compiled[label](x))
                             times[label].append(time.perf_counter() - t0)
+                            if r == cfg["runs"] - 1:  # the last timed output: same result as the first?
+                                sq_last[label] = _host_sq(y, y_ref)
                             del y
                     for label in labels:
                         cases.append(dict(collective=coll, algorithm=vname, variant_kwargs=kwargs, codec=label[0],
                                           backend=label[1], dtype=dtype, size_bytes=size, wire_bytes=wire[label],
-                                          sq_err=sq[label][0], sq_ref=sq[label][1], times_s=times[label]))
+                                          sq_err=sq[label][0], sq_ref=sq[label][1], sq_err_last=sq_last[label][0],
+                                          times_s=times[label]))
                     ex = np.median(times[("none", "lax")])
                     say(f"{transport} P={p} {dtype} {size:>10d} B {coll}/{vname}: exact {ex * 1e3:.3f} ms; " +
                         ", ".join(f"{c}/{b} {np.median(times[(c, b)]) * 1e3:.3f} ms" for c, b in labels[1:]))
@@ -492,6 +497,10 @@ def _bus_factor(coll: str, p: int) -> float:
     return {"psum": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "psum_scatter": (p - 1) / p}.get(coll, 1.0)
 
 
+def _rel(num: float, den: float) -> float:
+    return float(np.sqrt(num / den)) if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
 def merge(results: list[dict], transport: str, p: int) -> list[dict]:
     """Per-process case results -> rows (module docstring). A round's time is the slowest process's."""
     key = lambda c: (c["collective"], c["algorithm"], c["codec"], c["backend"], c["dtype"], c["size_bytes"])  # noqa: E731
@@ -501,8 +510,8 @@ def merge(results: list[dict], transport: str, p: int) -> list[dict]:
         k = key(c)
         parts = [d[k] for d in per]
         times = np.max(np.asarray([q["times_s"] for q in parts], np.float64), axis=0)
-        num, den = sum(float(q["sq_err"]) for q in parts), sum(float(q["sq_ref"]) for q in parts)
-        rel = float(np.sqrt(num / den)) if den > 0 else (0.0 if num == 0 else float("inf"))
+        den = sum(float(q["sq_ref"]) for q in parts)
+        rel, rel_last = (_rel(sum(float(q[k]) for q in parts), den) for k in ("sq_err", "sq_err_last"))
         med, mn = float(np.median(times)), float(np.min(times))
         coll, size = c["collective"], c["size_bytes"]
         moved = size * (p if coll == "all_gather" else 1)
@@ -510,7 +519,8 @@ def merge(results: list[dict], transport: str, p: int) -> list[dict]:
         row = dict(collective=coll, algorithm=c["algorithm"], codec=c["codec"], backend=c["backend"],
                    dtype=c["dtype"], transport=transport, processes=len(results), devices=p, size_bytes=size,
                    time_s_median=med, time_s_min=mn, algbw_gbps=algbw, busbw_gbps=algbw * _bus_factor(coll, p),
-                   wire_bytes=int(c["wire_bytes"]), rel_err=rel, speedup_vs_exact=None, speedup_vs_exact_min=None,
+                   wire_bytes=int(c["wire_bytes"]), rel_err=rel, rel_err_last=rel_last,
+                   speedup_vs_exact=None, speedup_vs_exact_min=None,
                    exact_time_s_median=None, exact_time_s_min=None, exact_wire_bytes=None,
                    runs=len(times), times_s=times.tolist(),
                    variant_kwargs=c["variant_kwargs"])
