@@ -226,7 +226,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per function first (default 2; quick 1)")
     p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 5 rounds, 1 warm-up call")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--timeout", type=float, default=7200.0, help="seconds per transport run before its workers die")
+    p.add_argument("--timeout", type=float, default=7200.0,
+                   help="seconds per transport run; then its workers are stopped and the cases measured so far "
+                   "kept (env.workers[].complete is false)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: worker config file
     p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -367,6 +369,17 @@ def worker(cfg_path: str, process_id: int) -> None:
 
     cases = []
     t_start = time.monotonic()
+    env = dict(process_id=process_id, process_count=jax.process_count(), devices=[str(d) for d in devices],
+               jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+               backend_platform=jax.default_backend())
+
+    def save(complete: bool) -> None:
+        """This process's results so far (rewritten after every case: a run stopped by --timeout keeps
+        what it measured). Internal file; Python's json reads its own NaN tokens."""
+        doc = dict(env=dict(env, seconds=time.monotonic() - t_start, complete=complete), cases=cases)
+        path = pathlib.Path(cfg["result_dir"]) / f"process{process_id}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(doc))
+        path.with_suffix(".tmp").replace(path)
     for dtype in cfg["dtypes"]:
         dt = jnp.dtype(dtype)
         for size in cfg["sizes"]:
@@ -412,14 +425,11 @@ def worker(cfg_path: str, process_id: int) -> None:
                     ex = np.median(times[("none", "lax")])
                     say(f"{transport} P={p} {dtype} {size:>10d} B {coll}/{vname}: exact {ex * 1e3:.3f} ms; " +
                         ", ".join(f"{c}/{b} {np.median(times[(c, b)]) * 1e3:.3f} ms" for c, b in labels[1:]))
+                    save(False)
                     del compiled
                 del y_ref, lax_compiled
             del x
-    env = dict(process_id=process_id, process_count=jax.process_count(), devices=[str(d) for d in devices],
-               jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-               backend_platform=jax.default_backend(), seconds=time.monotonic() - t_start)
-    # internal file, read back by the driver (Python's json reads its own NaN tokens)
-    (pathlib.Path(cfg["result_dir"]) / f"process{process_id}.json").write_text(json.dumps(dict(env=env, cases=cases)))
+    save(True)
 
 
 def _jaxlib_version():
@@ -481,6 +491,10 @@ def run_transport(cfg: dict, transport: str, p: int, timeout: float) -> list[dic
                 if pr.poll() is None:
                     os.killpg(pr.pid, signal.SIGKILL)
                     pr.wait()
+        files = [pathlib.Path(tmp) / f"process{i}.json" for i in range(nproc)]
+        if failed == -1 and all(f.exists() for f in files):  # --timeout: keep the cases measured so far
+            _log(f"{transport} with {p} ranks: --timeout {timeout:g} s passed; keeping the cases measured so far")
+            failed = None
         if failed is not None:
             tails = []
             for i, log in enumerate(logs):
@@ -490,7 +504,7 @@ def run_transport(cfg: dict, transport: str, p: int, timeout: float) -> list[dic
             raise RuntimeError(f"{transport} with {p} ranks: {what}\n" + "\n".join(tails))
         for log in logs:
             log.close()
-        return [json.loads((pathlib.Path(tmp) / f"process{i}.json").read_text()) for i in range(nproc)]
+        return [json.loads(f.read_text()) for f in files]
 
 
 def _bus_factor(coll: str, p: int) -> float:
@@ -508,6 +522,8 @@ def merge(results: list[dict], transport: str, p: int) -> list[dict]:
     rows, base = [], {}
     for c in results[0]["cases"]:
         k = key(c)
+        if not all(k in d for d in per):  # a run stopped by --timeout: a case not every process finished
+            continue
         parts = [d[k] for d in per]
         times = np.max(np.asarray([q["times_s"] for q in parts], np.float64), axis=0)
         den = sum(float(q["sq_ref"]) for q in parts)

@@ -81,3 +81,31 @@ def test_options_are_checked_before_running():
                          (["--transports", "mpi"], "transports"), (["--dtypes", "float16"], "dtypes")):
         with pytest.raises(ValueError, match=match):
             bc.build_config(bc.parse_args(["--out", "x", *flags]))
+
+
+def _case(codec, size, times, sq_err=0.0):
+    return dict(collective="psum", algorithm="two_shot", variant_kwargs={"algorithm": "two_shot"}, codec=codec,
+                backend="lax" if codec == "none" else "ffi", dtype="float32", size_bytes=size,
+                wire_bytes=100 if codec == "none" else 27, sq_err=sq_err, sq_ref=4.0, sq_err_last=sq_err,
+                times_s=times)
+
+
+def test_merge_and_break_even():
+    """A round's time is the slowest process's; cases not every process finished (a --timeout) are
+    dropped; the break-even size is the smallest from which every larger size is faster."""
+    p0 = [_case("none", 1024, [1.0] * 5), _case("taco", 1024, [2.0] * 5, 1.0),
+          _case("none", 4096, [4.0] * 5), _case("taco", 4096, [1.0, 1.0, 1.0, 1.0, 9.0], 1.0),
+          _case("none", 16384, [8.0] * 5), _case("taco", 16384, [2.0] * 5, 1.0)]
+    p1 = [dict(c, times_s=[t * (3 if i == 0 else 1) for i, t in enumerate(c["times_s"])]) for c in p0[:4]]
+    rows = bc.merge([{"cases": p0}, {"cases": p1}], "gloo", 2)
+    assert [r["size_bytes"] for r in rows] == [1024, 1024, 4096, 4096]  # 16384 only on process 0
+    taco = rows[3]
+    assert taco["times_s"] == [3.0, 1.0, 1.0, 1.0, 9.0] and taco["time_s_median"] == 1.0 and taco["time_s_min"] == 1.0
+    assert taco["speedup_vs_exact"] == 4.0 and taco["speedup_vs_exact_min"] == 4.0  # exact [12, 4, 4, 4, 4]
+    assert taco["rel_err"] == taco["rel_err_last"] == 0.5  # sqrt((1 + 1) / (4 + 4))
+    assert taco["busbw_gbps"] == taco["algbw_gbps"] == 4096 / 1.0 / 1e9  # 2(P-1)/P = 1 at P = 2
+    assert taco["exact_wire_bytes"] == 100 and taco["wire_bytes"] == 27
+    (be,) = bc.break_even(rows)
+    assert be["break_even_bytes"] == 4096 and be["speedup_at_largest"] == 4.0 and be["largest_bytes"] == 4096
+    (be,) = bc.break_even(bc.merge([{"cases": p0}], "sim", 2)[:2])
+    assert be["break_even_bytes"] is None  # slower at its only size
