@@ -12,6 +12,11 @@ Contract of a backend (spec §2 steps 1-5 and their inverse):
     cfg.group_size; codes: cfg.code_dtype [..., n_groups, G]; s, a: float32 [..., n_groups];
     a group holding NaN/±Inf gets s = NaN.
   decode_groups(codes, s, a) -> float32 [..., n_groups, G]; a=None for the folded layout.
+Optional (None: the reference's is used):
+  reduce_groups(codes, s, a, cfg) -> (codes, s): the transform-domain reduction of the two-shot
+    all-reduce (`taco_jax.codec.reference.reduce_groups`): codes [P, ..., n_groups, G] and
+    s, a [P, ..., n_groups] of P ranks' messages -> the requantized sum, codes [..., n_groups, G]
+    and s [..., n_groups] (folded layout: decode_groups(codes, s, None) gives the sum).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class GroupBackend(NamedTuple):
 
     encode_groups: Callable
     decode_groups: Callable
+    reduce_groups: Callable | None = None
 
 
 _LOADERS: dict[str, Callable[[], GroupBackend]] = {}
