@@ -34,7 +34,8 @@ def child(args):
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from taco_jax import kernels
     from taco_jax.codec import TACO, decode, encode
@@ -42,12 +43,12 @@ def child(args):
 
     mesh = jax.make_mesh((2,), ("t",), devices=jax.devices())
     dtype = jnp.dtype(args.dtype)
-    res = []
     for mb in args.mb:
         n = int(mb * 2**20) // dtype.itemsize
         rng = np.random.default_rng(jax.process_index())
         local = rng.standard_normal((1, n), np.float32).astype(dtype)
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("t")), local, (2, n))
+        fs = {}
         for var in args.variants:
             name, *opts = var.split(":")
             kw = dict(o.split("=") for o in opts if "=" in o)
@@ -81,20 +82,20 @@ def child(args):
                     return lax.all_gather(b[0], "t", axis=0).astype(jnp.float32)[:, :1].reshape(1, -1)
                 raise ValueError(name)
 
-            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t"), check_vma=False))
-            y = f(x)
-            y.block_until_ready()
-            ts = []
-            for _ in range(args.reps):
+            fs[var] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t"), check_vma=False))
+            fs[var](x).block_until_ready()
+        ts = {v: [] for v in fs}
+        for _ in range(args.reps):  # round robin: every variant sees the same background load
+            for var, f in fs.items():
                 t0 = time.perf_counter()
                 f(x).block_until_ready()
-                ts.append(time.perf_counter() - t0)
-            ts.sort()
-            med = ts[len(ts) // 2] * 1e3
+                ts[var].append(time.perf_counter() - t0)
+        for var, tv in ts.items():
+            tv.sort()
+            med = tv[len(tv) // 2] * 1e3
             if jax.process_index() == 0:
-                line = f"{mb:6g} MB {args.dtype:8s} {var:22s} median {med:8.2f} ms  min {ts[0]*1e3:8.2f}  max {ts[-1]*1e3:8.2f}"
-                print(line, flush=True)
-                res.append(line)
+                print(f"{mb:6g} MB {args.dtype:8s} {var:22s} median {med:8.2f} ms  min {tv[0]*1e3:8.2f}  "
+                      f"max {tv[-1]*1e3:8.2f}  (n={len(tv)})", flush=True)
     jax.distributed.shutdown()
 
 

@@ -105,7 +105,8 @@ def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: Code
     The WHT is linear, so with z_r = q_r * (s_r / max(a_r, EPS)) ≈ WHT(x_r) (step 5 undone, no
     inverse transform), Σ_r z_r ≈ WHT(Σ_r x_r). The sum (FP32, in rank order) is quantized with
     an absmax scale and no transform (a = 1): s' = clip(max(max|Σz|, EPS) / R, EPS, SCALE_MAX),
-    codes' = fp8(clip(Σz / s', -R, R)) (round to nearest even, saturating), so that
+    codes' = fp8(clip(Σz * (1 / s'), -R, R)) (1/s' rounded once to float32; round to nearest
+    even, saturating), so that
     `decode_groups(codes', s', None)` = WHT(codes' * s') is the sum in the signal domain. Two
     transforms fewer per group than decode -> sum -> encode.
 
@@ -125,7 +126,7 @@ def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: Code
     r = np.float32(cfg.target_range)
     s2 = jnp.clip(jnp.maximum(jnp.max(jnp.abs(acc), axis=-1), C.EPS) / r, C.EPS, C.SCALE_MAX)
     s2 = jnp.where(jnp.all(jnp.isfinite(acc), axis=-1), s2, np.float32(np.nan))
-    codes2 = jnp.clip(acc / s2[..., None], -r, r).astype(cfg.code_dtype)
+    codes2 = jnp.clip(acc * (np.float32(1) / s2)[..., None], -r, r).astype(cfg.code_dtype)
     return codes2, s2
 
 

@@ -142,7 +142,7 @@ def _loader(name: str):
         if name == "pallas" and default_platform() == "cpu":
             _warn_pallas_interpret()
         mod = importlib.import_module(f"taco_jax.kernels.{_MODULES[name]}")
-        return GroupBackend(mod.encode_groups, mod.decode_groups)
+        return GroupBackend(mod.encode_groups, mod.decode_groups, getattr(mod, "reduce_groups", None))
 
     return load
 
