@@ -3,7 +3,7 @@ jax.distributed + gloo on 127.0.0.1). The full benchmark is experiments/bench_co
 one only times a few variants and sub-programs, median of --reps.
 
   python experiments/_allreduce_probe.py --mb 16 64 --dtype float32 --variants exact two_shot hd
-Variant grammar: exact | two_shot | one_shot | hd (transform-domain) , with optional ":k=K"
+Variant grammar: exact | two_shot | one_shot | hd (transform-domain) | sig (signal domain), with optional ":k=K"
 (chunks) and ":ref" (reference backend), plus sub-programs: enc, dec, a2a, ag (wire sizes of the
 taco two-shot) to see where the time goes.
 """
@@ -64,8 +64,9 @@ def child(args):
                     return lax.psum(v, "t")[None]
                 if name in ("two_shot", "one_shot"):
                     return cc.psum(v, "t", codec=codec, algorithm=name, **pkw)[None]
-                if name == "hd":
-                    return cc.psum(v, "t", codec=codec, algorithm="two_shot", reduce_domain="hadamard", **pkw)[None]
+                if name in ("hd", "sig"):
+                    rd = "hadamard" if name == "hd" else "signal"
+                    return cc.psum(v, "t", codec=codec, algorithm="two_shot", reduce_domain=rd, **pkw)[None]
                 if name == "enc":
                     e = encode(v.reshape(2, -1), codec, batch_dims=1)
                     return (e.codes.astype(jnp.float32)[:, :1, 0] + e.scale[:, :1]).reshape(1, -1)

@@ -173,10 +173,11 @@ def test_chunked_psum_has_independent_chains_in_compiled_hlo(mesh):
 
 
 @needs_ffi
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("g", [32, 128, 512])
-@pytest.mark.parametrize("layout", ["dual", "folded"])
-@pytest.mark.parametrize("impl", [ffi_codec.IMPL_AUTO, ffi_codec.IMPL_SCALAR])
+@pytest.mark.parametrize("fmt,g,layout,impl", [
+    ("e4m3", 128, "dual", ffi_codec.IMPL_AUTO), ("e4m3", 128, "dual", ffi_codec.IMPL_SCALAR),
+    ("e4m3", 32, "folded", ffi_codec.IMPL_AUTO), ("e5m2", 512, "dual", ffi_codec.IMPL_AUTO),
+    ("e5m2", 64, "folded", ffi_codec.IMPL_SCALAR), ("e5m2", 256, "dual", ffi_codec.IMPL_AUTO),
+])
 def test_ffi_reduce_conforms_to_reference(fmt, g, layout, impl):
     """Conformance rule of `taco_jax.kernels` applied to `reduce_groups`: s within 2^-23 G
     (relative), at most 1e-3 of the codes differ; NaN groups -> NaN s."""
