@@ -58,9 +58,19 @@ def child(args):
             if "k" in kw:
                 pkw["chunks"] = int(kw["k"])
 
-            def body(v, name=name, codec=codec, pkw=pkw):
+            def body(v, name=name, codec=codec, pkw=pkw, opts=opts):
                 v = v.reshape(-1)
                 if name == "exact":
+                    if "chunks" in pkw and "ord" in opts:  # the same, each psum ordered after the previous one
+                        outs, prev = [], None
+                        for c in jnp.split(v, pkw["chunks"]):
+                            if prev is not None:
+                                c, _ = lax.optimization_barrier((c, prev))
+                            prev = lax.psum(c, "t")
+                            outs.append(prev)
+                        return jnp.concatenate(outs)[None]
+                    if "chunks" in pkw:  # K independent exact psums over contiguous pieces
+                        return jnp.concatenate([lax.psum(c, "t") for c in jnp.split(v, pkw["chunks"])])[None]
                     return lax.psum(v, "t")[None]
                 if name in ("two_shot", "one_shot"):
                     return cc.psum(v, "t", codec=codec, algorithm=name, **pkw)[None]
@@ -84,7 +94,11 @@ def child(args):
                 raise ValueError(name)
 
             fs[var] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t"), check_vma=False))
+            packed = cc._packed
+            if "unpacked" in opts:  # one collective per wire buffer (codes, s, a) instead of one packed
+                cc._packed = lambda fn, enc, bd: cc._tree(fn, enc)
             fs[var](x).block_until_ready()
+            cc._packed = packed
         ts = {v: [] for v in fs}
         for _ in range(args.reps):  # round robin: every variant sees the same background load
             for var, f in fs.items():

@@ -45,13 +45,12 @@ by P, else over the flattened message zero-padded to a multiple of P (padding is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-import dataclasses
 
 from taco_jax.codec import CodecConfig, decode, encode, reduce_encoded
 from taco_jax.codec.reference import Encoded
@@ -80,6 +79,31 @@ def _tree(fn, enc):
         return fn(leaf)
 
     return jax.tree.map(move, enc)
+
+
+def _packed(fn, enc, batch_dims: int):
+    """Applies a data-movement collective ONCE to all wire buffers of `enc` (codes and scales),
+    packed as bytes into one uint8 buffer [*batch, total] (`batch_dims` leading axes kept), then
+    unpacked. One collective instead of one per buffer: over gloo each collective costs a
+    rendezvous, which dominated the small scale buffers' transfer.
+    """
+    leaves, treedef = jax.tree.flatten(enc)
+    lead = leaves[0].shape[:batch_dims]
+    rows = []
+    for leaf in leaves:
+        b = lax.bitcast_convert_type(leaf, jnp.uint8)  # [..., itemsize] for wider types
+        rows.append(b.reshape(*lead, -1))
+    sizes = [r.shape[-1] for r in rows]
+    moved = fn(jnp.concatenate(rows, axis=-1) if len(rows) > 1 else rows[0])
+    out, start = [], 0
+    for leaf, n in zip(leaves, sizes, strict=True):
+        piece = lax.slice_in_dim(moved, start, start + n, axis=moved.ndim - 1)
+        start += n
+        shape = (*moved.shape[:-1], *leaf.shape[batch_dims:])
+        if leaf.dtype.itemsize > 1:
+            shape = (*shape, leaf.dtype.itemsize)
+        out.append(lax.bitcast_convert_type(piece.reshape(shape), leaf.dtype))
+    return jax.tree.unflatten(treedef, out)
 
 
 def _axes(axis_name) -> frozenset:
@@ -116,7 +140,7 @@ def _sum_fp32(x: jax.Array, dtype) -> jax.Array:
 def reduce_scatter_chunks(x: jax.Array, axis_name: str, codec: CodecConfig) -> jax.Array:
     """[P, *chunk] per rank -> this rank's chunk of the sum over ranks ([*chunk], FP32 sum). Not differentiable."""
     enc = encode(x, codec, batch_dims=1)
-    enc = _tree(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc)
+    enc = _packed(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc, 1)
     return _sum_fp32(decode(enc, codec, jnp.float32), x.dtype)
 
 
@@ -125,14 +149,14 @@ def reduce_scatter_hadamard(x: jax.Array, axis_name: str, codec: CodecConfig) ->
     the P received chunks in the Hadamard domain, requantized (`reduce_encoded`, folded layout).
     Not differentiable."""
     enc = encode(x, codec, batch_dims=1)
-    enc = _tree(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc)
+    enc = _packed(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc, 1)
     return reduce_encoded(enc, codec)
 
 
 def all_gather_encoded(x: jax.Array, axis_name: str, codec: CodecConfig, *, to: str = "varying") -> jax.Array:
     """x [*shape] -> [P, *shape] decoded copies of every rank's x. Not differentiable."""
     enc = encode(x, codec)
-    enc = _tree(lambda b: lax.all_gather(b, axis_name, axis=0, to=to), enc)
+    enc = _packed(lambda b: lax.all_gather(b, axis_name, axis=0, to=to), enc, 0)
     return decode(enc, codec)
 
 
@@ -169,9 +193,14 @@ def _scoped(name: str):
     return deco
 
 
-def auto_chunks(nbytes: int) -> int:
-    """Pipeline chunks for `chunks="auto"`: one per AUTO_CHUNK_BYTES of the (uncompressed) message,
-    between 1 and AUTO_MAX_CHUNKS."""
+def auto_chunks(nbytes: int, platform: str | None = None) -> int:
+    """Pipeline chunks for `chunks="auto"`: on CPU (XLA:CPU + gloo) 1, because there each extra
+    collective costs more than the overlap gains (measured: even the exact `lax.psum` of 16 MB
+    split into 2 ordered or unordered pieces took 1.3-2.7x the single psum; README); elsewhere
+    one per AUTO_CHUNK_BYTES of the (uncompressed) message, between 1 and AUTO_MAX_CHUNKS.
+    `platform` defaults to jax's default backend."""
+    if (platform or jax.default_backend()) == "cpu":
+        return 1
     return int(max(1, min(AUTO_MAX_CHUNKS, nbytes // AUTO_CHUNK_BYTES)))
 
 
@@ -179,7 +208,7 @@ def _two_shot(x, axis_name, codec, reduce_domain, p):
     """Two-shot all-reduce of one message: x [*shape] -> [x.size] flat sum over ranks."""
     if reduce_domain == "hadamard" and codec.kind == "taco":
         mine = reduce_scatter_hadamard(_split_chunks(x, p), axis_name, codec)  # encoded, folded layout
-        gathered = _tree(lambda b: lax.all_gather(b, axis_name, axis=0, to="invarying"), mine)
+        gathered = _packed(lambda b: lax.all_gather(b, axis_name, axis=0, to="invarying"), mine, 0)
         full = decode(gathered, dataclasses.replace(codec, scale_layout="folded"))  # [P, *chunk]
     else:
         mine = reduce_scatter_chunks(_split_chunks(x, p), axis_name, codec)
