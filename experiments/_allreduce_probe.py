@@ -101,13 +101,16 @@ def child(args):
             packed = cc._packed
             if "unpacked" in opts:  # one collective per wire buffer (codes, s, a) instead of one packed
                 cc._packed = lambda fn, enc, bd: cc._tree(fn, enc)
-            xs[var] = fs[var](xs[var]).block_until_ready()
+            sub = name in ("enc", "dec", "a2a", "ag")  # sub-programs: fixed input, output discarded
+            y = fs[var](xs[var]).block_until_ready()
+            xs[var] = xs[var] if sub else y
             cc._packed = packed
         ts = {v: [] for v in fs}
         for _ in range(args.reps):  # round robin: every variant sees the same background load
             for var, f in fs.items():
                 t0 = time.perf_counter()
-                xs[var] = f(xs[var]).block_until_ready()
+                y = f(xs[var]).block_until_ready()
+                xs[var] = y if y.shape == xs[var].shape else xs[var]
                 ts[var].append(time.perf_counter() - t0)
         for var, tv in ts.items():
             tv.sort()
