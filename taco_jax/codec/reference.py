@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from taco_jax.codec import constants as C
-from taco_jax.codec.backends import GroupBackend, get_backend, register_backend
+from taco_jax.codec.backends import GroupBackend, get_backend, get_reducer, register_backend, register_reducer
 from taco_jax.codec.config import CODE_BITS, CODEC_KINDS, CodecConfig
 from taco_jax.codec.family import GROUP_CODECS
 from taco_jax.codec.hadamard import wht
@@ -266,7 +266,8 @@ def roundtrip(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> jax.Arr
     return decode(encode(x, cfg, batch_dims=batch_dims), cfg)
 
 
-register_backend("reference", lambda: GroupBackend(encode_groups, decode_groups, reduce_groups))
+register_backend("reference", lambda: GroupBackend(encode_groups, decode_groups))
+register_reducer("reference", reduce_groups)
 
 
 def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
@@ -287,6 +288,6 @@ def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
     with jax.named_scope("taco_reduce"):
         if enc.codes.size == 0:
             return Encoded(enc.codes[0], enc.scale[0], None, enc.shape, enc.dtype)
-        fn = get_backend(cfg.backend).reduce_groups or reduce_groups
+        fn = get_reducer(cfg.backend) or reduce_groups
         codes, s = fn(enc.codes, enc.scale, enc.prescale, cfg)
         return Encoded(codes, s, None, enc.shape, enc.dtype)
