@@ -494,7 +494,7 @@ TACO_AVX2 void reduce_range_avx(const uint8_t* const* q, const float* const* s, 
     _mm256_store_ps(m8, mx);
     float m = m8[0];
     for (int i = 1; i < 8; ++i) m = std::max(m, m8[i]);
-    const float s2 = std::min(std::max(std::max(m, EPS) / range, EPS), SCALE_MAX);
+    const float s2 = std::min(std::max(std::max(m, EPS) * (1.0f / range), EPS), SCALE_MAX);  // XLA: x / c -> x * (1 / c)
     s_out[gi] = s2;
     const __m256 vinv = _mm256_set1_ps(1.0f / s2);
     for (int j = 0; j < V; j += 4) {

@@ -144,7 +144,7 @@ void reduce_group_scalar(const uint8_t* const* q, const float* const* s, const f
     std::memset(qo, fp8_nan(fmt), g);
     return;
   }
-  const float s2 = std::min(std::max(std::max(mx, EPS) / range, EPS), SCALE_MAX);
+  const float s2 = std::min(std::max(std::max(mx, EPS) * (1.0f / range), EPS), SCALE_MAX);  // as XLA computes x / R
   s_out[gi] = s2;
   const float inv = 1.0f / s2;
   for (int j = 0; j < g; ++j) qo[j] = f32_to_fp8(std::min(std::max(acc[j] * inv, -range), range), fmt);

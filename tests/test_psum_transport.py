@@ -120,7 +120,7 @@ def test_policy_fields_round_trip():
     pol = C.CommPolicy.taco(reduce_domain="signal", chunks="auto")
     back = C.CommPolicy.from_dict(pol.to_dict())
     assert (back.reduce_domain, back.chunks) == ("signal", "auto")
-    assert C.CommPolicy().reduce_domain == "hadamard"  # the default (as accurate: README)
+    assert C.CommPolicy().reduce_domain == "signal"  # the default (README: why not "hadamard")
 
 
 def test_auto_chunks():

@@ -4,9 +4,9 @@ Algorithms (P = size of the named axis):
 - all-reduce, two-shot: encode P chunks -> all-to-all -> sum the P received versions of the chunk
   this rank owns in FP32 -> requantize the sum -> all-gather -> decode. Two quantizations
   whatever P is; ≈ 2(P-1)/P of the compressed message on the wire per rank. The sum runs in the
-  Hadamard domain by default (`reduce_domain="hadamard"`: no inverse transform before the sum,
-  no forward transform after it; `codec.reference.reduce_groups`) or in the signal domain
-  ("signal": decode, sum, re-encode). `chunks=K` splits the message into K independent chains
+  signal domain by default ("signal": decode, sum, re-encode) or in the Hadamard domain
+  (`reduce_domain="hadamard"`: no inverse transform before the sum, no forward transform after
+  it; `codec.reference.reduce_groups`). `chunks=K` splits the message into K independent chains
   (encode -> all-to-all -> reduce -> all-gather -> decode) that XLA may overlap.
 - all-reduce, one-shot: encode -> all-gather -> decode P copies -> sum in FP32 in rank order.
   One quantization; (P-1)× the compressed message.
@@ -217,7 +217,7 @@ def _two_shot(x, axis_name, codec, reduce_domain, p):
 
 
 @_scoped("taco_psum")
-def _psum_value(x, axis_name, codec, algorithm, reduce_domain="hadamard", chunks=1):
+def _psum_value(x, axis_name, codec, algorithm, reduce_domain="signal", chunks=1):
     """The compressed all-reduce's value (no derivative of its own)."""
     if codec.kind == "none":
         return lax.psum(x, axis_name)
@@ -252,7 +252,7 @@ _psum.defvjp(lambda x, a, c, alg, rd, k: (_psum(x, a, c, alg, rd, k), None),
 
 
 def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "two_shot",
-         reduce_domain: str = "hadamard", chunks: int | str = 1) -> jax.Array:
+         reduce_domain: str = "signal", chunks: int | str = 1) -> jax.Array:
     """All-reduce (sum) of `x` over `axis_name`; result replicated (invariant) over the axis.
 
     Args:
@@ -267,9 +267,11 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
           transforms per chunk and rank between the wire hops);
         "hadamard": sum the chunks in the transform domain (z_r = q_r * s_r / a_r, FP32, rank
           order), requantize the sum with an absmax scale and no transform, all-gather, one
-          inverse transform at the end (`taco_jax.codec.reference.reduce_groups`). The default:
-          as accurate as "signal" on captured TP messages (SQNR equal to within 3e-5 dB, either
-          sign; experiments/fidelity_reduce_domain.py) with two transforms fewer per chunk.
+          inverse transform at the end (`taco_jax.codec.reference.reduce_groups`). As accurate
+          as "signal" on captured TP messages (SQNR equal to within 3e-5 dB, either sign;
+          experiments/fidelity_reduce_domain.py); not the default: no wall-time gain measured on
+          the 2-core gloo machine, and the ffi-vs-reference training check (tests/test_train.py,
+          1e-4 over 6 steps) lands at 1.5e-4 with it (README).
       chunks: two-shot only: split the flattened message into this many contiguous pieces (whole
         groups on every rank; fewer when the message is small; 1 for a codec grouping along
         "token", whose groups span the message), each its own two-shot chain, so

@@ -39,9 +39,9 @@ class CommPolicy:
       all_reduce_algorithm: "two_shot" (all-to-all reduce-scatter + all-gather; two
         quantizations) or "one_shot" (all-gather of the whole message; one quantization).
       min_bytes: messages smaller than this (uncompressed bytes) use the exact collective.
-      reduce_domain: two-shot all-reduce with a taco codec: "hadamard" sums the ranks' chunks in
-        the transform domain and requantizes (two transforms fewer per chunk; measured as accurate
-        as "signal" — README); "signal" decodes, sums and re-encodes (`compressed.psum`).
+      reduce_domain: two-shot all-reduce with a taco codec: "signal" (default) decodes, sums and
+        re-encodes; "hadamard" sums the ranks' chunks in the transform domain and requantizes (two
+        transforms fewer per chunk, as accurate on captured messages; README) (`compressed.psum`).
       chunks: two-shot all-reduce pipeline chunks (an integer >= 1, or "auto": from the message
         size, `compressed.auto_chunks`).
 
@@ -58,7 +58,7 @@ class CommPolicy:
     pp_send: CodecConfig = NONE
     all_reduce_algorithm: str = "two_shot"
     min_bytes: int = 0
-    reduce_domain: str = "hadamard"
+    reduce_domain: str = "signal"
     chunks: int | str = 1
 
     def __post_init__(self):
