@@ -16,6 +16,11 @@
 //       Extra (aliased) arguments after x are ignored: they let the caller donate buffers.
 //   taco_decode(codes fp8[..., G], s f32[...], [a f32[...]], ...) -> x f32[..., G]
 //       attrs: has_a (i32: 1 dual layout, 0 folded), impl (i32).
+//   taco_reduce(P x codes fp8[N, G], P x s f32[N], [P x a f32[N]]) -> (codes fp8[N, G], s f32[N])
+//       transform-domain sum and requantization (two-shot all-reduce); attrs fmt, has_a,
+//       target_range (f32), impl. CPU only.
+//   On the CPU, codes may also be uint8 (the FP8 bytes; fmt from the fmt attribute, for
+//   taco_decode from impl >> 8 = fmt + 1), so that XLA moves them without a conversion copy.
 //   taco_fp8_cast(f32 -> fp8 or fp8 -> f32, elementwise; attrs clamp (f32: > 0 clamps to
 //       +-clamp and uses the codec's quantizer), impl): for conformance tests.
 //
@@ -24,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "taco_cpu_common.h"
 #include "taco_ffi_bind.h"
@@ -64,8 +70,8 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   if (dims.size() < 1) return ffi::Error::InvalidArgument("taco_encode: x must have rank >= 1");
   const int64_t g = dims.back();
   if (!ValidGroupSize(g)) return ffi::Error::InvalidArgument("taco_encode: G must be a power of 2 in [32, 512]");
-  if (FmtOf(codes->element_type()) != fmt)
-    return ffi::Error::InvalidArgument("taco_encode: codes dtype does not match fmt");
+  if (codes->element_type() != ffi::DataType::U8 && FmtOf(codes->element_type()) != fmt)
+    return ffi::Error::InvalidArgument("taco_encode: codes dtype does not match fmt (nor is it uint8)");
   const int64_t total = static_cast<int64_t>(x.element_count()) / g;
   if (static_cast<int64_t>(codes->element_count()) != total * g || static_cast<int64_t>(s->element_count()) != total ||
       static_cast<int64_t>(a->element_count()) != total)
@@ -111,8 +117,11 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::Buffer<ff
   if (dims.size() < 1) return ffi::Error::InvalidArgument("taco_decode: codes must have rank >= 1");
   const int64_t g = dims.back();
   if (!ValidGroupSize(g)) return ffi::Error::InvalidArgument("taco_decode: G must be a power of 2 in [32, 512]");
-  const int fmt = FmtOf(codes.element_type());
-  if (fmt < 0) return ffi::Error::InvalidArgument("taco_decode: codes must be float8_e4m3fn or float8_e5m2");
+  // uint8 codes carry their format in impl's bits 8.. (fmt + 1); impl's low byte is the kernel choice.
+  const int fmt = codes.element_type() == ffi::DataType::U8 ? (impl >> 8) - 1 : FmtOf(codes.element_type());
+  impl &= 0xFF;
+  if (fmt != kE4M3 && fmt != kE5M2)
+    return ffi::Error::InvalidArgument("taco_decode: codes must be float8_e4m3fn, float8_e5m2 or uint8 with a format");
   const int64_t total = static_cast<int64_t>(codes.element_count()) / g;
   if (static_cast<int64_t>(s.element_count()) != total || static_cast<int64_t>(out->element_count()) != total * g)
     return ffi::Error::InvalidArgument("taco_decode: shapes of s / output do not match codes");
@@ -142,6 +151,66 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::Buffer<ff
     for (int64_t gi = b; gi < e; ++gi) {
       decode_group_scalar(qp + gi * g, sp[gi], decode_factor(sqrt_g, ap, gi), static_cast<int>(g), fmt, op + gi * g);
     }
+  });
+  return ffi::Error::Success();
+}
+
+// Transform-domain reduction (two-shot all-reduce): P ranks' codes [N, G] then their P scales s
+// [N] (then P scales a [N] if has_a), all as separate operands (no concatenation copy) ->
+// codes' [N, G], s' [N] (taco_jax.codec.reference.reduce_groups).
+ffi::Error ReduceImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> codes_out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> s_out, int32_t fmt, int32_t has_a, float target_range,
+                      int32_t impl) {
+  const int64_t per_rank = has_a ? 3 : 2;
+  const int64_t P = static_cast<int64_t>(args.size()) / per_rank;
+  if (P < 1 || P > 1024 || P * per_rank != static_cast<int64_t>(args.size()))
+    return ffi::Error::InvalidArgument("taco_reduce: expects P codes, P s (and P a) operands, 1 <= P <= 1024");
+  const auto dims = codes_out->dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("taco_reduce: output codes must be [N, G]");
+  const int64_t n = dims[0], g = dims[1];
+  if (!ValidGroupSize(g)) return ffi::Error::InvalidArgument("taco_reduce: G must be a power of 2 in [32, 512]");
+  const bool u8 = codes_out->element_type() == ffi::DataType::U8;
+  if (!(u8 ? fmt == kE4M3 || fmt == kE5M2 : FmtOf(codes_out->element_type()) == fmt))
+    return ffi::Error::InvalidArgument("taco_reduce: codes must be the FP8 type of fmt, or uint8");
+  if (static_cast<int64_t>(s_out->element_count()) != n)
+    return ffi::Error::InvalidArgument("taco_reduce: output s must be [N]");
+  std::vector<const uint8_t*> qs(P);
+  std::vector<const float*> ss(P), as(has_a ? P : 0);
+  for (int64_t r = 0; r < P; ++r) {
+    auto c = args.get<ffi::AnyBuffer>(r);
+    auto s = args.get<ffi::Buffer<ffi::F32>>(P + r);
+    if (c.has_error()) return c.error();
+    if (s.has_error()) return s.error();
+    if (c->element_type() != codes_out->element_type() || static_cast<int64_t>(c->element_count()) != n * g ||
+        static_cast<int64_t>(s->element_count()) != n)
+      return ffi::Error::InvalidArgument("taco_reduce: every rank's codes must be [N, G] of the output's type, s [N]");
+    qs[r] = static_cast<const uint8_t*>(c->untyped_data());
+    ss[r] = s->typed_data();
+    if (has_a) {
+      auto a = args.get<ffi::Buffer<ffi::F32>>(2 * P + r);
+      if (a.has_error()) return a.error();
+      if (static_cast<int64_t>(a->element_count()) != n)
+        return ffi::Error::InvalidArgument("taco_reduce: every rank's a must be [N]");
+      as[r] = a->typed_data();
+    }
+  }
+  const uint8_t* const* qp = qs.data();
+  const float* const* sp = ss.data();
+  const float* const* ap = has_a ? as.data() : nullptr;
+  uint8_t* qo = static_cast<uint8_t*>(codes_out->untyped_data());
+  float* so = s_out->typed_data();
+  const int64_t per_chunk = std::max<int64_t>(1, GroupsPerChunk(static_cast<int>(g)) / P);
+#if TACO_X86
+  if (impl == 0 && HaveAvx2()) {
+    ReduceFn fn = ReduceAvx(fmt, static_cast<int>(g));
+    ParallelFor(pool.num_threads(), n, per_chunk,
+                [&](int64_t b, int64_t e) { fn(qp, sp, ap, P, target_range, qo, so, b, e); });
+    return ffi::Error::Success();
+  }
+#endif
+  ParallelFor(pool.num_threads(), n, per_chunk, [&](int64_t b, int64_t e) {
+    for (int64_t gi = b; gi < e; ++gi)
+      reduce_group_scalar(qp, sp, ap, P, gi, static_cast<int>(g), fmt, target_range, qo, so);
   });
   return ffi::Error::Success();
 }
@@ -178,6 +247,18 @@ ffi::Error CastImpl(ffi::ThreadPool /*pool*/, ffi::AnyBuffer in, ffi::Result<ffi
 }  // namespace taco
 
 TACO_FFI_DEFINE_HANDLERS(Cpu, ffi::ThreadPool);
+
+// CPU only (GPU runs the jnp reference of the reduction, which XLA fuses).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReduceCpu, taco::ReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("has_a")
+                                  .Attr<float>("target_range")
+                                  .Attr<int32_t>("impl"));
 
 // Plain C entry points (ctypes) for quick checks without JAX.
 extern "C" {

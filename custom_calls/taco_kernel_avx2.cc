@@ -449,6 +449,78 @@ TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a
   if (stream) _mm_sfence();
 }
 
+// Transform-domain reduction (reduce_group_scalar's operations, in the same order per element).
+template <int V, int FMT>
+TACO_AVX2 void reduce_range_avx(const uint8_t* const* q, const float* const* s, const float* const* a, int64_t P,
+                                float range, uint8_t* q_out, float* s_out, int64_t g0, int64_t g1) {
+  constexpr int G = 8 * V;
+  alignas(32) float acc[G] = {};  // P >= 1 (checked by the handler): overwritten by rank 0
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256 vr = _mm256_set1_ps(range);
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    for (int64_t r = 0; r < P; ++r) {
+      const float k = a != nullptr ? s[r][gi] / nan_max(a[r][gi], EPS) : s[r][gi];
+      // k * 2^8 for E4M3 (fp8x16_to_f32_scaled gives q * 2^-8): exact, so q * k is unchanged.
+      const __m256 vk = _mm256_set1_ps(FMT == kE4M3 ? k * 256.0f : k);
+      const uint8_t* qp = q[r] + gi * G;
+      if (r + 1 < P) _mm_prefetch(reinterpret_cast<const char*>(q[r + 1] + gi * G), _MM_HINT_T0);
+      for (int j = 0; j < V; j += 2) {
+        __m256 lo, hi;
+        fp8x16_to_f32_scaled<FMT>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + 8 * j)), &lo, &hi);
+        lo = _mm256_mul_ps(lo, vk);
+        hi = _mm256_mul_ps(hi, vk);
+        if (r == 0) {
+          _mm256_store_ps(acc + 8 * j, lo);
+          _mm256_store_ps(acc + 8 * j + 8, hi);
+        } else {
+          _mm256_store_ps(acc + 8 * j, _mm256_add_ps(_mm256_load_ps(acc + 8 * j), lo));
+          _mm256_store_ps(acc + 8 * j + 8, _mm256_add_ps(_mm256_load_ps(acc + 8 * j + 8), hi));
+        }
+      }
+    }
+    __m256 mx = _mm256_setzero_ps(), chk = _mm256_setzero_ps();
+    for (int j = 0; j < V; ++j) {
+      const __m256 v = _mm256_load_ps(acc + 8 * j);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, v));
+      chk = _mm256_add_ps(chk, _mm256_mul_ps(v, _mm256_setzero_ps()));  // NaN iff some v is Inf / NaN
+    }
+    uint8_t* qo = q_out + gi * G;
+    if (_mm256_movemask_ps(_mm256_cmp_ps(chk, chk, _CMP_UNORD_Q))) {
+      s_out[gi] = std::nanf("");
+      std::memset(qo, fp8_nan(FMT), G);
+      continue;
+    }
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, mx);
+    float m = m8[0];
+    for (int i = 1; i < 8; ++i) m = std::max(m, m8[i]);
+    const float s2 = std::min(std::max(std::max(m, EPS) * (1.0f / range), EPS), SCALE_MAX);  // XLA: x / c -> x * (1 / c)
+    s_out[gi] = s2;
+    const __m256 vinv = _mm256_set1_ps(1.0f / s2);
+    for (int j = 0; j < V; j += 4) {
+      __m256i c[4], sgn[4];
+      for (int t = 0; t < 4; ++t) {
+        const __m256 v = _mm256_load_ps(acc + 8 * (j + t));
+        sgn[t] = _mm256_castps_si256(v);
+        c[t] = fp8_quantize_pre_avx<FMT>(_mm256_mul_ps(v, vinv), vr);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qo + 8 * j), pack4_signed_fp8<FMT>(c, sgn));
+    }
+  }
+}
+
+template <int FMT>
+ReduceFn ReduceAvxFor(int g) {
+  switch (g) {
+    case 32: return &reduce_range_avx<4, FMT>;
+    case 64: return &reduce_range_avx<8, FMT>;
+    case 128: return &reduce_range_avx<16, FMT>;
+    case 256: return &reduce_range_avx<32, FMT>;
+    case 512: return &reduce_range_avx<64, FMT>;
+    default: return nullptr;
+  }
+}
+
 template <int FMT>
 EncodeFn EncodeAvxFor(int g) {
   switch (g) {
@@ -477,6 +549,7 @@ DecodeFn DecodeAvxFor(int g) {
 
 EncodeFn EncodeAvx(int fmt, int g) { return fmt == kE4M3 ? EncodeAvxFor<kE4M3>(g) : EncodeAvxFor<kE5M2>(g); }
 DecodeFn DecodeAvx(int fmt, int g) { return fmt == kE4M3 ? DecodeAvxFor<kE4M3>(g) : DecodeAvxFor<kE5M2>(g); }
+ReduceFn ReduceAvx(int fmt, int g) { return fmt == kE4M3 ? ReduceAvxFor<kE4M3>(g) : ReduceAvxFor<kE5M2>(g); }
 
 TACO_AVX2 void cast_to_fp8_avx(const float* x, uint8_t* q, int64_t n, int fmt, float clamp) {
   const __m256 r = _mm256_set1_ps(clamp);

@@ -20,7 +20,13 @@ using EncodeFn = void (*)(const float* x, uint8_t* q, float* s_out, float* a_out
 using DecodeFn = void (*)(const uint8_t* q, const float* s, const float* a, float sqrt_g, float* out, int64_t g0,
                           int64_t g1, bool stream);
 
+// Transform-domain reduction of groups [g0, g1) (see reduce_group_scalar): P ranks' codes q[r]
+// [N, G], scales s[r], a[r] [N] (a = nullptr: folded) -> codes q_out [N, G], scales s_out [N].
+using ReduceFn = void (*)(const uint8_t* const* q, const float* const* s, const float* const* a, int64_t P,
+                          float range, uint8_t* q_out, float* s_out, int64_t g0, int64_t g1);
+
 #if TACO_X86
+ReduceFn ReduceAvx(int fmt, int g);
 // The kernels for FP8 format `fmt` and group size g (nullptr for a G outside 32..512).
 EncodeFn EncodeAvx(int fmt, int g);
 DecodeFn DecodeAvx(int fmt, int g);

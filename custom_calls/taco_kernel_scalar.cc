@@ -121,4 +121,33 @@ void decode_group_scalar(const uint8_t* q, float s, float k, int g, int fmt, flo
   for (int i = 0; i < g; ++i) out[i] = y[i] * k;
 }
 
+void reduce_group_scalar(const uint8_t* const* q, const float* const* s, const float* const* a, int64_t P, int64_t gi,
+                         int g, int fmt, float range, uint8_t* q_out, float* s_out) {
+  float acc[MAX_GROUP_SIZE] = {};  // P >= 1 (checked by the handler)
+  for (int64_t r = 0; r < P; ++r) {
+    const float k = a != nullptr ? s[r][gi] / nan_max(a[r][gi], EPS) : s[r][gi];
+    const uint8_t* qp = q[r] + gi * g;
+    for (int j = 0; j < g; ++j) {
+      const float z = fp8_to_f32(qp[j], fmt) * k;
+      acc[j] = r == 0 ? z : acc[j] + z;
+    }
+  }
+  float mx = 0.0f;
+  bool finite = true;
+  for (int j = 0; j < g; ++j) {
+    finite = finite && std::isfinite(acc[j]);
+    mx = std::max(mx, std::fabs(acc[j]));
+  }
+  uint8_t* qo = q_out + gi * g;
+  if (!finite) {
+    s_out[gi] = std::nanf("");
+    std::memset(qo, fp8_nan(fmt), g);
+    return;
+  }
+  const float s2 = std::min(std::max(std::max(mx, EPS) * (1.0f / range), EPS), SCALE_MAX);  // as XLA computes x / R
+  s_out[gi] = s2;
+  const float inv = 1.0f / s2;
+  for (int j = 0; j < g; ++j) qo[j] = f32_to_fp8(std::min(std::max(acc[j] * inv, -range), range), fmt);
+}
+
 }  // namespace taco

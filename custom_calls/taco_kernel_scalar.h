@@ -19,4 +19,12 @@ void encode_group_scalar(const float* x, uint8_t* q, float* s_out, float* a_out,
 // One group: out = WHT(fp8(q) * s) * k, k the decode factor.
 void decode_group_scalar(const uint8_t* q, float s, float k, int g, int fmt, float* out);
 
+// Transform-domain reduction of group gi (taco_jax.codec.reference.reduce_groups) of P ranks' codes
+// q[r] [N, G] and scales s[r], a[r] [N] (a null: folded layout):
+// z_r = fp8(q_r) * k_r with k_r = s_r / max(a_r, EPS) (s_r when a is null), acc = sum over r in rank
+// order (float32), s' = min(max(max(max|acc|, EPS) / range, EPS), SCALE_MAX), codes' =
+// fp8(clamp(acc * (1 / s'), -range, range)); a non-finite acc gives s' = NaN and NaN codes.
+void reduce_group_scalar(const uint8_t* const* q, const float* const* s, const float* const* a, int64_t P, int64_t gi,
+                         int g, int fmt, float range, uint8_t* q_out, float* s_out);
+
 }  // namespace taco

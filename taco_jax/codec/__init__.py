@@ -12,9 +12,18 @@ from taco_jax.codec.config import CODEC_KINDS, NONE, TACO, CodecConfig, fp8_max
 from taco_jax.codec.hadamard import hadamard, wht
 from taco_jax.codec.metrics import cosine, max_rel_error, sqnr_db
 from taco_jax.codec.nonfinite import check_finite, nonfinite_sites, raise_if_nonfinite
-from taco_jax.codec.reference import Encoded, decode, decode_groups, encode, encode_groups, roundtrip
+from taco_jax.codec.reference import (
+    Encoded,
+    decode,
+    decode_groups,
+    encode,
+    encode_groups,
+    reduce_encoded,
+    reduce_groups,
+    roundtrip,
+)
 
 __all__ = ["CODEC_KINDS", "NONE", "TACO", "CodecConfig", "Encoded", "GroupBackend", "check_finite", "cosine",
            "decode", "decode_groups", "encode", "encode_groups", "fp8_max", "get_backend", "hadamard",
-           "max_rel_error", "nonfinite_sites", "raise_if_nonfinite", "register_backend", "roundtrip", "sqnr_db",
-           "wht"]
+           "max_rel_error", "nonfinite_sites", "raise_if_nonfinite", "reduce_encoded", "reduce_groups",
+           "register_backend", "roundtrip", "sqnr_db", "wht"]

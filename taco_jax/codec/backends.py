@@ -18,6 +18,11 @@ Contract of a backend (spec §2 steps 1-5 and their inverse):
     cfg.group_size; codes: cfg.code_dtype [..., n_groups, G]; s, a: float32 [..., n_groups];
     a group holding NaN/±Inf gets s = NaN.
   decode_groups(codes, s, a) -> float32 [..., n_groups, G]; a=None for the folded layout.
+Optional, registered apart (`register_reducer`; none registered: the reference's is used):
+  reduce_groups(codes, s, a, cfg) -> (codes, s): the transform-domain reduction of the two-shot
+    all-reduce (`taco_jax.codec.reference.reduce_groups`): codes [P, ..., n_groups, G] and
+    s, a [P, ..., n_groups] of P ranks' messages -> the requantized sum, codes [..., n_groups, G]
+    and s [..., n_groups] (folded layout: decode_groups(codes, s, None) gives the sum).
 """
 
 from __future__ import annotations
@@ -36,6 +41,19 @@ class GroupBackend(NamedTuple):
 _LOADERS: dict[str, Callable[[], GroupBackend]] = {}
 _LOADED: dict[str, GroupBackend] = {}
 _AUTO: list[Callable[[], str]] = []  # the chooser of "auto" (at most one; `register_auto`)
+_REDUCERS: dict[str, Callable] = {}
+
+
+def register_reducer(name: str, fn: Callable) -> None:
+    """Registers backend `name`'s transform-domain reduction (`reduce_groups` of the contract)."""
+    _REDUCERS[name] = fn
+
+
+def get_reducer(name: str) -> Callable | None:
+    """Backend `name`'s `reduce_groups`, or None if it has none (then the reference's applies).
+    Loads the backend first (`get_backend`), whose loader may register it."""
+    get_backend(name)
+    return _REDUCERS.get(name)
 
 
 def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:

@@ -1,9 +1,13 @@
 """Compressed collectives inside `jax.shard_map` (TACO spec §3), shaped and differentiated like `lax`'s.
 
 Algorithms (P = size of the named axis):
-- all-reduce, two-shot: encode P chunks -> all-to-all -> decode and sum the chunk this rank
-  owns in FP32 (reduce-scatter) -> encode the sum -> all-gather -> decode. Two quantizations
-  whatever P is; ≈ 2(P-1)/P of the compressed message on the wire per rank.
+- all-reduce, two-shot: encode P chunks -> all-to-all -> sum the P received versions of the chunk
+  this rank owns in FP32 -> requantize the sum -> all-gather -> decode. Two quantizations
+  whatever P is; ≈ 2(P-1)/P of the compressed message on the wire per rank. The sum runs in the
+  signal domain by default ("signal": decode, sum, re-encode) or in the Hadamard domain
+  (`reduce_domain="hadamard"`: no inverse transform before the sum, no forward transform after
+  it; `codec.reference.reduce_groups`). `chunks=K` splits the message into K independent chains
+  (encode -> all-to-all -> reduce -> all-gather -> decode) that XLA may overlap.
 - all-reduce, one-shot: encode -> all-gather -> decode P copies -> sum in FP32 in rank order.
   One quantization; (P-1)× the compressed message.
 - reduce-scatter: the first half of two-shot. all-gather: encode -> all-gather -> decode.
@@ -41,16 +45,25 @@ by P, else over the flattened message zero-padded to a multiple of P (padding is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax.codec import CodecConfig, decode, encode
+from taco_jax.codec import CodecConfig, decode, encode, reduce_encoded
+from taco_jax.codec.reference import Encoded
 from taco_jax.kernels._vma import pvary, vma_of
 
 ALGORITHMS = ("two_shot", "one_shot")
+#: Where the two-shot all-reduce sums the ranks' chunks: "signal" (decode, sum, re-encode) or
+#: "hadamard" (sum in the transform domain, requantize, one inverse transform at the end).
+REDUCE_DOMAINS = ("signal", "hadamard")
+#: `chunks="auto"`: one pipeline chunk per this many uncompressed bytes of the message, at most
+#: AUTO_MAX_CHUNKS (see `auto_chunks`).
+AUTO_CHUNK_BYTES = 8 << 20
+AUTO_MAX_CHUNKS = 4
 
 
 def _tree(fn, enc):
@@ -66,6 +79,31 @@ def _tree(fn, enc):
         return fn(leaf)
 
     return jax.tree.map(move, enc)
+
+
+def _packed(fn, enc, batch_dims: int):
+    """Applies a data-movement collective ONCE to all wire buffers of `enc` (codes and scales),
+    packed as bytes into one uint8 buffer [*batch, total] (`batch_dims` leading axes kept), then
+    unpacked. One collective instead of one per buffer: over gloo each collective costs a
+    rendezvous, which dominated the small scale buffers' transfer.
+    """
+    leaves, treedef = jax.tree.flatten(enc)
+    lead = leaves[0].shape[:batch_dims]
+    rows = []
+    for leaf in leaves:
+        b = lax.bitcast_convert_type(leaf, jnp.uint8)  # [..., itemsize] for wider types
+        rows.append(b.reshape(*lead, -1))
+    sizes = [r.shape[-1] for r in rows]
+    moved = fn(jnp.concatenate(rows, axis=-1) if len(rows) > 1 else rows[0])
+    out, start = [], 0
+    for leaf, n in zip(leaves, sizes, strict=True):
+        piece = lax.slice_in_dim(moved, start, start + n, axis=moved.ndim - 1)
+        start += n
+        shape = (*moved.shape[:-1], *leaf.shape[batch_dims:])
+        if leaf.dtype.itemsize > 1:
+            shape = (*shape, leaf.dtype.itemsize)
+        out.append(lax.bitcast_convert_type(piece.reshape(shape), leaf.dtype))
+    return jax.tree.unflatten(treedef, out)
 
 
 def _axes(axis_name) -> frozenset:
@@ -102,14 +140,23 @@ def _sum_fp32(x: jax.Array, dtype) -> jax.Array:
 def reduce_scatter_chunks(x: jax.Array, axis_name: str, codec: CodecConfig) -> jax.Array:
     """[P, *chunk] per rank -> this rank's chunk of the sum over ranks ([*chunk], FP32 sum). Not differentiable."""
     enc = encode(x, codec, batch_dims=1)
-    enc = _tree(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc)
+    enc = _packed(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc, 1)
     return _sum_fp32(decode(enc, codec, jnp.float32), x.dtype)
+
+
+def reduce_scatter_hadamard(x: jax.Array, axis_name: str, codec: CodecConfig) -> Encoded:
+    """[P, *chunk] per rank -> this rank's chunk of the sum over ranks, still encoded: the sum of
+    the P received chunks in the Hadamard domain, requantized (`reduce_encoded`, folded layout).
+    Not differentiable."""
+    enc = encode(x, codec, batch_dims=1)
+    enc = _packed(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc, 1)
+    return reduce_encoded(enc, codec)
 
 
 def all_gather_encoded(x: jax.Array, axis_name: str, codec: CodecConfig, *, to: str = "varying") -> jax.Array:
     """x [*shape] -> [P, *shape] decoded copies of every rank's x. Not differentiable."""
     enc = encode(x, codec)
-    enc = _tree(lambda b: lax.all_gather(b, axis_name, axis=0, to=to), enc)
+    enc = _packed(lambda b: lax.all_gather(b, axis_name, axis=0, to=to), enc, 0)
     return decode(enc, codec)
 
 
@@ -146,8 +193,31 @@ def _scoped(name: str):
     return deco
 
 
+def auto_chunks(nbytes: int, platform: str | None = None) -> int:
+    """Pipeline chunks for `chunks="auto"`: on CPU (XLA:CPU + gloo) 1, because there each extra
+    collective costs more than the overlap gains (measured: even the exact `lax.psum` of 16 MB
+    split into 2 ordered or unordered pieces took 1.3-2.7x the single psum; README); elsewhere
+    one per AUTO_CHUNK_BYTES of the (uncompressed) message, between 1 and AUTO_MAX_CHUNKS.
+    `platform` defaults to jax's default backend."""
+    if (platform or jax.default_backend()) == "cpu":
+        return 1
+    return int(max(1, min(AUTO_MAX_CHUNKS, nbytes // AUTO_CHUNK_BYTES)))
+
+
+def _two_shot(x, axis_name, codec, reduce_domain, p):
+    """Two-shot all-reduce of one message: x [*shape] -> [x.size] flat sum over ranks."""
+    if reduce_domain == "hadamard" and codec.kind == "taco":
+        mine = reduce_scatter_hadamard(_split_chunks(x, p), axis_name, codec)  # encoded, folded layout
+        gathered = _packed(lambda b: lax.all_gather(b, axis_name, axis=0, to="invarying"), mine, 0)
+        full = decode(gathered, dataclasses.replace(codec, scale_layout="folded"))  # [P, *chunk]
+    else:
+        mine = reduce_scatter_chunks(_split_chunks(x, p), axis_name, codec)
+        full = all_gather_encoded(mine, axis_name, codec, to="invarying")  # [P, *chunk]
+    return full.reshape(-1)[: x.size]  # drops only the padding, if any
+
+
 @_scoped("taco_psum")
-def _psum_value(x, axis_name, codec, algorithm):
+def _psum_value(x, axis_name, codec, algorithm, reduce_domain="signal", chunks=1):
     """The compressed all-reduce's value (no derivative of its own)."""
     if codec.kind == "none":
         return lax.psum(x, axis_name)
@@ -158,21 +228,31 @@ def _psum_value(x, axis_name, codec, algorithm):
         return _empty(x.shape, x.dtype, vma_of(x) - _axes(axis_name))
     if algorithm == "one_shot":
         return _sum_fp32(all_gather_encoded(x, axis_name, codec, to="invarying"), x.dtype)
-    mine = reduce_scatter_chunks(_split_chunks(x, p), axis_name, codec)
-    full = all_gather_encoded(mine, axis_name, codec, to="invarying")  # [P, *chunk]
-    return full.reshape(-1)[: x.size].reshape(x.shape)  # drops only the padding, if any
+    k = auto_chunks(x.size * x.dtype.itemsize) if chunks == "auto" else chunks
+    unit = p * codec.group_size  # pieces hold whole groups on every rank
+    k = max(1, min(k, x.size // unit))
+    if k == 1 or codec.group_axis == "token":
+        return _two_shot(x, axis_name, codec, reduce_domain, p).reshape(x.shape)
+    # K independent two-shot chains over contiguous pieces of the flattened message: no data
+    # dependence between chains, so XLA may run one piece's codec work beside another's transfer.
+    flat = x.reshape(-1)
+    step = -(-flat.size // (k * unit)) * unit
+    outs = [_two_shot(flat[i * step:(i + 1) * step], axis_name, codec, reduce_domain, p)
+            for i in range(k) if i * step < flat.size]
+    return jnp.concatenate(outs).reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _psum(x, axis_name, codec, algorithm):
-    return _psum_value(x, axis_name, codec, algorithm)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _psum(x, axis_name, codec, algorithm, reduce_domain, chunks):
+    return _psum_value(x, axis_name, codec, algorithm, reduce_domain, chunks)
 
 
-_psum.defvjp(lambda x, a, c, alg: (_psum(x, a, c, alg), None),
-             lambda a, c, alg, _, ct: (_vary(ct, a),))
+_psum.defvjp(lambda x, a, c, alg, rd, k: (_psum(x, a, c, alg, rd, k), None),
+             lambda a, c, alg, rd, k, _, ct: (_vary(ct, a),))
 
 
-def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "two_shot") -> jax.Array:
+def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "two_shot",
+         reduce_domain: str = "signal", chunks: int | str = 1) -> jax.Array:
     """All-reduce (sum) of `x` over `axis_name`; result replicated (invariant) over the axis.
 
     Args:
@@ -181,17 +261,39 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
       axis_name: a manual mesh axis of the enclosing `shard_map`.
       codec: message codec; kind "none" gives exactly `lax.psum`.
       algorithm: "two_shot" or "one_shot" (module docstring).
+      reduce_domain: two-shot only, codecs of kind "taco" only (other kinds have no transform
+        domain and always reduce in the signal domain; so does one-shot):
+        "signal": decode each received chunk, sum in FP32 in rank order, encode the sum (two
+          transforms per chunk and rank between the wire hops);
+        "hadamard": sum the chunks in the transform domain (z_r = q_r * s_r / a_r, FP32, rank
+          order), requantize the sum with an absmax scale and no transform, all-gather, one
+          inverse transform at the end (`taco_jax.codec.reference.reduce_groups`). As accurate
+          as "signal" on captured TP messages (SQNR equal to within 3e-5 dB, either sign;
+          experiments/fidelity_reduce_domain.py); not the default: no wall-time gain measured on
+          the 2-core gloo machine, and the ffi-vs-reference training check (tests/test_train.py,
+          1e-4 over 6 steps) lands at 1.5e-4 with it (README).
+      chunks: two-shot only: split the flattened message into this many contiguous pieces (whole
+        groups on every rank; fewer when the message is small; 1 for a codec grouping along
+        "token", whose groups span the message), each its own two-shot chain, so
+        that one piece's codec work can run beside another's transfer; "auto": `auto_chunks`
+        of the message's bytes. 1 = one chain over the whole message (the chunking of the module
+        docstring).
     Returns: array of x's shape and dtype, equal on every rank.
     Derivative: `lax.psum`'s — the cotangent made varying over the axis, no communication (so
       there is no backward codec). Forward mode is undefined for a compressing codec (module
       docstring).
-    Raises: ValueError for an unknown algorithm.
+    Raises: ValueError for an unknown algorithm or reduce_domain, or chunks not "auto" nor an
+      integer >= 1.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not supported; choose 'two_shot' or 'one_shot'")
+    if reduce_domain not in REDUCE_DOMAINS:
+        raise ValueError(f"reduce_domain={reduce_domain!r} is not supported; choose one of {REDUCE_DOMAINS}")
+    if chunks != "auto" and not (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1):
+        raise ValueError(f"chunks={chunks!r} must be 'auto' or an integer >= 1")
     if codec.kind == "none":
         return lax.psum(x, axis_name)
-    return _psum(_vary(x, axis_name), axis_name, codec, algorithm)
+    return _psum(_vary(x, axis_name), axis_name, codec, algorithm, reduce_domain, chunks)
 
 
 # --------------------------------------------------------------------------------------

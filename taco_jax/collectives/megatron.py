@@ -27,7 +27,8 @@ from taco_jax.collectives.policy import CommPolicy
 
 
 def _all_reduce(x, axis_name, policy: CommPolicy, site: str):
-    return compressed.psum(x, axis_name, codec=policy.codec_for(site, x), algorithm=policy.all_reduce_algorithm)
+    return compressed.psum(x, axis_name, codec=policy.codec_for(site, x), algorithm=policy.all_reduce_algorithm,
+                           reduce_domain=policy.reduce_domain, chunks=policy.chunks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -18,6 +18,8 @@ TENSOR_SITES = ("ar_fwd", "ar_bwd", "all_gather", "reduce_scatter")
 OTHER_SITES = ("dp_grads", "pp_send")
 SITES = TENSOR_SITES + OTHER_SITES
 ALL_REDUCE_ALGORITHMS = ("two_shot", "one_shot")
+#: Where the two-shot all-reduce sums (`taco_jax.collectives.compressed.psum`'s `reduce_domain`).
+REDUCE_DOMAINS = ("signal", "hadamard")
 #: Version tag of policy files (`CommPolicy.to_json` / `from_json`).
 POLICY_FORMAT = "taco_jax.policy/1"
 
@@ -39,9 +41,15 @@ class CommPolicy:
       min_bytes: messages smaller than this (uncompressed bytes) use the exact collective; "auto"
         until resolved (`taco_jax.perf.resolve_min_bytes`: the predicted break-even size, once,
         before tracing, like backend "auto").
+      reduce_domain: two-shot all-reduce with a taco codec: "signal" (default) decodes, sums and
+        re-encodes; "hadamard" sums the ranks' chunks in the transform domain and requantizes (two
+        transforms fewer per chunk, as accurate on captured messages; README) (`compressed.psum`).
+      chunks: two-shot all-reduce pipeline chunks (an integer >= 1, or "auto": from the message
+        size, `compressed.auto_chunks`).
 
     Raises:
-      ValueError: for an unknown algorithm or a negative threshold.
+      ValueError: for an unknown algorithm or reduce_domain, chunks neither "auto" nor an integer
+        >= 1, or a negative threshold.
     """
 
     ar_fwd: CodecConfig = NONE
@@ -52,8 +60,15 @@ class CommPolicy:
     pp_send: CodecConfig = NONE
     all_reduce_algorithm: str = "two_shot"
     min_bytes: int | str = 0
+    reduce_domain: str = "signal"
+    chunks: int | str = 1
 
     def __post_init__(self):
+        if self.reduce_domain not in REDUCE_DOMAINS:
+            raise ValueError(f"reduce_domain={self.reduce_domain!r} is not supported; choose one of {REDUCE_DOMAINS}")
+        if self.chunks != "auto" and not (isinstance(self.chunks, int) and not isinstance(self.chunks, bool)
+                                          and self.chunks >= 1):
+            raise ValueError(f"chunks={self.chunks!r} must be 'auto' or an integer >= 1")
         if self.all_reduce_algorithm not in ALL_REDUCE_ALGORITHMS:
             raise ValueError(
                 f"all_reduce_algorithm={self.all_reduce_algorithm!r} is not supported; "
@@ -110,16 +125,18 @@ class CommPolicy:
         return dataclasses.replace(self, **new)
 
     def to_dict(self) -> dict:
-        """JSON-ready form: {"format", "sites": {site: codec fields}, "all_reduce_algorithm", "min_bytes"}."""
+        """JSON-ready form: {"format", "sites": {site: codec fields}, "all_reduce_algorithm", "min_bytes",
+        "reduce_domain", "chunks"}."""
         return {"format": POLICY_FORMAT, "sites": {s: getattr(self, s).to_dict() for s in SITES},
-                "all_reduce_algorithm": self.all_reduce_algorithm, "min_bytes": self.min_bytes}
+                "all_reduce_algorithm": self.all_reduce_algorithm, "min_bytes": self.min_bytes,
+                "reduce_domain": self.reduce_domain, "chunks": self.chunks}
 
     @classmethod
     def from_dict(cls, d: dict, *, base: CommPolicy | None = None, where: str = "policy") -> CommPolicy:
         """Policy from a dict shaped like `to_dict` (only "sites" is required; other top-level keys
         such as "objective" or "calibration" are metadata and ignored). Sites absent from the
-        file keep `base`'s codec (default: exact); "all_reduce_algorithm" / "min_bytes", when
-        given, replace `base`'s. Format and a minimal example: docs/training.md.
+        file keep `base`'s codec (default: exact); "all_reduce_algorithm" / "min_bytes" /
+        "reduce_domain" / "chunks", when given, replace `base`'s. Format and a minimal example: docs/training.md.
 
         Raises: ValueError naming the file (`where`) and the unknown site or bad codec field.
         """
@@ -133,7 +150,7 @@ class CommPolicy:
         for site in d["sites"]:
             if site not in SITES:
                 raise ValueError(f"{where}: site={site!r} is not one of {SITES}")
-        kw = {k: d[k] for k in ("all_reduce_algorithm", "min_bytes") if k in d}
+        kw = {k: d[k] for k in ("all_reduce_algorithm", "min_bytes", "reduce_domain", "chunks") if k in d}
         try:
             return dataclasses.replace(base.with_sites(d["sites"]), **kw)
         except ValueError as e:

@@ -50,7 +50,7 @@ import importlib
 import importlib.util
 import warnings
 
-from taco_jax.codec.backends import GroupBackend, register_auto, register_backend
+from taco_jax.codec.backends import GroupBackend, register_auto, register_backend, register_reducer
 from taco_jax.codec.backends import get_backend as _registered
 from taco_jax.codec.config import BACKENDS, CodecConfig
 from taco_jax.kernels._platform import default_platform
@@ -162,6 +162,8 @@ def _loader(name: str):
         if name == "pallas" and default_platform() == "cpu":
             _warn_pallas_interpret()
         mod = importlib.import_module(f"taco_jax.kernels.{_MODULES[name]}")
+        if hasattr(mod, "reduce_groups"):
+            register_reducer(name, mod.reduce_groups)
         return GroupBackend(mod.encode_groups, mod.decode_groups)
 
     return load

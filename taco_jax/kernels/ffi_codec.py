@@ -35,6 +35,8 @@ _TARGETS = {  # FFI target name -> exported handler symbol (suffix Cpu / Cuda)
     "taco_decode": "TacoDecode",
     "taco_fp8_cast": "TacoFp8Cast",
 }
+#: Targets only the CPU library has (on GPU the jnp reference runs; XLA fuses it).
+_CPU_TARGETS = {"taco_reduce": "TacoReduce"}
 _FMT_CODES = {"e4m3": 0, "e5m2": 1}
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 
@@ -80,8 +82,11 @@ def _load(platform: str) -> str | None:
     except OSError as e:  # e.g. built against another libc / CUDA runtime
         return f"cannot load {path}: {e}; rebuild it ({BUILD_HINT[platform]})"
     suffix = "Cpu" if platform == "cpu" else "Cuda"
-    for name, symbol in _TARGETS.items():
-        fn = getattr(lib, symbol + suffix)
+    targets = {**_TARGETS, **(_CPU_TARGETS if platform == "cpu" else {})}
+    for name, symbol in targets.items():
+        fn = getattr(lib, symbol + suffix, None)
+        if fn is None:
+            return f"{path} lacks {symbol + suffix} (built from older sources); {BUILD_HINT[platform]}"
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform=_XLA_PLATFORM[platform])
     return None
 
@@ -106,6 +111,16 @@ def _ensure_loaded():
         raise RuntimeError(f"taco_jax FFI codec unavailable on {platform}: {reason}")
 
 
+_FMT_OF_DTYPE = {jnp.dtype(jnp.float8_e4m3fn): 0, jnp.dtype(jnp.float8_e5m2): 1}
+
+
+def _codes_as_u8() -> bool:
+    """Whether the handlers exchange codes as uint8 (CPU): the FP8 bytes, typed uint8 so that the
+    collectives' own uint8 view of them (`compressed._tree`) cancels against ours and XLA moves
+    them without an elementwise bitcast-convert copy. The CUDA handlers take FP8 types."""
+    return default_platform() == "cpu"
+
+
 def _revary(outs, vma: frozenset):
     """Gives ffi_call's results the varying manual axes of its operands: jax 0.10's ffi_call
     types them invariant inside `shard_map`, and later collectives would take such a value as
@@ -119,10 +134,11 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
     *lead, n_groups, g = xg.shape
     x2 = xg.astype(jnp.float32).reshape(-1, g)  # [N, G]
     n = x2.shape[0]
+    u8 = _codes_as_u8()
     call = jax.ffi.ffi_call(
         "taco_encode",
         (
-            jax.ShapeDtypeStruct((n, g), cfg.code_dtype),
+            jax.ShapeDtypeStruct((n, g), jnp.uint8 if u8 else cfg.code_dtype),
             jax.ShapeDtypeStruct((n,), jnp.float32),
             jax.ShapeDtypeStruct((n,), jnp.float32),
         ),
@@ -139,6 +155,8 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
         impl=np.int32(impl),
     )
     codes, s, a = _revary(outs, vma_of(x2))
+    if u8:
+        codes = jax.lax.bitcast_convert_type(codes, cfg.code_dtype)
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
 
@@ -146,6 +164,9 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: 
     """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`."""
     _ensure_loaded()
     *lead, n_groups, g = codes.shape
+    if _codes_as_u8():
+        impl |= (_FMT_OF_DTYPE[jnp.dtype(codes.dtype)] + 1) << 8
+        codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
     args = [codes.reshape(-1, g), s.astype(jnp.float32).reshape(-1)]
     if a is not None:
         args.append(a.astype(jnp.float32).reshape(-1))
@@ -156,6 +177,34 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: 
     )
     (out,) = _revary([call(*args, has_a=np.int32(a is not None), impl=np.int32(impl))], vma)
     return out.reshape(*lead, n_groups, g)
+
+
+def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: CodecConfig, *,
+                  impl: int = IMPL_AUTO):
+    """Fused transform-domain reduction, same contract as `taco_jax.codec.reference.reduce_groups`
+    (codes [P, ..., n_groups, G] -> ([..., n_groups, G], [..., n_groups])); one pass over the P
+    ranks' codes (C++ `taco_reduce`) on CPU; elsewhere the jnp reference."""
+    if default_platform() != "cpu":
+        from taco_jax.codec.reference import reduce_groups as ref  # noqa: PLC0415
+
+        return ref(codes, s, a, cfg)
+    _ensure_loaded()
+    p, *lead, n_groups, g = codes.shape
+    code_dtype = codes.dtype
+    c8 = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(p, -1, g)
+    s2, a2 = s.astype(jnp.float32).reshape(p, -1), None if a is None else a.astype(jnp.float32).reshape(p, -1)
+    # one operand per rank: slices of the all-to-all's result, which XLA forwards without the copy
+    # a concatenation into one [P, ...] buffer would take
+    args = [c8[r] for r in range(p)] + [s2[r] for r in range(p)] + ([] if a2 is None else [a2[r] for r in range(p)])
+    vma = frozenset().union(*(vma_of(t) for t in args))
+    args = [pvary(t, vma) for t in args]
+    n = c8.shape[1]
+    call = jax.ffi.ffi_call("taco_reduce", (jax.ShapeDtypeStruct((n, g), jnp.uint8),
+                                            jax.ShapeDtypeStruct((n,), jnp.float32)), vmap_method="broadcast_all")
+    out_codes, out_s = _revary(call(*args, fmt=np.int32(_FMT_CODES[cfg.fmt]), has_a=np.int32(a is not None),
+                                    target_range=np.float32(cfg.target_range), impl=np.int32(impl)), vma)
+    out_codes = jax.lax.bitcast_convert_type(out_codes, code_dtype)
+    return out_codes.reshape(*lead, n_groups, g), out_s.reshape(*lead, n_groups)
 
 
 def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) -> jax.Array:
