@@ -158,7 +158,7 @@ def test_auto_policy_exact_on_free_links_and_compressed_on_slow_ones():
     (lambda: perf.fit_link([{"collective": "psum", "codec": "none", "size_bytes": 8, "time_s_median": -1.0}]),
      "time_s_median=-1.0"),
     (lambda: _hw(SLOW, None).codec_speed(TACO) if False else Hardware("x", 1e12, .5, 8, SLOW, SLOW).codec_speed(TACO),
-     "backend='reference'"),
+     f"backend={TACO.backend!r}"),
 ])
 def test_bad_inputs_raise_value_error_naming_the_value(make, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace("[", r"\[")):
