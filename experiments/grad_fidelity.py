@@ -234,12 +234,17 @@ def markdown(rows: list, groups=("all", "embed", "attn_qkv", "attn_out", "mlp_in
         def mean(sel, f):  # NaN (shown "—") for a combination not measured
             return float(np.mean([f(r) for r in sel])) if sel else float("nan")
 
-        md += [f"**{model}: whole-gradient SQNR (dB), mean over checkpoints {cks}**", "",
-               "| sites | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        def cell(s, n, rs=rs):  # "mean (per checkpoint)"
+            sel = sorted((r for r in rs if r["sites"] == s and r["codec"] == n), key=lambda r: r["checkpoint"])
+            if not sel:
+                return "—"
+            per = "/".join(_fmt(r["groups"]["all"]["sqnr_db"], ".1f") for r in sel)
+            return f"{_fmt(mean(sel, lambda r: r['groups']['all']['sqnr_db']), '.1f')} ({per})"
+
+        md += [f"**{model}: whole-gradient SQNR (dB): mean over checkpoints (at steps {'/'.join(map(str, cks))})**",
+               "", "| sites | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for s in site_names:
-            md.append(f"| {s} | " + " | ".join(
-                _fmt(mean([r for r in rs if r["sites"] == s and r["codec"] == n],
-                          lambda r: r["groups"]["all"]["sqnr_db"]), ".1f") for n in names) + " |")
+            md.append(f"| {s} | " + " | ".join(cell(s, n) for n in names) + " |")
         md += ["", f"**{model}: all sites (no SP), per parameter group, mean over checkpoints**", "",
                "| codec | B/elt | loss rel. diff | " + " | ".join(f"SQNR {g}" for g in groups)
                + " | cosine all | rel. err all |", "|---|---|---|" + "---|" * len(groups) + "---|---|"]
@@ -310,7 +315,7 @@ def main(argv=None) -> dict:
                                              "mesh", "backend")},
             "command": "python experiments/grad_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0, "cpu_count": os.cpu_count(),
-            "best_codec": best, "best_rule": best_codec.__doc__.split("\n\n")[1].strip()}
+            "best_codec": best, "best_rule": " ".join(best_codec.__doc__.split("\n\n")[1].split()[:-6])}
     jsonio.write(out / "grad_fidelity.json", {"meta": meta, "rows": rows})
     md = markdown(rows) + (f"\nBest codec of the family (rule: {meta['best_rule']}): **{best}**\n" if best else "")
     (out / "grad_fidelity.md").write_text(md)
