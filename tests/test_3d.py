@@ -48,7 +48,7 @@ SMALL3D = dict(model="qwen3-tiny", vocab_size=512, batch_size=8, seq_len=32, ste
 
 
 def test_all_three_axes_compressed_in_the_compiled_step():
-    """comm / dp_comm / pp_comm = taco: u8 FP8 codes (+ f32 scales, 8 B per 128 codes) move on
+    """comm / dp_comm / pp_comm = taco: u8 FP8 codes (+ scales, 8 B per 128 codes) move on
     every axis; the only f32 traffic left is scales, [B, T] cross-entropy statistics, the loss, and
     the exact stage all-reduce of the stage-replicated (embedding / norm) gradients."""
     cfg = TrainConfig.from_flags(comm="taco", dp_comm="taco", pp_comm="taco", **SMALL3D)
@@ -63,7 +63,10 @@ def test_all_three_axes_compressed_in_the_compiled_step():
     for axis, op in (("data", "all-to-all"), ("stage", "collective-permute"), ("tensor", "all-gather")):
         codes = sum(r["bytes"] for r in rows if (r["axis"], r["op"], r["dtype"]) == (axis, op, "u8"))
         scales = sum(r["bytes"] for r in rows if (r["axis"], r["op"], r["dtype"]) == (axis, op, "f32"))
-        assert scales == pytest.approx(codes * 8 / 128, rel=0.05), (axis, op, codes, scales)
+        # scales travel beside the codes (f32, 8 B per 128 codes) or packed into the same u8 buffer
+        # (two-shot hops: 128 codes + 8 scale bytes per group)
+        packed = scales == 0 and codes % (128 + 8) == 0
+        assert packed or scales == pytest.approx(codes * 8 / 128, rel=0.05), (axis, op, codes, scales)
     assert not [r for r in rows if r["axis"] == "data" and r["op"] == "all-reduce" and r["bytes"] > 64]
 
 

@@ -57,7 +57,8 @@ def test_psum_taco_within_bound(mesh, algorithm, shape):
         bound = EPS * sum_norms + (EPS * (np.linalg.norm(s) + EPS * sum_norms) if algorithm == "two_shot" else 0)
         err = np.linalg.norm(got - s)
         assert err <= bound, (err, bound)
-        assert err > 0  # it really was compressed
+        if algorithm == "one_shot" or np.prod(shape[1:]) > 4:  # (8, 3) two-shot: 1-element chunks, exact in FP8
+            assert err > 0  # it really was compressed
 
 
 def test_psum_result_identical_on_every_rank(mesh):
