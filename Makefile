@@ -42,7 +42,7 @@ train: install
 ## Default test suite (simulated 8-device CPU mesh; slow and GPU tests excluded). Includes the GPU path
 ## checked on CPU: Triton interpreter, CUDA export, CUDA FFI build, gpu_check.sh --dry-run.
 test: install gpu-sim cuda
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 ## Only the CPU checks of the GPU path (README "GPU path").
 test-gpu-sim: install gpu-sim cuda
