@@ -97,6 +97,10 @@ bfloat16 dashed.
 
 Caveat: on a shared machine the absolute times carry the other processes' load (recorded in
 env.loadavg_*); the ratios within a run are what the interleaving makes comparable.
+
+Note (CPU): XLA:CPU widens bf16 collectives to f32, so the exact bf16 rows move 4 bytes per element
+(`exact_wire_bytes`) and their wire ratio is against f32; on a GPU the exact bf16 wire is 2 bytes
+per element and the ratio would be ≈ 2× larger (0.53 instead of 0.27 for taco E4M3 G = 128).
 """
 
 from __future__ import annotations

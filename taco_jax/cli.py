@@ -34,14 +34,22 @@ def _flag_fields():
         [(CommFlags, f) for f in dataclasses.fields(CommFlags)]
 
 
-def _min_bytes(text: str):
-    """`--min-bytes` value: "auto" or an integer >= 0 (argparse reports the ValueError)."""
-    if text == "auto":
-        return text
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
+def _int_or_auto(name: str, low: int):
+    """argparse type of a flag that takes "auto" or an integer >= `low`; a bad value is reported
+    by argparse (exit 2) with the reason."""
+
+    def parse(text: str):
+        if text == "auto":
+            return text
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}={text!r} must be an integer >= {low} or 'auto'") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{name}={value} must be an integer >= {low} or 'auto'")
+        return value
+
+    return parse
 
 
 def _add_flag(sp, cls, f, helps) -> None:
@@ -54,7 +62,9 @@ def _add_flag(sp, cls, f, helps) -> None:
     elif f.type in ("bool", bool):
         sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
     elif f.name == "min_bytes":  # an integer or "auto" (taco_jax.perf.resolve_min_bytes)
-        sp.add_argument(flag, type=_min_bytes, default=f.default, metavar="BYTES|auto", help=help_)
+        sp.add_argument(flag, type=_int_or_auto("min_bytes", 0), default=f.default, metavar="BYTES|auto", help=help_)
+    elif f.name == "chunks":  # an integer or "auto" (collectives.compressed.auto_chunks)
+        sp.add_argument(flag, type=_int_or_auto("chunks", 1), default=f.default, metavar="K|auto", help=help_)
     elif f.name == "model":
         sp.add_argument(flag, default=f.default, choices=sorted(PRESETS), metavar="PRESET",
                         help=f"{help_}: {', '.join(sorted(PRESETS))}")

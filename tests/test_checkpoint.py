@@ -173,6 +173,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, cache, uninterrupted):
     assert _records(out) == uninterrupted  # every step's loss, grad norm and val loss, bit for bit
 
 
+@pytest.mark.slow  # 20 s of real processes; SIGKILL + resume stays in the default suite (make test-slow)
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, cache, uninterrupted):
     out, log = tmp_path / "run", tmp_path / "log"
     p = start(cli(*ARGS, "--out", out, "--checkpoint-every", "0"), cache, log)

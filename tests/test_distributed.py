@@ -149,6 +149,7 @@ def test_two_processes_vs_in_process_collectives(tmp_path, cache):
         assert abs(la - lb) <= 1e-5 * abs(la) and abs(ga - gb) <= 1e-4 * abs(ga), (a, b)
 
 
+@pytest.mark.slow  # 36 s: a stalled process and a 10 s timeout (make test-slow)
 def test_watchdog_names_the_late_process(tmp_path, cache):
     """Process 1 stalls before step 2: the run ends with an error naming step 2 and process 1 within
     --step-timeout + 10 s, and the launcher fails as a whole."""

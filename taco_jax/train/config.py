@@ -43,6 +43,8 @@ class CommFlags:
     backend: str = "auto"  # taco group math: auto (CPU: ffi if built; GPU kernels) | reference | pallas | triton | ffi
     algorithm: str = "two_shot"  # compressed all-reduce: two_shot | one_shot
     min_bytes: int | str = 0  # messages below this many bytes stay uncompressed; auto: the cost model's break-even size
+    reduce_domain: str = "signal"  # two-shot all-reduce with taco: signal (decode, sum, re-encode) | hadamard (sum in the transform domain)
+    chunks: int | str = 1  # two-shot all-reduce: independent chunks K >= 1 (pipelining) | auto (from the message size)
     policy_file: str = ""  # JSON policy (docs/training.md; `taco-jax calibrate`); overrides the sites it names
     site: tuple[str, ...] = ()  # per-site codec, repeatable: SITE:field=value,... e.g. ar_bwd:fmt=e5m2,group_size=64
 
@@ -74,7 +76,8 @@ class CommFlags:
         tensor = self.tensor_codec()
         policy = CommPolicy(**dict.fromkeys(TENSOR_SITES, tensor), dp_grads=self.axis_codec(self.dp_comm, "dp_comm"),
                             pp_send=self.axis_codec(self.pp_comm, "pp_comm"),
-                            all_reduce_algorithm=self.algorithm, min_bytes=self.min_bytes)
+                            all_reduce_algorithm=self.algorithm, min_bytes=self.min_bytes,
+                            reduce_domain=self.reduce_domain, chunks=self.chunks)
         if self.policy_file:  # unknown site or field -> ValueError naming the file
             policy = CommPolicy.from_json(self.policy_file, base=policy)
         for spec in self.site:

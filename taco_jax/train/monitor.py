@@ -171,8 +171,11 @@ class Monitor:
 
     def check(self, step: int, sites: dict, where: str = "") -> None:
         """Warns (stderr) for each site whose `min_sqnr_db` is below the warning threshold; raises
-        `MonitorError` naming the site, its worst call and the step when below `min_db`."""
-        for site, st in sites.items():
+        `MonitorError` naming the site, its worst call and the step when below `min_db` (sites in
+        ascending SQNR, NaN first, so the error names the worst site)."""
+        order = sorted(sites, key=lambda k: (not np.isnan(sites[k]["min_sqnr_db"]), sites[k]["min_sqnr_db"]))
+        for site in order:
+            st = sites[site]
             v, call = st["min_sqnr_db"], st["worst_call"]
             what = f"{call}, {self.roles[call]}" if call in self.roles else call
             if not v >= self.min_db:

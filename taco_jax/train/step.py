@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +231,10 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     policy = perf.resolve_min_bytes(policy, mesh.devices.flat[0].platform, tensor_size=cfg.mesh_axes.get(TENSOR, 1),
                                     itemsize=jnp.dtype(cfg.model_config.dtype).itemsize,
                                     sequence_parallel=cfg.sequence_parallel)  # min_bytes "auto"
+    if cfg.policy.min_bytes == "auto" and jax.process_index() == 0:
+        print(f"taco-jax: --min-bytes auto -> {policy.min_bytes} bytes (the cost model's break-even size on "
+              f"{mesh.devices.flat[0].platform}, docs/cost_model.md): smaller messages run the exact collective; "
+              "the compiled step's wire bytes in summary.json show what was compressed", file=sys.stderr)
     steps = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
                        microbatches=cfg.microbatches, schedule=cfg.schedule)
     tx = make_optimizer(cfg, _decay_mask(steps.abstract_state, steps.staged))
