@@ -43,7 +43,7 @@ class CommFlags:
     backend: str = "auto"  # taco group math: auto (CPU: ffi if built; GPU kernels) | reference | pallas | triton | ffi
     algorithm: str = "two_shot"  # compressed all-reduce: two_shot | one_shot
     min_bytes: int | str = 0  # messages below this many bytes stay uncompressed; auto: the cost model's break-even size
-    reduce_domain: str = "signal"  # two-shot taco all-reduce: signal (decode, sum, re-encode) | hadamard (sum transformed)
+    reduce_domain: str = "signal"  # two-shot taco all-reduce: signal (decode, sum, encode) | hadamard (transformed sum)
     chunks: int | str = 1  # two-shot all-reduce: independent chunks K >= 1 (pipelining) | auto (from the message size)
     policy_file: str = ""  # JSON policy (docs/training.md; `taco-jax calibrate`); overrides the sites it names
     site: tuple[str, ...] = ()  # per-site codec, repeatable: SITE:field=value,... e.g. ar_bwd:fmt=e5m2,group_size=64
