@@ -201,3 +201,21 @@ def test_calibrate_reports_and_excludes_a_nonfinite_message(tmp_path, capsys):
     assert all(row["calib"]["ar_fwd"]["sqnr_db"] <= chosen + 0.01 for row in rep["table"]
                if row["calib"]["ar_fwd"]["bytes_per_elt"] <= 1.0625)
     assert rep["messages"]["calib"]["ar_fwd"] == 2 * 3 * 4 - 1
+
+
+def test_reduce_domain_and_chunks_flags_reach_the_policy_and_bad_values_name_themselves(capsys):
+    from taco_jax import cli
+    from taco_jax.train.config import TrainConfig
+
+    pol = TrainConfig.from_flags(reduce_domain="hadamard", chunks=2).policy
+    assert (pol.reduce_domain, pol.chunks) == ("hadamard", 2)
+    args = cli._parser().parse_args(["train", "--reduce-domain", "hadamard", "--chunks", "auto", "--min-bytes", "auto"])
+    assert (args.reduce_domain, args.chunks, args.min_bytes) == ("hadamard", "auto", "auto")
+    for flag, value, msg in (("--chunks", "0", "chunks=0 must be an integer >= 1"),
+                             ("--min-bytes", "-3", "min_bytes=-3 must be an integer >= 0"),
+                             ("--min-bytes", "1e3", "min_bytes='1e3' must be an integer >= 0")):
+        with pytest.raises(SystemExit) as e:
+            cli._parser().parse_args(["train", flag, value])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(ValueError, match="reduce_domain='foo'"):
+        TrainConfig.from_flags(reduce_domain="foo").policy
