@@ -218,4 +218,4 @@ def test_reduce_domain_and_chunks_flags_reach_the_policy_and_bad_values_name_the
             cli._parser().parse_args(["train", flag, value])
         assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(ValueError, match="reduce_domain='foo'"):
-        TrainConfig.from_flags(reduce_domain="foo").policy
+        _ = TrainConfig.from_flags(reduce_domain="foo").policy
