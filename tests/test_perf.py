@@ -117,11 +117,12 @@ def test_min_bytes_auto_resolution():
 
 
 def test_cli_min_bytes_accepts_auto_and_integers():
-    from taco_jax.cli import _min_bytes
+    from taco_jax.cli import _int_or_auto
 
-    assert _min_bytes("auto") == "auto" and _min_bytes("65536") == 65536
+    parse = _int_or_auto("min_bytes", 0)
+    assert parse("auto") == "auto" and parse("65536") == 65536
     p = argparse.ArgumentParser()
-    p.add_argument("--min-bytes", type=_min_bytes)
+    p.add_argument("--min-bytes", type=parse)
     for bad in ("-1", "big"):
         with pytest.raises(SystemExit):
             p.parse_args(["--min-bytes", bad])
