@@ -128,6 +128,7 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["exact", "two_shot"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--donate", action="store_true", help="donate the input buffer (see child())")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds; then both processes are killed")
     ap.add_argument("--pid", type=int, default=-1)
     ap.add_argument("--coord", default="")
     args = ap.parse_args()
@@ -138,8 +139,15 @@ def main():
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
     procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--pid", str(i), "--coord", coord], env=env)
              for i in range(2)]
-    rc = [p.wait() for p in procs]
-    sys.exit(max(rc))
+    deadline = time.monotonic() + args.timeout
+    while any(p.poll() is None for p in procs):  # one child failing (or the deadline) ends the other
+        if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    sys.exit(max(p.wait() or 0 for p in procs) or (1 if time.monotonic() > deadline else 0))
 
 
 if __name__ == "__main__":

@@ -32,17 +32,23 @@ def dataset(cache):
     return load_shakespeare(512, cache_dir=str(cache))
 
 
-def test_monitor_matches_numpy_on_the_captured_messages(dataset, tmp_path):
-    """One-shot all-reduce (decode every rank's message, sum in FP32 in rank order): the compressed
-    result is rebuilt from the captured messages with the codec's own roundtrip, the exact one is
-    the float64 numpy sum, and SQNR / relative errors come from `codec.metrics`."""
-    cfg = TrainConfig.from_flags(comm="taco", algorithm="one_shot", steps=2, out=str(tmp_path), **SMALL)
+def _monitor_and_capture(dataset, tmp_path, **flags):
+    """(trainer, monitor loss, per-site monitor summary, capture loss, captured messages) of one
+    batch at init parameters, for `--comm taco` with `flags`."""
+    cfg = TrainConfig.from_flags(comm="taco", steps=2, out=str(tmp_path), **SMALL, **flags)
     trainer = make_trainer(cfg)
     params, _ = trainer.init()
     x, y = shard_batch(trainer, *next(batch_iterator(dataset.train, cfg.batch_size, cfg.seq_len, seed=0)))
     loss_m, per_call = make_monitor_fn(trainer)(params, x, y)
-    got = summarize({k: np.asarray(v) for k, v in per_call.items()})
     loss_c, msgs = make_capture_fn(trainer)(params, x, y)
+    return trainer, loss_m, summarize({k: np.asarray(v) for k, v in per_call.items()}), loss_c, msgs
+
+
+def test_monitor_matches_numpy_on_the_captured_messages(dataset, tmp_path):
+    """One-shot all-reduce (decode every rank's message, sum in FP32 in rank order): the compressed
+    result is rebuilt from the captured messages with the codec's own roundtrip, the exact one is
+    the float64 numpy sum, and SQNR / relative errors come from `codec.metrics`."""
+    trainer, loss_m, got, loss_c, msgs = _monitor_and_capture(dataset, tmp_path, algorithm="one_shot")
     assert float(loss_m) == loss_c  # the same twin
     n_d, n_t = 2, 4
     codec = trainer.policy.ar_fwd
@@ -157,13 +163,7 @@ def test_monitor_summary_and_plot(tmp_path):
 def test_monitor_sequence_parallel_sites(dataset, tmp_path):
     """--sequence-parallel: all_gather's SQNR against numpy (every rank's shard decoded with the codec's
     roundtrip: the compressed all-gather's result); reduce_scatter measured over as many calls."""
-    cfg = TrainConfig.from_flags(comm="taco", sequence_parallel=True, steps=2, out=str(tmp_path), **SMALL)
-    trainer = make_trainer(cfg)
-    params, _ = trainer.init()
-    x, y = shard_batch(trainer, *next(batch_iterator(dataset.train, cfg.batch_size, cfg.seq_len, seed=0)))
-    _, per_call = make_monitor_fn(trainer)(params, x, y)
-    got = summarize({k: np.asarray(v) for k, v in per_call.items()})
-    _, msgs = make_capture_fn(trainer)(params, x, y)
+    trainer, _, got, _, msgs = _monitor_and_capture(dataset, tmp_path, sequence_parallel=True)
     rt = jax.jit(lambda m: roundtrip(m, trainer.policy.all_gather, batch_dims=1))
     keys = sorted(k for k in msgs if k.startswith("all_gather__"))
     exact = [msgs[k] for k in keys]
