@@ -21,6 +21,18 @@
 //       target_range (f32), impl. CPU only.
 //   On the CPU, codes may also be uint8 (the FP8 bytes; fmt from the fmt attribute, for
 //   taco_decode from impl >> 8 = fmt + 1), so that XLA moves them without a conversion copy.
+//   Packed wire rows (CPU only; the compressed collectives' fused path, `compressed.FUSED_WIRE`):
+//   one uint8 row per message, [codes n_groups*G][s n_groups f32][a n_groups f32] (has_a = 1) or
+//   [codes][s/a] (has_a = 0), as `compressed._packed` lays out an `Encoded`:
+//     taco_encode_packed(x f32[..., n_groups*G]) -> K x u8[..., row_bytes] (row i -> result i % K)
+//         attrs fmt, lam, fmax, target_range, g, n_groups, last_count, has_a, impl
+//     taco_decode_packed(u8[..., row_bytes]) -> f32[..., n_groups*G]; attrs fmt, g, has_a, impl
+//     taco_decode_sum_packed(ranks) -> f32[..., n_groups*G]: decode and sum in rank order (f32)
+//     taco_reduce_packed(ranks) -> u8[..., row_bytes]: encode_packed(decode_sum) with the sum's
+//         padding past last_count zeroed; encode attrs
+//     taco_reduce_hadamard_packed(ranks) -> u8[..., n_groups*(G+4)]: taco_reduce, folded output;
+//         attrs fmt, g, has_a, target_range, impl
+//   where ranks = one u8[..., P, row_bytes] operand or P operands u8[..., row_bytes].
 //   taco_fp8_cast(f32 -> fp8 or fp8 -> f32, elementwise; attrs clamp (f32: > 0 clamps to
 //       +-clamp and uses the codec's quantizer), impl): for conformance tests.
 //
@@ -29,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "taco_cpu_common.h"
@@ -215,6 +228,336 @@ ffi::Error ReduceImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------------------------------
+// Packed wire rows: the fused path of the compressed collectives reads and writes the one uint8
+// buffer they move. A row holds one message of n_groups groups of G:
+//   [codes: n_groups * G bytes][s: n_groups f32][a: n_groups f32]   (has_a = 1, dual layout)
+//   [codes: n_groups * G bytes][s/a: n_groups f32]                  (has_a = 0, folded layout)
+// (what `compressed._packed` builds from an `Encoded`). The per-group kernels run on row-relative
+// pointers; rows are only 4-byte aligned in general (s/a are read and written one float at a time).
+// ------------------------------------------------------------------------------------------
+
+// Largest work item in groups (GroupsPerChunk(MIN_GROUP_SIZE)): bound of per-chunk scratch arrays.
+constexpr int64_t kMaxChunkGroups = kChunkBytes / (4 * MIN_GROUP_SIZE);
+
+struct Layout {
+  int64_t ng, g, has_a;
+  int64_t row_bytes() const { return ng * (g + 4 * (1 + has_a)); }
+  uint8_t* codes(uint8_t* row) const { return row; }
+  const uint8_t* codes(const uint8_t* row) const { return row; }
+  float* s(uint8_t* row) const { return reinterpret_cast<float*>(row + ng * g); }
+  const float* s(const uint8_t* row) const { return reinterpret_cast<const float*>(row + ng * g); }
+  float* a(uint8_t* row) const { return has_a ? reinterpret_cast<float*>(row + ng * g) + ng : nullptr; }
+  const float* a(const uint8_t* row) const {
+    return has_a ? reinterpret_cast<const float*>(row + ng * g) + ng : nullptr;
+  }
+};
+
+// Work items of `grain` groups that never straddle a row: ParallelFor over rows x ceil(ng / grain).
+template <typename F>
+void ParallelRowChunks(int64_t threads, int64_t rows, int64_t ng, int64_t grain, const F& fn) {
+  const int64_t per_row = (ng + grain - 1) / grain;
+  ParallelFor(threads, rows * per_row, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const int64_t row = c / per_row, lb = (c % per_row) * grain;
+      fn(row, lb, std::min(ng, lb + grain));
+    }
+  });
+}
+
+// Encodes groups [lb, le) of one message into its packed row; xs: the segment's (le - lb) * G
+// floats. `a_tmp` (>= le - lb floats) receives a for the folded layout, whose row holds s/a.
+void EncodeRowSegment(const float* xs, uint8_t* row, const Layout& L, int64_t lb, int64_t le, const EncodeParams& p,
+                      int32_t impl, bool stream, float* a_tmp) {
+  const int64_t n = le - lb, g = L.g;
+  uint8_t* qs = L.codes(row) + lb * g;
+  float* ss = L.s(row) + lb;
+  float* as = L.has_a ? L.a(row) + lb : a_tmp;
+#if TACO_X86
+  if (impl == 0 && HaveAvx2()) {
+    EncodeParams q = p;
+    q.n_groups = L.ng - lb;  // local group 0 is group lb, so the row's last group is local q.n_groups - 1
+    EncodeAvx(p.fmt, p.g)(xs, qs, ss, as, 0, n, q, stream);
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < n; ++i) {
+      const float count = (lb + i == L.ng - 1) ? p.last_count : static_cast<float>(g);
+      encode_group_scalar(xs + i * g, qs + i * g, ss + i, as + i, count, p);
+    }
+  }
+  if (!L.has_a)
+    for (int64_t i = 0; i < n; ++i) ss[i] = ss[i] / as[i];  // the folded scale, as `s / a` in float32
+}
+
+// Decodes groups [lb, le) of a packed row into out_seg ((le - lb) * G floats).
+void DecodeRowSegment(const uint8_t* row, const Layout& L, int64_t lb, int64_t le, int fmt, int32_t impl, bool stream,
+                      float* out_seg) {
+  const int64_t g = L.g, n = le - lb;
+  const float sqrt_g = static_cast<float>(std::sqrt(static_cast<double>(g)));
+  const uint8_t* qp = L.codes(row) + lb * g;
+  const float* sp = L.s(row) + lb;
+  const float* ap = L.has_a ? L.a(row) + lb : nullptr;
+#if TACO_X86
+  if (impl == 0 && HaveAvx2()) {
+    DecodeAvx(fmt, static_cast<int>(g))(qp, sp, ap, sqrt_g, out_seg, 0, n, stream);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i)
+    decode_group_scalar(qp + i * g, sp[i], decode_factor(sqrt_g, ap, i), static_cast<int>(g), fmt, out_seg + i * g);
+}
+
+// Decodes groups [lb, le) of P packed rows (rows[r]: rank r's) and sums them in float32 in rank
+// order (acc = d_0; acc = acc + d_r) into out_seg ((le - lb) * G floats).
+void DecodeSumRowSegment(const uint8_t* const* rows, int64_t P, const Layout& L, int64_t lb, int64_t le, int fmt,
+                         int32_t impl, float* out_seg) {
+  thread_local std::vector<float> scratch;
+  const int64_t n = (le - lb) * L.g;
+  DecodeRowSegment(rows[0], L, lb, le, fmt, impl, false, out_seg);
+  if (P == 1) return;
+  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+  float* d = scratch.data();
+  for (int64_t r = 1; r < P; ++r) {
+    DecodeRowSegment(rows[r], L, lb, le, fmt, impl, false, d);
+    for (int64_t i = 0; i < n; ++i) out_seg[i] = out_seg[i] + d[i];
+  }
+}
+
+bool ValidFmt(int32_t fmt) { return fmt == kE4M3 || fmt == kE5M2; }
+
+// P ranks' packed rows, `outer` rows each: given as one operand [..., P, row_bytes] or as P
+// operands [..., row_bytes] (one per rank: the slices of an all-to-all's result, which XLA passes
+// without the concatenation copy one [P, ...] operand would take).
+struct RankRows {
+  int64_t P = 0, outer = 0;
+  std::vector<const uint8_t*> base;
+  std::vector<int64_t> stride;
+  const uint8_t* at(int64_t o, int64_t r) const { return base[r] + o * stride[r]; }
+};
+
+ffi::Error Invalid(const char* name, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
+}
+
+ffi::Error GetRankRows(const char* name, const ffi::RemainingArgs& args, const Layout& L, RankRows* rr) {
+  const int64_t rb = L.row_bytes(), n_args = static_cast<int64_t>(args.size());
+  const std::string width = "the packed rows' last axis must be n_groups * (G + " + std::to_string(4 * (1 + L.has_a)) +
+                            ") = " + std::to_string(rb) + " bytes";
+  if (n_args < 1 || n_args > 1024) return Invalid(name, "expects 1 to 1024 packed operands");
+  for (int64_t r = 0; r < n_args; ++r) {
+    auto in = args.get<ffi::Buffer<ffi::U8>>(r);
+    if (in.has_error()) return Invalid(name, "packed rows must be uint8");
+    const auto dims = in->dimensions();
+    if (dims.size() < (n_args == 1 ? 2u : 1u)) return Invalid(name, "packed rows must be [..., P, row_bytes] or P x [..., row_bytes]");
+    if (dims.back() != rb) return Invalid(name, width);
+    const uint8_t* data = in->typed_data();
+    const int64_t count = static_cast<int64_t>(in->element_count());
+    if (n_args == 1) {
+      rr->P = dims[dims.size() - 2];
+      if (rr->P < 1 || rr->P > 1024) return Invalid(name, "expects 1 <= P <= 1024");
+      rr->outer = count / (rr->P * rb);
+      for (int64_t q = 0; q < rr->P; ++q) {
+        rr->base.push_back(data + q * rb);
+        rr->stride.push_back(rr->P * rb);
+      }
+    } else {
+      if (r == 0) rr->outer = count / rb;
+      if (count != rr->outer * rb) return Invalid(name, "every rank's packed rows must have the same shape");
+      rr->P = n_args;
+      rr->base.push_back(data);
+      rr->stride.push_back(rb);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+EncodeParams MakeEncodeParams(int32_t fmt, float lam, float fmax, float target_range, int64_t g, int64_t n_groups,
+                              int64_t last_count) {
+  EncodeParams p;
+  p.fmt = fmt;
+  p.g = static_cast<int>(g);
+  p.lam = lam;
+  p.fmax = fmax;
+  p.range = target_range;
+  p.n_groups = n_groups;
+  p.last_count = static_cast<float>(last_count);
+  p.sqrt_g = static_cast<float>(std::sqrt(static_cast<double>(g)));
+  return p;
+}
+
+ffi::Error CheckEncodeAttrs(const char* name, int32_t fmt, int64_t g, int64_t n_groups, int64_t last_count,
+                            int32_t has_a) {
+  if (!ValidFmt(fmt)) return Invalid(name, "fmt must be 0 (e4m3) or 1 (e5m2)");
+  if (!ValidGroupSize(g)) return Invalid(name, "G must be a power of 2 in [32, 512]");
+  if (n_groups < 1 || last_count < 1 || last_count > g) return Invalid(name, "needs n_groups >= 1, 1 <= last_count <= G");
+  if (has_a != 0 && has_a != 1) return Invalid(name, "has_a must be 0 or 1");
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckDecodeAttrs(const char* name, int32_t fmt, int64_t g, int32_t has_a) {
+  return CheckEncodeAttrs(name, fmt, g, 1, 1, has_a);
+}
+
+// taco_encode_packed(x f32[..., n_groups * G]) -> K results u8[..., row_bytes]: message row i of x
+// (row-major over its leading axes) goes to result i % K, row i / K (K = 1: one [..., row_bytes]
+// result; K = P: one result per destination rank, stacked for the all-to-all without a copy).
+ffi::Error EncodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingRets outs, int32_t fmt,
+                            float lam, float fmax, float target_range, int64_t g, int64_t n_groups, int64_t last_count,
+                            int32_t has_a, int32_t impl) {
+  const char* name = "taco_encode_packed";
+  if (auto err = CheckEncodeAttrs(name, fmt, g, n_groups, last_count, has_a); err.failure()) return err;
+  const Layout L{n_groups, g, has_a};
+  const int64_t rb = L.row_bytes();
+  const auto dims = x.dimensions();
+  if (dims.size() < 1 || dims.back() != n_groups * g) return Invalid(name, "x's last axis must be n_groups * G");
+  const int64_t rows = static_cast<int64_t>(x.element_count()) / (n_groups * g);
+  const int64_t K = static_cast<int64_t>(outs.size());
+  if (K < 1 || rows % K != 0) return Invalid(name, "needs K >= 1 results dividing the rows of x");
+  std::vector<uint8_t*> base(K);
+  bool aligned = rb % 32 == 0;
+  for (int64_t j = 0; j < K; ++j) {
+    auto o = outs.get<ffi::Buffer<ffi::U8>>(j);
+    if (o.has_error()) return Invalid(name, "results must be uint8");
+    if (static_cast<int64_t>((*o)->element_count()) != rows / K * rb || (*o)->dimensions().back() != rb)
+      return Invalid(name, "each result must be [..., n_groups * (G + 4 * (1 + has_a))] holding rows / K rows");
+    base[j] = (*o)->typed_data();
+    aligned = aligned && Aligned32(base[j]);
+  }
+  const EncodeParams p = MakeEncodeParams(fmt, lam, fmax, target_range, g, n_groups, last_count);
+  const float* xp = x.typed_data();
+  const bool stream = rows * n_groups * g >= kStreamBytes && aligned;  // streaming code stores: 32-byte aligned rows
+  ParallelRowChunks(pool.num_threads(), rows, n_groups, GroupsPerChunk(p.g), [&](int64_t row, int64_t lb, int64_t le) {
+    alignas(32) float a_tmp[kMaxChunkGroups];
+    EncodeRowSegment(xp + (row * n_groups + lb) * g, base[row % K] + (row / K) * rb, L, lb, le, p, impl, stream, a_tmp);
+  });
+  return ffi::Error::Success();
+}
+
+// taco_decode_packed(rows u8[..., row_bytes]) -> x f32[..., n_groups * G].
+ffi::Error DecodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> in, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                            int32_t fmt, int64_t g, int32_t has_a, int32_t impl) {
+  const char* name = "taco_decode_packed";
+  if (auto err = CheckDecodeAttrs(name, fmt, g, has_a); err.failure()) return err;
+  const auto od = out->dimensions();
+  if (od.size() < 1 || od.back() % g != 0 || od.back() == 0)
+    return Invalid(name, "the output's last axis must be n_groups * G");
+  const Layout L{od.back() / g, g, has_a};
+  if (in.dimensions().size() < 1 || in.dimensions().back() != L.row_bytes())
+    return Invalid(name, "the packed rows' last axis must be n_groups * (G + 4 * (1 + has_a))");
+  const int64_t rows = static_cast<int64_t>(in.element_count()) / L.row_bytes();
+  if (static_cast<int64_t>(out->element_count()) != rows * L.ng * g)
+    return Invalid(name, "output rows do not match the input's");
+  const uint8_t* ip = in.typed_data();
+  float* op = out->typed_data();
+  const bool stream = rows * L.ng * g * 4 >= kStreamBytes && Aligned32(op);
+  ParallelRowChunks(pool.num_threads(), rows, L.ng, GroupsPerChunk(static_cast<int>(g)),
+                    [&](int64_t row, int64_t lb, int64_t le) {
+                      DecodeRowSegment(ip + row * L.row_bytes(), L, lb, le, fmt, impl, stream, op + (row * L.ng + lb) * g);
+                    });
+  return ffi::Error::Success();
+}
+
+// taco_decode_sum_packed(P ranks' rows) -> f32[..., n_groups * G]: the rank-order float32 sum of
+// the P decoded rows.
+ffi::Error DecodeSumPackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                               int32_t fmt, int64_t g, int32_t has_a, int32_t impl) {
+  const char* name = "taco_decode_sum_packed";
+  if (auto err = CheckDecodeAttrs(name, fmt, g, has_a); err.failure()) return err;
+  const auto od = out->dimensions();
+  if (od.size() < 1 || od.back() % g != 0 || od.back() == 0)
+    return Invalid(name, "the output's last axis must be n_groups * G");
+  const Layout L{od.back() / g, g, has_a};
+  RankRows rr;
+  if (auto err = GetRankRows(name, args, L, &rr); err.failure()) return err;
+  if (static_cast<int64_t>(out->element_count()) != rr.outer * L.ng * g)
+    return Invalid(name, "output does not match the packed rows' leading axes");
+  float* op = out->typed_data();
+  ParallelRowChunks(pool.num_threads(), rr.outer, L.ng, std::max<int64_t>(1, GroupsPerChunk(static_cast<int>(g)) / rr.P),
+                    [&](int64_t o, int64_t lb, int64_t le) {
+                      std::vector<const uint8_t*> rows(rr.P);
+                      for (int64_t r = 0; r < rr.P; ++r) rows[r] = rr.at(o, r);
+                      DecodeSumRowSegment(rows.data(), rr.P, L, lb, le, fmt, impl, op + (o * L.ng + lb) * g);
+                    });
+  return ffi::Error::Success();
+}
+
+// taco_reduce_packed(P ranks' rows) -> u8[..., row_bytes]: encode_packed of the decode-sum (signal
+// domain), the elements past last_count of the last group zeroed first (as the unfused path slices
+// the sum to the message and re-pads it with zeros).
+ffi::Error ReducePackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::U8>> out,
+                            int32_t fmt, float lam, float fmax, float target_range, int64_t g, int64_t n_groups,
+                            int64_t last_count, int32_t has_a, int32_t impl) {
+  const char* name = "taco_reduce_packed";
+  if (auto err = CheckEncodeAttrs(name, fmt, g, n_groups, last_count, has_a); err.failure()) return err;
+  const Layout L{n_groups, g, has_a};
+  RankRows rr;
+  if (auto err = GetRankRows(name, args, L, &rr); err.failure()) return err;
+  if (static_cast<int64_t>(out->element_count()) != rr.outer * L.row_bytes() || out->dimensions().back() != L.row_bytes())
+    return Invalid(name, "output must be [..., row_bytes] with the packed rows' leading axes");
+  const EncodeParams p = MakeEncodeParams(fmt, lam, fmax, target_range, g, n_groups, last_count);
+  uint8_t* op = out->typed_data();
+  ParallelRowChunks(pool.num_threads(), rr.outer, n_groups, std::max<int64_t>(1, GroupsPerChunk(p.g) / rr.P),
+                    [&](int64_t o, int64_t lb, int64_t le) {
+                      thread_local std::vector<float> sum;
+                      const int64_t n = (le - lb) * g;
+                      if (static_cast<int64_t>(sum.size()) < n) sum.resize(n);
+                      std::vector<const uint8_t*> rows(rr.P);
+                      for (int64_t r = 0; r < rr.P; ++r) rows[r] = rr.at(o, r);
+                      float* x = sum.data();  // groups [lb, le) of the sum
+                      DecodeSumRowSegment(rows.data(), rr.P, L, lb, le, fmt, impl, x);
+                      if (le == n_groups && last_count < g) std::fill(x + n - g + last_count, x + n, 0.0f);
+                      alignas(32) float a_tmp[kMaxChunkGroups];
+                      EncodeRowSegment(x, op + o * L.row_bytes(), L, lb, le, p, impl, false, a_tmp);
+                    });
+  return ffi::Error::Success();
+}
+
+// taco_reduce_hadamard_packed(P ranks' rows) -> u8[..., n_groups * (G + 4)]: the transform-domain
+// reduction (taco_reduce) of P packed rows, output in the folded layout.
+ffi::Error ReduceHadamardPackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::U8>> out,
+                                    int32_t fmt, int64_t g, int32_t has_a, float target_range, int32_t impl) {
+  const char* name = "taco_reduce_hadamard_packed";
+  if (auto err = CheckDecodeAttrs(name, fmt, g, has_a); err.failure()) return err;
+  const auto od = out->dimensions();
+  if (od.size() < 1 || od.back() % (g + 4) != 0 || od.back() == 0)
+    return Invalid(name, "the output's last axis must be n_groups * (G + 4)");
+  const Layout L{od.back() / (g + 4), g, has_a}, LO{od.back() / (g + 4), g, 0};
+  RankRows rr;
+  if (auto err = GetRankRows(name, args, L, &rr); err.failure()) return err;
+  if (static_cast<int64_t>(out->element_count()) != rr.outer * LO.row_bytes())
+    return Invalid(name, "output does not match the packed rows' leading axes");
+  const int64_t P = rr.P;
+  uint8_t* op = out->typed_data();
+  std::vector<const uint8_t*> qs(rr.outer * P);
+  std::vector<const float*> ss(rr.outer * P), as(rr.outer * P);
+  for (int64_t o = 0; o < rr.outer; ++o) {
+    for (int64_t r = 0; r < P; ++r) {
+      const uint8_t* row = rr.at(o, r);
+      qs[o * P + r] = L.codes(row);
+      ss[o * P + r] = L.s(row);
+      as[o * P + r] = L.a(row);
+    }
+  }
+#if TACO_X86
+  ReduceFn avx = impl == 0 && HaveAvx2() ? ReduceAvx(fmt, static_cast<int>(g)) : nullptr;
+#endif
+  ParallelRowChunks(pool.num_threads(), rr.outer, L.ng, std::max<int64_t>(1, GroupsPerChunk(static_cast<int>(g)) / P),
+                    [&](int64_t o, int64_t lb, int64_t le) {
+                      const uint8_t* const* qp = qs.data() + o * P;
+                      const float* const* sp = ss.data() + o * P;
+                      const float* const* ap = has_a ? as.data() + o * P : nullptr;
+                      uint8_t* row = op + o * LO.row_bytes();
+#if TACO_X86
+                      if (avx != nullptr) return avx(qp, sp, ap, P, target_range, LO.codes(row), LO.s(row), lb, le);
+#endif
+                      for (int64_t gi = lb; gi < le; ++gi)
+                        reduce_group_scalar(qp, sp, ap, P, gi, static_cast<int>(g), fmt, target_range, LO.codes(row),
+                                            LO.s(row));
+                    });
+  return ffi::Error::Success();
+}
+
 // clamp > 0: fp8(clamp(x, -clamp, clamp)) through the codec's quantizer (x must not be NaN).
 ffi::Error CastImpl(ffi::ThreadPool /*pool*/, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, float clamp, int32_t impl) {
   const int64_t n = static_cast<int64_t>(in.element_count());
@@ -256,6 +599,50 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReduceCpu, taco::ReduceImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("has_a")
+                                  .Attr<float>("target_range")
+                                  .Attr<int32_t>("impl"));
+
+// Packed wire rows (the compressed collectives' fused path; CPU only).
+#define TACO_ENCODE_PACKED_ATTRS(B)                                                                  \
+  B.Attr<int32_t>("fmt").Attr<float>("lam").Attr<float>("fmax").Attr<float>("target_range")         \
+      .Attr<int64_t>("g").Attr<int64_t>("n_groups").Attr<int64_t>("last_count").Attr<int32_t>("has_a") \
+      .Attr<int32_t>("impl")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoEncodePackedCpu, taco::EncodePackedImpl,
+                              TACO_ENCODE_PACKED_ATTRS(ffi::Ffi::Bind()
+                                                           .Ctx<ffi::ThreadPool>()
+                                                           .Arg<ffi::Buffer<ffi::F32>>()
+                                                           .RemainingRets()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReducePackedCpu, taco::ReducePackedImpl,
+                              TACO_ENCODE_PACKED_ATTRS(ffi::Ffi::Bind()
+                                                           .Ctx<ffi::ThreadPool>()
+                                                           .RemainingArgs()
+                                                           .Ret<ffi::Buffer<ffi::U8>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoDecodePackedCpu, taco::DecodePackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("g")
+                                  .Attr<int32_t>("has_a")
+                                  .Attr<int32_t>("impl"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoDecodeSumPackedCpu, taco::DecodeSumPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("g")
+                                  .Attr<int32_t>("has_a")
+                                  .Attr<int32_t>("impl"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReduceHadamardPackedCpu, taco::ReduceHadamardPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("g")
                                   .Attr<int32_t>("has_a")
                                   .Attr<float>("target_range")
                                   .Attr<int32_t>("impl"));

@@ -217,6 +217,8 @@ def test_every_site_of_the_train_step_runs_the_requested_backend(monkeypatch, co
         real = codec_backends.get_backend(name)
         monkeypatch.setitem(codec_backends._LOADED, name, codec_backends.GroupBackend(
             recording(name, real.encode_groups), recording(name, real.decode_groups)))
+    for fn in ("encode_packed", "decode_packed", "decode_sum_packed", "reduce_packed", "reduce_hadamard_packed"):
+        monkeypatch.setattr(ffi_codec, fn, recording("ffi", getattr(ffi_codec, fn)))  # compressed.FUSED_WIRE
     cfg = TrainConfig.from_flags(comm=comm, dp_comm="taco", pp_comm="taco", backend=backend,
                                  mesh="data=2,stage=2,tensor=2", microbatches=2, model="gpt2-tiny", vocab_size=512,
                                  batch_size=8, seq_len=32)

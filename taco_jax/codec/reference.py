@@ -254,10 +254,18 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
         if cfg.nonfinite == "zero":
             rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
         dtype = jnp.dtype(dtype or enc.dtype)
-        if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max:  # float16 / bfloat16: never overflow to Inf
-            big = np.float32(jnp.finfo(dtype).max)
-            rows = jnp.clip(rows, -big, big)  # NaN stays NaN
-        return _rows_to_message(rows, enc.shape, cfg).astype(dtype)
+        return _rows_to_message(clip_to_dtype(rows, dtype), enc.shape, cfg).astype(dtype)
+
+
+def clip_to_dtype(rows: jax.Array, dtype) -> jax.Array:
+    """Decoded float32 values clipped to the finite range of a narrower `dtype` (float16, bfloat16),
+    so that casting them never overflows to Inf (NaN stays NaN); unchanged for float32 or wider.
+    `decode` applies it before its cast; the compressed collectives' fused wire path too."""
+    dtype = jnp.dtype(dtype)
+    if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max:
+        big = np.float32(jnp.finfo(dtype).max)
+        rows = jnp.clip(rows, -big, big)
+    return rows
 
 
 def roundtrip(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> jax.Array:

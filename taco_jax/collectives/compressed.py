@@ -13,6 +13,13 @@ Algorithms (P = size of the named axis):
 - reduce-scatter: the first half of two-shot. all-gather: encode -> all-gather -> decode.
 - ppermute (pipeline send/recv): encode -> ppermute -> decode.
 FP8 codes only ever move as data (all-to-all, all-gather, ppermute); sums are FP32.
+Wire format: codes and scales of a message travel packed as one uint8 row ([codes][s][a], or
+[codes][s/a] folded; `_packed`). Fused wire path (`FUSED_WIRE`, `_fused_wire`): with the C++ FFI
+codec on CPU (backend "ffi", or "auto" resolving to it; group_axis "hidden", nonfinite
+"propagate") the kernels write and read these rows themselves (`ffi_codec.encode_packed`,
+`decode_packed`, `decode_sum_packed`, `reduce_packed`, `reduce_hadamard_packed`: decode, FP32
+rank-order sum and re-encode in one pass), so XLA adds no concatenation, slice or FP32 temporary
+around the transfers; the values are bit-identical to the unfused path (tests/test_fused_wire.py).
 With a codec of kind "none" (forward and backward) each function *is* the `lax` collective
 (bit-for-bit, derivatives included). Every function returns its input unchanged on an axis of
 size 1, and a zero-size message gives the empty result of the right shape and dtype without
@@ -53,7 +60,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.codec import CodecConfig, decode, encode, reduce_encoded
-from taco_jax.codec.reference import Encoded
+from taco_jax.codec.backends import resolve_auto
+from taco_jax.codec.reference import Encoded, clip_to_dtype
+from taco_jax.kernels import ffi_codec
+from taco_jax.kernels._platform import default_platform
 from taco_jax.kernels._vma import pvary, vma_of
 
 ALGORITHMS = ("two_shot", "one_shot")
@@ -64,6 +74,11 @@ REDUCE_DOMAINS = ("signal", "hadamard")
 #: AUTO_MAX_CHUNKS (see `auto_chunks`).
 AUTO_CHUNK_BYTES = 8 << 20
 AUTO_MAX_CHUNKS = 4
+#: Fused wire path (`_fused_wire`): with the C++ FFI codec on CPU, encode straight into the packed
+#: uint8 wire rows and decode / reduce straight from them (`ffi_codec.encode_packed` ...), so no
+#: XLA concatenation, slice or FP32 temporary surrounds the transfers. Bit-identical to the
+#: unfused path (tests/test_fused_wire.py, which flips this switch to compare the two).
+FUSED_WIRE = True
 
 
 def _tree(fn, enc):
@@ -106,6 +121,48 @@ def _packed(fn, enc, batch_dims: int):
     return jax.tree.unflatten(treedef, out)
 
 
+def _fused_wire(codec: CodecConfig, x: jax.Array) -> bool:
+    """Whether the collective's message `x` takes the fused wire path (`FUSED_WIRE`): a non-empty
+    floating-point message, codec kind "taco" grouped along "hidden" with nonfinite "propagate",
+    whose backend (with "auto" resolved as `encode` resolves it) is "ffi", traced for the CPU with
+    the library built. Decided at trace time; otherwise the unfused path (encode, `_packed`,
+    decode) runs."""
+    if not (FUSED_WIRE and codec.kind == "taco" and codec.group_axis == "hidden"
+            and codec.nonfinite == "propagate" and x.size > 0 and jnp.issubdtype(x.dtype, jnp.floating)):
+        return False
+    if default_platform() != "cpu":
+        return False
+    backend = resolve_auto() if codec.backend == "auto" else codec.backend
+    return backend == "ffi" and ffi_codec.available("cpu")
+
+
+def _cast_decoded(y: jax.Array, dtype) -> jax.Array:
+    """Decoded float32 values in the message dtype, as `codec.reference.decode` casts them."""
+    return clip_to_dtype(y, dtype).astype(dtype)
+
+
+def _wide(dtype) -> bool:
+    """float32 or wider: a float32 value survives the round trip through `dtype` unchanged."""
+    return jnp.finfo(dtype).bits >= 32
+
+
+def _encode_rows(x2: jax.Array, codec: CodecConfig) -> jax.Array:
+    """[..., m] messages -> uint8 [..., row_bytes] packed wire rows (fused path)."""
+    with jax.named_scope("taco_encode"):
+        return ffi_codec.encode_packed(x2, codec)
+
+
+def _all_to_all_rows(x2: jax.Array, axis_name, codec: CodecConfig) -> list[jax.Array]:
+    """[P, m] messages (row r for rank r) -> the P packed rows this rank receives, one array
+    [row_bytes] per source rank (fused path). The encoder writes one buffer per destination and
+    the reducer reads one per source, so XLA's all-to-all (which moves P separate buffers) needs
+    no slicing copy before it nor concatenation after it."""
+    with jax.named_scope("taco_encode"):
+        parts = ffi_codec.encode_packed(x2, codec, split=True)
+    moved = lax.all_to_all(jnp.stack(parts), axis_name, 0, 0)
+    return [moved[r] for r in range(x2.shape[0])]
+
+
 def _axes(axis_name) -> frozenset:
     """The mesh axes named by `axis_name` (one name or a tuple of names, as `lax` accepts)."""
     return frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
@@ -139,6 +196,11 @@ def _sum_fp32(x: jax.Array, dtype) -> jax.Array:
 
 def reduce_scatter_chunks(x: jax.Array, axis_name: str, codec: CodecConfig) -> jax.Array:
     """[P, *chunk] per rank -> this rank's chunk of the sum over ranks ([*chunk], FP32 sum). Not differentiable."""
+    if _fused_wire(codec, x):
+        p, m = x.shape[0], x.size // x.shape[0]
+        rows = _all_to_all_rows(x.reshape(p, m), axis_name, codec)
+        with jax.named_scope("taco_decode"):
+            return ffi_codec.decode_sum_packed(rows, codec, m).astype(x.dtype).reshape(x.shape[1:])
     enc = encode(x, codec, batch_dims=1)
     enc = _packed(lambda b: lax.all_to_all(b, axis_name, 0, 0), enc, 1)
     return _sum_fp32(decode(enc, codec, jnp.float32), x.dtype)
@@ -155,6 +217,11 @@ def reduce_scatter_hadamard(x: jax.Array, axis_name: str, codec: CodecConfig) ->
 
 def all_gather_encoded(x: jax.Array, axis_name: str, codec: CodecConfig, *, to: str = "varying") -> jax.Array:
     """x [*shape] -> [P, *shape] decoded copies of every rank's x. Not differentiable."""
+    if _fused_wire(codec, x):
+        rows = lax.all_gather(_encode_rows(x.reshape(-1), codec), axis_name, axis=0, to=to)
+        with jax.named_scope("taco_decode"):
+            y = _cast_decoded(ffi_codec.decode_packed(rows, codec, x.size), x.dtype)
+        return y.reshape(rows.shape[0], *x.shape)
     enc = encode(x, codec)
     enc = _packed(lambda b: lax.all_gather(b, axis_name, axis=0, to=to), enc, 0)
     return decode(enc, codec)
@@ -204,8 +271,35 @@ def auto_chunks(nbytes: int, platform: str | None = None) -> int:
     return int(max(1, min(AUTO_MAX_CHUNKS, nbytes // AUTO_CHUNK_BYTES)))
 
 
+def _two_shot_fused(x, axis_name, codec, reduce_domain, p):
+    """`_two_shot` on packed wire rows (`_fused_wire`): encode_packed [P rows] -> all-to-all ->
+    reduce (signal: `reduce_packed`, or decode-sum, cast, encode for a narrower dtype; hadamard:
+    `reduce_hadamard_packed`, folded) -> all-gather -> decode_packed."""
+    xs = _split_chunks(x, p)
+    m = xs.size // p
+    rows = _all_to_all_rows(xs.reshape(p, m), axis_name, codec)  # P x [row_bytes]
+    has_a = None
+    if reduce_domain == "hadamard":
+        with jax.named_scope("taco_reduce"):
+            mine = ffi_codec.reduce_hadamard_packed(rows, codec, m)
+        has_a = False
+    elif _wide(x.dtype):
+        with jax.named_scope("taco_reduce"):
+            mine = ffi_codec.reduce_packed(rows, codec, m)
+    else:  # the unfused path rounds the sum to x.dtype before re-encoding it
+        with jax.named_scope("taco_decode"):
+            total = ffi_codec.decode_sum_packed(rows, codec, m).astype(x.dtype)
+        mine = _encode_rows(total, codec)
+    gathered = lax.all_gather(mine, axis_name, axis=0, to="invarying")  # [P, row_bytes]
+    with jax.named_scope("taco_decode"):
+        full = _cast_decoded(ffi_codec.decode_packed(gathered, codec, m, has_a=has_a), x.dtype)  # [P, m]
+    return full.reshape(-1)[: x.size]
+
+
 def _two_shot(x, axis_name, codec, reduce_domain, p):
     """Two-shot all-reduce of one message: x [*shape] -> [x.size] flat sum over ranks."""
+    if _fused_wire(codec, x):
+        return _two_shot_fused(x, axis_name, codec, reduce_domain, p)
     if reduce_domain == "hadamard" and codec.kind == "taco":
         mine = reduce_scatter_hadamard(_split_chunks(x, p), axis_name, codec)  # encoded, folded layout
         gathered = _packed(lambda b: lax.all_gather(b, axis_name, axis=0, to="invarying"), mine, 0)
@@ -227,6 +321,10 @@ def _psum_value(x, axis_name, codec, algorithm, reduce_domain="signal", chunks=1
     if x.size == 0:
         return _empty(x.shape, x.dtype, vma_of(x) - _axes(axis_name))
     if algorithm == "one_shot":
+        if _fused_wire(codec, x) and _wide(x.dtype):  # narrower: each decoded copy is cast first
+            rows = lax.all_gather(_encode_rows(x.reshape(-1), codec), axis_name, axis=0, to="invarying")
+            with jax.named_scope("taco_decode"):
+                return ffi_codec.decode_sum_packed(rows, codec, x.size).astype(x.dtype).reshape(x.shape)
         return _sum_fp32(all_gather_encoded(x, axis_name, codec, to="invarying"), x.dtype)
     k = auto_chunks(x.size * x.dtype.itemsize) if chunks == "auto" else chunks
     unit = p * codec.group_size  # pieces hold whole groups on every rank
@@ -421,6 +519,10 @@ def _ppermute_value(x, axis_name, perm, codec):
         return lax.ppermute(x, axis_name, perm)
     if x.size == 0:
         return _empty(x.shape, x.dtype, vma_of(x) | _axes(axis_name))
+    if _fused_wire(codec, x):
+        rows = lax.ppermute(_encode_rows(x.reshape(-1), codec), axis_name, perm)
+        with jax.named_scope("taco_decode"):
+            return _cast_decoded(ffi_codec.decode_packed(rows, codec, x.size), x.dtype).reshape(x.shape)
     return decode(_tree(lambda b: lax.ppermute(b, axis_name, perm), encode(x, codec)), codec)
 
 

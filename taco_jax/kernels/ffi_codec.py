@@ -36,7 +36,15 @@ _TARGETS = {  # FFI target name -> exported handler symbol (suffix Cpu / Cuda)
     "taco_fp8_cast": "TacoFp8Cast",
 }
 #: Targets only the CPU library has (on GPU the jnp reference runs; XLA fuses it).
-_CPU_TARGETS = {"taco_reduce": "TacoReduce"}
+_CPU_TARGETS = {
+    "taco_reduce": "TacoReduce",
+    # packed wire rows (`encode_packed` ...): the compressed collectives' fused path
+    "taco_encode_packed": "TacoEncodePacked",
+    "taco_decode_packed": "TacoDecodePacked",
+    "taco_decode_sum_packed": "TacoDecodeSumPacked",
+    "taco_reduce_packed": "TacoReducePacked",
+    "taco_reduce_hadamard_packed": "TacoReduceHadamardPacked",
+}
 _FMT_CODES = {"e4m3": 0, "e5m2": 1}
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 
@@ -205,6 +213,202 @@ def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: Code
                                     target_range=np.float32(cfg.target_range), impl=np.int32(impl)), vma)
     out_codes = jax.lax.bitcast_convert_type(out_codes, code_dtype)
     return out_codes.reshape(*lead, n_groups, g), out_s.reshape(*lead, n_groups)
+
+
+# --------------------------------------------------------------------------------------------
+# Packed wire rows (CPU only): one uint8 row per message, laid out as `compressed._packed` packs an
+# `Encoded` (its leaves in field order, each as little-endian bytes):
+#   [codes: n_groups * G bytes][s: n_groups float32][a: n_groups float32]   dual layout
+#   [codes: n_groups * G bytes][s / a: n_groups float32]                    folded layout
+# n_groups = ceil(m / G) for a message of m elements (the last group zero-padded). The compressed
+# collectives move these rows as they are: no concatenation into, nor slicing out of, the wire
+# buffer. Results are bit-identical to `encode_groups` / `decode_groups` / `reduce_groups` (+ the
+# collectives' packing, sums and slices); `impl` as there.
+# --------------------------------------------------------------------------------------------
+
+
+def packed_row_bytes(m: int, cfg: CodecConfig, *, has_a: bool | None = None) -> int:
+    """Bytes of one packed row of a message of `m` >= 1 elements: n_groups * (G + 4 * scale words),
+    with has_a (default: cfg.scale_layout == "dual") choosing 2 scale words or 1."""
+    has_a = cfg.scale_layout == "dual" if has_a is None else has_a
+    g = cfg.group_size
+    return -(-m // g) * (g + 4 * (2 if has_a else 1))
+
+
+def _packed_attrs(m: int, cfg: CodecConfig):
+    """Encode attributes of the packed targets for messages of m elements (m >= 1)."""
+    if cfg.kind != "taco":
+        raise ValueError(f"packed FFI targets need a codec of kind 'taco', got kind={cfg.kind!r}")
+    if m < 1:
+        raise ValueError(f"packed FFI targets need a non-empty message, got m={m}")
+    g = cfg.group_size
+    n_groups = -(-m // g)
+    return dict(fmt=np.int32(_FMT_CODES[cfg.fmt]), lam=np.float32(cfg.lam), fmax=np.float32(cfg.fmax),
+                target_range=np.float32(cfg.target_range), g=np.int64(g), n_groups=np.int64(n_groups),
+                last_count=np.int64(m - (n_groups - 1) * g), has_a=np.int32(cfg.scale_layout == "dual"))
+
+
+def _check_rows(rows: jax.Array, m: int, cfg: CodecConfig, has_a: bool, min_rank: int):
+    if rows.dtype != jnp.uint8 or rows.ndim < min_rank:
+        raise ValueError(f"packed rows must be uint8 of rank >= {min_rank}, got {rows.dtype}{list(rows.shape)}")
+    want = packed_row_bytes(m, cfg, has_a=has_a)
+    if rows.shape[-1] != want:
+        raise ValueError(f"packed rows of m={m} elements (G={cfg.group_size}, has_a={has_a}) are {want} bytes, "
+                         f"got last axis {rows.shape[-1]}")
+
+
+def _pad_rows(x: jax.Array, g: int) -> jax.Array:
+    """x [..., m] -> float32 [..., n_groups * G], zero-padded as `codec.reference.encode` pads."""
+    x = x.astype(jnp.float32)
+    pad = -x.shape[-1] % g
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
+def _unpad(y: jax.Array, m: int) -> jax.Array:
+    return y if y.shape[-1] == m else y[..., :m]
+
+
+def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, impl: int = IMPL_AUTO):
+    """Encodes messages straight into packed wire rows (C++ `taco_encode_packed`, CPU).
+
+    Args:
+      x: float [..., m], m >= 1: each row one message (cast to float32, zero-padded to
+        n_groups * G here, as `codec.reference.encode` does).
+      cfg: codec of kind "taco" (fmt, group_size, lam, target_range, scale_layout: "dual" rows hold
+        s and a, "folded" rows s / a computed in float32).
+      split: False: one result; True: x is [..., P, m] and each of the P messages along axis -2
+        gets its own result buffer [..., row_bytes] (stacked for an all-to-all, XLA moves them
+        without the slicing copies one [P, ...] buffer takes).
+    Returns: uint8 [..., packed_row_bytes(m, cfg)], equal byte for byte to
+      `compressed._packed(..., encode(x, cfg, batch_dims=x.ndim - 1), ...)`'s buffer; with split,
+      a tuple of P uint8 [..., packed_row_bytes(m, cfg)] (x[..., r, :]'s rows in result r).
+    Raises: ValueError for another codec kind, m == 0, or split with x of rank < 2; RuntimeError if
+      the library is not built.
+    """
+    _ensure_loaded()
+    m = x.shape[-1]
+    attrs = _packed_attrs(m, cfg)
+    if split and x.ndim < 2:
+        raise ValueError(f"encode_packed(split=True) needs x of rank >= 2 ([..., P, m]), got shape {x.shape}")
+    x2 = _pad_rows(x, cfg.group_size)
+    rb = packed_row_bytes(m, cfg)
+    if split:
+        outs = tuple(jax.ShapeDtypeStruct((*x.shape[:-2], rb), jnp.uint8) for _ in range(x.shape[-2]))
+    else:
+        outs = (jax.ShapeDtypeStruct((*x.shape[:-1], rb), jnp.uint8),)
+    call = jax.ffi.ffi_call("taco_encode_packed", outs, vmap_method="broadcast_all")
+    rows = _revary(call(x2, **attrs, impl=np.int32(impl)), vma_of(x2))
+    return rows if split else rows[0]
+
+
+def _rank_operands(rows, m: int, cfg: CodecConfig, has_a: bool):
+    """P ranks' packed rows as FFI operands: one uint8 [..., P, row_bytes] array, or a sequence of
+    P uint8 [..., row_bytes] arrays of one shape (e.g. the slices of an all-to-all's result: passed
+    as they are, XLA forwards them without a concatenation copy), made to vary alike."""
+    if isinstance(rows, (list, tuple)):
+        if not rows:
+            raise ValueError("packed rows: an empty sequence of ranks")
+        for r in rows:
+            _check_rows(r, m, cfg, has_a, 1)
+        if len({r.shape for r in rows}) != 1:
+            raise ValueError(f"packed rows of the P ranks must have one shape, got {[r.shape for r in rows]}")
+        args, lead = list(rows), rows[0].shape[:-1]
+    else:
+        _check_rows(rows, m, cfg, has_a, 2)
+        args, lead = [rows], rows.shape[:-2]
+    vma = frozenset().union(*(vma_of(t) for t in args))
+    return [pvary(t, vma) for t in args], lead, vma
+
+
+def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | None = None,
+                  impl: int = IMPL_AUTO) -> jax.Array:
+    """Decodes packed wire rows (C++ `taco_decode_packed`, CPU).
+
+    Args:
+      rows: uint8 [..., packed_row_bytes(m, cfg, has_a=has_a)], one message of m elements per row.
+      cfg: the codec (fmt, group_size); has_a: the rows' layout (default: cfg.scale_layout == "dual";
+        False for `reduce_hadamard_packed`'s folded output).
+      m: elements per message (the padding of the last group is dropped).
+    Returns: float32 [..., m], what `decode_groups` gives for the unpacked buffers (flattened, sliced).
+    Raises: ValueError for rows of the wrong dtype or width; RuntimeError if the library is not built.
+    """
+    _ensure_loaded()
+    has_a = cfg.scale_layout == "dual" if has_a is None else bool(has_a)
+    _check_rows(rows, m, cfg, has_a, 1)
+    g = cfg.group_size
+    out = jax.ShapeDtypeStruct((*rows.shape[:-1], -(-m // g) * g), jnp.float32)
+    call = jax.ffi.ffi_call("taco_decode_packed", out, vmap_method="broadcast_all")
+    (y,) = _revary([call(rows, fmt=np.int32(_FMT_CODES[cfg.fmt]), g=np.int64(g), has_a=np.int32(has_a),
+                         impl=np.int32(impl))], vma_of(rows))
+    return _unpad(y, m)
+
+
+def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
+    """Decodes P packed rows and sums them in float32 in rank order (acc = d_0; acc = acc + d_1; ...)
+    in one pass (C++ `taco_decode_sum_packed`, CPU): `compressed._sum_fp32(decode(...))` fused.
+
+    Args:
+      rows: uint8 [..., P, packed_row_bytes(m, cfg)] (P >= 1; cfg.scale_layout's layout), or a
+        sequence of P uint8 [..., packed_row_bytes(m, cfg)] arrays (rank r's rows at index r).
+      cfg: the codec; m: elements per message.
+    Returns: float32 [..., m].
+    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes; RuntimeError
+      if the library is not built.
+    """
+    _ensure_loaded()
+    args, lead, vma = _rank_operands(rows, m, cfg, cfg.scale_layout == "dual")
+    g = cfg.group_size
+    out = jax.ShapeDtypeStruct((*lead, -(-m // g) * g), jnp.float32)
+    call = jax.ffi.ffi_call("taco_decode_sum_packed", out, vmap_method="broadcast_all")
+    (y,) = _revary([call(*args, fmt=np.int32(_FMT_CODES[cfg.fmt]), g=np.int64(g),
+                         has_a=np.int32(cfg.scale_layout == "dual"), impl=np.int32(impl))], vma)
+    return _unpad(y, m)
+
+
+def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
+    """Signal-domain middle step of the two-shot all-reduce on packed rows (C++ `taco_reduce_packed`,
+    CPU): `encode_packed(decode_sum_packed(rows, cfg, m), cfg)` in one pass, the sum's padding
+    past m zeroed before it is re-encoded (as slicing the sum and re-padding it does).
+
+    Only for float32 (or wider) messages: for narrower ones the unfused path rounds the sum to the
+    message dtype before re-encoding (compose `decode_sum_packed`, astype, `encode_packed` there).
+
+    Args:
+      rows: P ranks' rows, as `decode_sum_packed` takes them; cfg: the codec; m: elements per message.
+    Returns: uint8 [..., packed_row_bytes(m, cfg)].
+    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes; RuntimeError
+      if the library is not built.
+    """
+    _ensure_loaded()
+    attrs = _packed_attrs(m, cfg)
+    args, lead, vma = _rank_operands(rows, m, cfg, cfg.scale_layout == "dual")
+    out = jax.ShapeDtypeStruct((*lead, packed_row_bytes(m, cfg)), jnp.uint8)
+    call = jax.ffi.ffi_call("taco_reduce_packed", out, vmap_method="broadcast_all")
+    (y,) = _revary([call(*args, **attrs, impl=np.int32(impl))], vma)
+    return y
+
+
+def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
+    """Transform-domain reduction (`reduce_groups`, C++ `taco_reduce` kernel) of P packed rows
+    (C++ `taco_reduce_hadamard_packed`, CPU).
+
+    Args:
+      rows: P ranks' rows (cfg.scale_layout's layout), as `decode_sum_packed` takes them; cfg: the
+        codec; m: elements per message.
+    Returns: uint8 [..., packed_row_bytes(m, cfg, has_a=False)]: the requantized sum in the folded
+      layout [codes'][s'] (decode it with `decode_packed(..., has_a=False)`).
+    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes; RuntimeError
+      if the library is not built.
+    """
+    _ensure_loaded()
+    attrs = _packed_attrs(m, cfg)
+    has_a = cfg.scale_layout == "dual"
+    args, lead, vma = _rank_operands(rows, m, cfg, has_a)
+    out = jax.ShapeDtypeStruct((*lead, packed_row_bytes(m, cfg, has_a=False)), jnp.uint8)
+    call = jax.ffi.ffi_call("taco_reduce_hadamard_packed", out, vmap_method="broadcast_all")
+    (y,) = _revary([call(*args, fmt=attrs["fmt"], g=attrs["g"], has_a=np.int32(has_a),
+                         target_range=attrs["target_range"], impl=np.int32(impl))], vma)
+    return y
 
 
 def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) -> jax.Array:

@@ -1,0 +1,269 @@
+"""Fused wire path of the compressed collectives (C++ FFI on CPU, `compressed.FUSED_WIRE`).
+
+1. Each packed FFI target (`ffi_codec.encode_packed` ...) equals, byte for byte / bit for bit, the
+   unfused composition it replaces: `encode_groups` + `compressed._packed`, `decode_groups`,
+   `compressed._sum_fp32`, `reduce_groups`; both kernels (impl 0 / 1), partial last groups, NaN/Inf.
+2. Every compressed collective gives bit-identical values (and gradients) with FUSED_WIRE True and False.
+3. The compiled fused two-shot psum has no concatenation around its transfers.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from taco_jax.codec import TACO, decode, encode, reduce_encoded
+from taco_jax.collectives import compressed
+from taco_jax.kernels import ffi_codec
+from taco_jax.kernels._platform import default_platform
+
+FFI_REASON = ffi_codec.unavailable_reason("cpu") if default_platform() == "cpu" else "not running on CPU"
+pytestmark = pytest.mark.skipif(FFI_REASON is not None,
+                                reason=f"fused wire path needs the CPU FFI codec library: {FFI_REASON}")
+IMPLS = (ffi_codec.IMPL_AUTO, ffi_codec.IMPL_SCALAR)
+
+
+def _cfg(fmt="e4m3", g=128, layout="dual"):
+    return dataclasses.replace(TACO, backend="ffi", fmt=fmt, group_size=g, scale_layout=layout)
+
+
+def _x(shape, seed=0, nonfinite=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * np.exp(rng.normal(0, 2, shape)).astype(np.float32)
+    if nonfinite and shape[0] >= 3:
+        x[1, 3] = np.nan
+        x[2, -1] = np.inf  # in the last (maybe partial) group
+    return jnp.asarray(x)
+
+
+def _same(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    if a.dtype == np.uint8:
+        np.testing.assert_array_equal(a, b)
+    else:  # bit for bit, NaNs included (same bits as well)
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _wire(enc, batch_dims):
+    """The uint8 wire buffer `compressed._packed` builds from an `Encoded`."""
+    box = []
+    compressed._packed(lambda b: box.append(b) or b, enc, batch_dims)
+    return box[0]
+
+
+def _unfused_rows(x, cfg, batch_dims=1):
+    """The uint8 wire buffer the unfused path builds: encode + `compressed._packed`."""
+    return _wire(encode(x, cfg, batch_dims=batch_dims), batch_dims)
+
+
+def _decoded(rows, cfg, m, has_a=True, dtype=jnp.float32):
+    """Unfused decode of packed rows [..., row_bytes] -> [..., m]: `_packed`'s unpacking + decode."""
+    lead = rows.shape[:-1]
+    dec_cfg = cfg if has_a else dataclasses.replace(cfg, scale_layout="folded")
+    proto = encode(jnp.zeros((*lead, m), jnp.float32), dec_cfg, batch_dims=len(lead))
+    return decode(compressed._packed(lambda b: rows, proto, len(lead)), dec_cfg, dtype)
+
+
+CASES = [("e4m3", 32, "dual", 100), ("e4m3", 128, "folded", 1024), ("e5m2", 512, "dual", 700),
+         ("e5m2", 128, "folded", 300), ("e4m3", 512, "folded", 2048), ("e5m2", 32, "dual", 64)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt,g,layout,m", CASES, ids=str)
+def test_packed_targets_equal_unfused_composition(fmt, g, layout, m, impl):
+    cfg = _cfg(fmt, g, layout)
+    p = 3
+    x = _x((p, m), seed=g + m)
+    want_rows = jax.jit(lambda v: _unfused_rows(v, cfg))(x)
+    rows = jax.jit(lambda v: ffi_codec.encode_packed(v, cfg, impl=impl))(x)
+    _same(rows, want_rows)
+    assert rows.shape[-1] == ffi_codec.packed_row_bytes(m, cfg)
+
+    # decode and decode-sum, rank order
+    dec = jax.jit(lambda r: ffi_codec.decode_packed(r, cfg, m, impl=impl))(rows)
+    want_dec = jax.jit(lambda r: _decoded(r, cfg, m))(rows)
+    _same(dec, want_dec)
+    assert np.isnan(np.asarray(dec)[1]).any() and np.isnan(np.asarray(dec)[2]).any()
+    tot = jax.jit(lambda r: ffi_codec.decode_sum_packed(r, cfg, m, impl=impl))(rows)
+    _same(tot, jax.jit(lambda d: compressed._sum_fp32(d, jnp.float32))(want_dec))
+
+    # one buffer per destination (split) and one operand per source rank: the same bytes
+    parts = ffi_codec.encode_packed(x, cfg, split=True, impl=impl)
+    assert len(parts) == p
+    for r in range(p):
+        _same(parts[r], rows[r])
+    ranks = [rows[r] for r in range(p)]
+    _same(ffi_codec.decode_sum_packed(ranks, cfg, m, impl=impl), tot)
+    _same(ffi_codec.reduce_packed(ranks, cfg, m, impl=impl), ffi_codec.reduce_packed(rows, cfg, m, impl=impl))
+    _same(ffi_codec.reduce_hadamard_packed(ranks, cfg, m, impl=impl),
+          ffi_codec.reduce_hadamard_packed(rows, cfg, m, impl=impl))
+
+    # signal-domain reduce on finite rows (the NaN one leaves nothing to compare but NaN)
+    xf = _x((p, m), seed=g + m + 1, nonfinite=False)
+    rf = ffi_codec.encode_packed(xf, cfg)
+    red = jax.jit(lambda r: ffi_codec.reduce_packed(r, cfg, m, impl=impl))(rf)
+    want_red = jax.jit(lambda r: _unfused_rows(compressed._sum_fp32(_decoded(r, cfg, m), jnp.float32), cfg, 0))(rf)
+    _same(red, want_red)
+    red_nan = np.asarray(ffi_codec.reduce_packed(rows, cfg, m, impl=impl))
+    assert np.isnan(np.asarray(ffi_codec.decode_packed(jnp.asarray(red_nan), cfg, m))).any()
+
+    # transform-domain reduce, folded output
+    had = jax.jit(lambda r: ffi_codec.reduce_hadamard_packed(r, cfg, m, impl=impl))(rows)
+    want_had = jax.jit(lambda v: _wire(reduce_encoded(encode(v, cfg, batch_dims=1), cfg), 0))(x)
+    _same(had, want_had)
+    assert had.shape[-1] == ffi_codec.packed_row_bytes(m, cfg, has_a=False)
+    hd = ffi_codec.decode_packed(had, cfg, m, has_a=False, impl=impl)
+    _same(hd, _decoded(had, cfg, m, has_a=False))
+    assert np.isnan(np.asarray(hd)).any()
+
+
+def test_scalar_and_auto_kernels_agree_on_large_rows():
+    """Rows big enough for several work items per row and streaming stores (impl 0) still match impl 1."""
+    cfg = _cfg("e4m3", 256, "dual")
+    m = 3 * 256 * 300 + 17
+    x = _x((2, m), seed=3)
+    a = ffi_codec.encode_packed(x, cfg, impl=ffi_codec.IMPL_AUTO)
+    b = ffi_codec.encode_packed(x, cfg, impl=ffi_codec.IMPL_SCALAR)
+    _same(a, b)
+    _same(ffi_codec.reduce_packed(a, cfg, m), ffi_codec.reduce_packed(a, cfg, m, impl=ffi_codec.IMPL_SCALAR))
+
+
+def test_packed_targets_under_vmap():
+    """An extra leading (vmapped) axis: the handlers flatten it, results equal the per-slice calls."""
+    cfg, m = _cfg("e4m3", 32, "folded"), 70
+    x = _x((2, 3, m), seed=9, nonfinite=False)
+    rows = jax.vmap(lambda v: ffi_codec.encode_packed(v, cfg))(x)
+    parts = jax.vmap(lambda v: ffi_codec.encode_packed(v, cfg, split=True))(x)
+    for b in range(2):
+        _same(rows[b], ffi_codec.encode_packed(x[b], cfg))
+        for r in range(3):
+            _same(parts[r][b], rows[b, r])
+    _same(jax.vmap(lambda r: ffi_codec.decode_sum_packed(r, cfg, m))(rows),
+          jnp.stack([ffi_codec.decode_sum_packed(rows[b], cfg, m) for b in range(2)]))
+    _same(jax.vmap(lambda *r: ffi_codec.reduce_packed(list(r), cfg, m))(*parts),
+          jnp.stack([ffi_codec.reduce_packed(rows[b], cfg, m) for b in range(2)]))
+
+
+def test_bad_packed_input_raises():
+    cfg = _cfg()
+    rows = ffi_codec.encode_packed(jnp.ones((2, 256)), cfg)
+    with pytest.raises(ValueError, match="last axis"):
+        ffi_codec.decode_packed(rows, cfg, 100)
+    with pytest.raises(ValueError, match="uint8"):
+        ffi_codec.decode_sum_packed(rows.astype(jnp.int8), cfg, 256)
+    with pytest.raises(ValueError, match="m=0"):
+        ffi_codec.encode_packed(jnp.ones((2, 0)), cfg)
+    with pytest.raises(ValueError, match="one shape"):
+        ffi_codec.reduce_packed([rows[0], rows], cfg, 256)
+    with pytest.raises(ValueError, match="kind"):
+        ffi_codec.encode_packed(jnp.ones((2, 8)), dataclasses.replace(cfg, kind="fp8_group"))
+
+
+# --------------------------------------------------------------------------------------------
+# collectives: FUSED_WIRE True vs False
+# --------------------------------------------------------------------------------------------
+
+
+def _run(monkeypatch, fused, fn, x, p):
+    monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("t"), out_specs=P("t")))
+    return f(x)
+
+
+def _both(monkeypatch, fn, x, p):
+    a = _run(monkeypatch, True, fn, x, p)
+    b = _run(monkeypatch, False, fn, x, p)
+    _same(a, b)
+    return a
+
+
+def _hlo(monkeypatch, fused, fn, x, p):
+    monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("t"), out_specs=P("t"))).lower(x).compile().as_text()
+
+
+COLLECTIVES = {
+    "two_shot": lambda c: (lambda v: compressed.psum(v, "t", codec=c)[None]),
+    "two_shot_hadamard": lambda c: (lambda v: compressed.psum(v, "t", codec=c, reduce_domain="hadamard")[None]),
+    "two_shot_chunks2": lambda c: (lambda v: compressed.psum(v, "t", codec=c, chunks=2)[None]),
+    "hadamard_chunks2": lambda c: (lambda v: compressed.psum(v, "t", codec=c, chunks=2,
+                                                             reduce_domain="hadamard")[None]),
+    "one_shot": lambda c: (lambda v: compressed.psum(v, "t", codec=c, algorithm="one_shot")[None]),
+    "psum_scatter": lambda c: (lambda v: compressed.psum_scatter(v, "t", codec=c)),
+    "all_gather": lambda c: (lambda v: compressed.all_gather(v, "t", codec=c, tiled=True)),
+    # a shift that leaves rank 0 without a sender (it receives zeros)
+    "ppermute": lambda c: (lambda v: compressed.ppermute(
+        v, "t", [(i, i + 1) for i in range(jax.lax.axis_size("t") - 1)], codec=c)),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("p,rows,cols,layout", [(2, 8, 256, "dual"), (4, 12, 100, "folded"), (2, 6, 45, "dual"),
+                                                (4, 8, 512, "dual")], ids=str)
+@pytest.mark.parametrize("name", sorted(COLLECTIVES))
+def test_collectives_bit_identical_fused_vs_unfused(monkeypatch, name, p, rows, cols, layout, dtype):
+    cfg = _cfg("e4m3" if cols % 2 == 0 else "e5m2", 32 if cols < 128 else 128, layout)
+    x = _x((p * rows, cols), seed=rows + cols).astype(dtype)  # holds a NaN and an Inf (rank 0)
+    x = x.at[p * rows - 1, 0].set(jnp.nan)  # and a NaN on the last rank
+    _both(monkeypatch, COLLECTIVES[name](cfg), x, p)
+
+
+@pytest.mark.parametrize("name", ["psum_scatter", "all_gather"])
+def test_gradients_bit_identical_fused_vs_unfused(monkeypatch, name):
+    p, cfg = 4, _cfg("e4m3", 32, "dual")
+    x = _x((p * 8, 40), seed=11, nonfinite=False)
+    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
+    body = COLLECTIVES[name](cfg)
+    out = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t")), x)
+    w = _x(out.shape, seed=12, nonfinite=False)
+
+    def grad(fused):
+        monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+        f = jax.shard_map(lambda v, u: jax.lax.psum(jnp.sum(u * body(v)), "t"), mesh=mesh,
+                          in_specs=(P("t"), P("t")), out_specs=P())
+        return jax.jit(jax.grad(lambda v: f(v, w)))(x)
+
+    _same(grad(True), grad(False))
+
+
+def test_auto_backend_takes_the_fused_path():
+    """`auto` resolves to ffi here, so the default TACO codec uses the packed targets."""
+    x = jnp.ones((4, 256))
+    assert compressed._fused_wire(TACO, x)
+    assert not compressed._fused_wire(dataclasses.replace(TACO, backend="reference"), x)
+    assert not compressed._fused_wire(dataclasses.replace(TACO, backend="ffi", group_axis="token"), x)
+    assert not compressed._fused_wire(dataclasses.replace(TACO, backend="ffi", nonfinite="zero"), x)
+    assert not compressed._fused_wire(_cfg(), jnp.ones((0, 4)))
+
+
+def _ops(hlo: str) -> dict:
+    """{opcode: count} of the ENTRY computation of compiled HLO text."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    ops = re.findall(r"^\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) ([\w-]+)\(", entry, flags=re.M)
+    return {op: ops.count(op) for op in set(ops)}
+
+
+@pytest.mark.parametrize("reduce_domain", ["signal", "hadamard"])
+def test_fused_two_shot_moves_wire_rows_without_copies(monkeypatch, reduce_domain):
+    """The compiled fused two-shot psum is custom calls, collectives and bitcasts only: no
+    concatenation, slice or elementwise fusion (copy) around the all-to-all and all-gather."""
+    cfg = _cfg()
+    x = _x((2 * 64, 256), seed=5, nonfinite=False)
+    fn = lambda v: compressed.psum(v, "t", codec=cfg, reduce_domain=reduce_domain)[None]  # noqa: E731
+    fused = _hlo(monkeypatch, True, fn, x, 2)
+    ops = _ops(fused)
+    assert set(ops) <= {"parameter", "bitcast", "custom-call", "get-tuple-element", "all-to-all", "all-gather"}, ops
+    assert ops["custom-call"] == 3 and ops["all-to-all"] == 1 and ops["all-gather"] == 1, ops
+    reducer = "taco_reduce_packed" if reduce_domain == "signal" else "taco_reduce_hadamard_packed"
+    for t in ("taco_encode_packed", reducer, "taco_decode_packed"):
+        assert f'custom_call_target="{t}"' in fused, t
+    unfused = _ops(_hlo(monkeypatch, False, fn, x, 2))
+    assert unfused.get("concatenate", 0) > 0 and unfused.get("fusion", 0) > 0  # what the fused path removes
