@@ -37,7 +37,10 @@ rounds (each round times every function once, the order rotated per round), so l
 processes hits exact and compressed alike; speedup_vs_exact = exact median / compressed median
 of those rounds. A round's time is wall time of the call to the ready result; with several
 processes, the largest of the processes' times for that round (a collective ends when its last
-rank does). The input is not donated; each call allocates its output.
+rank does). The input is not donated; each call allocates its output. With `--donate` every
+function donates its input (`donate_argnums=0`, a fresh copy made outside the timed region per
+call), so a result of the input's shape (psum, ppermute) may reuse the input's buffer, as inside a
+training step, instead of page-faulting in a fresh one (≥ 32 MB buffers are mapped anew by glibc).
 
 Output `OUT/bench_collectives.json` (strict JSON, `taco_jax.train.jsonio`), schema
 "taco_jax.bench_collectives/1" — stable; other tools (the α–β cost model) read it:
@@ -230,6 +233,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per function first (default 2; quick 1)")
     p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 5 rounds, 1 warm-up call")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--donate", action="store_true",
+                   help="donate each call's input (a fresh copy per call, untimed): results of the input's shape "
+                        "may reuse its buffer, as in a training step (docstring)")
     p.add_argument("--timeout", type=float, default=7200.0,
                    help="seconds per transport run; then its workers are stopped and the cases measured so far "
                    "kept (env.workers[].complete is false)")
@@ -285,7 +291,7 @@ def build_config(args) -> dict:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
     variants = parse_variants(args.variants)
     return dict(transports=transports, ranks=ranks, collectives=colls, codecs=codecs, backends=backends,
-                dtypes=dtypes, sizes=sizes, runs=args.runs, warmup=args.warmup,
+                dtypes=dtypes, sizes=sizes, runs=args.runs, warmup=args.warmup, donate=args.donate,
                 variants={c: [[n, kw] for n, kw in variants[c]] for c in colls})
 
 
@@ -384,12 +390,16 @@ def worker(cfg_path: str, process_id: int) -> None:
         path = pathlib.Path(cfg["result_dir"]) / f"process{process_id}.json"
         path.with_suffix(".tmp").write_text(json.dumps(doc))
         path.with_suffix(".tmp").replace(path)
+    donate = bool(cfg.get("donate", False))
+    copy = jax.jit(jnp.copy)
     for dtype in cfg["dtypes"]:
         dt = jnp.dtype(dtype)
         for size in cfg["sizes"]:
             n = _elements(size, dt.itemsize, p)
             make = jax.jit(lambda k, n=n, dt=dt: jax.random.normal(k, (p * n,), dt), out_shardings=spec)
             x = jax.block_until_ready(make(jax.random.key(size)))
+            # --donate: each call gets (and consumes) a fresh copy of x, made before its timer starts
+            inp = (lambda x=x: jax.block_until_ready(copy(x))) if donate else (lambda x=x: x)
             for coll in cfg["collectives"]:
                 ref_fn, lax_compiled, y_ref = None, None, None
                 for vname, kwargs in cfg["variants"][coll]:
@@ -400,23 +410,25 @@ def worker(cfg_path: str, process_id: int) -> None:
                         y_ref = jax.block_until_ready(lax_compiled(x))
                     compiled = {}
                     for label, body in bodies.items():
-                        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+                        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")),
+                                    donate_argnums=0 if donate else ())
                         compiled[label] = f.lower(x).compile()
                     wire, sq = {}, {}
                     for label, c in compiled.items():
                         wire[label] = sum(collective_bytes(c.as_text(), mesh)["by_axis"].values())
-                        y = jax.block_until_ready(c(x))
+                        y = jax.block_until_ready(c(inp()))
                         sq[label] = _host_sq(y, y_ref)
                         del y
                     labels = list(compiled)
                     for _ in range(cfg["warmup"]):
                         for label in labels:
-                            jax.block_until_ready(compiled[label](x))
+                            jax.block_until_ready(compiled[label](inp()))
                     times, sq_last = {label: [] for label in labels}, {}
                     for r in range(cfg["runs"]):
                         for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+                            xi = inp()
                             t0 = time.perf_counter()
-                            y = jax.block_until_ready(compiled[label](x))
+                            y = jax.block_until_ready(compiled[label](xi))
                             times[label].append(time.perf_counter() - t0)
                             if r == cfg["runs"] - 1:  # the last timed output: same result as the first?
                                 sq_last[label] = _host_sq(y, y_ref)
