@@ -265,3 +265,19 @@ def test_init_from_hf_checkpoint(dataset, tmp_path):
     with pytest.raises(ValueError, match="tokenizer vocab 512 exceeds the model's vocab_size=500"):
         train(TrainConfig(init_from=str(tmp_path / "small"), out=str(tmp_path / "run2"), **run), dataset=dataset,
               progress=False)
+
+
+def test_compressed_axes_reads_the_compiled_step():
+    """summary["compressed_axes"]: an axis counts only if the compiled step moves codes on it (a site
+    whose messages all fall under min_bytes stays exact)."""
+    from taco_jax.codec import TACO
+    from taco_jax.collectives.policy import CommPolicy
+    from taco_jax.train.loop import compressed_axes
+
+    pol = CommPolicy.taco(TACO)
+    assert compressed_axes(pol) == ["tensor"]  # from the policy alone
+    exact = [dict(axis="tensor", op="all-reduce", dtype="f32", count=9, bytes=4096)]
+    assert compressed_axes(pol, exact) == []  # every tensor message stayed exact
+    moved = exact + [dict(axis="tensor", op="all-to-all", dtype="u8", count=1, bytes=1088)]
+    assert compressed_axes(pol, moved) == ["tensor"]
+    assert compressed_axes(CommPolicy(), moved) == []  # nothing compresses by policy

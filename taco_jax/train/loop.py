@@ -75,9 +75,19 @@ def describe_policy(policy: CommPolicy) -> str:
     return "; ".join(parts) + f" (all-reduce {policy.all_reduce_algorithm}, min_bytes {policy.min_bytes})"
 
 
-def compressed_axes(policy: CommPolicy) -> list[str]:
-    """Mesh axes on which at least one site compresses, in mesh order."""
-    return [a for a in MESH_AXES if any(getattr(policy, s).kind != "none" for s in AXIS_SITES[a])]
+#: Element types of compressed wire buffers in compiled HLO (codes travel as 1-byte integers).
+_CODE_DTYPES = ("u8", "s8")
+
+
+def compressed_axes(policy: CommPolicy, detail: list[dict] | None = None) -> list[str]:
+    """Mesh axes on which at least one site compresses, in mesh order. With `detail` (the compiled
+    step's `collective_bytes(...)["detail"]`), only axes that really move compressed codes (a 1-byte
+    integer collective on that axis): a site whose messages all fall under `min_bytes` stays exact."""
+    axes = [a for a in MESH_AXES if any(getattr(policy, s).kind != "none" for s in AXIS_SITES[a])]
+    if detail is None:
+        return axes
+    moved = {r["axis"] for r in detail if any(d in _CODE_DTYPES for d in r["dtype"].split("+"))}
+    return [a for a in axes if a in moved]
 
 
 def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
@@ -246,7 +256,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     summary = {
         "comm": cfg.comm,
         "backend": backends[0] if len(backends) == 1 else (backends or None),  # of the taco codecs, resolved
-        "compressed_axes": compressed_axes(policy),
+        "compressed_axes": compressed_axes(policy, wire["detail"]),
         "policy": policy.to_dict(),
         "model": cfg.model,
         "n_params": count_params(cfg.model_config),  # without vocabulary padding (published counts)
