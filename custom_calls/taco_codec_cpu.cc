@@ -25,8 +25,11 @@
 //   one uint8 row per message, [codes n_groups*G][s n_groups f32][a n_groups f32] (has_a = 1) or
 //   [codes][s/a] (has_a = 0), as `compressed._packed` lays out an `Encoded`:
 //     taco_encode_packed(x f32[..., n_groups*G]) -> K x u8[..., row_bytes] (row i -> result i % K)
-//         attrs fmt, lam, fmax, target_range, g, n_groups, last_count, has_a, impl
-//     taco_decode_packed(u8[..., row_bytes]) -> f32[..., n_groups*G]; attrs fmt, g, has_a, impl
+//         attrs fmt, lam, fmax, target_range, g, n_groups, last_count, has_a, impl, outer (i64:
+//         > 1: x is [..., outer, P, inner], inner % G == 0, message row (v, r) = x[v, :, r, :])
+//     taco_decode_packed(u8[..., row_bytes]) -> f32[..., n_groups*G]; attrs fmt, g, has_a, impl,
+//         outer (> 1: rows [..., P, row_bytes] -> f32[..., outer, P, inner], row r's element
+//         (b, j) at [..., b, r, j]: the all-gather along a non-leading axis, no transpose)
 //     taco_decode_sum_packed(ranks) -> f32[..., n_groups*G]: decode and sum in rank order (f32)
 //     taco_reduce_packed(ranks) -> u8[..., row_bytes]: encode_packed(decode_sum) with the sum's
 //         padding past last_count zeroed; encode attrs
@@ -404,13 +407,23 @@ ffi::Error CheckDecodeAttrs(const char* name, int32_t fmt, int64_t g, int32_t ha
 // result; K = P: one result per destination rank, stacked for the all-to-all without a copy).
 ffi::Error EncodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingRets outs, int32_t fmt,
                             float lam, float fmax, float target_range, int64_t g, int64_t n_groups, int64_t last_count,
-                            int32_t has_a, int32_t impl) {
+                            int32_t has_a, int32_t impl, int64_t outer) {
   const char* name = "taco_encode_packed";
   if (auto err = CheckEncodeAttrs(name, fmt, g, n_groups, last_count, has_a); err.failure()) return err;
   const Layout L{n_groups, g, has_a};
   const int64_t rb = L.row_bytes();
   const auto dims = x.dimensions();
-  if (dims.size() < 1 || dims.back() != n_groups * g) return Invalid(name, "x's last axis must be n_groups * G");
+  // outer > 1: x is [..., outer, P, inner] and message (v, r) is x[v, :, r, :] (row-major).
+  int64_t P = 1, inner = n_groups * g;
+  if (outer < 1) return Invalid(name, "outer must be >= 1");
+  if (outer > 1) {
+    if (dims.size() < 3 || dims[dims.size() - 3] != outer || dims.back() % g != 0 || dims.back() * outer != n_groups * g)
+      return Invalid(name, "with outer > 1, x must be [..., outer, P, inner] with inner % G == 0 and outer * inner == n_groups * G");
+    P = dims[dims.size() - 2];
+    inner = dims.back();
+  } else if (dims.size() < 1 || dims.back() != n_groups * g) {
+    return Invalid(name, "x's last axis must be n_groups * G");
+  }
   const int64_t rows = static_cast<int64_t>(x.element_count()) / (n_groups * g);
   const int64_t K = static_cast<int64_t>(outs.size());
   if (K < 1 || rows % K != 0) return Invalid(name, "needs K >= 1 results dividing the rows of x");
@@ -427,23 +440,47 @@ ffi::Error EncodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const EncodeParams p = MakeEncodeParams(fmt, lam, fmax, target_range, g, n_groups, last_count);
   const float* xp = x.typed_data();
   const bool stream = rows * n_groups * g >= kStreamBytes && aligned;  // streaming code stores: 32-byte aligned rows
+  const int64_t m = n_groups * g, run = inner / g;  // run: groups of a message contiguous in x
   ParallelRowChunks(pool.num_threads(), rows, n_groups, GroupsPerChunk(p.g), [&](int64_t row, int64_t lb, int64_t le) {
     alignas(32) float a_tmp[kMaxChunkGroups];
-    EncodeRowSegment(xp + (row * n_groups + lb) * g, base[row % K] + (row / K) * rb, L, lb, le, p, impl, stream, a_tmp);
+    uint8_t* dst = base[row % K] + (row / K) * rb;
+    if (outer == 1) return EncodeRowSegment(xp + (row * n_groups + lb) * g, dst, L, lb, le, p, impl, stream, a_tmp);
+    const float* xv = xp + (row / P) * P * m + (row % P) * inner;  // message (v, r): block b at xv + b * P * inner
+    for (int64_t gi = lb; gi < le;) {
+      const int64_t b = gi / run, end = std::min(le, (b + 1) * run);
+      EncodeRowSegment(xv + b * P * inner + (gi - b * run) * g, dst, L, gi, end, p, impl, stream, a_tmp);
+      gi = end;
+    }
   });
   return ffi::Error::Success();
 }
 
 // taco_decode_packed(rows u8[..., row_bytes]) -> x f32[..., n_groups * G].
 ffi::Error DecodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> in, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                            int32_t fmt, int64_t g, int32_t has_a, int32_t impl) {
+                            int32_t fmt, int64_t g, int32_t has_a, int32_t impl, int64_t outer) {
   const char* name = "taco_decode_packed";
   if (auto err = CheckDecodeAttrs(name, fmt, g, has_a); err.failure()) return err;
+  if (outer < 1) return Invalid(name, "outer must be >= 1");
   const auto od = out->dimensions();
-  if (od.size() < 1 || od.back() % g != 0 || od.back() == 0)
-    return Invalid(name, "the output's last axis must be n_groups * G");
-  const Layout L{od.back() / g, g, has_a};
-  if (in.dimensions().size() < 1 || in.dimensions().back() != L.row_bytes())
+  const auto id = in.dimensions();
+  // outer > 1: rows [..., P, row_bytes] -> out [..., outer, P, inner]: element (b, j) of row r's
+  // message at [..., b, r, j] (inner = n_groups * G / outer, a multiple of G).
+  int64_t P = 1, inner = 0, ng = 0;
+  if (outer > 1) {
+    if (od.size() < 3 || od[od.size() - 3] != outer || od.back() % g != 0 || od.back() == 0 || id.size() < 2 ||
+        od[od.size() - 2] != id[id.size() - 2])
+      return Invalid(name, "with outer > 1, rows must be [..., P, row_bytes] and the output [..., outer, P, inner], inner % G == 0");
+    P = id[id.size() - 2];
+    inner = od.back();
+    ng = outer * inner / g;
+  } else {
+    if (od.size() < 1 || od.back() % g != 0 || od.back() == 0)
+      return Invalid(name, "the output's last axis must be n_groups * G");
+    ng = od.back() / g;
+    inner = ng * g;
+  }
+  const Layout L{ng, g, has_a};
+  if (id.size() < 1 || id.back() != L.row_bytes())
     return Invalid(name, "the packed rows' last axis must be n_groups * (G + 4 * (1 + has_a))");
   const int64_t rows = static_cast<int64_t>(in.element_count()) / L.row_bytes();
   if (static_cast<int64_t>(out->element_count()) != rows * L.ng * g)
@@ -451,9 +488,17 @@ ffi::Error DecodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> in, ffi::
   const uint8_t* ip = in.typed_data();
   float* op = out->typed_data();
   const bool stream = rows * L.ng * g * 4 >= kStreamBytes && Aligned32(op);
+  const int64_t m = L.ng * g, run = inner / g;  // run: groups of a message contiguous in the output
   ParallelRowChunks(pool.num_threads(), rows, L.ng, GroupsPerChunk(static_cast<int>(g)),
                     [&](int64_t row, int64_t lb, int64_t le) {
-                      DecodeRowSegment(ip + row * L.row_bytes(), L, lb, le, fmt, impl, stream, op + (row * L.ng + lb) * g);
+                      const uint8_t* src = ip + row * L.row_bytes();
+                      if (outer == 1) return DecodeRowSegment(src, L, lb, le, fmt, impl, stream, op + (row * L.ng + lb) * g);
+                      float* ov = op + (row / P) * P * m + (row % P) * inner;  // block b at ov + b * P * inner
+                      for (int64_t gi = lb; gi < le;) {
+                        const int64_t b = gi / run, end = std::min(le, (b + 1) * run);
+                        DecodeRowSegment(src, L, gi, end, fmt, impl, stream, ov + b * P * inner + (gi - b * run) * g);
+                        gi = end;
+                      }
                     });
   return ffi::Error::Success();
 }
@@ -612,7 +657,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoEncodePackedCpu, taco::EncodePackedImpl,
                               TACO_ENCODE_PACKED_ATTRS(ffi::Ffi::Bind()
                                                            .Ctx<ffi::ThreadPool>()
                                                            .Arg<ffi::Buffer<ffi::F32>>()
-                                                           .RemainingRets()));
+                                                           .RemainingRets())
+                                  .Attr<int64_t>("outer"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReducePackedCpu, taco::ReducePackedImpl,
                               TACO_ENCODE_PACKED_ATTRS(ffi::Ffi::Bind()
                                                            .Ctx<ffi::ThreadPool>()
@@ -626,7 +672,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoDecodePackedCpu, taco::DecodePackedImpl,
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("g")
                                   .Attr<int32_t>("has_a")
-                                  .Attr<int32_t>("impl"));
+                                  .Attr<int32_t>("impl")
+                                  .Attr<int64_t>("outer"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoDecodeSumPackedCpu, taco::DecodeSumPackedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

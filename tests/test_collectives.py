@@ -71,7 +71,7 @@ def test_psum_result_identical_on_every_rank(mesh):
 
 
 @pytest.mark.parametrize("codec", [NONE, TACO, CodecConfig(fmt="e5m2", group_size=32)])
-@pytest.mark.parametrize("axis,tiled", [(0, True), (1, True), (0, False)])
+@pytest.mark.parametrize("axis,tiled", [(0, True), (1, True), (0, False), (1, False), (2, True)])
 def test_all_gather(mesh, codec, axis, tiled):
     x = _x((8, 16, 64), seed=3)
     fn = lambda v: C.all_gather(v, "tensor", codec=codec, axis=axis, tiled=tiled)  # noqa: E731
@@ -87,7 +87,7 @@ def test_all_gather(mesh, codec, axis, tiled):
 
 
 @pytest.mark.parametrize("codec", [NONE, TACO])
-@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("dim", [0, 1, 2])  # dim 1: fused path reads x's blocks in place; 2: transposing fallback
 def test_psum_scatter(mesh, codec, dim):
     x = _x((32, 16, 128), seed=4)
     fn = lambda v: C.psum_scatter(v, "tensor", codec=codec, scatter_dimension=dim)  # noqa: E731

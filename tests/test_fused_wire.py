@@ -267,3 +267,135 @@ def test_fused_two_shot_moves_wire_rows_without_copies(monkeypatch, reduce_domai
         assert f'custom_call_target="{t}"' in fused, t
     unfused = _ops(_hlo(monkeypatch, False, fn, x, 2))
     assert unfused.get("concatenate", 0) > 0 and unfused.get("fusion", 0) > 0  # what the fused path removes
+
+
+# --------------------------------------------------------------------------------------------
+# sequence parallelism: all-gather / reduce-scatter along a non-leading axis without transposes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("outer,p,inner,layout", [(3, 2, 64, "dual"), (1, 4, 128, "folded"), (5, 3, 32, "dual")],
+                         ids=str)
+def test_interleaved_packed_targets_equal_transposed(outer, p, inner, layout, impl):
+    """encode_packed(interleaved) reads [outer, P, inner] as the P messages x[:, r, :];
+    decode_packed(outer=k) writes row r's message to [k, r, :]: equal to the transposes."""
+    cfg = _cfg("e4m3", 32, layout)
+    x = _x((outer, p, inner), seed=outer + p + inner, nonfinite=False).at[0, p - 1, 5].set(jnp.nan)
+    msgs = jnp.swapaxes(x, 0, 1).reshape(p, outer * inner)
+    want = ffi_codec.encode_packed(msgs, cfg, impl=impl)
+    _same(ffi_codec.encode_packed(x, cfg, interleaved=True, impl=impl), want)
+    parts = jax.jit(lambda v: ffi_codec.encode_packed(v, cfg, split=True, interleaved=True, impl=impl))(x)
+    for r in range(p):
+        _same(parts[r], want[r])
+    dec = jax.jit(lambda r: ffi_codec.decode_packed(r, cfg, outer * inner, outer=outer, impl=impl))(want)
+    plain = ffi_codec.decode_packed(want, cfg, outer * inner, impl=impl)
+    _same(dec, jnp.swapaxes(plain.reshape(p, outer, inner), 0, 1))
+    # under vmap (the handlers flatten the extra leading axis)
+    xs = jnp.stack([x, 2 * x])
+    _same(jax.vmap(lambda v: ffi_codec.encode_packed(v, cfg, interleaved=True, impl=impl))(xs),
+          jnp.stack([want, ffi_codec.encode_packed(2 * msgs, cfg, impl=impl)]))
+    rows2 = jnp.stack([want, want])
+    _same(jax.vmap(lambda r: ffi_codec.decode_packed(r, cfg, outer * inner, outer=outer, impl=impl))(rows2),
+          jnp.stack([dec, dec]))
+
+
+def test_interleaved_bad_input_raises():
+    cfg = _cfg("e4m3", 32)
+    with pytest.raises(ValueError, match="multiple of G=32"):
+        ffi_codec.encode_packed(jnp.ones((2, 2, 40)), cfg, interleaved=True)
+    with pytest.raises(ValueError, match="outer"):
+        ffi_codec.encode_packed(jnp.ones((2, 64)), cfg, interleaved=True)
+    rows = ffi_codec.encode_packed(jnp.ones((2, 96)), cfg)
+    with pytest.raises(ValueError, match="outer=2"):
+        ffi_codec.decode_packed(rows, cfg, 96, outer=2)  # 96 is not a multiple of 2 * 32
+
+
+def _sp_fn(kind, dim, cfg):
+    if kind == "all_gather":
+        return lambda v: compressed.all_gather(v, "t", codec=cfg, axis=dim, tiled=True)
+    if kind == "all_gather_untiled":
+        return lambda v: compressed.all_gather(v, "t", codec=cfg, axis=dim, tiled=False)
+    if kind == "psum_scatter":
+        return lambda v: compressed.psum_scatter(v, "t", codec=cfg, scatter_dimension=dim)
+    return lambda v: compressed.psum_scatter(v, "t", codec=cfg, scatter_dimension=dim, tiled=False)
+
+
+# per-rank shapes [b, t, d] / dims; inner % G == 0 (fused, no transpose) and != 0 (transposing fallback)
+SP_SHAPES = [((2, 8, 64), 1), ((3, 4, 40), 1), ((2, 3, 8, 32), 2), ((2, 8, 16), 2)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("shape,dim", SP_SHAPES, ids=str)
+@pytest.mark.parametrize("kind", ["all_gather", "all_gather_untiled", "psum_scatter", "psum_scatter_untiled"])
+def test_sp_collectives_bit_identical_fused_vs_unfused(monkeypatch, kind, shape, dim, p, dtype):
+    cfg = _cfg("e4m3", 32, "dual")
+    shape = list(shape)
+    if kind == "psum_scatter":
+        shape[dim] *= p
+    elif kind == "psum_scatter_untiled":
+        shape[dim] = p
+    x = _x((p * shape[0], *shape[1:]), seed=sum(shape) + p, nonfinite=False).astype(dtype)
+    x = x.at[0, 1, 2].set(jnp.nan).at[-1, 0, -1].set(jnp.inf)
+    _both(monkeypatch, _sp_fn(kind, dim, cfg), x, p)
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_psum_scatter_message_layout(dim):
+    """Reduce-scatter along dim: rank r's message from rank q is x_q viewed [outer, P, inner] at
+    [:, r, :] (flattened), decoded and summed in FP32 in rank order (the documented layout)."""
+    p, cfg = 2, _cfg("e4m3", 32, "folded")
+    per = (3, 4, 32) if dim == 1 else (3, 2, 8)
+    x = _x((p * per[0], *per[1:]), seed=21, nonfinite=False)
+    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
+    got = jax.jit(jax.shard_map(_sp_fn("psum_scatter", dim, cfg), mesh=mesh, in_specs=P("t"),
+                                out_specs=P("t")))(x)
+    xs = np.asarray(x).reshape(p, *per)  # [rank q, *per]
+    outer = int(np.prod(per[:dim]))
+    inner = int(np.prod(per[dim:])) // p
+    for r in range(p):
+        msgs = jnp.asarray(xs.reshape(p, outer, p, inner)[:, :, r, :].reshape(p, -1))  # [q, m]
+        want = compressed._sum_fp32(decode(encode(msgs, cfg, batch_dims=1), cfg, jnp.float32), jnp.float32)
+        shard = np.asarray(got).reshape(p, *per[:dim], per[dim] // p, *per[dim + 1:])[r]
+        _same(shard.reshape(-1), want)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "psum_scatter"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_sp_gradients_bit_identical_fused_vs_unfused(monkeypatch, kind, p):
+    """jax.grad through all_gather / psum_scatter along dim 1 (backward: the other one along dim 1)."""
+    cfg = _cfg("e4m3", 32, "dual")
+    per = (2, 8 * (p if kind == "psum_scatter" else 1), 32)
+    x = _x((p * per[0], *per[1:]), seed=31, nonfinite=False)
+    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
+    body = _sp_fn(kind, 1, cfg)
+    out = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t")), x)
+    w = _x(out.shape, seed=32, nonfinite=False)
+
+    def grad(fused):
+        monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+        f = jax.shard_map(lambda v, u: jax.lax.psum(jnp.sum(u * body(v)), "t"), mesh=mesh,
+                          in_specs=(P("t"), P("t")), out_specs=P())
+        return jax.jit(jax.grad(lambda v: f(v, w)))(x)
+
+    g = grad(True)
+    _same(g, grad(False))
+    assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "psum_scatter"])
+def test_fused_sp_collectives_have_no_transpose(monkeypatch, kind):
+    """Compiled fused all_gather(axis=1) / psum_scatter(dim=1) of [8, 64, 32] f32 per rank (P=2,
+    G=128): custom calls, the collective and bitcasts only: no transpose and no copy fusion."""
+    cfg = _cfg("e4m3", 128, "dual")
+    x = _x((2 * 8, 64, 32), seed=41, nonfinite=False)
+    fn = _sp_fn(kind, 1, cfg)
+    hlo = _hlo(monkeypatch, True, fn, x, 2)
+    ops = _ops(hlo)
+    coll = "all-gather" if kind == "all_gather" else "all-to-all"
+    assert set(ops) <= {"parameter", "bitcast", "custom-call", "get-tuple-element", coll}, ops
+    assert not re.search(r"= \S+ (transpose|copy)\(", hlo) and "fusion" not in ops, ops  # any computation
+    assert ops["custom-call"] == 2 and ops[coll] == 1, ops
+    unfused = _ops(_hlo(monkeypatch, False, fn, x, 2))
+    assert unfused.get("transpose", 0) + unfused.get("fusion", 0) + unfused.get("copy", 0) > 0, unfused

@@ -46,14 +46,21 @@ forward-mode autodiff (jvp) to a custom_vjp function"); with kind "none" on both
 the function is the `lax` collective and forward mode works.
 An input that is not varying over the axis is first made varying (`lax.pcast`), as `lax`'s
 collectives do, so its gradient is the sum over ranks, as with `lax`.
-Limits: the chunking of two-shot and reduce-scatter is along the leading axis when it divides
-by P, else over the flattened message zero-padded to a multiple of P (padding is removed).
+Limits: the chunking of two-shot is along the leading axis when it divides by P, else over the
+flattened message zero-padded to a multiple of P (padding is removed). Reduce-scatter along
+dimension d of x [*pre, P*s, *post]: rank r's message from each rank is the block x viewed as
+[outer, P, inner] (outer = prod(pre), inner = s * prod(post)) at [:, r, :], i.e. [*pre, s, *post]
+flattened row-major (for d = 0 the leading-axis chunk); the result is the FP32 sum of the P
+messages r, already in [*pre, s, *post] order. On the fused path (inner % G == 0) the encoder
+reads these strided blocks in place and all-gather along an axis a != 0 decodes straight into
+its [outer, P, inner] result, so no transpose surrounds the codec.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -152,15 +159,16 @@ def _encode_rows(x2: jax.Array, codec: CodecConfig) -> jax.Array:
         return ffi_codec.encode_packed(x2, codec)
 
 
-def _all_to_all_rows(x2: jax.Array, axis_name, codec: CodecConfig) -> list[jax.Array]:
+def _all_to_all_rows(x2: jax.Array, axis_name, codec: CodecConfig, *, interleaved: bool = False) -> list[jax.Array]:
     """[P, m] messages (row r for rank r) -> the P packed rows this rank receives, one array
     [row_bytes] per source rank (fused path). The encoder writes one buffer per destination and
     the reducer reads one per source, so XLA's all-to-all (which moves P separate buffers) needs
-    no slicing copy before it nor concatenation after it."""
+    no slicing copy before it nor concatenation after it. `interleaved`: x2 is [outer, P, inner]
+    (inner % G == 0) and message r is x2[:, r, :], read in place (`ffi_codec.encode_packed`)."""
     with jax.named_scope("taco_encode"):
-        parts = ffi_codec.encode_packed(x2, codec, split=True)
+        parts = ffi_codec.encode_packed(x2, codec, split=True, interleaved=interleaved)
     moved = lax.all_to_all(jnp.stack(parts), axis_name, 0, 0)
-    return [moved[r] for r in range(x2.shape[0])]
+    return [moved[r] for r in range(len(parts))]
 
 
 def _axes(axis_name) -> frozenset:
@@ -411,7 +419,15 @@ def _all_gather_value(x, axis_name, codec, axis, tiled):
         shape = (*x.shape[:axis], p * x.shape[axis], *x.shape[axis + 1:]) if tiled else \
             (*x.shape[:axis], p, *x.shape[axis:])
         return _empty(shape, x.dtype, vma_of(x) | _axes(axis_name))
-    g = jnp.moveaxis(all_gather_encoded(x, axis_name, codec), 0, axis)
+    outer = math.prod(x.shape[:axis])
+    if axis != 0 and _fused_wire(codec, x) and (x.size // outer) % codec.group_size == 0:
+        # decode straight into the [outer, P, inner] result: no transpose after the decoder
+        rows = lax.all_gather(_encode_rows(x.reshape(-1), codec), axis_name, axis=0, to="varying")
+        with jax.named_scope("taco_decode"):
+            g = _cast_decoded(ffi_codec.decode_packed(rows, codec, x.size, outer=outer), x.dtype)
+        g = g.reshape(*x.shape[:axis], p, *x.shape[axis:])
+    else:
+        g = jnp.moveaxis(all_gather_encoded(x, axis_name, codec), 0, axis)
     if tiled:
         g = g.reshape(*x.shape[:axis], -1, *x.shape[axis + 1 :])
     return g
@@ -428,9 +444,19 @@ def _psum_scatter_value(x, axis_name, codec, dim, tiled):
     shape = (*x.shape[:dim], *((x.shape[dim] // p,) if tiled else ()), *x.shape[dim + 1:])
     if x.size == 0:
         return _empty(shape, x.dtype, vma_of(x) | _axes(axis_name))
-    xm = jnp.moveaxis(x, dim, 0)
-    out = reduce_scatter_chunks(xm.reshape(p, xm.shape[0] // p, *xm.shape[1:]), axis_name, codec)
-    return jnp.moveaxis(out, 0, dim).reshape(shape)
+    # rank r's message: x viewed as [outer, P, inner] (outer = prod(x.shape[:dim])), block [:, r, :]
+    pre, post = x.shape[:dim], x.shape[dim + 1:]
+    s = x.shape[dim] // p
+    outer, inner = math.prod(pre), s * math.prod(post)
+    if dim != 0 and _fused_wire(codec, x) and inner % codec.group_size == 0:
+        rows = _all_to_all_rows(x.reshape(outer, p, inner), axis_name, codec, interleaved=True)  # read in place
+        with jax.named_scope("taco_decode"):
+            out = ffi_codec.decode_sum_packed(rows, codec, outer * inner).astype(x.dtype)
+        return out.reshape(shape)
+    # [P, *pre, s, *post]: message r is [*pre, s, *post] (a codec grouping along "token" keeps x's
+    # last axis as its channels)
+    xs = jnp.moveaxis(x.reshape(*pre, p, s, *post), dim, 0)
+    return reduce_scatter_chunks(xs, axis_name, codec).reshape(shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
@@ -490,6 +516,11 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
         the dimension is removed.
       bwd_codec: codec of the backward all-gather of the cotangent (default: `codec`).
     Returns: x's dtype; x's shape with `scatter_dimension` divided by P (tiled) or removed.
+    Message layout (what each codec group holds): with x [*pre, P*s, *post] viewed as
+      [outer, P, inner] (outer = prod(pre), inner = s * prod(post)), the message every rank sends
+      to rank r is x[:, r, :] flattened row-major, i.e. its [*pre, s, *post] block; rank r decodes
+      the P messages it receives and sums them in FP32 in rank order. With the fused wire path and
+      inner % G == 0 the encoder reads the blocks from x in place (no transpose).
     Derivative: `lax.psum_scatter`'s — `all_gather` of the cotangent along `scatter_dimension`
       (`bwd_codec` on the wire).
     Raises: ValueError if x.shape[scatter_dimension] is not divisible by P (tiled) or not P

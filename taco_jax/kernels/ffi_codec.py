@@ -268,12 +268,17 @@ def _unpad(y: jax.Array, m: int) -> jax.Array:
     return y if y.shape[-1] == m else y[..., :m]
 
 
-def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, impl: int = IMPL_AUTO):
+def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interleaved: bool = False,
+                  impl: int = IMPL_AUTO):
     """Encodes messages straight into packed wire rows (C++ `taco_encode_packed`, CPU).
 
     Args:
       x: float [..., m], m >= 1: each row one message (cast to float32, zero-padded to
-        n_groups * G here, as `codec.reference.encode` does).
+        n_groups * G here, as `codec.reference.encode` does). With `interleaved`: float
+        [..., outer, P, inner] with inner % G == 0, holding P messages of m = outer * inner
+        elements, message r = x[..., :, r, :] (row-major): read in place, as if x were
+        `swapaxes(x, -3, -2).reshape(..., P, m)`, without that transpose (the compressed
+        reduce-scatter along a non-leading dimension).
       cfg: codec of kind "taco" (fmt, group_size, lam, target_range, scale_layout: "dual" rows hold
         s and a, "folded" rows s / a computed in float32).
       split: False: one result; True: x is [..., P, m] and each of the P messages along axis -2
@@ -282,22 +287,36 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, impl: 
     Returns: uint8 [..., packed_row_bytes(m, cfg)], equal byte for byte to
       `compressed._packed(..., encode(x, cfg, batch_dims=x.ndim - 1), ...)`'s buffer; with split,
       a tuple of P uint8 [..., packed_row_bytes(m, cfg)] (x[..., r, :]'s rows in result r).
-    Raises: ValueError for another codec kind, m == 0, or split with x of rank < 2; RuntimeError if
-      the library is not built.
+      (Interleaved: the same for the transposed x; without split the result is [..., P, row_bytes].)
+    Raises: ValueError for another codec kind, m == 0, split with x of rank < 2, or interleaved
+      with x of rank < 3 or x.shape[-1] not a multiple of G; RuntimeError if the library is not built.
     """
     _ensure_loaded()
-    m = x.shape[-1]
+    outer = 1
+    if interleaved:
+        if x.ndim < 3 or x.shape[-1] % cfg.group_size or x.shape[-1] == 0:
+            raise ValueError(f"encode_packed(interleaved=True) needs x [..., outer, P, inner] with inner a positive "
+                             f"multiple of G={cfg.group_size}, got shape {x.shape}")
+        outer = x.shape[-3]
+        lead, p, m = x.shape[:-3], x.shape[-2], outer * x.shape[-1]
+    else:
+        lead, m = x.shape[:-1], x.shape[-1]
+        p = None
     attrs = _packed_attrs(m, cfg)
     if split and x.ndim < 2:
         raise ValueError(f"encode_packed(split=True) needs x of rank >= 2 ([..., P, m]), got shape {x.shape}")
-    x2 = _pad_rows(x, cfg.group_size)
+    x2 = x.astype(jnp.float32) if interleaved else _pad_rows(x, cfg.group_size)
     rb = packed_row_bytes(m, cfg)
-    if split:
-        outs = tuple(jax.ShapeDtypeStruct((*x.shape[:-2], rb), jnp.uint8) for _ in range(x.shape[-2]))
+    if interleaved:
+        rows_shape = (*lead, p)
     else:
-        outs = (jax.ShapeDtypeStruct((*x.shape[:-1], rb), jnp.uint8),)
+        rows_shape = lead
+    if split:
+        outs = tuple(jax.ShapeDtypeStruct((*rows_shape[:-1], rb), jnp.uint8) for _ in range(rows_shape[-1]))
+    else:
+        outs = (jax.ShapeDtypeStruct((*rows_shape, rb), jnp.uint8),)
     call = jax.ffi.ffi_call("taco_encode_packed", outs, vmap_method="broadcast_all")
-    rows = _revary(call(x2, **attrs, impl=np.int32(impl)), vma_of(x2))
+    rows = _revary(call(x2, **attrs, impl=np.int32(impl), outer=np.int64(outer)), vma_of(x2))
     return rows if split else rows[0]
 
 
@@ -321,7 +340,7 @@ def _rank_operands(rows, m: int, cfg: CodecConfig, has_a: bool):
 
 
 def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | None = None,
-                  impl: int = IMPL_AUTO) -> jax.Array:
+                  outer: int | None = None, impl: int = IMPL_AUTO) -> jax.Array:
     """Decodes packed wire rows (C++ `taco_decode_packed`, CPU).
 
     Args:
@@ -329,18 +348,34 @@ def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | No
       cfg: the codec (fmt, group_size); has_a: the rows' layout (default: cfg.scale_layout == "dual";
         False for `reduce_hadamard_packed`'s folded output).
       m: elements per message (the padding of the last group is dropped).
-    Returns: float32 [..., m], what `decode_groups` gives for the unpacked buffers (flattened, sliced).
-    Raises: ValueError for rows of the wrong dtype or width; RuntimeError if the library is not built.
+      outer: None: one decoded message per row. An integer k >= 1 (rows [..., P, row_bytes], m a
+        multiple of k * G): each message viewed as [k, inner] (inner = m // k) is written
+        interleaved, element (b, j) of row r's message at [..., b, r, j] of a [..., k, P, inner]
+        result: `jnp.moveaxis(decode_packed(rows, cfg, m).reshape(..., P, k, inner), -3, -2)`
+        without the transpose (the compressed all-gather along a non-leading axis).
+    Returns: float32 [..., m] (outer None), what `decode_groups` gives for the unpacked buffers
+      (flattened, sliced); float32 [..., outer, P, m // outer] with `outer`.
+    Raises: ValueError for rows of the wrong dtype or width, or an `outer` that is not an integer
+      >= 1 with m % (outer * G) == 0 (or rows of rank < 2 with it); RuntimeError if the library is
+      not built.
     """
     _ensure_loaded()
     has_a = cfg.scale_layout == "dual" if has_a is None else bool(has_a)
-    _check_rows(rows, m, cfg, has_a, 1)
+    _check_rows(rows, m, cfg, has_a, 1 if outer is None else 2)
     g = cfg.group_size
-    out = jax.ShapeDtypeStruct((*rows.shape[:-1], -(-m // g) * g), jnp.float32)
+    if outer is None:
+        out = jax.ShapeDtypeStruct((*rows.shape[:-1], -(-m // g) * g), jnp.float32)
+        k = 1
+    else:
+        if isinstance(outer, bool) or not isinstance(outer, (int, np.integer)) or outer < 1 or m % (outer * g):
+            raise ValueError(f"decode_packed: outer={outer!r} must be an integer >= 1 with m={m} a multiple of "
+                             f"outer * G = {outer} * {g}")
+        k = int(outer)
+        out = jax.ShapeDtypeStruct((*rows.shape[:-2], k, rows.shape[-2], m // k), jnp.float32)
     call = jax.ffi.ffi_call("taco_decode_packed", out, vmap_method="broadcast_all")
     (y,) = _revary([call(rows, fmt=np.int32(_FMT_CODES[cfg.fmt]), g=np.int64(g), has_a=np.int32(has_a),
-                         impl=np.int32(impl))], vma_of(rows))
-    return _unpad(y, m)
+                         impl=np.int32(impl), outer=np.int64(k))], vma_of(rows))
+    return y if outer is not None else _unpad(y, m)
 
 
 def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
