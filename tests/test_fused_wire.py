@@ -50,6 +50,22 @@ def _same(a, b):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+def _grads_fused_and_unfused(monkeypatch, body, x, p, *, seed):
+    """d/dx of sum(w * body(x)) (w random, fixed) inside shard_map over P ranks, with the fused wire
+    path on, then off."""
+    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
+    out = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t")), x)
+    w = _x(out.shape, seed=seed, nonfinite=False)
+
+    def grad(fused):
+        monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+        f = jax.shard_map(lambda v, u: jax.lax.psum(jnp.sum(u * body(v)), "t"), mesh=mesh,
+                          in_specs=(P("t"), P("t")), out_specs=P())
+        return jax.jit(jax.grad(lambda v: f(v, w)))(x)
+
+    return grad(True), grad(False)
+
+
 def _wire(enc, batch_dims):
     """The uint8 wire buffer `compressed._packed` builds from an `Encoded`."""
     box = []
@@ -220,18 +236,7 @@ def test_collectives_bit_identical_fused_vs_unfused(monkeypatch, name, p, rows, 
 def test_gradients_bit_identical_fused_vs_unfused(monkeypatch, name):
     p, cfg = 4, _cfg("e4m3", 32, "dual")
     x = _x((p * 8, 40), seed=11, nonfinite=False)
-    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
-    body = COLLECTIVES[name](cfg)
-    out = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t")), x)
-    w = _x(out.shape, seed=12, nonfinite=False)
-
-    def grad(fused):
-        monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
-        f = jax.shard_map(lambda v, u: jax.lax.psum(jnp.sum(u * body(v)), "t"), mesh=mesh,
-                          in_specs=(P("t"), P("t")), out_specs=P())
-        return jax.jit(jax.grad(lambda v: f(v, w)))(x)
-
-    _same(grad(True), grad(False))
+    _same(*_grads_fused_and_unfused(monkeypatch, COLLECTIVES[name](cfg), x, p, seed=12))
 
 
 def test_auto_backend_takes_the_fused_path():
@@ -368,19 +373,8 @@ def test_sp_gradients_bit_identical_fused_vs_unfused(monkeypatch, kind, p):
     cfg = _cfg("e4m3", 32, "dual")
     per = (2, 8 * (p if kind == "psum_scatter" else 1), 32)
     x = _x((p * per[0], *per[1:]), seed=31, nonfinite=False)
-    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
-    body = _sp_fn(kind, 1, cfg)
-    out = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t")), x)
-    w = _x(out.shape, seed=32, nonfinite=False)
-
-    def grad(fused):
-        monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
-        f = jax.shard_map(lambda v, u: jax.lax.psum(jnp.sum(u * body(v)), "t"), mesh=mesh,
-                          in_specs=(P("t"), P("t")), out_specs=P())
-        return jax.jit(jax.grad(lambda v: f(v, w)))(x)
-
-    g = grad(True)
-    _same(g, grad(False))
+    g, g_unfused = _grads_fused_and_unfused(monkeypatch, _sp_fn(kind, 1, cfg), x, p, seed=32)
+    _same(g, g_unfused)
     assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0
 
 
