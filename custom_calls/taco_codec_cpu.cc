@@ -182,8 +182,9 @@ ffi::Error ReduceImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result
   if (P < 1 || P > 1024 || P * per_rank != static_cast<int64_t>(args.size()))
     return ffi::Error::InvalidArgument("taco_reduce: expects P codes, P s (and P a) operands, 1 <= P <= 1024");
   const auto dims = codes_out->dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("taco_reduce: output codes must be [N, G]");
-  const int64_t n = dims[0], g = dims[1];
+  // [..., N, G]: leading (e.g. vmap batch) axes are flattened into the groups, as every operand's.
+  if (dims.size() < 2) return ffi::Error::InvalidArgument("taco_reduce: output codes must be [..., N, G]");
+  const int64_t g = dims.back(), n = static_cast<int64_t>(codes_out->element_count()) / std::max<int64_t>(g, 1);
   if (!ValidGroupSize(g)) return ffi::Error::InvalidArgument("taco_reduce: G must be a power of 2 in [32, 512]");
   const bool u8 = codes_out->element_type() == ffi::DataType::U8;
   if (!(u8 ? fmt == kE4M3 || fmt == kE5M2 : FmtOf(codes_out->element_type()) == fmt))

@@ -393,3 +393,44 @@ def test_fused_sp_collectives_have_no_transpose(monkeypatch, kind):
     assert ops["custom-call"] == 2 and ops[coll] == 1, ops
     unfused = _ops(_hlo(monkeypatch, False, fn, x, 2))
     assert unfused.get("transpose", 0) + unfused.get("fusion", 0) + unfused.get("copy", 0) > 0, unfused
+
+
+def test_auto_backend_hadamard_psum_same_fused_and_unfused(monkeypatch):
+    """backend "auto" (the default): the unfused transform-domain reduction resolves "auto" too, so it
+    runs the same C++ reduction as the fused path (bit-identical results either way)."""
+    cfg = dataclasses.replace(TACO)  # backend "auto"
+    assert cfg.backend == "auto"
+    x = _x((4 * 4, 512), seed=51, nonfinite=False)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("t",))
+    f = jax.shard_map(lambda v: compressed.psum(v, "t", codec=cfg, reduce_domain="hadamard"), mesh=mesh,
+                      in_specs=P("t"), out_specs=P())
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+        got[fused] = jax.jit(f)(x)
+    _same(got[True], got[False])
+
+
+@pytest.mark.parametrize("nonfinite", ["zero", "propagate"])  # "zero" takes the unfused path
+def test_vmap_of_hadamard_psum(nonfinite):
+    """vmap over a transform-domain psum: the C++ reduction takes the batch axis vmap adds."""
+    cfg = dataclasses.replace(_cfg(), nonfinite=nonfinite)
+    x = _x((3, 4 * 8, 8 * 128), seed=52, nonfinite=False)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("t",))
+    f = jax.shard_map(jax.vmap(lambda u: compressed.psum(u, "t", codec=cfg, reduce_domain="hadamard")),
+                      mesh=mesh, in_specs=P(None, "t"), out_specs=P(None))
+    y = np.asarray(jax.jit(f)(x))
+    want = np.asarray(x).reshape(3, 4, 8, -1).sum(1)
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 0.1  # FP8-sized error, not garbage
+
+
+def test_decode_sum_packed_one_rank_as_a_list():
+    """A sequence of one rank's rows is P = 1: the decode itself."""
+    cfg = _cfg()
+    rows = ffi_codec.encode_packed(_x((300,), seed=53, nonfinite=False), cfg)
+    _same(ffi_codec.decode_sum_packed([rows], cfg, 300), ffi_codec.decode_packed(rows, cfg, 300))
+
+
+def test_encode_packed_rejects_a_non_float_message():
+    with pytest.raises(ValueError, match="dtype=int32"):
+        ffi_codec.encode_packed(jnp.ones((256,), jnp.int32), _cfg())

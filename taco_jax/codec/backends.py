@@ -51,7 +51,10 @@ def register_reducer(name: str, fn: Callable) -> None:
 
 def get_reducer(name: str) -> Callable | None:
     """Backend `name`'s `reduce_groups`, or None if it has none (then the reference's applies).
-    Loads the backend first (`get_backend`), whose loader may register it."""
+    "auto" is `resolve_auto()`'s, as in `get_backend`. Loads the backend first (`get_backend`),
+    whose loader may register it."""
+    if name == "auto":
+        name = resolve_auto()
     get_backend(name)
     return _REDUCERS.get(name)
 

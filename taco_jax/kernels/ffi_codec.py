@@ -288,10 +288,12 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
       `compressed._packed(..., encode(x, cfg, batch_dims=x.ndim - 1), ...)`'s buffer; with split,
       a tuple of P uint8 [..., packed_row_bytes(m, cfg)] (x[..., r, :]'s rows in result r).
       (Interleaved: the same for the transposed x; without split the result is [..., P, row_bytes].)
-    Raises: ValueError for another codec kind, m == 0, split with x of rank < 2, or interleaved
-      with x of rank < 3 or x.shape[-1] not a multiple of G; RuntimeError if the library is not built.
+    Raises: ValueError for a non-floating x, another codec kind, m == 0, split with x of rank < 2, or
+      interleaved with x of rank < 3 or x.shape[-1] not a multiple of G; RuntimeError if the library is not built.
     """
     _ensure_loaded()
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"encode_packed needs a floating-point message, got dtype={x.dtype}")
     outer = 1
     if interleaved:
         if x.ndim < 3 or x.shape[-1] % cfg.group_size or x.shape[-1] == 0:
@@ -332,6 +334,8 @@ def _rank_operands(rows, m: int, cfg: CodecConfig, has_a: bool):
         if len({r.shape for r in rows}) != 1:
             raise ValueError(f"packed rows of the P ranks must have one shape, got {[r.shape for r in rows]}")
         args, lead = list(rows), rows[0].shape[:-1]
+        if len(args) == 1:  # one operand means [..., P, row_bytes] to the handlers: give it its P = 1 axis
+            args = [args[0][..., None, :]]
     else:
         _check_rows(rows, m, cfg, has_a, 2)
         args, lead = [rows], rows.shape[:-2]
