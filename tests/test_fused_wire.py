@@ -25,7 +25,8 @@ from taco_jax.kernels._platform import default_platform
 FFI_REASON = ffi_codec.unavailable_reason("cpu") if default_platform() == "cpu" else "not running on CPU"
 pytestmark = pytest.mark.skipif(FFI_REASON is not None,
                                 reason=f"fused wire path needs the CPU FFI codec library: {FFI_REASON}")
-IMPLS = (ffi_codec.IMPL_AUTO, ffi_codec.IMPL_SCALAR)
+# the scalar kernel is bit-identical to the AVX2 one (tests/test_kernels.py); here in `make test-slow`
+IMPLS = (ffi_codec.IMPL_AUTO, pytest.param(ffi_codec.IMPL_SCALAR, marks=pytest.mark.slow, id="1"))
 
 
 def _cfg(fmt="e4m3", g=128, layout="dual"):
@@ -330,8 +331,10 @@ def _sp_fn(kind, dim, cfg):
 SP_SHAPES = [((2, 8, 64), 1), ((3, 4, 40), 1), ((2, 3, 8, 32), 2), ((2, 8, 16), 2)]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("p,dtype", [(2, jnp.float32), (4, jnp.bfloat16),  # the other two in `make test-slow`
+                                     pytest.param(2, jnp.bfloat16, marks=pytest.mark.slow),
+                                     pytest.param(4, jnp.float32, marks=pytest.mark.slow)],
+                         ids=lambda v: jnp.dtype(v).name if not isinstance(v, int) else str(v))
 @pytest.mark.parametrize("shape,dim", SP_SHAPES, ids=str)
 @pytest.mark.parametrize("kind", ["all_gather", "all_gather_untiled", "psum_scatter", "psum_scatter_untiled"])
 def test_sp_collectives_bit_identical_fused_vs_unfused(monkeypatch, kind, shape, dim, p, dtype):
