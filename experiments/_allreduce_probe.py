@@ -3,9 +3,11 @@ jax.distributed + gloo on 127.0.0.1). The full benchmark is experiments/bench_co
 one only times a few variants and sub-programs, median of --reps.
 
   python experiments/_allreduce_probe.py --mb 16 64 --dtype float32 --variants exact two_shot hd
-Variant grammar: exact | two_shot | one_shot | hd (transform-domain) | sig (signal domain), with optional ":k=K"
+Variant grammar: exact | two_shot | one_shot | hd (transform-domain) | sig (signal domain) | gx / gc (exact /
+compressed all-gather of the whole message, first P-th of the result kept), with optional ":k=K"
 (chunks) and ":ref" (reference backend), plus sub-programs: enc, dec, a2a, ag (wire sizes of the
-taco two-shot) to see where the time goes.
+taco two-shot; a2a32 / ag32: the same bytes moved as uint32) to see where the time goes. The
+processes inherit the environment (e.g. GLIBC_TUNABLES=taco_jax.launch.MALLOC_KEEP, TACO_FFI_THREADS).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import socket
 import subprocess
 import sys
 import time
+
+#: sub-programs: fixed input, output discarded (never donated)
+SUB = ("enc", "dec", "a2a", "ag", "a2a32", "ag32", "gx", "gc")
 
 
 def _free_port() -> int:
@@ -85,9 +90,15 @@ def child(args):
                     big = jax.tree.map(lambda t: jnp.tile(t, (1, v.size // 256) + (1,) * (t.ndim - 2)), e)
                     big = dataclasses.replace(big, shape=(v.size // 2,))
                     return decode(big, codec, jnp.float32)[:, :1].reshape(1, -1)
-                if name in ("a2a", "ag"):
+                if name == "gx":  # exact all-gather of the whole message
+                    return lax.all_gather(v, "t", axis=0).reshape(1, -1)[:, : v.size]
+                if name == "gc":  # compressed all-gather of the whole message
+                    return cc.all_gather(v, "t", codec=codec, axis=0).reshape(1, -1)[:, : v.size]
+                if name in ("a2a", "ag", "a2a32", "ag32"):  # "...32": the same bytes moved as uint32
                     wire = v.size + 8 * (v.size // 128)  # codes + s + a bytes of the whole message
                     b = lax.bitcast_convert_type(v[: wire // 4].reshape(-1, 1), jnp.uint8).reshape(2, -1)
+                    if name.endswith("32"):
+                        b, name = lax.bitcast_convert_type(v[: wire // 4], jnp.uint32).reshape(2, -1), name[:-2]
                     if name == "a2a":
                         return lax.all_to_all(b, "t", 0, 0).astype(jnp.float32)[:, :1].reshape(1, -1)
                     return lax.all_gather(b[0], "t", axis=0).astype(jnp.float32)[:, :1].reshape(1, -1)
@@ -96,12 +107,12 @@ def child(args):
             # --donate: the output reuses the input's buffer (fed back as the next input), so no
             # fresh output buffer is page-faulted in per call (~150 ms per 64 MB on this VM)
             fs[var] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t"), check_vma=False),
-                              donate_argnums=0 if args.donate and name not in ("enc", "dec", "a2a", "ag") else ())
+                              donate_argnums=0 if args.donate and name not in SUB else ())
             xs[var] = x.copy()
             packed = cc._packed
             if "unpacked" in opts:  # one collective per wire buffer (codes, s, a) instead of one packed
                 cc._packed = lambda fn, enc, bd: cc._tree(fn, enc)
-            sub = name in ("enc", "dec", "a2a", "ag")  # sub-programs: fixed input, output discarded
+            sub = name in SUB
             y = fs[var](xs[var]).block_until_ready()
             xs[var] = xs[var] if sub else y
             cc._packed = packed

@@ -72,7 +72,12 @@ One row per (transport, ranks, collective, algorithm, codec, backend, dtype, siz
                     (`taco_jax.collectives.hlo.collective_bytes`, summed over ops)
   rel_err           ||y - y_exact||_2 / ||y_exact||_2 over every rank's output of the first call,
                     float64 on the host;
-                    y_exact from a direct `lax` call (so codec "none" must give 0.0)
+                    y_exact from a direct `lax` call (so codec "none" must give 0.0, up to
+                    summation order for psum_scatter, whose reference is `lax.psum` sliced:
+                    XLA:CPU's gloo reduce-scatter intermittently returns wrong values,
+                    jax-ml/jax#40830; under gloo the exact psum_scatter row is
+                    `compressed.psum_scatter` with codec none, i.e. all-to-all + local sum,
+                    `compressed.GLOO_REDUCE_SCATTER_WORKAROUND`)
   speedup_vs_exact  exact time_s_median / this row's time_s_median, same rounds (1.0 for "none")
 Extra row keys (also stable): exact_time_s_median, exact_time_s_min, exact_wire_bytes,
 speedup_vs_exact_min (exact time_s_min / time_s_min: the least load-disturbed ratio on a shared
@@ -236,6 +241,9 @@ def parse_args(argv=None):
     p.add_argument("--donate", action="store_true",
                    help="donate each call's input (a fresh copy per call, untimed): results of the input's shape "
                         "may reuse its buffer, as in a training step (docstring)")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="workers' allocator, as `taco-jax launch --malloc` (keep: GLIBC_TUNABLES="
+                        "taco_jax.launch.MALLOC_KEEP unless set; default: glibc's own)")
     p.add_argument("--timeout", type=float, default=7200.0,
                    help="seconds per transport run; then its workers are stopped and the cases measured so far "
                    "kept (env.workers[].complete is false)")
@@ -291,7 +299,7 @@ def build_config(args) -> dict:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
     variants = parse_variants(args.variants)
     return dict(transports=transports, ranks=ranks, collectives=colls, codecs=codecs, backends=backends,
-                dtypes=dtypes, sizes=sizes, runs=args.runs, warmup=args.warmup, donate=args.donate,
+                dtypes=dtypes, sizes=sizes, runs=args.runs, warmup=args.warmup, donate=args.donate, malloc=args.malloc,
                 variants={c: [[n, kw] for n, kw in variants[c]] for c in colls})
 
 
@@ -325,7 +333,11 @@ def _case_functions(coll, kwargs, codecs, p):
         ref = lambda x: lax.all_gather(x, "x", axis=0, tiled=True)  # noqa: E731
         mk = lambda c: lambda x: compressed.all_gather(x, "x", codec=c, **{"tiled": True, **kwargs})  # noqa: E731
     elif coll == "psum_scatter":
-        ref = lambda x: lax.psum_scatter(x, "x", scatter_dimension=0, tiled=True)  # noqa: E731
+        # the reference is psum + this rank's block, not lax.psum_scatter: XLA:CPU's gloo
+        # reduce-scatter intermittently returns wrong values (jax-ml/jax#40830)
+        def ref(x):
+            n = x.shape[0] // p
+            return lax.dynamic_slice_in_dim(lax.psum(x, "x"), lax.axis_index("x") * n, n)
         mk = lambda c: lambda x: compressed.psum_scatter(x, "x", codec=c, **{"tiled": True, **kwargs})  # noqa: E731
     else:
         ref = lambda x: lax.ppermute(x, "x", perm)  # noqa: E731
@@ -381,7 +393,7 @@ def worker(cfg_path: str, process_id: int) -> None:
     t_start = time.monotonic()
     env = dict(process_id=process_id, process_count=jax.process_count(), devices=[str(d) for d in devices],
                jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-               backend_platform=jax.default_backend())
+               backend_platform=jax.default_backend(), glibc_tunables=os.environ.get("GLIBC_TUNABLES"))
 
     def save(complete: bool) -> None:
         """This process's results so far (rewritten after every case: a run stopped by --timeout keeps
@@ -461,9 +473,11 @@ def _jaxlib_version():
 # driver: starts the workers, merges, summarizes, writes
 
 
-def _worker_env(devices_per_process: int) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+def _worker_env(devices_per_process: int, malloc: str = "keep") -> dict:
+    from taco_jax.launch import malloc_env
+
+    env = malloc_env({k: v for k, v in os.environ.items()
+                      if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}, malloc)
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip()
     env["JAX_PLATFORMS"] = "cpu"
@@ -482,7 +496,7 @@ def run_transport(cfg: dict, transport: str, p: int, timeout: float) -> list[dic
         wcfg = dict(cfg, transport=transport, ranks=p, result_dir=tmp, coordinator=f"127.0.0.1:{free_port()}")
         cfg_path = pathlib.Path(tmp) / "config.json"
         cfg_path.write_text(json.dumps(wcfg))
-        env = _worker_env(1 if transport == "gloo" else p)
+        env = _worker_env(1 if transport == "gloo" else p, cfg.get("malloc", "keep"))
         procs, logs = [], []
         for i in range(nproc):
             log = open(pathlib.Path(tmp) / f"log{i}.txt", "w+")  # noqa: SIM115 — closed below

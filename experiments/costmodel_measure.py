@@ -109,6 +109,9 @@ def main(argv=None):
     p.add_argument("--backends", default="ffi,reference")
     p.add_argument("--reps", type=int, default=7, help="interleaved timing rounds (median and min kept)")
     p.add_argument("--reference-max-mb", type=float, default=16.0, help="largest size timed with the reference backend")
+    p.add_argument("--malloc", choices=("keep", "default"), default="default",
+                   help="the children's allocator, as `taco-jax launch --malloc` (default: glibc's own, as "
+                        "the shipped calibration was measured; docs/cost_model.md)")
     p.add_argument("--port", type=int, default=12977)
     p.add_argument("--pid", type=int, default=-1, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -116,7 +119,9 @@ def main(argv=None):
     a.backends = [b for b in a.backends.split(",") if b]
     if a.pid >= 0:
         return _child(a)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    from taco_jax.launch import malloc_env
+
+    env = malloc_env({**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}, a.malloc)
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, __file__, *(argv or sys.argv[1:]), "--pid", str(i)], env=env)
              for i in range(2)]

@@ -9,7 +9,10 @@ to the first variant (`step_ratio`: > 1 is slower than the first).
 
 Single process (simulated mesh):
   python experiments/step_time.py --mesh data=2,tensor=4 --steps 30
-Several processes over the real transport (jax.distributed + gloo on 127.0.0.1), one per shell:
+Several processes over the real transport (jax.distributed + gloo on 127.0.0.1), started by this
+script (with the allocator setting of `taco-jax launch`, `--malloc keep` by default):
+  python experiments/step_time.py --mesh data=1,tensor=2 --processes 2 ...
+or one per shell:
   python experiments/step_time.py --mesh data=1,tensor=2 --coordinator 127.0.0.1:PORT \
       --num-processes 2 --process-id I ...
 Comm fraction of the exact step over the real transport: the same flags with one process holding
@@ -42,10 +45,17 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", default="none,taco", help="comma-separated --comm values; the first is the base")
     p.add_argument("--steps", type=int, default=20, help="timed rounds (after 2 warm-up rounds)")
     p.add_argument("--json", default="", help="write the result here (process 0)")
+    p.add_argument("--processes", type=int, default=0,
+                   help="start this many local processes of one run (gloo on 127.0.0.1) and wait for them")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="with --processes: their allocator setting, as `taco-jax launch --malloc`")
+    p.add_argument("--timeout", type=float, default=3600.0, help="with --processes: seconds, then they are killed")
     p.add_argument("--coordinator", default="")
     p.add_argument("--num-processes", type=int, default=0)
     p.add_argument("--process-id", type=int, default=-1)
     args = p.parse_args(argv)
+    if args.processes > 1:
+        return _spawn(args, sys.argv[1:] if argv is None else list(argv))
 
     from taco_jax.parallel.mesh import parse_mesh  # noqa: PLC0415
 
@@ -104,6 +114,7 @@ def main(argv=None) -> dict:
         "mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "dtype": args.dtype, "sequence_parallel": args.sequence_parallel,
         "reduce_domain": args.reduce_domain, "processes": jax.process_count(), "devices": len(jax.devices()),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "tensor_codec": {v: f"{state[v][6].ar_fwd.name}[{state[v][6].ar_fwd.backend}]" for v in variants},
         "compile_s": {v: state[v][5] for v in variants},
         "median_step_s": {v: statistics.median(times[v]) for v in variants},
@@ -119,6 +130,61 @@ def main(argv=None) -> dict:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+    return result
+
+
+def _spawn(args, argv: list[str]) -> dict:
+    """Runs this script as `args.processes` processes of one run on 127.0.0.1 (process 0 prints and
+    writes --json); returns process 0's result, read back from --json when given, else {}.
+    Raises RuntimeError naming the failing process (the others are killed) or the timeout."""
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from taco_jax.launch import _die_with_parent, _stop, free_port, malloc_env  # noqa: PLC0415
+
+    drop = {"--processes", "--malloc", "--timeout"}
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in drop:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in drop:
+            continue
+        rest.append(a)
+    if args.json:
+        json_path = args.json
+    else:
+        with tempfile.NamedTemporaryFile(suffix=".json", prefix="step_time_", delete=False) as f:
+            json_path = f.name
+    if not args.json:
+        rest += ["--json", json_path]
+    env = malloc_env(os.environ, args.malloc)
+    coord = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, __file__, *rest, "--coordinator", coord, "--num-processes",
+                               str(args.processes), "--process-id", str(i)], env=env,
+                              stdout=None if i == 0 else subprocess.DEVNULL, start_new_session=True,
+                              preexec_fn=_die_with_parent)
+             for i in range(args.processes)]
+    deadline = time.monotonic() + args.timeout
+    try:
+        while any(pr.poll() is None for pr in procs):
+            bad = [i for i, pr in enumerate(procs) if pr.returncode not in (None, 0)]
+            if bad or time.monotonic() > deadline:
+                raise RuntimeError(f"process {bad[0]} exited with status {procs[bad[0]].returncode}" if bad
+                                   else f"timed out after {args.timeout:g} s")
+            time.sleep(0.2)
+        bad = [i for i, pr in enumerate(procs) if pr.returncode != 0]
+        if bad:
+            raise RuntimeError(f"process {bad[0]} exited with status {procs[bad[0]].returncode}")
+    finally:
+        _stop(procs, 5.0)
+    with open(json_path) as f:
+        result = json.load(f)
+    if not args.json:
+        os.unlink(json_path)
     return result
 
 

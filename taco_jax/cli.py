@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
                         usage="taco-jax launch --processes N -- train [flags ...]")
     lp.add_argument("--processes", type=int, required=True, help="number of local processes")
+    lp.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                    help="keep: the processes' glibc keeps freed memory for reuse instead of mapping large "
+                         "buffers anew (GLIBC_TUNABLES, unless already set); default: leave the allocator alone")
     lp.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command for every process (train / compare)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -155,7 +158,8 @@ def main(argv=None) -> int:
         from taco_jax.launch import launch
 
         try:
-            return launch(args.processes, args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
+            return launch(args.processes, args.argv[1:] if args.argv[:1] == ["--"] else args.argv,
+                          malloc=args.malloc)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)
     from taco_jax.train import distributed

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -22,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from taco_jax.data import batch_iterator
-from taco_jax.launch import free_port, launch
+from taco_jax.launch import MALLOC_KEEP, free_port, launch, malloc_env
 from taco_jax.train import distributed
 from taco_jax.train.distributed import DistConfig, TrainBatches
 
@@ -64,6 +65,110 @@ def test_launch_refuses_bad_commands():
     with pytest.raises(ValueError, match="--process-id is set by the launcher"):
         launch(2, ["train", "--process-id", "1"])
     assert 0 < free_port() < 65536
+
+
+def test_launch_malloc_setting():
+    """`malloc="keep"` gives the processes MALLOC_KEEP unless GLIBC_TUNABLES is set; "default" adds nothing."""
+    assert malloc_env({"A": "1"})["GLIBC_TUNABLES"] == MALLOC_KEEP
+    assert malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"})["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=1"
+    assert "GLIBC_TUNABLES" not in malloc_env({"A": "1"}, "default")
+    with pytest.raises(ValueError, match="malloc='tcmalloc'"):
+        malloc_env({}, "tcmalloc")
+    with pytest.raises(ValueError, match="malloc='x'"):
+        launch(2, ["train"], malloc="x")
+
+
+_MMAPPED = """
+import ctypes, sys
+import numpy as np
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+x = np.ones(64 << 20, np.uint8)  # 64 MiB
+print(libc.mallinfo2().hblkhd)   # bytes in mmapped chunks
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc tunables: Linux only")
+def test_malloc_keep_takes_effect_in_glibc():
+    """A real process: with MALLOC_KEEP glibc serves a 64 MiB buffer from the heap (no mmapped chunk);
+    with glibc's defaults it maps it (the behaviour that page-faults fresh buffers in on every step)."""
+    import os
+    import subprocess
+
+    def mapped(env):
+        out = subprocess.run([sys.executable, "-c", _MMAPPED], env=env, capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    assert mapped(base) >= 64 << 20
+    assert mapped(malloc_env(base)) == 0
+
+
+def test_gloo_reduce_scatter_switch_from_the_environment(monkeypatch):
+    from taco_jax.collectives import compressed
+
+    assert compressed._env_choice("TACO_TEST_UNSET_VAR", ("all_to_all", "lax")) == "all_to_all"
+    monkeypatch.setenv("TACO_TEST_VAR", "lax")
+    assert compressed._env_choice("TACO_TEST_VAR", ("all_to_all", "lax")) == "lax"
+    monkeypatch.setenv("TACO_TEST_VAR", "ring")
+    with pytest.raises(ValueError, match="TACO_TEST_VAR='ring' must be one of"):
+        compressed._env_choice("TACO_TEST_VAR", ("all_to_all", "lax"))
+
+
+_GLOO_RS = """
+import sys
+import jax
+from taco_jax.launch import free_port
+from taco_jax.train import distributed
+distributed.initialize(distributed.DistConfig(f"127.0.0.1:{free_port()}", 1, 0))
+import numpy as np
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from taco_jax.codec import NONE
+from taco_jax.collectives import compressed as cc
+cc.GLOO_REDUCE_SCATTER_WORKAROUND = sys.argv[1] == "1"
+mesh = jax.make_mesh((4,), ("t",), devices=jax.devices())
+x = np.random.default_rng(0).standard_normal((4, 3, 8, 5)).astype(np.float32)  # rank r: x[r] [3, 8, 5]
+def loss(v):
+    y = cc.psum_scatter(v[0], "t", codec=NONE, scatter_dimension=1)            # [3, 2, 5]
+    g = cc.all_gather(y, "t", codec=NONE, axis=1, tiled=True)                  # [3, 8, 5]
+    return y[None], jnp.sum(g * g)
+f = jax.jit(jax.shard_map(lambda v: (loss(v)[0], jax.grad(lambda w: loss(w)[1])(v)), mesh=mesh,
+                          in_specs=P("t"), out_specs=(P("t"), P("t"))))
+xd = jax.device_put(x, NamedSharding(mesh, P("t")))
+hlo = f.lower(xd).compile().as_text()
+y, g = (np.asarray(a) for a in f(xd))
+s = x[0] + x[1] + x[2] + x[3]
+want = np.stack([s[:, 2 * r:2 * r + 2] for r in range(4)])
+print("reduce-scatter" in hlo, "all-to-all" in hlo,
+      np.array_equal(y, want) if cc.GLOO_REDUCE_SCATTER_WORKAROUND else np.allclose(y, want, rtol=1e-6, atol=1e-6),
+      np.allclose(g, np.broadcast_to(8 * s, x.shape), rtol=1e-5, atol=1e-5))
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.parametrize("workaround", [True, False], ids=["workaround", "lax"])
+def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
+    """Under gloo (jax.distributed initialized, 1 process x 4 CPU devices) the exact reduce-scatter and
+    the exact all-gather's transpose compile to an all-to-all plus a local sum, not XLA:CPU's gloo
+    reduce-scatter (jax-ml/jax#40830), and give psum_scatter's values (bit for bit the sum in rank
+    order; gloo's own reduce-scatter sums in another order) and gradient (8 s: 4 ranks, each with
+    loss sum(s^2)); with the switch off, the compiled step has the reduce-scatter again."""
+    import os
+    import subprocess
+
+    e = {k: v for k, v in os.environ.items() if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+                                                           "JAX_PROCESS_ID")}
+    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _GLOO_RS, "1" if workaround else "0"], env=e, capture_output=True,
+                         text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    has_rs, has_a2a, values_ok, grad_ok = out.stdout.split()[-4:]
+    assert (has_rs, has_a2a) == (("False", "True") if workaround else ("True", "False"))
+    assert values_ok == "True" and grad_ok == "True"
 
 
 def test_train_batches_match_batch_iterator_and_resume(mesh):

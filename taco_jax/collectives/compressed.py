@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -81,11 +82,55 @@ REDUCE_DOMAINS = ("signal", "hadamard")
 #: AUTO_MAX_CHUNKS (see `auto_chunks`).
 AUTO_CHUNK_BYTES = 8 << 20
 AUTO_MAX_CHUNKS = 4
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of environment variable `name` (default: choices[0]); ValueError naming it otherwise."""
+    v = os.environ.get(name, choices[0])
+    if v not in choices:
+        raise ValueError(f"{name}={v!r} must be one of {choices}")
+    return v
+
+
 #: Fused wire path (`_fused_wire`): with the C++ FFI codec on CPU, encode straight into the packed
 #: uint8 wire rows and decode / reduce straight from them (`ffi_codec.encode_packed` ...), so no
 #: XLA concatenation, slice or FP32 temporary surrounds the transfers. Bit-identical to the
 #: unfused path (tests/test_fused_wire.py, which flips this switch to compare the two).
 FUSED_WIRE = True
+#: Exact reduce-scatter over gloo: XLA:CPU's reduce-scatter with `jax.distributed` initialized
+#: (gloo's ReduceScatterHalvingDoubling) intermittently returns wrong values at the end of rank 0's
+#: block, with no error (jax-ml/jax#40830; measured here on jax 0.10.2, 2 processes, 64 MB per
+#: rank: 1 wrong call of 24 on rank 0, rel. error 0.2). While True, the exact reduce-scatter
+#: (codec "none", and the transpose of the exact all-gather) is an all-to-all plus a local sum in
+#: rank order (`_exact_psum_scatter`) whenever the CPU backend runs gloo collectives. Environment:
+#: TACO_GLOO_REDUCE_SCATTER=lax turns it off (XLA's own reduce-scatter), =all_to_all (default) on.
+GLOO_REDUCE_SCATTER_WORKAROUND = _env_choice("TACO_GLOO_REDUCE_SCATTER", ("all_to_all", "lax")) == "all_to_all"
+
+
+def _gloo_collectives() -> bool:
+    """True at trace time when XLA:CPU runs this program's collectives through gloo (`jax.distributed`
+    initialized and the default backend is CPU): the setting of jax-ml/jax#40830."""
+    return (GLOO_REDUCE_SCATTER_WORKAROUND and jax.default_backend() == "cpu"
+            and jax.distributed.is_initialized())
+
+
+def _exact_psum_scatter(x, axis_name, dim, tiled):
+    """`lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)`, exact, as an all-to-all
+    of the P blocks and a sum in rank order (FP32 accumulation for narrower floats, as the compressed
+    path). The same bytes on the wire as a reduce-scatter; used instead of XLA:CPU's gloo
+    reduce-scatter (see GLOO_REDUCE_SCATTER_WORKAROUND)."""
+    p = lax.axis_size(axis_name)
+    pre, post = x.shape[:dim], x.shape[dim + 1:]
+    shape = (*pre, *((x.shape[dim] // p,) if tiled else ()), *post)
+    if p == 1:
+        return x.reshape(shape)
+    xs = jnp.moveaxis(x.reshape(*pre, p, x.shape[dim] // p, *post), dim, 0)  # [P, *pre, s, *post]
+    got = lax.all_to_all(xs, axis_name, 0, 0)  # got[q]: rank q's block for this rank
+    acc_t = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32 else x.dtype
+    acc = got[0].astype(acc_t)
+    for q in range(1, p):
+        acc = acc + got[q].astype(acc_t)
+    return acc.astype(x.dtype).reshape(shape)
 
 
 def _tree(fn, enc):
@@ -437,6 +482,8 @@ def _all_gather_value(x, axis_name, codec, axis, tiled):
 def _psum_scatter_value(x, axis_name, codec, dim, tiled):
     """The compressed reduce-scatter's value (no derivative of its own); `dim` already checked."""
     if codec.kind == "none":
+        if _gloo_collectives():
+            return _exact_psum_scatter(x, axis_name, dim, tiled)
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     p = lax.axis_size(axis_name)
     if p == 1:
@@ -498,7 +545,7 @@ def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 
     """
     bwd = _bwd_codec(codec, bwd_codec)
     axis = _norm_axis(axis, x.ndim + (0 if tiled else 1), "axis")
-    if codec.kind == "none" and bwd.kind == "none":
+    if codec.kind == "none" and bwd.kind == "none" and not _gloo_collectives():
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
     return _all_gather(_vary(x, axis_name), axis_name, codec, bwd, axis, tiled)
 
@@ -510,7 +557,8 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
     Args:
       x: float array, partial sums varying over `axis_name` (zero-size allowed).
       axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
-      codec: forward codec; kind "none" with an exact backward gives exactly `lax.psum_scatter`.
+      codec: forward codec; kind "none" with an exact backward gives exactly `lax.psum_scatter`
+        (under gloo: `_exact_psum_scatter`, GLOO_REDUCE_SCATTER_WORKAROUND).
       scatter_dimension: the dimension split into P blocks (rank r keeps block r of the sum).
       tiled: True: the dimension shrinks P-fold; False: x.shape[scatter_dimension] must be P and
         the dimension is removed.
@@ -528,9 +576,9 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
     """
     bwd = _bwd_codec(codec, bwd_codec)
     dim = _norm_axis(scatter_dimension, x.ndim, "scatter_dimension")
-    if codec.kind == "none" and bwd.kind == "none":
-        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     p = lax.axis_size(axis_name)
+    if codec.kind == "none" and bwd.kind == "none" and not _gloo_collectives():
+        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     if tiled and x.shape[dim] % p:
         raise ValueError(f"x.shape[{dim}]={x.shape[dim]} is not divisible by axis size {p}")
     if not tiled and x.shape[dim] != p:
