@@ -11,7 +11,8 @@ Run from the repository root (the workers import this checkout's `taco_jax`):
 
 What is measured: every collective of `taco_jax.collectives.compressed` (psum as each of
 `--variants`, all_gather, psum_scatter, ppermute) × codec (`--codecs`, names of
-`taco_jax.codec.presets.NAMED`; "none" is the exact `lax` collective and always runs) × codec
+`taco_jax.codec.presets.NAMED`; "none" is the exact collective and always runs: the `lax` one, except
+psum_scatter under gloo, which taco_jax runs as all-to-all + sum, GLOO_REDUCE_SCATTER_WORKAROUND) × codec
 backend (`--backends`; only kind "taco" has backends, the other kinds run the jnp reference and
 get backend "reference") × dtype × message size (`--sizes`, bytes per rank) × transport:
 

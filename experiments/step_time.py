@@ -31,7 +31,9 @@ import time
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # no abbreviations: _spawn passes the command line on minus --processes/--malloc/--timeout
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--mesh", default="data=2,tensor=4")
     p.add_argument("--model", default="gpt2-tiny")
     p.add_argument("--batch-size", type=int, default=16)
@@ -54,6 +56,10 @@ def main(argv=None) -> dict:
     p.add_argument("--num-processes", type=int, default=0)
     p.add_argument("--process-id", type=int, default=-1)
     args = p.parse_args(argv)
+    if args.processes == 1 or args.processes < 0:
+        p.error(f"--processes {args.processes}: give 0 (this process only) or >= 2")
+    if args.processes and args.process_id >= 0:
+        p.error("--processes starts the processes itself; drop --coordinator / --num-processes / --process-id")
     if args.processes > 1:
         return _spawn(args, sys.argv[1:] if argv is None else list(argv))
 
@@ -110,7 +116,7 @@ def main(argv=None) -> dict:
     base = variants[0]
     tokens = args.batch_size * args.seq_len
     result = {
-        "command": " ".join(sys.argv),
+        "command": os.environ.get(_COMMAND_ENV) or " ".join(sys.argv),
         "mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "dtype": args.dtype, "sequence_parallel": args.sequence_parallel,
         "reduce_domain": args.reduce_domain, "processes": jax.process_count(), "devices": len(jax.devices()),
@@ -131,6 +137,9 @@ def main(argv=None) -> dict:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     return result
+
+
+_COMMAND_ENV = "TACO_STEP_TIME_COMMAND"
 
 
 def _spawn(args, argv: list[str]) -> dict:
@@ -162,6 +171,7 @@ def _spawn(args, argv: list[str]) -> dict:
     if not args.json:
         rest += ["--json", json_path]
     env = malloc_env(os.environ, args.malloc)
+    env[_COMMAND_ENV] = " ".join([sys.argv[0], *argv])  # what the user ran, recorded in the result
     coord = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, __file__, *rest, "--coordinator", coord, "--num-processes",
                                str(args.processes), "--process-id", str(i)], env=env,
@@ -179,13 +189,12 @@ def _spawn(args, argv: list[str]) -> dict:
         bad = [i for i, pr in enumerate(procs) if pr.returncode != 0]
         if bad:
             raise RuntimeError(f"process {bad[0]} exited with status {procs[bad[0]].returncode}")
+        with open(json_path) as f:
+            return json.load(f)
     finally:
         _stop(procs, 5.0)
-    with open(json_path) as f:
-        result = json.load(f)
-    if not args.json:
-        os.unlink(json_path)
-    return result
+        if not args.json and os.path.exists(json_path):
+            os.unlink(json_path)
 
 
 if __name__ == "__main__":

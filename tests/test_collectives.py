@@ -190,3 +190,22 @@ def test_megatron_backward_is_compressed_in_hlo(mesh):
     ops = {(r["axis"], r["op"], r["dtype"]) for r in collective_bytes(hlo, mesh)["detail"]}
     assert ("tensor", "all-to-all", "u8") in ops and ("tensor", "all-gather", "u8") in ops
     assert ("tensor", "all-reduce", "f32") in ops  # the forward "g" stayed exact
+
+
+@pytest.mark.parametrize("algorithm", ["two_shot", "one_shot"])
+def test_psum_over_an_axis_of_size_one_is_x_and_invariant(algorithm):
+    """P = 1 (e.g. `--mesh data=4,tensor=1`): the compressed psum is x itself, typed invariant over the
+    axis like `lax.psum`, so a following ColumnParallel input `pcast(..., to="varying")` is accepted
+    (it used to fail with "Unsupported pcast from=varying, to='varying'")."""
+    mesh = jax.make_mesh((8, 1), ("data", "tensor"), devices=jax.devices())
+    x = jnp.arange(8 * 256, dtype=jnp.float32).reshape(8, 256) / 100
+
+    def body(v):
+        v = jax.lax.pcast(v, "tensor", to="varying")
+        y = C.psum(v, "tensor", codec=TACO, algorithm=algorithm)
+        jax.lax.pcast(y, "tensor", to="varying")  # traced: raises if y were typed varying already
+        return y  # out_specs P("data"): y must be invariant over "tensor"
+
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+    y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(xs)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))

@@ -110,6 +110,13 @@ def test_malloc_keep_takes_effect_in_glibc():
 def test_gloo_reduce_scatter_switch_from_the_environment(monkeypatch):
     from taco_jax.collectives import compressed
 
+    monkeypatch.setattr(compressed, "GLOO_REDUCE_SCATTER_WORKAROUND", None)
+    monkeypatch.setenv("TACO_GLOO_REDUCE_SCATTER", "bogus")
+    with pytest.raises(ValueError, match="TACO_GLOO_REDUCE_SCATTER='bogus' must be one of"):
+        compressed._gloo_collectives()  # read at trace time, not at import
+    monkeypatch.setenv("TACO_GLOO_REDUCE_SCATTER", "lax")
+    assert compressed._gloo_collectives() is False
+
     assert compressed._env_choice("TACO_TEST_UNSET_VAR", ("all_to_all", "lax")) == "all_to_all"
     monkeypatch.setenv("TACO_TEST_VAR", "lax")
     assert compressed._env_choice("TACO_TEST_VAR", ("all_to_all", "lax")) == "lax"
@@ -141,11 +148,19 @@ f = jax.jit(jax.shard_map(lambda v: (loss(v)[0], jax.grad(lambda w: loss(w)[1])(
 xd = jax.device_put(x, NamedSharding(mesh, P("t")))
 hlo = f.lower(xd).compile().as_text()
 y, g = (np.asarray(a) for a in f(xd))
+def fwd_mode(v):  # jvp of both exact collectives (linear: tangent = the collective of the tangent)
+    rs = lambda a: cc.psum_scatter(a, "t", codec=NONE, scatter_dimension=1)
+    ag = lambda a: cc.all_gather(a, "t", codec=NONE, axis=0, tiled=True)
+    (_, t1), (_, t2) = jax.jvp(rs, (v[0],), (2 * v[0],)), jax.jvp(ag, (v[0],), (2 * v[0],))
+    return (t1 - 2 * rs(v[0]))[None], (t2 - 2 * ag(v[0]))[None]
+d1, d2 = (np.asarray(a) for a in jax.jit(jax.shard_map(fwd_mode, mesh=mesh, in_specs=P("t"),
+                                                       out_specs=(P("t"), P("t"))))(xd))
+jvp_ok = bool(np.abs(d1).max() < 1e-5 and np.abs(d2).max() < 1e-5)
 s = x[0] + x[1] + x[2] + x[3]
 want = np.stack([s[:, 2 * r:2 * r + 2] for r in range(4)])
 print("reduce-scatter" in hlo, "all-to-all" in hlo,
       np.array_equal(y, want) if cc.GLOO_REDUCE_SCATTER_WORKAROUND else np.allclose(y, want, rtol=1e-6, atol=1e-6),
-      np.allclose(g, np.broadcast_to(8 * s, x.shape), rtol=1e-5, atol=1e-5))
+      np.allclose(g, np.broadcast_to(8 * s, x.shape), rtol=1e-5, atol=1e-5), jvp_ok)
 jax.distributed.shutdown()
 """
 
@@ -156,7 +171,8 @@ def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
     the exact all-gather's transpose compile to an all-to-all plus a local sum, not XLA:CPU's gloo
     reduce-scatter (jax-ml/jax#40830), and give psum_scatter's values (bit for bit the sum in rank
     order; gloo's own reduce-scatter sums in another order) and gradient (8 s: 4 ranks, each with
-    loss sum(s^2)); with the switch off, the compiled step has the reduce-scatter again."""
+    loss sum(s^2)), and forward mode (jax.jvp) works; with the switch off, the compiled step has the
+    reduce-scatter again."""
     import os
     import subprocess
 
@@ -166,9 +182,9 @@ def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
     out = subprocess.run([sys.executable, "-c", _GLOO_RS, "1" if workaround else "0"], env=e, capture_output=True,
                          text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    has_rs, has_a2a, values_ok, grad_ok = out.stdout.split()[-4:]
+    has_rs, has_a2a, values_ok, grad_ok, jvp_ok = out.stdout.split()[-5:]
     assert (has_rs, has_a2a) == (("False", "True") if workaround else ("True", "False"))
-    assert values_ok == "True" and grad_ok == "True"
+    assert values_ok == "True" and grad_ok == "True" and jvp_ok == "True"
 
 
 def test_train_batches_match_batch_iterator_and_resume(mesh):
@@ -211,10 +227,13 @@ def _summaries(stdout: str) -> int:
 @pytest.mark.parametrize("mesh_spec, extra", [
     ("data=2,tensor=4", ["--comm", "taco"]),  # tensor axis inside each process, data axis across them
     pytest.param("tensor=4,data=2", ["--comm", "none"], marks=pytest.mark.slow),  # each tensor group spans both
+    # sequence parallel, exact: the reduce-scatters run as all-to-all + sum under gloo (compressed.py)
+    pytest.param("tensor=4,data=2", ["--comm", "none", "--sequence-parallel"], marks=pytest.mark.slow),
     pytest.param("tensor=2,data=4", ["--model", "qwen3-tiny", "--comm", "taco"], marks=pytest.mark.slow),
     pytest.param("stage=2,tensor=4", ["--microbatches", "2", "--comm", "taco", "--pp-comm", "taco"],
                  marks=pytest.mark.slow),  # pipeline: stage 0 on process 0, stage 1 on process 1
-], ids=["tensor-in-process-taco", "tensor-spans-processes-none", "qwen3-tensor-spans-taco", "stage-spans-taco"])
+], ids=["tensor-in-process-taco", "tensor-spans-processes-none", "tensor-spans-processes-sp-none",
+        "qwen3-tensor-spans-taco", "stage-spans-taco"])
 def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
     """2 processes × 4 devices give the 1 process × 8 devices per-step losses and gradient norms bit
     for bit (both on gloo collectives); the files are written once (process 0)."""

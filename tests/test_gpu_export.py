@@ -140,9 +140,6 @@ def test_compressed_train_step_exports_for_cuda(mesh, n_devices):
     assert re.search(r"f8E4M3FN", text)  # the FP8 codes cross the wire
 
 
-@pytest.mark.xfail(raises=ValueError, strict=False,
-                   reason="pre-existing, not the export: comm='taco' on a 1-device mesh (data=1,tensor=1) fails "
-                          "already on CPU in collectives/megatron.py copy_to_tp ('Unsupported pcast from=varying')")
 @pytest.mark.filterwarnings("ignore:codec backend 'pallas' on CPU:UserWarning")
 def test_compressed_train_step_exports_for_cuda_on_one_device():
     exp = export_train_step("data=1,tensor=1", 1)

@@ -43,7 +43,9 @@ a compressed collective too (the two codecs swapped), so higher-order reverse mo
 codecs are `jax.custom_vjp` functions. Consequence: forward mode (`jax.jvp`, `jax.linearize`,
 `jax.jacfwd`) is NOT defined for a compressing codec and raises jax's `TypeError` ("can't apply
 forward-mode autodiff (jvp) to a custom_vjp function"); with kind "none" on both directions
-the function is the `lax` collective and forward mode works.
+the function is the `lax` collective and forward mode works (under gloo on CPU the exact
+reduce-scatter is an all-to-all + sum and the exact all-gather a custom_jvp, both still
+differentiable in either mode: GLOO_REDUCE_SCATTER_WORKAROUND).
 An input that is not varying over the axis is first made varying (`lax.pcast`), as `lax`'s
 collectives do, so its gradient is the sum over ranks, as with `lax`.
 Limits: the chunking of two-shot is along the leading axis when it divides by P, else over the
@@ -100,18 +102,24 @@ FUSED_WIRE = True
 #: Exact reduce-scatter over gloo: XLA:CPU's reduce-scatter with `jax.distributed` initialized
 #: (gloo's ReduceScatterHalvingDoubling) intermittently returns wrong values at the end of rank 0's
 #: block, with no error (jax-ml/jax#40830; measured here on jax 0.10.2, 2 processes, 64 MB per
-#: rank: 1 wrong call of 24 on rank 0, rel. error 0.2). While True, the exact reduce-scatter
+#: rank: 6 of 48 calls wrong on rank 0, rel. error up to 0.71, experiments/gloo_reduce_scatter_check.py).
+#: While True, the exact reduce-scatter
 #: (codec "none", and the transpose of the exact all-gather) is an all-to-all plus a local sum in
-#: rank order (`_exact_psum_scatter`) whenever the CPU backend runs gloo collectives. Environment:
-#: TACO_GLOO_REDUCE_SCATTER=lax turns it off (XLA's own reduce-scatter), =all_to_all (default) on.
-GLOO_REDUCE_SCATTER_WORKAROUND = _env_choice("TACO_GLOO_REDUCE_SCATTER", ("all_to_all", "lax")) == "all_to_all"
+#: rank order (`_exact_psum_scatter`) whenever the CPU backend runs gloo collectives; the exact
+#: all-gather keeps `lax.all_gather` forward but its derivative is transposed the same way
+#: (`_exact_all_gather`). None (default): from the environment at trace time,
+#: TACO_GLOO_REDUCE_SCATTER=all_to_all (default, on) | lax (off: XLA's own reduce-scatter).
+GLOO_REDUCE_SCATTER_WORKAROUND: bool | None = None
 
 
 def _gloo_collectives() -> bool:
     """True at trace time when XLA:CPU runs this program's collectives through gloo (`jax.distributed`
-    initialized and the default backend is CPU): the setting of jax-ml/jax#40830."""
-    return (GLOO_REDUCE_SCATTER_WORKAROUND and jax.default_backend() == "cpu"
-            and jax.distributed.is_initialized())
+    initialized and the default backend is CPU: the setting of jax-ml/jax#40830) and the workaround
+    is on. Raises ValueError naming a TACO_GLOO_REDUCE_SCATTER value that is not all_to_all / lax."""
+    on = GLOO_REDUCE_SCATTER_WORKAROUND
+    if on is None:
+        on = _env_choice("TACO_GLOO_REDUCE_SCATTER", ("all_to_all", "lax")) == "all_to_all"
+    return bool(on) and jax.default_backend() == "cpu" and jax.distributed.is_initialized()
 
 
 def _exact_psum_scatter(x, axis_name, dim, tiled):
@@ -131,6 +139,29 @@ def _exact_psum_scatter(x, axis_name, dim, tiled):
     for q in range(1, p):
         acc = acc + got[q].astype(acc_t)
     return acc.astype(x.dtype).reshape(shape)
+
+
+def _a2a_all_gather(x, axis_name, axis, tiled):
+    """`lax.all_gather(x, axis_name, axis=axis, tiled=tiled)` written as an all-to-all of P copies of
+    x (the same bytes on the wire). Its transpose is an all-to-all + sum, not a reduce-scatter."""
+    p = lax.axis_size(axis_name)
+    g = lax.all_to_all(jnp.broadcast_to(x[None], (p, *x.shape)), axis_name, 0, 0)  # g[q]: rank q's x
+    g = jnp.moveaxis(g, 0, axis)
+    return g.reshape(*x.shape[:axis], -1, *x.shape[axis + 1:]) if tiled else g
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _exact_all_gather(x, axis_name, axis, tiled):
+    """Exact all-gather under gloo: `lax.all_gather` forward; its tangent map is `_a2a_all_gather`, so
+    reverse mode (the transpose) never emits XLA:CPU's gloo reduce-scatter. Forward mode, reverse
+    mode and vmap all work (a custom_jvp, not a custom_vjp)."""
+    return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+
+@_exact_all_gather.defjvp
+def _exact_all_gather_jvp(axis_name, axis, tiled, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _exact_all_gather(x, axis_name, axis, tiled), _a2a_all_gather(t, axis_name, axis, tiled)
 
 
 def _tree(fn, enc):
@@ -369,8 +400,8 @@ def _psum_value(x, axis_name, codec, algorithm, reduce_domain="signal", chunks=1
     if codec.kind == "none":
         return lax.psum(x, axis_name)
     p = lax.axis_size(axis_name)
-    if p == 1:
-        return x
+    if p == 1:  # nothing to send; lax.psum of one rank is x, typed invariant over the axis as a sum is
+        return lax.psum(x, axis_name)
     if x.size == 0:
         return _empty(x.shape, x.dtype, vma_of(x) - _axes(axis_name))
     if algorithm == "one_shot":
@@ -533,7 +564,8 @@ def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 
     Args:
       x: array [*shape] (zero-size allowed).
       axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
-      codec: forward codec; kind "none" with an exact backward gives exactly `lax.all_gather`.
+      codec: forward codec; kind "none" with an exact backward gives exactly `lax.all_gather`
+        (under gloo its derivative avoids the reduce-scatter: `_exact_all_gather`).
       axis: where the ranks' blocks go (negative counts from the end of the result's rank).
       tiled: False: a new axis of size P at `axis`; True: the blocks concatenated along `axis`.
       bwd_codec: codec of the backward reduce-scatter of the cotangent (default: `codec`).
@@ -545,7 +577,9 @@ def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 
     """
     bwd = _bwd_codec(codec, bwd_codec)
     axis = _norm_axis(axis, x.ndim + (0 if tiled else 1), "axis")
-    if codec.kind == "none" and bwd.kind == "none" and not _gloo_collectives():
+    if codec.kind == "none" and bwd.kind == "none":
+        if _gloo_collectives():
+            return _exact_all_gather(_vary(x, axis_name), axis_name, axis, tiled)
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
     return _all_gather(_vary(x, axis_name), axis_name, codec, bwd, axis, tiled)
 
@@ -558,7 +592,7 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
       x: float array, partial sums varying over `axis_name` (zero-size allowed).
       axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
       codec: forward codec; kind "none" with an exact backward gives exactly `lax.psum_scatter`
-        (under gloo: `_exact_psum_scatter`, GLOO_REDUCE_SCATTER_WORKAROUND).
+        (under gloo: the same values from `_exact_psum_scatter`, GLOO_REDUCE_SCATTER_WORKAROUND).
       scatter_dimension: the dimension split into P blocks (rank r keeps block r of the sum).
       tiled: True: the dimension shrinks P-fold; False: x.shape[scatter_dimension] must be P and
         the dimension is removed.
@@ -576,13 +610,16 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
     """
     bwd = _bwd_codec(codec, bwd_codec)
     dim = _norm_axis(scatter_dimension, x.ndim, "scatter_dimension")
-    p = lax.axis_size(axis_name)
-    if codec.kind == "none" and bwd.kind == "none" and not _gloo_collectives():
+    exact = codec.kind == "none" and bwd.kind == "none"
+    if exact and not _gloo_collectives():
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+    p = lax.axis_size(axis_name)
     if tiled and x.shape[dim] % p:
         raise ValueError(f"x.shape[{dim}]={x.shape[dim]} is not divisible by axis size {p}")
     if not tiled and x.shape[dim] != p:
         raise ValueError(f"x.shape[{dim}]={x.shape[dim]} must equal the axis size {p} with tiled=False")
+    if exact:  # under gloo: plain jnp + all-to-all, differentiable in both modes without a reduce-scatter
+        return _exact_psum_scatter(_vary(x, axis_name), axis_name, dim, tiled)
     return _psum_scatter(_vary(x, axis_name), axis_name, codec, bwd, dim, tiled)
 
 
