@@ -394,7 +394,8 @@ def worker(cfg_path: str, process_id: int) -> None:
     t_start = time.monotonic()
     env = dict(process_id=process_id, process_count=jax.process_count(), devices=[str(d) for d in devices],
                jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-               backend_platform=jax.default_backend(), glibc_tunables=os.environ.get("GLIBC_TUNABLES"))
+               backend_platform=jax.default_backend(), glibc_tunables=os.environ.get("GLIBC_TUNABLES"),
+               gloo_reduce_scatter=os.environ.get("TACO_GLOO_REDUCE_SCATTER", "all_to_all"))
 
     def save(complete: bool) -> None:
         """This process's results so far (rewritten after every case: a run stopped by --timeout keeps

@@ -58,8 +58,16 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.processes == 1 or args.processes < 0:
         p.error(f"--processes {args.processes}: give 0 (this process only) or >= 2")
-    if args.processes and args.process_id >= 0:
+    if args.processes and (args.process_id >= 0 or args.coordinator or args.num_processes):
         p.error("--processes starts the processes itself; drop --coordinator / --num-processes / --process-id")
+    if args.processes:
+        from taco_jax.parallel.mesh import parse_mesh  # noqa: PLC0415
+
+        n_mesh = 1
+        for v in parse_mesh(args.mesh).values():
+            n_mesh *= v
+        if n_mesh % args.processes:
+            p.error(f"--mesh {args.mesh} has {n_mesh} devices, not divisible by --processes {args.processes}")
     if args.processes > 1:
         return _spawn(args, sys.argv[1:] if argv is None else list(argv))
 
@@ -121,6 +129,7 @@ def main(argv=None) -> dict:
         "dtype": args.dtype, "sequence_parallel": args.sequence_parallel,
         "reduce_domain": args.reduce_domain, "processes": jax.process_count(), "devices": len(jax.devices()),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "gloo_reduce_scatter": os.environ.get("TACO_GLOO_REDUCE_SCATTER", "all_to_all"),
         "tensor_codec": {v: f"{state[v][6].ar_fwd.name}[{state[v][6].ar_fwd.backend}]" for v in variants},
         "compile_s": {v: state[v][5] for v in variants},
         "median_step_s": {v: statistics.median(times[v]) for v in variants},

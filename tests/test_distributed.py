@@ -155,7 +155,15 @@ def fwd_mode(v):  # jvp of both exact collectives (linear: tangent = the collect
     return (t1 - 2 * rs(v[0]))[None], (t2 - 2 * ag(v[0]))[None]
 d1, d2 = (np.asarray(a) for a in jax.jit(jax.shard_map(fwd_mode, mesh=mesh, in_specs=P("t"),
                                                        out_specs=(P("t"), P("t"))))(xd))
-jvp_ok = bool(np.abs(d1).max() < 1e-5 and np.abs(d2).max() < 1e-5)
+def zero_size(v):  # grad and jvp of the exact all-gather of an empty block (shape [0, 3] per rank)
+    ag = lambda a: cc.all_gather(a, "t", codec=NONE, axis=1, tiled=True)
+    e = v[0, 0, :0, :3]
+    g0 = jax.grad(lambda a: jnp.sum(ag(a)))(e)
+    _, t0 = jax.jvp(ag, (e,), (e,))
+    return g0[None], t0[None]
+g0, t0 = jax.jit(jax.shard_map(zero_size, mesh=mesh, in_specs=P("t"), out_specs=(P("t"), P("t"))))(xd)
+jvp_ok = bool(np.abs(d1).max() < 1e-5 and np.abs(d2).max() < 1e-5 and g0.shape == (4, 0, 3)
+              and t0.shape == (4, 0, 12))
 s = x[0] + x[1] + x[2] + x[3]
 want = np.stack([s[:, 2 * r:2 * r + 2] for r in range(4)])
 print("reduce-scatter" in hlo, "all-to-all" in hlo,
@@ -171,8 +179,8 @@ def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
     the exact all-gather's transpose compile to an all-to-all plus a local sum, not XLA:CPU's gloo
     reduce-scatter (jax-ml/jax#40830), and give psum_scatter's values (bit for bit the sum in rank
     order; gloo's own reduce-scatter sums in another order) and gradient (8 s: 4 ranks, each with
-    loss sum(s^2)), and forward mode (jax.jvp) works; with the switch off, the compiled step has the
-    reduce-scatter again."""
+    loss sum(s^2)), and forward mode (jax.jvp) works, also for a zero-size block; with the switch off,
+    the compiled step has the reduce-scatter again."""
     import os
     import subprocess
 

@@ -147,7 +147,7 @@ def _a2a_all_gather(x, axis_name, axis, tiled):
     p = lax.axis_size(axis_name)
     g = lax.all_to_all(jnp.broadcast_to(x[None], (p, *x.shape)), axis_name, 0, 0)  # g[q]: rank q's x
     g = jnp.moveaxis(g, 0, axis)
-    return g.reshape(*x.shape[:axis], -1, *x.shape[axis + 1:]) if tiled else g
+    return g.reshape(*x.shape[:axis], p * x.shape[axis], *x.shape[axis + 1:]) if tiled else g
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
