@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
 VARIANTS = ("lax_reduce_scatter", "a2a_reduce_scatter", "all_reduce")
 WRONG = 1e-5
@@ -90,7 +88,7 @@ def main(argv=None) -> dict:
         p.error(f"--mb {args.mb}: the message must hold an even, positive number of float32 values")
     import tempfile
 
-    from taco_jax.launch import _die_with_parent, _stop, free_port
+    from taco_jax.launch import free_port, run_local
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # the a2a variant must be the workaround whatever the caller's environment says
@@ -102,19 +100,12 @@ def main(argv=None) -> dict:
         for pair in range(args.pairs):
             coord = f"127.0.0.1:{free_port()}"
             res = [os.path.join(tmp, f"p{pair}_{i}.json") for i in range(2)]
-            procs = [subprocess.Popen([sys.executable, __file__, "--mb", str(args.mb), "--calls", str(args.calls),
-                                       "--coordinator", coord, "--process-id", str(i), "--result", res[i]],
-                                      env=env, start_new_session=True, preexec_fn=_die_with_parent)
-                     for i in range(2)]
-            deadline = time.monotonic() + args.timeout
             try:
-                while any(q.poll() is None for q in procs):
-                    if time.monotonic() > deadline or any(q.returncode not in (None, 0) for q in procs):
-                        raise SystemExit(f"pair {pair}: a process failed or timed out "
-                                         f"(status {[q.returncode for q in procs]})")
-                    time.sleep(0.2)
-            finally:
-                _stop(procs, 5.0)
+                run_local([[sys.executable, __file__, "--mb", str(args.mb), "--calls", str(args.calls),
+                            "--coordinator", coord, "--process-id", str(i), "--result", res[i]] for i in range(2)],
+                          env=env, timeout_s=args.timeout)
+            except RuntimeError as e:
+                raise SystemExit(f"pair {pair}: {e}") from None
             for i in range(2):
                 with open(res[i]) as fh:
                     errs = json.load(fh)["errors"]

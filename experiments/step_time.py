@@ -153,12 +153,11 @@ _COMMAND_ENV = "TACO_STEP_TIME_COMMAND"
 
 def _spawn(args, argv: list[str]) -> dict:
     """Runs this script as `args.processes` processes of one run on 127.0.0.1 (process 0 prints and
-    writes --json); returns process 0's result, read back from --json when given, else {}.
-    Raises RuntimeError naming the failing process (the others are killed) or the timeout."""
-    import subprocess  # noqa: PLC0415
+    writes --json, or a temporary file); returns process 0's result.
+    Raises RuntimeError naming the failing process (the others are stopped) or the timeout."""
     import tempfile  # noqa: PLC0415
 
-    from taco_jax.launch import _die_with_parent, _stop, free_port, malloc_env  # noqa: PLC0415
+    from taco_jax.launch import free_port, malloc_env, run_local  # noqa: PLC0415
 
     drop = {"--processes", "--malloc", "--timeout"}
     rest, skip = [], False
@@ -172,36 +171,21 @@ def _spawn(args, argv: list[str]) -> dict:
         if a.split("=", 1)[0] in drop:
             continue
         rest.append(a)
-    if args.json:
-        json_path = args.json
-    else:
+    json_path = args.json
+    if not json_path:  # process 0 writes its result to a temporary file, removed below
         with tempfile.NamedTemporaryFile(suffix=".json", prefix="step_time_", delete=False) as f:
             json_path = f.name
-    if not args.json:
         rest += ["--json", json_path]
     env = malloc_env(os.environ, args.malloc)
     env[_COMMAND_ENV] = " ".join([sys.argv[0], *argv])  # what the user ran, recorded in the result
     coord = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, __file__, *rest, "--coordinator", coord, "--num-processes",
-                               str(args.processes), "--process-id", str(i)], env=env,
-                              stdout=None if i == 0 else subprocess.DEVNULL, start_new_session=True,
-                              preexec_fn=_die_with_parent)
-             for i in range(args.processes)]
-    deadline = time.monotonic() + args.timeout
     try:
-        while any(pr.poll() is None for pr in procs):
-            bad = [i for i, pr in enumerate(procs) if pr.returncode not in (None, 0)]
-            if bad or time.monotonic() > deadline:
-                raise RuntimeError(f"process {bad[0]} exited with status {procs[bad[0]].returncode}" if bad
-                                   else f"timed out after {args.timeout:g} s")
-            time.sleep(0.2)
-        bad = [i for i, pr in enumerate(procs) if pr.returncode != 0]
-        if bad:
-            raise RuntimeError(f"process {bad[0]} exited with status {procs[bad[0]].returncode}")
+        run_local([[sys.executable, __file__, *rest, "--coordinator", coord, "--num-processes", str(args.processes),
+                    "--process-id", str(i)] for i in range(args.processes)],
+                  env=env, timeout_s=args.timeout, quiet_after_first=True)
         with open(json_path) as f:
             return json.load(f)
     finally:
-        _stop(procs, 5.0)
         if not args.json and os.path.exists(json_path):
             os.unlink(json_path)
 

@@ -155,6 +155,30 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
     return status
 
 
+def run_local(cmds: list[list[str]], *, env: dict, timeout_s: float, quiet_after_first: bool = False,
+              grace_s: float = 5.0) -> None:
+    """Runs `cmds` as processes of one local run (each in its own session, killed if this process
+    dies) and waits for all of them. `quiet_after_first`: only the first process's stdout is shown.
+    Raises RuntimeError naming the first process that exited with a non-zero status, or the timeout
+    (`timeout_s` seconds); the others are stopped then (SIGTERM, SIGKILL after `grace_s`)."""
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if quiet_after_first and i else None,
+                              start_new_session=True, preexec_fn=_die_with_parent)
+             for i, cmd in enumerate(cmds)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                raise RuntimeError(f"process {bad[0]} exited with status {procs[bad[0]].returncode}")
+            if all(p.poll() == 0 for p in procs):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout_s:g} s")
+            time.sleep(0.1)
+    finally:
+        _stop(procs, grace_s)
+
+
 def _stop(procs, grace_s: float) -> None:
     """SIGTERM each running process, then SIGKILL (its whole session) after `grace_s`."""
     for p in procs:

@@ -14,6 +14,7 @@ import math
 import re
 import signal
 import sys
+import time
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from taco_jax.data import batch_iterator
-from taco_jax.launch import MALLOC_KEEP, free_port, launch, malloc_env
+from taco_jax.launch import MALLOC_KEEP, free_port, launch, malloc_env, run_local
 from taco_jax.train import distributed
 from taco_jax.train.distributed import DistConfig, TrainBatches
 
@@ -76,6 +77,22 @@ def test_launch_malloc_setting():
         malloc_env({}, "tcmalloc")
     with pytest.raises(ValueError, match="malloc='x'"):
         launch(2, ["train"], malloc="x")
+
+
+def test_run_local_waits_names_the_failure_and_bounds_the_time():
+    """Real processes: all succeed -> returns; one fails -> RuntimeError naming it, the sleeping one
+    is stopped (not left behind); the timeout stops every process."""
+    import os
+
+    ok = [sys.executable, "-c", "pass"]
+    run_local([ok, ok], env=dict(os.environ), timeout_s=60)
+    t = time.monotonic()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(RuntimeError, match="process 1 exited with status 3"):
+        run_local([sleeper, [sys.executable, "-c", "raise SystemExit(3)"]], env=dict(os.environ), timeout_s=60)
+    with pytest.raises(RuntimeError, match="timed out after 1 s"):
+        run_local([sleeper], env=dict(os.environ), timeout_s=1)
+    assert time.monotonic() - t < 30  # neither waited for the 60 s sleeper
 
 
 _MMAPPED = """
