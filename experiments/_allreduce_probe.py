@@ -14,19 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
 
 #: sub-programs: fixed input, output discarded (never donated)
 SUB = ("enc", "dec", "a2a", "ag", "a2a32", "ag32", "gx", "gc")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child(args):
@@ -145,20 +137,16 @@ def main():
     args = ap.parse_args()
     if args.pid >= 0:
         return child(args)
-    coord = f"127.0.0.1:{_free_port()}"
+    from taco_jax.launch import free_port, run_local
+
+    coord = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--pid", str(i), "--coord", coord], env=env)
-             for i in range(2)]
-    deadline = time.monotonic() + args.timeout
-    while any(p.poll() is None for p in procs):  # one child failing (or the deadline) ends the other
-        if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.2)
-    sys.exit(max(p.wait() or 0 for p in procs) or (1 if time.monotonic() > deadline else 0))
+    try:  # one child failing (or the deadline) stops the other
+        run_local([[sys.executable, __file__, *sys.argv[1:], "--pid", str(i), "--coord", coord] for i in range(2)],
+                  env=env, timeout_s=args.timeout)
+    except RuntimeError as e:
+        sys.exit(f"_allreduce_probe: {e}")
 
 
 if __name__ == "__main__":

@@ -123,11 +123,13 @@ def main(argv=None):
 
     env = malloc_env({**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}, a.malloc)
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, __file__, *(argv or sys.argv[1:]), "--pid", str(i)], env=env)
-             for i in range(2)]
-    rc = [q.wait(timeout=1800) for q in procs]
-    if any(rc):
-        raise SystemExit(f"children exited with {rc}")
+    from taco_jax.launch import run_local
+
+    try:  # one child failing (or 1800 s passing) stops the other
+        run_local([[sys.executable, __file__, *(argv or sys.argv[1:]), "--pid", str(i)] for i in range(2)],
+                  env=env, timeout_s=1800)
+    except RuntimeError as e:
+        raise SystemExit(f"gloo children: {e}") from None
     sim_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     if subprocess.run([sys.executable, __file__, *(argv or sys.argv[1:]), "--pid", str(SIM)], env=sim_env).returncode:
         raise SystemExit("the simulated-mesh child failed")

@@ -116,7 +116,8 @@ def test_malloc_keep_takes_effect_in_glibc():
     import subprocess
 
     def mapped(env):
-        out = subprocess.run([sys.executable, "-c", _MMAPPED], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", _MMAPPED], env=env, capture_output=True, text=True, check=True,
+                             timeout=120)
         return int(out.stdout.split()[-1])
 
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
