@@ -3,9 +3,11 @@ and tests, in the manner of `torchrun --standalone`).
 
 Each process runs `python -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
 --process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on
-CPU. Every output line is prefixed with "[I] "; when one process fails (exit status != 0) the others
-are stopped (SIGTERM, then SIGKILL after `grace_s`) and the launcher returns that status. SIGTERM /
-SIGINT to the launcher is forwarded to every process (a preemption: they checkpoint and exit).
+CPU. When process 0 finds the port taken (another program bound it in between), the processes are
+started again on another free port (up to `PORT_ATTEMPTS` tries). Every output line is prefixed
+with "[I] "; when one process fails (exit status != 0) the others are stopped (SIGTERM, then SIGKILL
+after `grace_s`) and the launcher returns that status. SIGTERM / SIGINT to the launcher is forwarded
+to every process (a preemption: they checkpoint and exit).
 
 Allocator (`malloc="keep"`, the default): the processes get `GLIBC_TUNABLES` = `MALLOC_KEEP`, so
 glibc serves large buffers from its heap and keeps freed memory for reuse instead of mapping
@@ -98,13 +100,34 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise ValueError(f"{flag} is set by the launcher; remove it from the command")
     out = out or sys.stdout
-    port = free_port()
     base = malloc_env(os.environ if env is None else env, malloc)
     n_mesh = _mesh_size(argv)
     if n_mesh and n_mesh % processes == 0 and "xla_force_host_platform_device_count" not in base.get("XLA_FLAGS", ""):
         base["XLA_FLAGS"] = (base.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={n_mesh // processes}").strip()
     base["PYTHONUNBUFFERED"] = "1"
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        status, busy = _launch_once(processes, argv, port, base, out, grace_s)
+        if not busy or attempt == PORT_ATTEMPTS:
+            return status
+        print(f"[launch] port {port} was taken before the coordinator started; retrying with another "
+              f"(attempt {attempt + 1} of {PORT_ATTEMPTS})", file=out, flush=True)
+    return status
+
+
+#: Tries of `launch` with a fresh port when the chosen one turned out to be in use (another program
+#: took it between `free_port` and the coordinator's start).
+PORT_ATTEMPTS = 3
+
+
+def _launch_once(processes: int, argv: list[str], port: int, base: dict, out, grace_s: float) -> tuple[int, bool]:
+    """One start of the `processes` processes on coordinator port `port`; returns (exit status, whether
+    process 0 failed because the port was in use: `distributed.check_coordinator_port`'s error)."""
+    from taco_jax.train.distributed import PORT_IN_USE
+
+    busy_line = f"coordinator 127.0.0.1:{port} {PORT_IN_USE}"
+    busy = threading.Event()
     procs = []
     for i in range(processes):
         cmd = [sys.executable, "-m", "taco_jax.cli", *argv, "--coordinator", f"127.0.0.1:{port}",
@@ -115,8 +138,11 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
 
     def pump(i, p):
         for line in iter(p.stdout.readline, b""):
+            text = line.decode(errors="replace")
+            if i == 0 and busy_line in text:
+                busy.set()
             with lock:
-                out.write(f"[{i}] {line.decode(errors='replace')}")
+                out.write(f"[{i}] {text}")
                 out.flush()
 
     pumps = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(procs)]
@@ -152,7 +178,7 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
             signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
-    return status
+    return status, status == 2 and busy.is_set()
 
 
 def run_local(cmds: list[list[str]], *, env: dict, timeout_s: float, quiet_after_first: bool = False,

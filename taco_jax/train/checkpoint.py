@@ -73,7 +73,8 @@ class Checkpoints:
     def __init__(self, directory, *, keep: int, async_save: bool = True):
         ocp = _ocp()
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+        # create=False: the folder appears with the first save (none for a run that never checkpoints)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=False)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def steps(self) -> list[int]:
