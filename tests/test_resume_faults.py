@@ -83,3 +83,140 @@ def test_launch_retries_a_taken_port_and_the_coordinator_binds_the_address_given
     assert f"coordinator 127.0.0.1:{busy} is in use" in text
     assert "retrying with another (attempt 2 of 3)" in text
     assert (tmp_path / "run" / "summary.json").exists() and not ports
+
+
+# -----------------------------------------------------------------------------
+# a corrupt newest checkpoint: named, the newest intact one used (or named), nothing deleted
+
+
+def _state(mesh: str, **flags):
+    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.step import make_trainer
+
+    cfg = TrainConfig.from_flags(mesh=mesh, steps=4, batch_size=8, seq_len=32, comm="none", **flags)
+    params, opt_state = make_trainer(cfg).init()
+    return cfg, params, opt_state
+
+
+def _data_files(step_dir):
+    return sorted((f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"),
+                  key=lambda f: -f.stat().st_size)
+
+
+def _truncate(step_dir):
+    for f in _data_files(step_dir):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _flip(step_dir):
+    big = _data_files(step_dir)[0]
+    raw = bytearray(big.read_bytes())
+    for i in range(len(raw) // 2, len(raw) // 2 + 64):
+        raw[i] ^= 0xFF
+    big.write_bytes(bytes(raw))
+
+
+def _no_meta(step_dir):
+    for f in (step_dir / "meta").iterdir():
+        f.unlink()
+
+
+CORRUPTIONS = {"truncated": (_truncate, "its arrays cannot be read"), "flipped": (_flip, "1 arrays differ from what"),
+               "no-meta": (_no_meta, "its meta cannot be read")}
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """Checkpoints 3 and 5 of gpt2-tiny on data=2,tensor=4 (5's parameters shifted by +0.01)."""
+    import jax
+    import numpy as np
+
+    from taco_jax.train.checkpoint import Checkpoints
+
+    cfg, params, opt_state = _state("data=2,tensor=4")
+    d = tmp_path_factory.mktemp("two") / "checkpoints"
+    ck = Checkpoints(d, keep=3)
+    data = {"position": 3, "bit_generator": np.random.default_rng(3).bit_generator.state}  # a data stream's state
+    ck.save(3, params, opt_state, {"data": data, "config": cfg.to_dict()}, wait=True)
+    later = jax.jit(lambda p: jax.tree.map(lambda a: a + 0.01, p))(params)
+    ck.save(5, later, opt_state, {"data": {**data, "position": 5}, "config": cfg.to_dict()}, wait=True)
+    ck.close()
+    return d, cfg, jax.device_get(params)
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(two_checkpoints, tmp_path, kind):
+    """Checkpoint 5 truncated / with flipped bytes / without its meta: `resume` names it, restores 3
+    bit for bit with a warning, renames 5 to 5.corrupt (its files kept); without fallback it refuses,
+    naming both. The messages are one readable line (no TensorStore spec / pybind text)."""
+    import shutil
+
+    import numpy as np
+
+    from taco_jax.train.checkpoint import Checkpoints, CorruptCheckpointError
+
+    src, cfg, params3 = two_checkpoints
+    d = tmp_path / "checkpoints"
+    shutil.copytree(src, d)
+    corrupt, what = CORRUPTIONS[kind]
+    corrupt(d / "5")
+    files = sorted(str(f.relative_to(d / "5")) for f in (d / "5").rglob("*"))
+    _, params, opt_state = _state("data=2,tensor=4")
+    ck = Checkpoints(d, keep=3)
+    with pytest.raises(CorruptCheckpointError) as e:
+        ck.resume(cfg.to_dict(), params, opt_state, fallback=False)
+    msg = str(e.value)
+    assert f"checkpoint {d / '5'}: {what}" in msg and f"newest intact checkpoint is {d / '3'} (step 3)" in msg
+    assert "tensorstore_spec" not in msg and "pybind" not in msg and "\n" not in msg and len(msg) < 1200
+    assert ck.steps() == [3, 5]  # refused: nothing renamed or deleted
+    step, p, _, meta, _, warnings = ck.resume(cfg.to_dict(), params, opt_state)
+    assert step == 3 and meta["step"] == 3
+    np.testing.assert_array_equal(np.asarray(p["wte"]["embedding"]), params3["wte"]["embedding"])
+    assert len(warnings) == 1 and f"checkpoint {d / '5'}: {what}" in warnings[0]
+    assert f"renamed to {d / '5.corrupt'}" in warnings[0]
+    assert ck.steps() == [3]
+    assert sorted(str(f.relative_to(d / "5.corrupt")) for f in (d / "5.corrupt").rglob("*")) == files
+    ck.close()
+
+
+def test_every_checkpoint_corrupt_is_refused_naming_each(two_checkpoints, tmp_path):
+    import shutil
+
+    from taco_jax.train.checkpoint import Checkpoints, CorruptCheckpointError
+
+    src, cfg, _ = two_checkpoints
+    d = tmp_path / "checkpoints"
+    shutil.copytree(src, d)
+    _truncate(d / "5")
+    _no_meta(d / "3")
+    _, params, opt_state = _state("data=2,tensor=4")
+    ck = Checkpoints(d, keep=3)
+    with pytest.raises(CorruptCheckpointError, match=rf"no intact checkpoint in {d}: checkpoint {d / '5'}: .*"
+                                                     rf"checkpoint {d / '3'}: its meta cannot be read"):
+        ck.resume(cfg.to_dict(), params, opt_state)
+    assert ck.steps() == [3, 5]
+    ck.close()
+
+
+def test_cli_resume_with_a_corrupt_newest_checkpoint(two_checkpoints, tmp_path, capsys):
+    """`train --resume`: --no-resume-fallback exits 2 before compiling, naming the corrupt checkpoint
+    and the intact one; by default the run continues from the intact one with a warning."""
+    import shutil
+
+    src, _, _ = two_checkpoints
+    shutil.copytree(src, tmp_path / "checkpoints")
+    _no_meta(tmp_path / "checkpoints" / "5")
+    args = ["train", "--batch-size", "8", "--seq-len", "32", "--steps", "4", "--comm", "none", "--no-progress",
+            "--eval-batches", "1", "--mesh", "data=2,tensor=4", "--out", str(tmp_path), "--resume"]
+    t = time.monotonic()
+    assert main([*args, "--no-resume-fallback"]) == 2
+    took = time.monotonic() - t
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and err[0].startswith(f"taco-jax: error: checkpoint {tmp_path / 'checkpoints' / '5'}: its "
+                                               "meta cannot be read") and "(step 3)" in err[0], err
+    assert took < 60
+    assert main(args) == 0  # steps 4 after 3
+    err = capsys.readouterr().err
+    assert f"[taco-jax] warning: checkpoint {tmp_path / 'checkpoints' / '5'}: its meta cannot be read" in err
+    assert "resumed from" in err and "(step 3)" in err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "5.corrupt"]
