@@ -220,3 +220,85 @@ def test_cli_resume_with_a_corrupt_newest_checkpoint(two_checkpoints, tmp_path, 
     assert f"[taco-jax] warning: checkpoint {tmp_path / 'checkpoints' / '5'}: its meta cannot be read" in err
     assert "resumed from" in err and "(step 3)" in err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "5.corrupt"]
+
+
+# -----------------------------------------------------------------------------
+# another tensor size: the vocabulary padding changes (512 rows on tensor=2, 384 on tensor=1)
+
+
+def test_restore_trims_or_pads_the_vocabulary_padding(tmp_path):
+    """vocab 300 saved on data=4,tensor=2 (padded to 512 rows), restored on data=8,tensor=1 (384) and
+    back (the 8-device test mesh): the real rows and their Adam moments equal, the padding rows zero;
+    a non-zero row that would be trimmed is refused, naming the leaf and both row counts."""
+    import jax
+    import numpy as np
+
+    from taco_jax.train.checkpoint import CheckpointError, Checkpoints, _paths
+
+    cfg2, params, opt_state = _state("data=4,tensor=2", vocab_size=300)
+    cfg1, params1, opt1 = _state("data=8,tensor=1", vocab_size=300)
+    assert params["wte"]["embedding"].shape == (512, 128) and params1["wte"]["embedding"].shape == (384, 128)
+    # Adam moments with non-zero real rows (as after a few steps); padding rows stay zero
+    real_rows = jax.numpy.pad(jax.numpy.ones((300, 128)), ((0, 212), (0, 0)))
+    opt_state = jax.tree_util.tree_map_with_path(lambda k, a: a + real_rows if "wte" in jax.tree_util.keystr(k)
+                                                 else a, opt_state)
+    ck = Checkpoints(tmp_path / "checkpoints", keep=3)
+    ck.save(2, params, opt_state, {"data": {}, "config": cfg2.to_dict()}, wait=True)
+    vocab1 = (cfg1.model_config.vocab_size, cfg1.model_config.padded_vocab_size)
+    with pytest.raises(CheckpointError, match=r"\[512, 128\], 'float32'\] vs this run \[\[384, 128\]"):
+        ck.restore(2, cfg1.to_dict(), params1, opt1)  # without the vocabulary: shapes must match
+    p, o, _, notes = ck.restore(2, cfg1.to_dict(), params1, opt1, vocab=vocab1)
+    assert "vocabulary padding: checkpoint 512 rows, now 384 (zero rows trimmed; 3 arrays)" in notes
+    host = jax.device_get({"params": params, "opt_state": opt_state})
+    got = _paths({"params": p, "opt_state": o})
+    vocab_leaves = [k for k in got if "wte" in k]
+    assert len(vocab_leaves) == 3  # the embedding (tied LM head) and its two Adam moments
+    for k, want in _paths(host).items():
+        want = want[:384] if k in vocab_leaves else want
+        np.testing.assert_array_equal(np.asarray(got[k]), want)
+        assert k not in vocab_leaves or (not want[300:].any() and want[:300].any())
+    assert p["wte"]["embedding"].sharding == params1["wte"]["embedding"].sharding
+    # back to 512 rows: zero rows added
+    ck.save(4, p, o, {"data": {}, "config": cfg1.to_dict()}, wait=True)
+    vocab2 = (cfg2.model_config.vocab_size, cfg2.model_config.padded_vocab_size)
+    p2, _, _, notes = ck.restore(4, cfg2.to_dict(), params, opt_state, vocab=vocab2)
+    assert "now 512 (zero rows added; 3 arrays)" in notes[-1]
+    np.testing.assert_array_equal(np.asarray(p2["wte"]["embedding"]), host["params"]["wte"]["embedding"])
+    # a row past 384 that is not zero: not padding -> refused
+    bad = jax.tree_util.tree_map_with_path(lambda k, a: a.at[400].set(1.0) if "wte" in jax.tree_util.keystr(k)
+                                           else a, params)
+    ck.save(6, bad, opt_state, {"data": {}, "config": cfg2.to_dict()}, wait=True)
+    with pytest.raises(CheckpointError, match=r"\['wte'\]\['embedding'\] has non-zero rows in \[384, 512\) .*"
+                                              r"checkpoint's 512 rows cannot become this run's 384"):
+        ck.restore(6, cfg1.to_dict(), params1, opt1, vocab=vocab1)
+    ck.close()
+
+
+VOCAB_RUN = ["train", *TINY, "--vocab-size", "300", "--steps", "4", "--checkpoint-every", "2", "--comm", "none",
+             "--dtype", "float32", "--no-progress"]
+
+
+def test_resume_on_another_tensor_size_with_other_vocabulary_padding(tmp_path, cache):
+    """Issue 25's input: vocab 300, saved on data=2,tensor=2 (512 rows), resumed on data=4,tensor=1
+    (384 rows; exit 2 "checkpoint [512, 128] vs this run [384, 128]" before). The resumed steps 3-4
+    equal the uninterrupted run on the saving mesh (= a resume there: bit-exact, test_checkpoint.py)
+    to <= 1e-6 relative (float32, exact collectives: only the mesh's summation order differs)."""
+    import json
+    import shutil
+
+    from _procs import losses
+
+    ref = tmp_path / "ref"
+    r = run(cli(*VOCAB_RUN, "--mesh", "data=2,tensor=2", "--out", ref), cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "other"
+    shutil.copytree(ref, out)
+    shutil.rmtree(out / "checkpoints" / "4")  # resume from step 2
+    r = run(cli(*VOCAB_RUN, "--mesh", "data=4,tensor=1", "--out", out, "--resume"), cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "vocabulary padding: checkpoint 512 rows, now 384 (zero rows trimmed" in r.stderr
+    assert json.loads(r.stdout)["resumed_from_step"] == 2
+    want, got = losses(ref), losses(out)
+    assert [s for s, _, _ in got] == [1, 2, 3, 4] and got[:2] == want[:2]
+    for (_, lw, gw), (_, lg, gg) in zip(want[2:], got[2:]):
+        assert abs(lg - lw) <= 1e-6 * abs(lw) and abs(gg - gw) <= 1e-5 * abs(gw), (want, got)

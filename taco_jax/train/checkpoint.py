@@ -237,8 +237,10 @@ class Checkpoints:
         if saved.get("mesh") != config.get("mesh"):
             notes.append(f"mesh: checkpoint {saved.get('mesh')!r}, now {config.get('mesh')!r} (resharded)")
         if pads:
-            out = _map_paths(out, lambda k, a: a if k not in pads else
-                             _repad(a, pads[k], vocab, target=_paths(shardings)[k], name=k, where=where))
+            keys, targets = list(_paths(state)), list(_paths(shardings).values())  # leaf order of `out` too
+            leaves = [a if k not in pads else _repad(a, pads[k], vocab, target=t, name=k, where=where)
+                      for k, t, a in zip(keys, targets, jax.tree.leaves(out), strict=True)]
+            out = jax.tree.unflatten(jax.tree.structure(out), leaves)
             notes.append(f"vocabulary padding: checkpoint {_saved_padded_vocab(saved, vocab)} rows, now {vocab[1]} "
                          f"(zero rows {'trimmed' if vocab[1] < _saved_padded_vocab(saved, vocab) else 'added'}; "
                          f"{len(pads)} arrays)")
