@@ -3,10 +3,11 @@ latest checkpoint, another vocabulary padding, x64, a SIGKILL during an async sa
 count. Process tests run real `taco_jax.cli` processes (bounded by timeouts; `_procs`)."""
 
 import socket
+import sys
 import time
 
 import pytest
-from _procs import TINY, cli, run
+from _procs import ROOT, TINY, cli, run
 
 from taco_jax.cli import _parser, main
 
@@ -302,3 +303,53 @@ def test_resume_on_another_tensor_size_with_other_vocabulary_padding(tmp_path, c
     assert [s for s, _, _ in got] == [1, 2, 3, 4] and got[:2] == want[:2]
     for (_, lw, gw), (_, lg, gg) in zip(want[2:], got[2:]):
         assert abs(lg - lw) <= 1e-6 * abs(lw) and abs(gg - gw) <= 1e-5 * abs(gw), (want, got)
+
+
+# -----------------------------------------------------------------------------
+# JAX_ENABLE_X64=1: the same dtypes and wire bytes
+
+
+def _dtypes_and_wire(model: str = "gpt2-tiny") -> dict:
+    """Every parameter / optimizer-state leaf's dtype, the compiled train step's collectives (axis,
+    dtype, bytes) and wire bytes per axis, and the step's loss dtype, of `model` on data=2,tensor=4
+    with --comm taco (FP8 codes + float32 scales on the tensor axis)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from taco_jax.collectives.hlo import collective_bytes
+    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.step import make_trainer
+
+    cfg = TrainConfig.from_flags(model=model, mesh="data=2,tensor=4", steps=4, batch_size=8, seq_len=32, comm="taco")
+    trainer = make_trainer(cfg)
+    params, opt_state = trainer.init()
+    leaves = {jax.tree_util.keystr(k): str(v.dtype) for k, v in
+              jax.tree_util.tree_flatten_with_path((params, opt_state))[0]}
+    batch = jax.ShapeDtypeStruct((8, 32), np.int32, sharding=NamedSharding(trainer.mesh, PartitionSpec("data")))
+    step = trainer.train_step.lower(params, opt_state, batch, batch).compile()
+    wire = collective_bytes(step.as_text(), trainer.mesh)
+    out = jax.eval_shape(trainer.train_step, params, opt_state, batch, batch)
+    return {"x64": bool(jax.config.jax_enable_x64), "leaves": leaves, "by_axis": wire["by_axis"],
+            "detail": sorted([r["axis"], r["dtype"], r["bytes"]] for r in wire["detail"]),
+            "outputs": sorted({str(a.dtype) for a in jax.tree.leaves(out)})}
+
+
+def test_x64_changes_no_dtype_and_no_wire_byte(cache):
+    """With JAX_ENABLE_X64=1 (a subprocess) gpt2-tiny's parameters and optimizer state, the train step's
+    collectives (FP8 codes as u8 + float32 scales) and its outputs have the dtypes of an x64-off run,
+    and the wire bytes per axis are identical (before: 17 float64 leaves, f64 collective operands)."""
+    import json
+
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_resume_faults as t; "
+            "print('RESULT ' + json.dumps(t._dtypes_and_wire()))")
+    r = run([sys.executable, "-c", code], cache, timeout=300, JAX_ENABLE_X64="1",
+            XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    on = json.loads(r.stdout.split("RESULT ", 1)[1])
+    off = _dtypes_and_wire()
+    assert on["x64"] and not off["x64"]
+    assert set(on["leaves"].values()) <= {"float32", "int32"}
+    assert on["leaves"] == off["leaves"] and on["outputs"] == off["outputs"]
+    assert on["detail"] == off["detail"] and on["by_axis"] == off["by_axis"]
+    assert {d for _, d, _ in on["detail"]} == {"f32", "u8"}
