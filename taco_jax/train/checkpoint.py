@@ -117,9 +117,13 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=False)
         slow = float(os.environ.get(ENV_SLOW_SAVE, 0) or 0)
         if slow > 0:  # test hook: every save's background write of the meta starts `slow` seconds late
-            self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                                 item_handlers={"state": ocp.StandardCheckpointHandler(),
-                                                                "meta": _slow_json_handler(slow)})
+            registry, state, meta = (ocp.handlers.DefaultCheckpointHandlerRegistry(), ocp.StandardCheckpointHandler(),
+                                     _slow_json_handler(slow))
+            for item, handler, args in (("state", state, (ocp.args.StandardSave, ocp.args.StandardRestore)),
+                                        ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore))):
+                for a in args:
+                    registry.add(item, a, handler)
+            self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         else:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
