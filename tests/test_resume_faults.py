@@ -392,3 +392,40 @@ def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, c
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout)["resumed_from_step"] == 2
     assert records(out) == records(ref)  # every step's loss, grad norm and val loss, bit for bit
+
+
+# -----------------------------------------------------------------------------
+# resume with another number of processes (same global mesh)
+
+PROC_ARGS = ["train", *TINY, "--steps", "4", "--checkpoint-every", "2", "--comm", "taco", "--mesh", "data=2,tensor=2",
+             "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def saved_by_two(tmp_path_factory, cache):
+    """data=2,tensor=2 over 2 processes × 2 devices, 4 steps, checkpoints 2 and 4 (written by both)."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    r = run(cli(*PROC_ARGS, "--out", out, processes=2), cache)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in (out / "checkpoints" / "2" / "state").iterdir()}
+    return out
+
+
+@pytest.mark.parametrize("processes", [1, pytest.param(4, marks=pytest.mark.slow)])  # 4: make test-slow
+def test_resume_with_another_process_count(tmp_path, cache, saved_by_two, processes):
+    """Checkpoint 2 of the 2-process run resumed by 1 process × 4 devices and by 4 processes × 1 device:
+    steps 3-4 equal the 2-process run's (= its own resume: bit-exact, test_checkpoint.py) bit for bit
+    (the same global mesh: the collectives sum in the same order whatever the process count)."""
+    import json
+    import shutil
+
+    from _procs import losses
+
+    out = tmp_path / "run"
+    shutil.copytree(saved_by_two, out)
+    shutil.rmtree(out / "checkpoints" / "4")
+    r = run(cli(*PROC_ARGS, "--out", out, "--resume", processes=processes), cache)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert f"[0] [taco-jax] resumed from {out / 'checkpoints' / '2'} (step 2)" in r.stdout
+    assert json.loads((out / "summary.json").read_text())["processes"] == processes
+    assert losses(out) == losses(saved_by_two)  # steps 1-2 kept, 3-4 recomputed: bit for bit
