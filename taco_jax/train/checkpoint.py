@@ -5,12 +5,16 @@ Layout (`<out>/checkpoints/`, docs/distributed.md):
                     its own shards, restored onto any mesh through the target's shardings)
     <step>/meta/    JSON: step, data position and RNG state, run config with the communication
                     policy, parameter shapes, per-leaf fingerprints, process count
-    <step>.orbax-checkpoint-tmp-*   a save in progress (or interrupted): never read
+    <step>.orbax-checkpoint-tmp*    a save in progress (or interrupted): never read
+    <step>.corrupt                  a corrupt checkpoint set aside by `Checkpoints.resume` (kept, never read)
 
 A save runs in the background (async: the step loop continues while the arrays are written) and
 is atomic: Orbax writes into a temporary folder and renames it to `<step>` only when every process
 finished, so a crash during a save leaves the previous checkpoints untouched and no `<step>` that
 looks complete; old checkpoints beyond `keep` are removed only after a newer one is complete.
+Resume (`Checkpoints.resume`) takes the newest checkpoint that restores: a corrupt newer one is
+named and set aside (or, without fallback, refused naming the intact one); arrays whose vocabulary
+padding differs (another tensor size) are trimmed or zero-padded.
 """
 
 from __future__ import annotations
@@ -164,7 +168,7 @@ class Checkpoints:
             raise CorruptCheckpointError(f"checkpoint {self.directory / str(step)}: its meta cannot be read "
                                          f"({_why(e)}); corrupt or truncated") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CorruptCheckpointError(f"checkpoint {self.directory / str(step)}: meta format "
+            raise CheckpointError(f"checkpoint {self.directory / str(step)}: meta format "
                                   f"{meta.get('format') if isinstance(meta, dict) else meta!r}, expected {FORMAT}")
         return meta
 
@@ -292,17 +296,22 @@ class Checkpoints:
     def _set_aside(self, step: int) -> pathlib.Path:
         """Renames corrupt checkpoint `step` to `<step>.corrupt` (`.corrupt-2`, ... if taken), which Orbax
         does not list; process 0 renames, every process waits for it. Returns the new path."""
+        from jax.experimental import multihost_utils
+
+        def barrier(what):
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"taco_jax checkpoint {step} {what}")
+
+        barrier("to set aside")  # every process picks the same free name before process 0 renames
         src, n = self.directory / str(step), 1
         dst = self.directory / f"{step}.corrupt"
         while dst.exists():
             n += 1
             dst = self.directory / f"{step}.corrupt-{n}"
+        barrier("named")
         if jax.process_index() == 0:
             src.rename(dst)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"taco_jax checkpoint {step} set aside")
+        barrier("set aside")
         self.manager.reload()
         return dst
 
