@@ -35,9 +35,10 @@ from taco_jax.data.shakespeare import EOT, _train_tokenizer, load_shakespeare
 
 FORMAT = 1
 #: Cut documents longer than this (characters) into pieces for parallel encoding.
-PIECE_CHARS = 1 << 20
-#: Characters per batch handed to the tokenizer's parallel batch encode.
-BATCH_CHARS = 16 << 20
+PIECE_CHARS = 64 << 10
+#: Characters per batch handed to the tokenizer's parallel batch encode (bounds the memory of its
+#: `Encoding` objects, ~100 bytes per token).
+BATCH_CHARS = 4 << 20
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl",)
 
@@ -204,7 +205,8 @@ def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: 
         tok = Tokenizer.from_file(tokenizer)
         source = str(pathlib.Path(tokenizer).resolve())
     else:
-        tok = _train_tokenizer((d for _, d in docs("train BPE")), vocab_size or 2048)
+        # fed in pieces (the byte-level regex splits at line starts anyway): the trainer's memory stays bounded
+        tok = _train_tokenizer((p for _, d in docs("train BPE") for p in _pieces(d, PIECE_CHARS)), vocab_size or 2048)
         source = f"byte-level BPE, vocab_size={vocab_size or 2048}, trained on these documents"
     eot_id = tok.token_to_id(eot_token)
     if eot_id is None:

@@ -32,9 +32,15 @@ class CausalLM:
     def from_config(cls, cfg) -> CausalLM:
         from flax import nnx
 
-        from taco_jax.models import make_model
+        from taco_jax.models.gpt2 import GPT
+        from taco_jax.models.qwen import Qwen, QwenConfig
 
-        model = nnx.eval_shape(lambda: make_model(cfg, rngs=nnx.Rngs(0)))
+        def build():  # one device: no tensor-parallel context (as models.make_model without a mesh)
+            if isinstance(cfg, QwenConfig):
+                return Qwen(cfg, None, rngs=nnx.Rngs(0), tensor_size=1)
+            return GPT(cfg, None, rngs=nnx.Rngs(0))
+
+        model = nnx.eval_shape(build)
         graphdef, state = nnx.split(model, nnx.Param)
         return cls(cfg, graphdef, state)
 
@@ -67,9 +73,9 @@ def load_hf(path, *, dtype: str = "float32") -> tuple[CausalLM, dict]:
     `models.hf.config_from_hf`), parameters as float32 jax arrays on the default device; `dtype`
     is the compute dtype. Raises ValueError as `models.hf.load_hf` (unknown architecture, tensor
     mismatch)."""
-    from taco_jax.models import hf
+    from taco_jax.models.hf import load_hf as load_checkpoint
 
-    cfg, params = hf.load_hf(path, dtype=dtype)
+    cfg, params = load_checkpoint(path, dtype=dtype)
     return CausalLM.from_config(cfg), jax.tree.map(jnp.asarray, params)
 
 
