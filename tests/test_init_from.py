@@ -39,3 +39,11 @@ def test_model_that_disagrees_with_init_from_is_refused(tmp_path):
     hf.save_hf(tmp_path, src, nnx.to_pure_dict(nnx.split(make_model(src, rngs=nnx.Rngs(0)), nnx.Param)[1]))
     cfg = TrainConfig(model="qwen3-tiny", init_from=str(tmp_path), **dict(RUN, mesh="data=2"))
     assert cfg.model == hf.architecture_label(src)
+
+
+def test_cli_refuses_with_one_line(capsys):
+    from taco_jax.cli import main
+
+    assert main(["train", "--model", "qwen3-tiny", "--init-from", str(FIXTURES / "gpt2"), "--mesh", "data=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("taco-jax: error: model='qwen3-tiny' disagrees with init_from=")

@@ -157,3 +157,46 @@ def test_check_data_refuses_a_larger_vocabulary_and_another_tokenizer(corpus, tm
     check_data(ds, 300, "")  # no checkpoint: nothing to compare
     prepare_data([str(corpus)], tmp_path / "q", tokenizer=str(QWEN3 / "tokenizer.json"), progress=False)
     check_data(load_prepared(tmp_path / "q"), 99, str(QWEN3))  # the checkpoint's own tokenizer
+
+
+def test_cli_prepare_data_and_sample_errors(corpus, tmp_path, capsys):
+    from taco_jax.cli import main
+
+    assert main(["prepare-data", str(corpus / "a.txt"), "--init-from", str(QWEN3), "--out", str(tmp_path / "d"),
+                 "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["vocab_size"] == 99
+    assert main(["prepare-data", str(tmp_path / "missing"), "--out", str(tmp_path / "e")]) == 2
+    assert capsys.readouterr().err.strip() == f"taco-jax: error: input {str(tmp_path / 'missing')!r} is neither " \
+                                              "a file nor a folder"
+    assert main(["sample", "--from", str(tmp_path / "d"), "--prompt", "x"]) == 2  # a data folder: no config.json
+    assert "is neither a run folder nor an HF checkpoint" in capsys.readouterr().err
+    assert main(["sample", "--from", str(QWEN3), "--prompt", "MACBETH:", "--max-new-tokens", "60"]) == 2
+    assert "exceeds the model's block_size=64" in capsys.readouterr().err
+
+
+def test_each_device_reads_only_its_own_rows():
+    """`global_batch` reads, for each device, the windows of its own rows of the batch only (so a
+    process of a multi-process run touches only its rows of the memory-mapped file)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from taco_jax.data import global_batch
+
+    class Spy:  # records which windows (their first token index) each read touches
+        def __init__(self, a):
+            self.a, self.reads = a, []
+
+        def __getitem__(self, idx):
+            self.reads.append(set(np.asarray(idx)[:, 0].tolist()))
+            return self.a[idx]
+
+    tokens = Spy(np.arange(1000, dtype=np.uint16))
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    starts = np.array([10, 200, 30, 400, 50, 600, 70, 800])
+    x, y = global_batch(tokens, starts, 16, NamedSharding(mesh, P("data")))
+    np.testing.assert_array_equal(np.asarray(x), starts[:, None] + np.arange(16))
+    np.testing.assert_array_equal(np.asarray(y), starts[:, None] + 1 + np.arange(16))
+    halves = [set(starts[:4].tolist()), set(starts[4:].tolist())]
+    halves += [{s + 1 for s in h} for h in halves]  # targets start one later
+    assert tokens.reads and all(r in halves for r in tokens.reads), tokens.reads

@@ -11,10 +11,11 @@ A prepared folder holds
 
 Documents: each text file is one document; each line of a `.jsonl` file is one, its `text_field`.
 The token stream is every document's ids followed by the end-of-text id, in the order of the
-sources (a folder: its files sorted by path); the last `val_fraction` of the stream (at least one
-window) is the validation split (nanoGPT's split of one stream; documents may straddle it).
-Encoding runs in parallel (the `tokenizers` library's batch encode on documents, long documents cut
-into pieces at line starts, where every supported pre-tokenizer splits anyway).
+sources (a folder: its files sorted by path); the last `val_fraction` of the stream (at least 2
+tokens; training needs more than one window) is the validation split (nanoGPT's split of one
+stream; a document may straddle it). Encoding runs in parallel (the `tokenizers` library's batch
+encode on documents, long documents cut into pieces at line starts where the pre-tokenizer splits
+anyway, so the ids equal whole-document encoding; `_splits_at_line_starts`).
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: 
         batch, ends, chars = [], [], 0
         for path, doc in docs("tokenize"):
             counts[path] = counts.get(path, 0) + 1
-            parts = list(_pieces(doc, PIECE_CHARS)) if cut else [doc]
+            parts = (list(_pieces(doc, PIECE_CHARS)) if cut else [doc]) or [""]  # an empty document: its eot
             for i, part in enumerate(parts):
                 batch.append(part)
                 ends.append(i == len(parts) - 1)
