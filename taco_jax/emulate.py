@@ -131,10 +131,7 @@ def check_available() -> None:
     missing = []
     if not sys.platform.startswith("linux"):
         raise EmulationUnavailable(f"--link needs Linux network namespaces; this is {sys.platform}")
-    try:
-        caps = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("CapEff:")), 16)
-    except (OSError, StopIteration, ValueError):
-        caps = 0
+    caps = _effective_caps()
     for bit, name in ((12, "CAP_NET_ADMIN"), (21, "CAP_SYS_ADMIN")):
         if not caps >> bit & 1:
             missing.append(f"{name} (run as root)")
@@ -143,6 +140,14 @@ def check_available() -> None:
             missing.append(f"the `{tool}` command (iproute2)")
     if missing:
         raise EmulationUnavailable("--link cannot make network namespaces here: missing " + ", ".join(missing))
+
+
+def _effective_caps() -> int:
+    """This process's effective capability bits (/proc/self/status CapEff), 0 where unreadable."""
+    try:
+        return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("CapEff:")), 16)
+    except (OSError, StopIteration, ValueError):
+        return 0
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:

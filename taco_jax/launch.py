@@ -97,9 +97,10 @@ def malloc_env(env: dict, malloc: str = "keep") -> dict:
 def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, out=None,
            malloc: str = "keep", link: str = "", nodes: int = 0) -> int:
     """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
-    the first failure's). `out`: stream for the prefixed lines (default stdout). `malloc`: the
-    processes' allocator setting ("keep" or "default", see the module docstring). `link`, `nodes`:
-    an emulated cluster (module docstring; "" = plain local processes on 127.0.0.1).
+    the first failure's; the others then get `FAILED_GRACE_S` after SIGTERM). `out`: stream for the
+    prefixed lines (default stdout). `malloc`: the processes' allocator setting ("keep" or
+    "default", see the module docstring). `link`, `nodes`: an emulated cluster (module docstring;
+    "" = plain local processes on 127.0.0.1).
     Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, an
     unknown `malloc`, a malformed `link` / `nodes` or a tensor axis spanning nodes;
     emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
@@ -143,6 +144,11 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         return _run(processes, argv, base, f"{cluster.addrs[0]}:{port}", cluster.exec_prefix, grace_s, out)
 
 
+#: Seconds the others get between SIGTERM and SIGKILL once a process failed: the run cannot go on (its
+#: collectives lack a member), and a process blocked in one runs no Python signal handler.
+FAILED_GRACE_S = 2.0
+
+
 def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out) -> int:
     """Starts the processes (`wrap(i) + python -m taco_jax.cli ...`) and waits (see `launch`)."""
     procs = []
@@ -184,7 +190,7 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
                     with lock:
                         print(f"[launch] process {i} exited with status {rc}; stopping the others",
                               file=out, flush=True)
-                    _stop([procs[j] for j in pending], grace_s)
+                    _stop([procs[j] for j in pending], min(grace_s, FAILED_GRACE_S))
             time.sleep(0.05)
     finally:
         _stop(procs, grace_s)
