@@ -12,6 +12,10 @@ process: in-process collectives are memory copies). Its step time t_local agains
 step over a link, t_exact, gives the communication fraction f = 1 - t_local / t_exact, and with the
 wire-byte ratio r = TACO / exact tensor-axis wire bytes per step (summary.json, compiled HLO) the
 byte bound 1 / ((1 - f) + f · r): the speedup if TACO only cut bytes (overlap may exceed it).
+On a CPU host with few cores the one-process step can be slower than the multi-process one (the
+processes compute in parallel, the one process's devices share its threads): then f is clipped at
+0 (`comm_fraction_raw` keeps the value) and the bound says nothing; use a machine with a core per
+device, or read f from the link sweep (the exact step's growth as the rate falls).
 
 Writes `<out>/bench_e2e.json` and `<out>/bench_e2e.md` (one table row per link, with the command).
 Needs root (network namespaces) for links other than "none"; see docs/distributed.md.
@@ -105,7 +109,8 @@ def main(argv=None) -> dict:
         ratios = [e["step_s"] / t["step_s"] for e, t in zip(runs["none"], runs["taco"])]
         tensor = {c: runs[c][0]["wire_bytes_per_step"].get("tensor", 0) for c in runs}
         r_bytes = tensor["taco"] / tensor["none"] if tensor["none"] else float("nan")
-        f = max(0.0, 1.0 - local["step_s"] / exact_s)
+        f_raw = 1.0 - local["step_s"] / exact_s  # < 0: the one-process step was slower (e.g. 2 cores, 1 process)
+        f = min(max(f_raw, 0.0), 1.0)
         measured = runs["none"][0]["emulated_link"]
         rows.append({
             "link": link,
@@ -116,7 +121,7 @@ def main(argv=None) -> dict:
             "exact_tokens_per_s": a.batch_size * a.seq_len / exact_s,
             "taco_tokens_per_s": a.batch_size * a.seq_len / taco_s,
             "speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
-            "local_exact_s_per_step": local["step_s"], "comm_fraction": f,
+            "local_exact_s_per_step": local["step_s"], "comm_fraction": f, "comm_fraction_raw": f_raw,
             "byte_ratio": r_bytes, "byte_bound": 1.0 / ((1.0 - f) + f * r_bytes),
             "tensor_wire_bytes_per_step": tensor,
             "runs": {c: [{k: v for k, v in r.items() if k != "emulated_link"} for r in rs] for c, rs in runs.items()},

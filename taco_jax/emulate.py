@@ -226,7 +226,7 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
             max_bytes: int = 256 << 20) -> float:
     """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`: at most
     min(rate × `seconds`, `max_bytes`) bytes and 4 × `seconds` + 5 s, timed at the receiver from its
-    first byte to its last. Raises RuntimeError if nothing arrived."""
+    first byte to its last. Raises EmulationUnavailable if nothing arrived."""
     total = int(min(rate_bps / 8 * seconds, max_bytes))
     srv = _in_netns(dst_ns, lambda: socket.create_server((dst_addr, 0)))
     got = {}
@@ -261,7 +261,7 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
         th.join(timeout=max(0.1, deadline - time.monotonic() + 1))
         srv.close()
     if not got.get("dt"):
-        raise RuntimeError(f"link test {src_ns} -> {dst_ns} ({dst_addr}) moved no data: {got.get('error', '')}")
+        raise EmulationUnavailable(f"link test {src_ns} -> {dst_ns} ({dst_addr}) moved no data: {got.get('error', '')}")
     return got["n"] * 8 / got["dt"]
 
 

@@ -7,6 +7,7 @@ Namespace tests run real processes in network namespaces (root); they skip with 
 namespaces cannot be made. Names start with `$TACO_JAX_NETNS_PREFIX` (default `taco-`).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -296,3 +297,44 @@ def test_slow_link_is_not_a_hang_but_a_stopped_peer_is(tmp_path, cache):
     assert re.search(r"process 1 \(.*no heartbeat|stopped answering: process 1", err), err
     assert not _run_pids(out) and not _leftovers(p.pid)
     print(f"SIGSTOP -> launcher exit: {elapsed:.1f} s (auto limit {limit} s)")
+
+
+# -----------------------------------------------------------------------------
+# what the processes do with the measured link (in-process)
+
+
+def test_processes_read_the_link_and_min_bytes_auto_uses_it(monkeypatch):
+    from taco_jax import perf
+    from taco_jax.collectives.policy import CommPolicy
+    from taco_jax.train import distributed
+
+    monkeypatch.delenv(distributed.ENV_LINK, raising=False)
+    assert distributed.emulated_link() is None and distributed.tensor_link_bytes_per_s(None) is None
+    monkeypatch.setenv(distributed.ENV_LINK, "{not json")
+    with pytest.raises(ValueError, match="TACO_JAX_EMULATED_LINK is not JSON"):
+        distributed.emulated_link()
+    link = {"tensor_tier": "intra",
+            "tiers": {"intra": {"measured_bit_per_s": 8e8}, "inter": {"measured_bit_per_s": 1e8}}}
+    monkeypatch.setenv(distributed.ENV_LINK, json.dumps(link))
+    assert distributed.tensor_link_bytes_per_s(distributed.emulated_link()) == 1e8  # intra, bytes/s
+    policy = CommPolicy.taco().resolve_backends(n_devices=2)
+    policy = dataclasses.replace(policy, min_bytes="auto")
+    loopback = perf.resolve_min_bytes(policy, "cpu").min_bytes
+    slow = perf.resolve_min_bytes(policy, "cpu", link_bytes_per_s=1.25e6).min_bytes  # 10 Mbit/s
+    assert isinstance(slow, int) and slow < loopback  # a slower link: compression pays from smaller messages
+
+
+def test_step_timeout_auto_follows_the_measured_steps():
+    from taco_jax.train import distributed
+
+    w = distributed.StepWatchdog("auto")
+    try:
+        assert w.timeout_s == distributed.AUTO_FIRST_S and w.describe().endswith("(first step)")
+        w._adapt(30.0)  # the first step (connections): alone, until a second one finished
+        assert w.timeout_s == 300.0
+        w._adapt(0.5)
+        assert w.timeout_s == distributed.AUTO_FLOOR_S  # max(10 s, 10 × 0.5 s)
+        w._adapt(2.5)
+        assert w.timeout_s == 25.0 and w.describe() == "25 s (max(10 s, 10 × slowest step 2.5 s))"
+    finally:
+        w.close()
