@@ -33,7 +33,8 @@ except emulate.EmulationUnavailable as e:
 needs_netns = pytest.mark.skipif(bool(NO_NETNS), reason=NO_NETNS or "-")
 
 #: A 2-process tensor=2 run: every step's TP messages cross the link.
-ARGS = ["train", *TINY, "--steps", "6", "--mesh", "data=1,tensor=2", "--checkpoint-every", "2", "--no-progress"]
+SHORT = ["train", *TINY, "--steps", "3", "--mesh", "data=1,tensor=2", "--no-progress"]
+ARGS = [*SHORT, "--steps", "6", "--checkpoint-every", "2"]  # with checkpoints (the later --steps wins)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,18 @@ def _leftovers(pid: int) -> list[str]:
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
     etc = [p.name for p in emulate.ETC_NETNS.glob(f"{emulate.prefix()}{pid}-*")] if emulate.ETC_NETNS.exists() else []
     return _ours(pid) + etc + [line for line in links.splitlines() if line.startswith(emulate.prefix())]
+
+
+def _run_pids(out) -> list[int]:
+    """Processes whose command line names the run folder `out`."""
+    pids = []
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and str(out).encode() in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
 
 
 # -----------------------------------------------------------------------------
@@ -154,17 +167,18 @@ def test_measured_rates_within_15_percent_and_nothing_left():
 
 @needs_netns
 def test_sigkilled_launcher_leaves_no_namespace(tmp_path, cache):
-    """SIGKILL to the launcher once its namespaces exist: its reaper removes every namespace, hosts
-    file and interface within seconds."""
-    log = tmp_path / "log"
-    p = start(_launch("100mbit", *ARGS, "--steps", "100", "--out", tmp_path / "run"), cache, log)
-    wait_for(lambda: len(_ours(p.pid)) == 3, p, timeout=60, what="the namespaces", log=log)
+    """SIGKILL to the launcher once its processes run in their namespaces: the processes die with it,
+    and its reaper removes every namespace, hosts file and interface within seconds."""
+    log, out = tmp_path / "log", tmp_path / "run"
+    p = start(_launch("100mbit", *ARGS, "--steps", "100", "--out", out), cache, log)
+    wait_for(lambda: len(_ours(p.pid)) == 3 and len(_run_pids(out)) == 3, p, timeout=60, what="the processes",
+             log=log)  # the launcher and its 2 processes
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=10)
     end = time.monotonic() + 20
-    while _leftovers(p.pid) and time.monotonic() < end:
+    while (_leftovers(p.pid) or _run_pids(out)) and time.monotonic() < end:
         time.sleep(0.2)
-    assert not _leftovers(p.pid), _leftovers(p.pid)
+    assert not _leftovers(p.pid) and not _run_pids(out), (_leftovers(p.pid), _run_pids(out))
 
 
 def _dead_cluster(tmp_path) -> int:
@@ -205,23 +219,26 @@ def test_stale_namespaces_are_removed_by_prefix_and_live_ones_kept(tmp_path):
 # namespaces: training over a shaped link (real processes)
 
 
-@pytest.fixture(scope="module")
-def loopback(tmp_path_factory, cache):
-    """The uninterrupted 2-process run on 127.0.0.1 (no --link)."""
-    out = tmp_path_factory.mktemp("loopback") / "run"
-    r = run(cli(*ARGS, "--out", out, processes=2), cache)
-    assert r.returncode == 0, r.stdout[-3000:]
-    return losses(out)
+def _loopback(args, tmp_path, cache) -> subprocess.Popen:
+    """Starts the 2-process run of `args` on 127.0.0.1 (no --link) into tmp_path / "loopback"."""
+    return start(cli(*args, "--out", tmp_path / "loopback", processes=2), cache, tmp_path / "loopback.log")
+
+
+def _finish(p: subprocess.Popen, log) -> None:
+    assert p.wait(timeout=420) == 0, pathlib.Path(log).read_text()[-3000:]
 
 
 @needs_netns
-def test_shaped_link_gives_the_loopback_losses(tmp_path, cache, loopback):
+def test_shaped_link_gives_the_loopback_losses(tmp_path, cache):
     """2 processes in their namespaces over a 100 Mbit/s link: per-step losses and gradient norms
-    bit-identical to loopback; summary.json records the requested and measured rates."""
-    out = tmp_path / "run"
-    r = run(_launch("100mbit", *ARGS, "--out", out), cache)
+    bit-identical to the same run on loopback (run alongside); summary.json records the requested and
+    measured rates."""
+    out, args = tmp_path / "run", SHORT
+    ref = _loopback(args, tmp_path, cache)
+    r = run(_launch("100mbit", *args, "--out", out), cache)
     assert r.returncode == 0, r.stdout[-3000:]
-    assert losses(out) == loopback
+    _finish(ref, tmp_path / "loopback.log")
+    assert [s for s, _, _ in losses(out)] == [1, 2, 3] and losses(out) == losses(tmp_path / "loopback")
     link = json.loads((out / "summary.json").read_text())["emulated_link"]
     tier = link["tiers"]["link"]
     assert tier["requested_bit_per_s"] == 1e8 and 0.85e8 <= tier["measured_bit_per_s"] <= 1.15e8
@@ -230,21 +247,9 @@ def test_shaped_link_gives_the_loopback_losses(tmp_path, cache, loopback):
     assert not [n for n in emulate.list_namespaces() if n.startswith(run_id)]  # removed at the end
 
 
-def _run_pids(out) -> list[int]:
-    """Processes whose command line names the run folder `out`."""
-    pids = []
-    for d in pathlib.Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and str(out).encode() in (d / "cmdline").read_bytes():
-                pids.append(int(d.name))
-        except OSError:
-            pass
-    return pids
-
-
 @needs_netns
 @pytest.mark.slow  # make test-slow: two 2-process runs over a shaped link (~3 min on 2 loaded cores)
-def test_link_down_mid_run_then_resume(tmp_path, cache, loopback):
+def test_link_down_mid_run_then_resume(tmp_path, cache):
     """Process 1's link set down before step 5 (it pauses there, TACO_JAX_TEST_STALL): the watchdog ends
     the run within --step-timeout + 10 s naming process 1, no process is left; with the link back
     (a new launch), --resume reproduces the uninterrupted losses bit for bit."""
@@ -263,10 +268,12 @@ def test_link_down_mid_run_then_resume(tmp_path, cache, loopback):
     assert "step 5 did not finish within --step-timeout 10 s" in err
     assert re.search(r"did not arrive at step 5: process 1 \(last started step 4; no heartbeat", err), err
     assert not _run_pids(out) and not _leftovers(p.pid)
+    ref = _loopback(ARGS, tmp_path, cache)  # the uninterrupted run
     r = run(_launch("100mbit", *args, "--resume"), cache)
     assert r.returncode == 0, r.stdout[-3000:]
+    _finish(ref, tmp_path / "loopback.log")
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] in (2, 4)
-    assert losses(out) == loopback
+    assert losses(out) == losses(tmp_path / "loopback")
     print(f"link down -> launcher exit: {elapsed:.1f} s (--step-timeout {timeout})")
 
 
