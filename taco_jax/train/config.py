@@ -169,7 +169,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps and at the end (0: only on SIGTERM)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
-    step_timeout: float = 0.0  # end the run when a step takes over S seconds, naming step and late processes (0: off)
+    step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 
     def __post_init__(self):
@@ -177,9 +177,11 @@ class TrainConfig:
             raise ValueError(f"policy={self.policy!r} must be a CommPolicy (use TrainConfig.from_flags for flags)")
         if self.capture < 0:
             raise ValueError(f"capture={self.capture} must be >= 0 (number of steps to record)")
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not self.step_timeout >= 0:
+        timeout_ok = self.step_timeout == "auto" or (type(self.step_timeout) in (int, float)
+                                                     and 0 <= self.step_timeout < math.inf)
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not timeout_ok:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0, keep_checkpoints="
-                             f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout} >= 0")
+                             f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout!r} >= 0 or 'auto'")
         if self.log_every < 0:
             raise ValueError(f"log_every={self.log_every} must be >= 0 (0: no progress lines)")
         if self.monitor_every < 0:
