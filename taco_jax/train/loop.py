@@ -183,7 +183,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     # 3. the loop: step, log, evaluate every `eval_every` steps and at the end
     tokens_per_step = cfg.batch_size * cfg.seq_len
     val_loss = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
-    watchdog = dist.StepWatchdog(cfg.step_timeout)
+    watchdog = dist.StepWatchdog(cfg.step_timeout, wire_bytes=sum(wire["by_axis"].values()))
     preempted = None
     t_start = time.perf_counter()
     bar = tqdm(range(start + 1, cfg.steps + 1), desc=f"train[{cfg.comm}]", dynamic_ncols=True, initial=start,
@@ -278,6 +278,10 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",
         "processes": jax.process_count(),
     }
+    if cfg.step_timeout == "auto":
+        summary["step_timeout_auto"] = watchdog.describe()  # the limit at the end of the run
+    if link := dist.emulated_link():  # `taco-jax launch --link`: requested and measured rates
+        summary["emulated_link"] = link
     if start:
         summary["resumed_from_step"] = start
     if preempted:
