@@ -278,7 +278,7 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
     assert '"processes": 2' in log
     # no checkpoints/ folder: no --checkpoint-every, no SIGTERM
     assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["config.json", "loss.png", "metrics.jsonl",
-                                                                   "summary.json"]
+                                                                   "summary.json", "tokenizer.json"]
 
 
 @pytest.mark.slow  # make test-slow (~40 s); the default suite keeps the gloo 2-vs-1 process test

@@ -1,5 +1,7 @@
-"""Model families: GPT-2 (`gpt2.py`), Qwen2.5 / Qwen3 (`qwen.py`)."""
+"""Model families: GPT-2 (`gpt2.py`), Qwen2.5 / Qwen3 (`qwen.py`); HF checkpoints (`hf.py`); logits and
+generation from loaded weights (`generate.py`: `model, params = load_hf(dir)`)."""
 
+from taco_jax.models.generate import CausalLM, generate, load_hf
 from taco_jax.models.gpt2 import GPT, GPTConfig
 from taco_jax.models.gpt2 import PRESETS as GPT_PRESETS
 from taco_jax.models.qwen import PRESETS as QWEN_PRESETS
@@ -8,8 +10,8 @@ from taco_jax.models.qwen import Qwen, QwenConfig
 #: Every named preset, GPT and Qwen.
 PRESETS = {**GPT_PRESETS, **QWEN_PRESETS}
 
-__all__ = ["DECAY_BY_NAME", "GPT", "GPTConfig", "PRESETS", "Qwen", "QwenConfig", "count_params", "decays",
-           "get_config", "make_model"]
+__all__ = ["DECAY_BY_NAME", "GPT", "CausalLM", "GPTConfig", "PRESETS", "Qwen", "QwenConfig", "count_params",
+           "decays", "generate", "get_config", "load_hf", "make_model"]
 
 #: Weight decay by what a parameter is (the last key of its path): kernels of every dense layer and
 #: the embedding tables (token `embedding`, GPT-2's position table `wpe`) are decayed; biases and

@@ -124,6 +124,19 @@ def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GP
         init_std=hf.get("initializer_range", 0.02), dtype=dtype, vocab_multiple=vocab_multiple)
 
 
+def architecture_label(cfg: GPTConfig | QwenConfig) -> str:
+    """The model's family and sizes in one string, e.g. "qwen3(layers=2, hidden=32, heads=4, kv_heads=2,
+    head_dim=16, mlp=64, vocab=99, context=64)" (what a run from `--init-from` records as its model)."""
+    if isinstance(cfg, GPTConfig):
+        return (f"gpt2(layers={cfg.n_layer}, hidden={cfg.n_embd}, heads={cfg.n_head}, "
+                f"mlp={cfg.mlp_ratio * cfg.n_embd}, vocab={cfg.vocab_size}, context={cfg.block_size})")
+    family = "qwen3" if cfg.qk_norm else "qwen2"
+    return (f"{family}(layers={cfg.num_layers}, hidden={cfg.emb_dim}, heads={cfg.num_heads}, "
+            f"kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}, mlp={cfg.mlp_dim}, vocab={cfg.vocab_size}, "
+            f"context={cfg.block_size}"
+            f"{', tied' if cfg.tie_word_embeddings else ''})")
+
+
 def hf_config(cfg: GPTConfig | QwenConfig) -> dict:
     """The `config.json` dict `transformers` builds this model from (float32, eager attention)."""
     if isinstance(cfg, GPTConfig):
@@ -375,20 +388,45 @@ def load_hf(path, *, vocab_multiple: int = 1, dtype: str = "float32", shardings=
     return cfg, load_params(path, cfg, shardings=shardings, stacked_key=stacked_key)
 
 
-def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict, *, base_config: dict | None = None) -> pathlib.Path:
-    """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`.
+#: Files of a checkpoint folder that `save_hf(..., source=DIR)` copies: the tokenizer and generation settings.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def _to_host(a) -> np.ndarray:
+    """A parameter as a float32 numpy array; a global array spread over processes is gathered
+    (`multihost_utils.process_allgather`: a collective, every process must call it in the same order)."""
+    import jax
+
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True), np.float32)
+    return np.asarray(a, np.float32)
+
+
+def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict, *, base_config: dict | None = None,
+            source=None, tokenizer=None) -> pathlib.Path:
+    """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`,
+    with the tokenizer: `source`'s tokenizer files and `generation_config.json` (`TOKENIZER_FILES`)
+    when `source` (an HF checkpoint folder, e.g. `--init-from`) has a `tokenizer.json`, else
+    `tokenizer` (a `tokenizers` JSON file, e.g. the run's BPE) as `tokenizer.json` with a
+    `tokenizer_config.json` for `transformers.AutoTokenizer`.
 
     params: the model's pure dict (model layout; `StagedModel.unstack_layers` first for the
-    pipeline layout), numpy or (sharded) jax arrays — each is gathered to the host in turn.
+    pipeline layout), numpy or (sharded) jax arrays — each is gathered to the host in turn. In a
+    multi-process run every process must call this (the gather is a collective) and process 0
+    writes: the folder equals a one-process export byte for byte.
     base_config: a source `config.json` dict (e.g. of the `--init-from` checkpoint) whose other keys
       (token ids, generation settings) are kept; the architecture keys come from `cfg`.
     `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
     Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
     """
+    import jax
     from safetensors.numpy import save_file
 
     out = pathlib.Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    writer = jax.process_index() == 0
     tensors = {}
     for e in param_map(cfg):
         node = params
@@ -397,14 +435,39 @@ def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict, *, base_config: dic
                 node = node[k]
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(f"parameter {'/'.join(map(str, e.path))} is missing (for {e.name!r})") from err
-        a = np.asarray(node, np.float32)
-        if a.shape != e.shape:
-            raise ValueError(f"parameter {'/'.join(map(str, e.path))} has shape {a.shape}, expected {e.shape}")
-        tensors[e.name] = np.ascontiguousarray(e.to_hf(a))
+        if tuple(node.shape) != e.shape:
+            raise ValueError(f"parameter {'/'.join(map(str, e.path))} has shape {tuple(node.shape)}, "
+                             f"expected {e.shape}")
+        a = _to_host(node)
+        if writer:
+            tensors[e.name] = np.ascontiguousarray(e.to_hf(a))
+    if not writer:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     keep = {k: v for k, v in (base_config or {}).items()
             if k not in ("rope_scaling", "torch_dtype", "quantization_config")}
     merged = {**keep, **hf_config(cfg)}
     merged.update({k: keep[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in keep})
     (out / "config.json").write_text(json.dumps(merged, indent=2))
+    _write_tokenizer(out, source, tokenizer)
     return out
+
+
+def _write_tokenizer(out: pathlib.Path, source, tokenizer) -> None:
+    import shutil
+
+    src = pathlib.Path(source) if source else None
+    if src is not None and (src / "tokenizer.json").is_file():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, out / name)
+        return
+    if src is not None and (src / "generation_config.json").is_file():
+        shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
+    if tokenizer:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        vocab = json.loads(pathlib.Path(tokenizer).read_text()).get("added_tokens", [])
+        eot = next((t["content"] for t in vocab if t.get("content") == "<|endoftext|>"), None)
+        conf = {"tokenizer_class": "PreTrainedTokenizerFast", **({"eos_token": eot} if eot else {})}
+        (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
