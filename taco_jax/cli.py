@@ -140,6 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-messages", type=int, default=16, help="messages per site in each split")
     cal.add_argument("--kinds", nargs="+", default=None, help="restrict the candidates to these codec kinds")
     _add_data_and_sample(sub)
+    for parser in sub.choices.values():  # no abbreviations anywhere: a typo or prefix is refused, not another flag
+        parser.allow_abbrev = False
     return p
 
 

@@ -25,8 +25,10 @@ def test_flag_abbreviations_are_refused(capsys):
     """A typo or a prefix never selects another flag (argparse allow_abbrev=False on every parser)."""
     for argv, why in ((["train", "--checkpoint-e", "2"], "unrecognized arguments: --checkpoint-e"),
                       (["train", "--pol", "p.json"], "unrecognized arguments: --pol"),
-                      (["launch", "--proc", "2"], "the following arguments are required: --processes"),
-                      (["calibrate", "--captures", "c", "--budg", "1"], "unrecognized arguments: --budg")):
+                      (["launch", "--proc", "2"], "unrecognized arguments: --proc"),
+                      (["calibrate", "--captures", "c", "--budg", "1"], "unrecognized arguments: --budg"),
+                      (["sample", "--from", "r", "--prompt", "a", "--max-new", "5"], "arguments: --max-new"),
+                      (["prepare-data", "in.txt", "--out", "d", "--vocab", "300"], "arguments: --vocab")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
