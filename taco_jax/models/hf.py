@@ -126,7 +126,7 @@ def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GP
 
 def hf_config(cfg: GPTConfig | QwenConfig) -> dict:
     """The `config.json` dict `transformers` builds this model from (float32, eager attention)."""
-    if isinstance(cfg, GPTConfig):
+    if cfg.family == "gpt2":
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size,
                     n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
                     n_inner=cfg.mlp_ratio * cfg.n_embd, activation_function="gelu_new", layer_norm_epsilon=1e-5,
@@ -189,7 +189,7 @@ class Entry:
 def param_map(cfg: GPTConfig | QwenConfig) -> list[Entry]:
     """Every parameter of `cfg`'s model with its HF tensor name (no prefix-free variants) and layout."""
     e = []
-    if isinstance(cfg, GPTConfig):
+    if cfg.family == "gpt2":
         d, h, hd, f, v = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.mlp_ratio * cfg.n_embd, cfg.vocab_size
         pv = cfg.padded_vocab_size
         e.append(Entry("transformer.wte.weight", (v, d), ("wte", "embedding"), (pv, d), vocab_axis=0, vocab_size=v))
@@ -288,7 +288,7 @@ class _Tensors:
 def _resolve_names(cfg, tensors: _Tensors) -> dict[str, str]:
     """Map expected names (`param_map`) to the names stored: GPT-2 checkpoints may lack the `transformer.` prefix."""
     stored = tensors.names()
-    if isinstance(cfg, GPTConfig) and "transformer.wte.weight" not in stored and "wte.weight" in stored:
+    if cfg.family == "gpt2" and "transformer.wte.weight" not in stored and "wte.weight" in stored:
         return {e.name: e.name.removeprefix("transformer.") for e in param_map(cfg)}
     return {e.name: e.name for e in param_map(cfg)}
 
@@ -296,9 +296,9 @@ def _resolve_names(cfg, tensors: _Tensors) -> dict[str, str]:
 def _check_names(cfg, tensors: _Tensors, names: dict[str, str]) -> None:
     stored = tensors.names()
     missing = sorted(n for n in names.values() if n not in stored)
-    tied = {"lm_head.weight"} if isinstance(cfg, GPTConfig) or cfg.tie_word_embeddings else set()
+    tied = {"lm_head.weight"} if cfg.tied_embeddings else set()
     extra = sorted(n for n in stored - set(names.values()) - tied
-                   if not (isinstance(cfg, GPTConfig) and _GPT2_BUFFERS.match(n.removeprefix("transformer."))))
+                   if not (cfg.family == "gpt2" and _GPT2_BUFFERS.match(n.removeprefix("transformer."))))
     if missing or extra:
         raise ValueError(f"checkpoint tensors do not match the {type(cfg).__name__} model: missing {missing[:8]}"
                          f"{' …' if len(missing) > 8 else ''} ({len(missing)}), unexpected {extra[:8]}"
@@ -308,7 +308,7 @@ def _check_names(cfg, tensors: _Tensors, names: dict[str, str]) -> None:
         if got != e.hf_shape:
             raise ValueError(f"tensor {names[e.name]!r} has shape {got}, expected {e.hf_shape} for this config")
     for n in tied & stored:  # a stored tied head must be the embedding, else it would be silently dropped
-        emb = names["transformer.wte.weight" if isinstance(cfg, GPTConfig) else "model.embed_tokens.weight"]
+        emb = names["transformer.wte.weight" if cfg.family == "gpt2" else "model.embed_tokens.weight"]
         if tensors.shape(n) != tensors.shape(emb) or not np.array_equal(tensors.get(n), tensors.get(emb)):
             raise ValueError(f"tensor {n!r} differs from {emb!r} but tie_word_embeddings is set: the checkpoint "
                              f"has an untied LM head")
