@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from taco_jax.models import CausalLM, generate, load_hf
+from taco_jax.models import InferenceModel, generate, load_hf
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 
@@ -17,7 +17,7 @@ def test_greedy_matches_transformers_generate(name):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model, params = load_hf(FIXTURES / name)
-    assert isinstance(model, CausalLM)
+    assert isinstance(model, InferenceModel)
     golden = np.load(FIXTURES / name / "golden.npz")
     np.testing.assert_allclose(np.asarray(model.logits(params, golden["ids"])), golden["logits"], atol=1e-4)
     prompt = golden["ids"][:, :4]

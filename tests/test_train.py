@@ -35,7 +35,7 @@ def test_short_taco_run_loss_falls(dataset, tmp_path):
 def test_ffi_backend_training_tracks_reference(dataset, tmp_path):
     """Training-level rule (taco_jax.kernels): same config and seed, the first steps' losses agree to
     1e-4 relative. Later steps drift apart as reordered float sums compound; the run-level check
-    against seed noise is experiments/backend_repro.py (numbers in README)."""
+    against seed noise was measured by a study removed since (numbers in README)."""
     from taco_jax import kernels
 
     if "ffi" not in kernels.available_backends():

@@ -21,24 +21,21 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class CausalLM:
-    """A model config (`GPTConfig` / `QwenConfig`) with its module graph, to run on parameter dicts."""
+class InferenceModel:
+    """A model config (`CausalLMConfig`: GPT-2 / Qwen) with its module graph, to run on parameter dicts."""
 
     config: object
     graphdef: object
     abstract_state: object
 
     @classmethod
-    def from_config(cls, cfg) -> CausalLM:
+    def from_config(cls, cfg) -> InferenceModel:
         from flax import nnx
 
-        from taco_jax.models.gpt2 import GPT
-        from taco_jax.models.qwen import Qwen, QwenConfig
+        from taco_jax.models.registry import make_model
 
         def build():  # one device: no tensor-parallel context (as models.make_model without a mesh)
-            if isinstance(cfg, QwenConfig):
-                return Qwen(cfg, None, rngs=nnx.Rngs(0), tensor_size=1)
-            return GPT(cfg, None, rngs=nnx.Rngs(0))
+            return make_model(cfg, None, rngs=nnx.Rngs(0), tensor_size=1)
 
         model = nnx.eval_shape(build)
         graphdef, state = nnx.split(model, nnx.Param)
@@ -59,7 +56,7 @@ class CausalLM:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _logits(model: CausalLM, params, tokens):
+def _logits(model: InferenceModel, params, tokens):
     from flax import nnx
 
     state = jax.tree.map(lambda v: v, model.abstract_state)
@@ -68,7 +65,7 @@ def _logits(model: CausalLM, params, tokens):
     return out[..., :model.vocab_size].astype(jnp.float32)
 
 
-def load_hf(path, *, dtype: str = "float32") -> tuple[CausalLM, dict]:
+def load_hf(path, *, dtype: str = "float32") -> tuple[InferenceModel, dict]:
     """(model, params) of the Hugging Face checkpoint folder `path` (GPT-2, Qwen2.5, Qwen3;
     `models.hf.config_from_hf`), parameters as float32 jax arrays on the default device; `dtype`
     is the compute dtype. Raises ValueError as `models.hf.load_hf` (unknown architecture, tensor
@@ -76,10 +73,10 @@ def load_hf(path, *, dtype: str = "float32") -> tuple[CausalLM, dict]:
     from taco_jax.models.hf import load_hf as load_checkpoint
 
     cfg, params = load_checkpoint(path, dtype=dtype)
-    return CausalLM.from_config(cfg), jax.tree.map(jnp.asarray, params)
+    return InferenceModel.from_config(cfg), jax.tree.map(jnp.asarray, params)
 
 
-def generate(model: CausalLM, params, prompt, max_new_tokens: int, *, temperature: float = 0.0,
+def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0) -> np.ndarray:
     """`prompt` (int token ids [B, T0] or [T0]) followed by `max_new_tokens` generated ones: int32
     [B, T0 + max_new_tokens] (or [T0 + N] for a 1-D prompt).
@@ -111,7 +108,7 @@ def generate(model: CausalLM, params, prompt, max_new_tokens: int, *, temperatur
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 5))
-def _generate(model: CausalLM, params, buf, start: int, temperature, top_k: int, key):
+def _generate(model: InferenceModel, params, buf, start: int, temperature, top_k: int, key):
     def step(pos, carry):
         buf, key = carry
         logits = jax.lax.dynamic_index_in_dim(_logits(model, params, buf), pos - 1, axis=1, keepdims=False)

@@ -33,6 +33,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from taco_jax.models.base import CausalLMConfig
 from taco_jax.models.gpt2 import GPTConfig
 from taco_jax.models.qwen import QwenConfig
 
@@ -124,10 +125,10 @@ def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GP
         init_std=hf.get("initializer_range", 0.02), dtype=dtype, vocab_multiple=vocab_multiple)
 
 
-def architecture_label(cfg: GPTConfig | QwenConfig) -> str:
+def architecture_label(cfg: CausalLMConfig) -> str:
     """The model's family and sizes in one string, e.g. "qwen3(layers=2, hidden=32, heads=4, kv_heads=2,
     head_dim=16, mlp=64, vocab=99, context=64)" (what a run from `--init-from` records as its model)."""
-    if isinstance(cfg, GPTConfig):
+    if cfg.family == "gpt2":
         return (f"gpt2(layers={cfg.n_layer}, hidden={cfg.n_embd}, heads={cfg.n_head}, "
                 f"mlp={cfg.mlp_ratio * cfg.n_embd}, vocab={cfg.vocab_size}, context={cfg.block_size})")
     family = "qwen3" if cfg.qk_norm else "qwen2"
@@ -137,9 +138,9 @@ def architecture_label(cfg: GPTConfig | QwenConfig) -> str:
             f"{', tied' if cfg.tie_word_embeddings else ''})")
 
 
-def hf_config(cfg: GPTConfig | QwenConfig) -> dict:
+def hf_config(cfg: CausalLMConfig) -> dict:
     """The `config.json` dict `transformers` builds this model from (float32, eager attention)."""
-    if isinstance(cfg, GPTConfig):
+    if cfg.family == "gpt2":
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size,
                     n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
                     n_inner=cfg.mlp_ratio * cfg.n_embd, activation_function="gelu_new", layer_norm_epsilon=1e-5,
@@ -199,10 +200,10 @@ class Entry:
         return a.reshape(self.hf_shape)
 
 
-def param_map(cfg: GPTConfig | QwenConfig) -> list[Entry]:
+def param_map(cfg: CausalLMConfig) -> list[Entry]:
     """Every parameter of `cfg`'s model with its HF tensor name (no prefix-free variants) and layout."""
     e = []
-    if isinstance(cfg, GPTConfig):
+    if cfg.family == "gpt2":
         d, h, hd, f, v = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.mlp_ratio * cfg.n_embd, cfg.vocab_size
         pv = cfg.padded_vocab_size
         e.append(Entry("transformer.wte.weight", (v, d), ("wte", "embedding"), (pv, d), vocab_axis=0, vocab_size=v))
@@ -301,7 +302,7 @@ class _Tensors:
 def _resolve_names(cfg, tensors: _Tensors) -> dict[str, str]:
     """Map expected names (`param_map`) to the names stored: GPT-2 checkpoints may lack the `transformer.` prefix."""
     stored = tensors.names()
-    if isinstance(cfg, GPTConfig) and "transformer.wte.weight" not in stored and "wte.weight" in stored:
+    if cfg.family == "gpt2" and "transformer.wte.weight" not in stored and "wte.weight" in stored:
         return {e.name: e.name.removeprefix("transformer.") for e in param_map(cfg)}
     return {e.name: e.name for e in param_map(cfg)}
 
@@ -309,9 +310,9 @@ def _resolve_names(cfg, tensors: _Tensors) -> dict[str, str]:
 def _check_names(cfg, tensors: _Tensors, names: dict[str, str]) -> None:
     stored = tensors.names()
     missing = sorted(n for n in names.values() if n not in stored)
-    tied = {"lm_head.weight"} if isinstance(cfg, GPTConfig) or cfg.tie_word_embeddings else set()
+    tied = {"lm_head.weight"} if cfg.tied_embeddings else set()
     extra = sorted(n for n in stored - set(names.values()) - tied
-                   if not (isinstance(cfg, GPTConfig) and _GPT2_BUFFERS.match(n.removeprefix("transformer."))))
+                   if not (cfg.family == "gpt2" and _GPT2_BUFFERS.match(n.removeprefix("transformer."))))
     if missing or extra:
         raise ValueError(f"checkpoint tensors do not match the {type(cfg).__name__} model: missing {missing[:8]}"
                          f"{' …' if len(missing) > 8 else ''} ({len(missing)}), unexpected {extra[:8]}"
@@ -321,7 +322,7 @@ def _check_names(cfg, tensors: _Tensors, names: dict[str, str]) -> None:
         if got != e.hf_shape:
             raise ValueError(f"tensor {names[e.name]!r} has shape {got}, expected {e.hf_shape} for this config")
     for n in tied & stored:  # a stored tied head must be the embedding, else it would be silently dropped
-        emb = names["transformer.wte.weight" if isinstance(cfg, GPTConfig) else "model.embed_tokens.weight"]
+        emb = names["transformer.wte.weight" if cfg.family == "gpt2" else "model.embed_tokens.weight"]
         if tensors.shape(n) != tensors.shape(emb) or not np.array_equal(tensors.get(n), tensors.get(emb)):
             raise ValueError(f"tensor {n!r} differs from {emb!r} but tie_word_embeddings is set: the checkpoint "
                              f"has an untied LM head")
@@ -338,7 +339,7 @@ def _set(tree: dict, path: tuple, value) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def load_params(path, cfg: GPTConfig | QwenConfig, *, shardings=None, stacked_key: str | None = None) -> dict:
+def load_params(path, cfg: CausalLMConfig, *, shardings=None, stacked_key: str | None = None) -> dict:
     """The parameters stored in HF checkpoint `path`, as the model's pure dict (float32).
 
     cfg: the model config (`config_from_hf(path, ...)`; its `vocab_multiple` sets the padding).
@@ -405,7 +406,7 @@ def _to_host(a) -> np.ndarray:
     return np.asarray(a, np.float32)
 
 
-def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict, *, base_config: dict | None = None,
+def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None = None,
             source=None, tokenizer=None) -> pathlib.Path:
     """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`,
     with the tokenizer: `source`'s tokenizer files and `generation_config.json` (`TOKENIZER_FILES`)

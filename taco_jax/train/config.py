@@ -211,7 +211,7 @@ class TrainConfig:
         data = axes.get(DATA, 1)
         if self.batch_size % data:
             raise ValueError(f"batch_size={self.batch_size} is not divisible by data={data}")
-        check_pipeline(self.model_config.n_layer, axes.get(STAGE, 1), self.microbatches, self.schedule)
+        check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), self.microbatches, self.schedule)
         if self.capture and (axes.get(STAGE, 1) > 1 or self.microbatches > 1):
             raise ValueError(f"capture={self.capture} needs the unpipelined layout (stage=1, microbatches=1); "
                              "capture on pipelined meshes is not supported")

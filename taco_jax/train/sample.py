@@ -25,11 +25,11 @@ def _int_keys(tree):
 
 
 def _checkpoint_params(run: pathlib.Path, conf: dict):
-    """(CausalLM, params) of a run's latest complete checkpoint. Raises ValueError when it has none."""
+    """(InferenceModel, params) of a run's latest complete checkpoint. Raises ValueError when it has none."""
     import jax
     import orbax.checkpoint as ocp
 
-    from taco_jax.models.generate import CausalLM
+    from taco_jax.models.generate import InferenceModel
     from taco_jax.train.checkpoint import Checkpoints
     from taco_jax.train.config import TrainConfig
 
@@ -57,11 +57,11 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
         stacked = params[key]
         n = jax.tree.leaves(stacked)[0].shape[0]
         params = {**params, key: {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)}}
-    return CausalLM.from_config(model_cfg), params
+    return InferenceModel.from_config(model_cfg), params
 
 
 def load_for_sampling(source):
-    """(CausalLM, params, tokenizer path) of a run folder or an HF checkpoint folder `source`.
+    """(InferenceModel, params, tokenizer path) of a run folder or an HF checkpoint folder `source`.
     Raises ValueError naming the folder when it is neither, or lacks its tokenizer or weights."""
     from taco_jax.models.generate import load_hf
 
