@@ -168,6 +168,9 @@ class TrainConfig:
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
     step_timeout: float = 0.0  # end the run when a step takes over S seconds, naming step and late processes (0: off)
+    profile_steps: str = ""  # trace steps A:B (first:last, e.g. 3:5) with jax.profiler into --profile-dir
+    profile_dir: str = ""  # folder of the --profile-steps trace (default <out>/profile)
+    tensorboard: bool = False  # also write the metrics as TensorBoard event files to <out>/tensorboard
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 
     def __post_init__(self):
@@ -189,6 +192,10 @@ class TrainConfig:
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
         check_compute(self.dtype, self.remat)
+        if self.profile_steps:
+            self.profile_range  # noqa: B018  (ValueError naming a malformed A:B)
+        elif self.profile_dir:
+            raise ValueError(f"profile_dir={self.profile_dir!r} is given without profile_steps (e.g. 3:5)")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
         if not self.lr > 0:
@@ -250,6 +257,22 @@ class TrainConfig:
         return self.steps // 10 if self.warmup_steps == -1 else self.warmup_steps
 
     @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """`profile_steps` "A:B" as (A, B), 1 <= A <= B <= steps ("A": one step); None when not set.
+        Raises ValueError naming a malformed value."""
+        if not self.profile_steps:
+            return None
+        a, sep, b = self.profile_steps.partition(":")
+        try:
+            first, last = int(a), int(b if sep else a)
+        except ValueError:
+            raise ValueError(f"profile_steps={self.profile_steps!r} must be A:B (first and last step traced, "
+                             "e.g. 3:5)") from None
+        if not 1 <= first <= last <= self.steps:
+            raise ValueError(f"profile_steps={self.profile_steps!r} must satisfy 1 <= A <= B <= steps={self.steps}")
+        return first, last
+
+    @property
     def mesh_axes(self) -> dict[str, int]:
         return parse_mesh(self.mesh)
 
@@ -266,3 +289,29 @@ class TrainConfig:
             return dataclasses.replace(cfg, dtype=self.dtype, remat=self.remat)
         return get_config(self.model, vocab_size=self.vocab_size, vocab_multiple=multiple, dtype=self.dtype,
                           remat=self.remat)
+
+
+def read_config_file(path) -> dict:
+    """The flag values of a `--config FILE`: a TOML file (as torchtitan's), or a JSON object (".json",
+    e.g. the `config.json` a run wrote). Top-level keys are flag names (underscores or dashes); the
+    only table allowed is "policy" (a `CommPolicy.to_dict()`, as config.json holds it).
+
+    Raises ValueError naming the file when it cannot be read or parsed, or is not a table / object.
+    """
+    import json
+    import pathlib
+    import tomllib
+
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"--config {str(path)!r}: cannot read it ({e.strerror or e})") from None
+    try:
+        values = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        kind = "JSON" if path.suffix == ".json" else "TOML (.json files are read as JSON)"
+        raise ValueError(f"--config {str(path)!r}: not valid {kind}: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {str(path)!r}: must hold a table of flag = value, not {type(values).__name__}")
+    return {k.replace("-", "_"): v for k, v in values.items()}

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 import time
 
 import numpy as np
+
+from taco_jax.train.console import write_line
 
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
@@ -201,8 +202,7 @@ class StepWatchdog:
         if stall:  # test hook: "PROCESS:STEP:SECONDS"
             proc, at, secs = stall.split(":")
             if int(proc) == self.process and int(at) == step:
-                print(f"[taco-jax] {ENV_STALL}: process {proc} sleeps {secs} s before step {step}",
-                      file=sys.stderr, flush=True)
+                write_line(f"[taco-jax] {ENV_STALL}: process {proc} sleeps {secs} s before step {step}")
                 time.sleep(float(secs))
         if self.timeout_s > 0 and self.processes > 1:
             _client().key_value_set(f"{_STEP_KEY}{self.process}", str(step), allow_overwrite=True)
@@ -237,7 +237,7 @@ class StepWatchdog:
         msg = f"step {step} did not finish within --step-timeout {self._limit:g} s"
         if self.processes > 1:
             msg += f" (process {self.process} of {self.processes}; {self.missing(step)})"
-        print(f"taco-jax: error: {msg}; the run stopped", file=sys.stderr, flush=True)
+        write_line(f"taco-jax: error: {msg}; the run stopped")
         os._exit(self.exit_status)
 
     def missing(self, step: int) -> str:
