@@ -52,7 +52,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     rows of the batches, process 0 writes the files and prints progress. Checkpoints
     (`cfg.checkpoint_every`, SIGTERM, `cfg.resume`): `train/checkpoint.py`; a SIGTERM ends the run at
     the next step boundary with a checkpoint and a summary holding "preempted_at_step".
-    `cfg.step_timeout`: `distributed.StepWatchdog`.
+    `cfg.step_timeout`: `distributed.StepWatchdog`. `cfg.profile_steps`: a jax.profiler trace
+    (`train/profile.py`); `cfg.tensorboard`: TensorBoard events (`train/tensorboard.py`).
     Raises: ValueError for a configuration that cannot run, an output folder that cannot be
     written (before anything is compiled) or a checkpoint that cannot be resumed (CheckpointError,
     naming what differs); FloatingPointError when the loss or gradient norm of a
