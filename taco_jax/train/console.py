@@ -4,7 +4,6 @@ mid-line, and the short summary block shown at the end of `taco-jax train` / `co
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
@@ -34,12 +33,8 @@ def write_line(msg: str) -> None:
 
 def rel(path, run_dir) -> str:
     """`path` relative to the run folder `run_dir` when it lies inside it, else as given."""
-    path = pathlib.Path(path)
-    try:
-        return os.path.relpath(path.absolute(), pathlib.Path(run_dir).absolute()) \
-            if path.absolute().is_relative_to(pathlib.Path(run_dir).absolute()) else str(path)
-    except ValueError:
-        return str(path)
+    path, run_dir = pathlib.Path(path).absolute(), pathlib.Path(run_dir).absolute()
+    return str(path.relative_to(run_dir)) if path.is_relative_to(run_dir) else str(path)
 
 
 #: Keys of a `train` summary shown by `summary_block` (label, key); the rest stays in summary.json.
