@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SIM    := $(VENV)/.gpu-sim
 OUT    ?= runs/compare
 
-.PHONY: ffi cuda gpu-sim install train test test-gpu-sim test-slow lint clean
+.PHONY: ffi cuda gpu-sim install train test test-gpu-sim test-slow lint clean bench-e2e
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ test-gpu-sim: install gpu-sim cuda
 ## Heavier tests (marked `slow`).
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+## Exact vs TACO tokens/s on emulated links (network namespaces: root); docs/distributed.md.
+bench-e2e: install
+	$(PY) -m experiments.bench_e2e $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check taco_jax tests experiments

@@ -53,6 +53,19 @@ def _int_or_auto(name: str, low: int):
     return parse
 
 
+def _seconds_or_auto(text: str):
+    """argparse type of --step-timeout: "auto" or seconds >= 0 (a bad value: exit 2 naming it)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"step_timeout={text!r} must be seconds >= 0 or 'auto'")
+    return value
+
+
 def _add_flag(sp, cls, f, helps, explicit: bool = False) -> None:
     """Adds `f`'s flag to `sp`; `explicit`: no default (the namespace then holds only given flags)."""
     from taco_jax.models import PRESETS
@@ -68,6 +81,8 @@ def _add_flag(sp, cls, f, helps, explicit: bool = False) -> None:
         sp.add_argument(flag, type=_int_or_auto("min_bytes", 0), default=default, metavar="BYTES|auto", help=help_)
     elif f.name == "chunks":  # an integer or "auto" (collectives.compressed.auto_chunks)
         sp.add_argument(flag, type=_int_or_auto("chunks", 1), default=default, metavar="K|auto", help=help_)
+    elif f.name == "step_timeout":  # seconds or "auto" (train.distributed.StepWatchdog)
+        sp.add_argument(flag, type=_seconds_or_auto, default=default, metavar="S|auto", help=help_)
     elif f.name == "model":
         sp.add_argument(flag, default=default, choices=sorted(PRESETS), metavar="PRESET",
                         help=f"{help_}: {', '.join(sorted(PRESETS))}")
@@ -107,8 +122,15 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         sp.add_argument("--num-processes", type=int, default=0, help="process count (default $JAX_NUM_PROCESSES)")
         sp.add_argument("--process-id", type=int, default=-1, help="this process, 0..N-1 (default $JAX_PROCESS_ID)")
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
-                        usage="taco-jax launch --processes N -- train [flags ...]")
-    lp.add_argument("--processes", type=int, required=True, help="number of local processes")
+                        usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
+                              "-- train [flags ...]\n       taco-jax launch --cleanup")
+    lp.add_argument("--processes", type=int, default=0, help="number of local processes")
+    lp.add_argument("--link", default="", metavar="RATE|intra=RATE,inter=RATE",
+                    help="emulated cluster: each process in its own network namespace, links shaped to RATE "
+                         "(e.g. 1gbit, 100mbit; root only; docs/distributed.md)")
+    lp.add_argument("--nodes", type=int, default=0, help="with --link intra=...,inter=...: processes in K nodes")
+    lp.add_argument("--cleanup", action="store_true",
+                    help="remove the namespaces and hosts files of emulated clusters whose launcher is gone")
     lp.add_argument("--malloc", choices=("keep", "default"), default="keep",
                     help="keep: the processes' glibc keeps freed memory for reuse instead of mapping large "
                          "buffers anew (GLIBC_TUNABLES, unless already set); default: leave the allocator alone")
@@ -222,11 +244,19 @@ def main(argv=None) -> int:
         print(jsonio.dumps(result, indent=2))
         return 0
     if args.command == "launch":
+        from taco_jax import emulate
         from taco_jax.launch import launch
 
         try:
+            if args.cleanup:
+                emulate.check_available()
+                print(f"[launch] removed {len(emulate.cleanup_stale())} stale namespaces; "
+                      f"{len(emulate.list_namespaces())} of running launchers left")
+                return 0
+            if args.processes < 1:
+                raise ValueError(f"--processes {args.processes} must be >= 1")
             return launch(args.processes, args.argv[1:] if args.argv[:1] == ["--"] else args.argv,
-                          malloc=args.malloc)
+                          malloc=args.malloc, link=args.link, nodes=args.nodes)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)
     try:

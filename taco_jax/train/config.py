@@ -11,6 +11,7 @@ from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
 from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.models import GPTConfig, get_config
+from taco_jax.parallel.context import check_tp_overlap
 from taco_jax.parallel.layers import check_compute
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
 from taco_jax.parallel.pipeline import check_pipeline
@@ -138,6 +139,7 @@ class TrainConfig:
     model: str = "gpt2-tiny"  # preset name (taco_jax.models.PRESETS)
     mesh: str = "data=2,tensor=4"  # mesh axes and sizes; product = device count
     sequence_parallel: bool = False  # Megatron sequence parallelism on the tensor axis
+    tp_overlap: str = "none"  # with --sequence-parallel: none | collective-matmul (SP collectives as matmul rings)
     microbatches: int = 1  # pipeline microbatches per data shard (>= stages; > 1 without stages: accumulation)
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b (parallel/pipeline.py)
     steps: int = 300  # optimizer steps
@@ -167,7 +169,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps and at the end (0: only on SIGTERM)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
-    step_timeout: float = 0.0  # end the run when a step takes over S seconds, naming step and late processes (0: off)
+    step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
     profile_steps: str = ""  # trace steps A:B (first:last, e.g. 3:5) with jax.profiler into --profile-dir
     profile_dir: str = ""  # folder of the --profile-steps trace (default <out>/profile)
     tensorboard: bool = False  # also write the metrics as TensorBoard event files to <out>/tensorboard
@@ -178,9 +180,11 @@ class TrainConfig:
             raise ValueError(f"policy={self.policy!r} must be a CommPolicy (use TrainConfig.from_flags for flags)")
         if self.capture < 0:
             raise ValueError(f"capture={self.capture} must be >= 0 (number of steps to record)")
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not self.step_timeout >= 0:
+        timeout_ok = self.step_timeout == "auto" or (type(self.step_timeout) in (int, float)
+                                                     and 0 <= self.step_timeout < math.inf)
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not timeout_ok:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0, keep_checkpoints="
-                             f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout} >= 0")
+                             f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout!r} >= 0 or 'auto'")
         if self.log_every < 0:
             raise ValueError(f"log_every={self.log_every} must be >= 0 (0: no progress lines)")
         if self.monitor_every < 0:
@@ -192,6 +196,7 @@ class TrainConfig:
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
         check_compute(self.dtype, self.remat)
+        check_tp_overlap(self.tp_overlap, self.sequence_parallel)
         if self.profile_steps:
             self.profile_range  # noqa: B018  (ValueError naming a malformed A:B)
         elif self.profile_dir:

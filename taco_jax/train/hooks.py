@@ -110,6 +110,9 @@ class Watchdog(Hook):
     def on_step(self, state, step, rec):
         self.watchdog.done()
 
+    def end(self, state):
+        return {"step_timeout_auto": self.watchdog.describe()} if self.watchdog.auto else None
+
     def close(self):
         self.watchdog.close()
 

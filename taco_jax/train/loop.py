@@ -223,7 +223,7 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
         hooks.Capture(capture.Recorder.start(cfg, run.out, trainer)) if cfg.capture else None,
         hooks.MonitorMeasure(monitor) if monitor else None,
         ProfileSteps(*cfg.profile_range, profile_dir(cfg)) if cfg.profile_steps else None,
-        hooks.Watchdog(dist.StepWatchdog(cfg.step_timeout)),
+        hooks.Watchdog(dist.StepWatchdog(cfg.step_timeout, wire_bytes=sum(acct.wire["by_axis"].values()))),
     ])
 
 
@@ -257,6 +257,10 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",
         "processes": jax.process_count(),
     }
+    if "step_timeout_auto" in ends:  # --step-timeout auto: the watchdog's limit at the end of the run
+        summary["step_timeout_auto"] = ends.pop("step_timeout_auto")
+    if link := dist.emulated_link():  # `taco-jax launch --link`: requested and measured rates
+        summary["emulated_link"] = link
     if start:
         summary["resumed_from_step"] = start
     if state.preempted:

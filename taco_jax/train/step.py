@@ -30,6 +30,7 @@ from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, make_mesh
 from taco_jax.parallel.state import merge_params
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.console import say
+from taco_jax.train.distributed import emulated_link, tensor_link_bytes_per_s
 
 
 @dataclasses.dataclass
@@ -156,7 +157,7 @@ class Steps:
 
 
 def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, microbatches: int = 1,
-               schedule: str = "gpipe", pipelined: bool | None = None, tap=None) -> Steps:
+               schedule: str = "gpipe", pipelined: bool | None = None, tap=None, tp_overlap: str = "none") -> Steps:
     """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
 
     pipelined: run the pipeline schedules (stacked layers); default: when the mesh has stage > 1
@@ -164,12 +165,14 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
     The gradient: each data shard differentiates its own loss inside `shard_map`, and
     `sync_gradients` sums the gradients over the data axis in FP32 (with `policy.dp_grads`'s codec).
     tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
+    tp_overlap: `ParallelContext.tp_overlap` ("none" | "collective-matmul", with sequence_parallel).
     """
     tensor_axis = TENSOR if TENSOR in mesh.axis_names else None
     stage_axis = STAGE if STAGE in mesh.axis_names else None
     data_axis = DATA if DATA in mesh.axis_names else None
     n_data = mesh.shape[data_axis] if data_axis else 1
-    ctx = ParallelContext(tensor_axis=tensor_axis, policy=policy, sequence_parallel=sequence_parallel, tap=tap)
+    ctx = ParallelContext(tensor_axis=tensor_axis, policy=policy, sequence_parallel=sequence_parallel, tap=tap,
+                          tp_overlap=tp_overlap)
     abstract = nnx.eval_shape(lambda: make_model(model_cfg, ctx, rngs=nnx.Rngs(0),
                                                  tensor_size=mesh.shape.get(TENSOR, 1)))
     graphdef, abstract_state = nnx.split(abstract, nnx.Param)
@@ -217,13 +220,14 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     policy = cfg.policy.resolve_backends(n_devices=mesh.devices.size)  # concrete backends, before tracing
     policy = perf.resolve_min_bytes(policy, mesh.devices.flat[0].platform, tensor_size=cfg.mesh_axes.get(TENSOR, 1),
                                     itemsize=jnp.dtype(cfg.model_config.dtype).itemsize,
-                                    sequence_parallel=cfg.sequence_parallel)  # min_bytes "auto"
+                                    sequence_parallel=cfg.sequence_parallel,  # min_bytes "auto"
+                                    link_bytes_per_s=tensor_link_bytes_per_s(emulated_link()))  # launch --link
     if cfg.policy.min_bytes == "auto":
         say(f"taco-jax: --min-bytes auto -> {policy.min_bytes} bytes (the cost model's break-even size on "
             f"{mesh.devices.flat[0].platform}, docs/cost_model.md): smaller messages run the exact collective; "
             "the compiled step's wire bytes in summary.json show what was compressed")
     steps = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
-                       microbatches=cfg.microbatches, schedule=cfg.schedule)
+                       microbatches=cfg.microbatches, schedule=cfg.schedule, tp_overlap=cfg.tp_overlap)
     tx = make_optimizer(cfg, _decay_mask(steps.abstract_state, steps.staged))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
