@@ -295,7 +295,7 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
     _check_quiet(log, steps=3)
     assert json.loads((tmp_path / "p2" / "summary.json").read_text())["processes"] == 2
     assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["checkpoints", "config.json", "loss.png",
-                                                                   "metrics.jsonl", "summary.json"]
+                                                                   "metrics.jsonl", "summary.json", "tokenizer.json"]
     assert not list((tmp_path / "p2" / "checkpoints").iterdir())  # no --checkpoint-every, no SIGTERM
 
 

@@ -36,7 +36,7 @@ def test_ffi_backend_training_tracks_reference(dataset, tmp_path):
     """Training-level rule (taco_jax.kernels): same config and seed, the first two steps' losses agree
     to 1e-4 relative, the first six to 1e-3. Later steps drift apart as reordered float sums flip FP8
     roundings and compound (steps 3-4: 1.2e-4 and 1.7e-4 with the FP32 gradient sum over the data
-    axis); the run-level check against seed noise is experiments/backend_repro.py (numbers in README)."""
+    axis); the run-level check against seed noise was measured by a study removed since (numbers in README)."""
     from taco_jax import kernels
 
     if "ffi" not in kernels.available_backends():
@@ -250,7 +250,7 @@ def test_init_from_hf_checkpoint(dataset, tmp_path):
     src = get_config("gpt2-tiny", vocab_size=520, n_layer=2)
     params = nnx.to_pure_dict(nnx.split(make_model(src, rngs=nnx.Rngs(7)), nnx.Param)[1])
     hf.save_hf(tmp_path / "ckpt", src, params)
-    run = dict(SMALL, model="ignored-with-init-from", vocab_size=512, steps=2, warmup_steps=1, eval_every=2)
+    run = dict(SMALL, model="", vocab_size=512, steps=2, warmup_steps=1, eval_every=2)  # the checkpoint's model
     cfg = TrainConfig(init_from=str(tmp_path / "ckpt"), out=str(tmp_path / "run"), **run)
     assert cfg.model_config == get_config("gpt2-tiny", vocab_size=520, n_layer=2, vocab_multiple=512,
                                          dtype="bfloat16")

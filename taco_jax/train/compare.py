@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from taco_jax.collectives.policy import CommPolicy
-from taco_jax.data import load_shakespeare
+from taco_jax.data import training_data
 from taco_jax.train import distributed as dist
 from taco_jax.train import jsonio
 from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
@@ -32,7 +32,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     Raises: as `train`; ValueError before any training when `<out>` cannot be written.
     """
     out = check_out_dir(cfg.out)
-    ds = load_shakespeare(cfg.vocab_size)
+    ds = training_data(cfg.data, cfg.vocab_size)
     configs = {"none": dataclasses.replace(cfg, policy=CommPolicy.none(), out=str(out / "none")),
                "taco": dataclasses.replace(cfg, out=str(out / "taco"))}
     for c in configs.values():

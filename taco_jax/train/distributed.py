@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from taco_jax.data.stream import TokenStream, global_batch  # noqa: F401 (global_batch: re-export)
 from taco_jax.train.console import write_line
 
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
@@ -110,58 +111,9 @@ def _client():
 # data: each process builds only its own rows of the global batch
 
 
-class TrainBatches:
-    """The training stream of `data.batch_iterator` (same windows for the same seed), built as global
-    arrays from process-local data: every process draws the window starts of the whole batch (a few
-    integers) but gathers the tokens of its own devices' rows only.
-
-    `next(sharding)` -> (inputs, targets): int32 [batch_size, seq_len] `jax.Array`s on `sharding`.
-    `position` counts the batches drawn; `state()` / `restore(state)` save and restore the stream
-    (position and the numpy PCG64 bit-generator state) for checkpoints.
-    """
-
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int):
-        from taco_jax.data.shakespeare import _check_batch_args
-
-        self.tokens = _check_batch_args(tokens, batch_size, seq_len)
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.rng = np.random.default_rng(seed)
-        self.position = 0
-
-    def next(self, sharding):
-        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)  # as batch_iterator
-        self.position += 1
-        return global_batch(self.tokens, starts, self.seq_len, sharding)
-
-    def state(self) -> dict:
-        return {"position": self.position, "bit_generator": self.rng.bit_generator.state}
-
-    def restore(self, state: dict) -> None:
-        """Continues the stream from `state()`. Raises ValueError for a state of another generator."""
-        bg = state["bit_generator"]
-        if bg.get("bit_generator") != type(self.rng.bit_generator).__name__:
-            raise ValueError(f"data RNG state of {bg.get('bit_generator')!r}, expected "
-                             f"{type(self.rng.bit_generator).__name__!r}")
-        self.rng.bit_generator.state = bg
-        self.position = int(state["position"])
-
-
-def global_batch(tokens, starts, seq_len: int, sharding):
-    """(inputs, targets) int32 [len(starts), seq_len] as global arrays on `sharding`: row i is the
-    window `tokens[starts[i] : starts[i] + seq_len + 1]`, split into inputs and targets shifted by one.
-    Only rows on this process's devices are read (`jax.make_array_from_callback`)."""
-    import jax
-
-    offsets = np.arange(seq_len + 1)
-    shape = (len(starts), seq_len)
-
-    def part(shift):
-        def rows(index):
-            r, c = index if len(index) == 2 else (index[0], slice(None))
-            return tokens[np.asarray(starts)[r][:, None] + offsets[shift:shift + seq_len][c]].astype(np.int32)
-        return jax.make_array_from_callback(shape, sharding, rows)
-
-    return part(0), part(1)
+#: The training stream (`data.TokenStream`: same windows as `data.batch_iterator` for the same seed);
+#: `TrainBatches(tokens, batch_size, seq_len, seed=...).next(sharding)` -> global (inputs, targets).
+TrainBatches = TokenStream
 
 
 def global_arrays(sharding, *arrays):

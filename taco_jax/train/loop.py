@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import os
 import pathlib
+import shutil
 import tempfile
 import time
 
@@ -23,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES, CommPolicy
-from taco_jax.data import eval_batches, load_shakespeare
+from taco_jax.data import TokenStream, check_data, eval_batches, training_data
 from taco_jax.models import count_params
 from taco_jax.models.hf import read_config, save_hf
 from taco_jax.parallel.mesh import DATA, MESH_AXES, STAGE
@@ -85,7 +86,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py)
         save_hf(cfg.export_hf, cfg.model_config, run.trainer.staged.unstack_layers(state.params)
                 if run.trainer.staged else state.params,
-                base_config=read_config(cfg.init_from) if cfg.init_from else None)
+                base_config=read_config(cfg.init_from) if cfg.init_from else None,  # multi-process: gathered
+                source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path)
     return summarize(run, acct, state, wall, ends)  # 4.
 
 
@@ -98,7 +100,7 @@ class Run:
     writer: bool  # this process writes the run's files (process 0)
     trainer: Trainer
     dataset: object
-    batches: dist.TrainBatches
+    batches: TokenStream
     batch_sharding: NamedSharding
     ckpt: Checkpoints
     resume_from: int | None
@@ -125,18 +127,15 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
     out = check_out_dir(cfg.out)
     if cfg.capture and jax.process_count() > 1:
         raise ValueError(f"capture={cfg.capture} records on one process; run it without --num-processes")
-    if cfg.export_hf and jax.process_count() > 1:  # each process holds only its shards of the parameters
-        raise ValueError(f"export_hf={cfg.export_hf!r} writes from one process; export from a one-process run "
-                         "(e.g. --resume the checkpoint without --num-processes)")
     if cfg.tensorboard:
         tensorboard.check_available()
     trainer = make_trainer(cfg, devices)
-    say(f"[taco-jax] {cfg.model} on mesh {cfg.mesh}: {describe_policy(trainer.policy)}"
+    source = f" from {cfg.init_from}" if cfg.init_from else ""
+    say(f"[taco-jax] {cfg.model}{source} on mesh {cfg.mesh}: {describe_policy(trainer.policy)}"
         + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""))
-    ds = dataset or load_shakespeare(cfg.vocab_size)
-    if ds.vocab_size > min(cfg.vocab_size, cfg.model_config.vocab_size):
-        raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds the model's vocab_size="
-                         f"{min(cfg.vocab_size, cfg.model_config.vocab_size)}")
+    ds = dataset or training_data(cfg.data, cfg.vocab_size)  # --data DIR (memory-mapped) or Shakespeare
+    check_data(ds, cfg.model_config.vocab_size if cfg.data else min(cfg.vocab_size, cfg.model_config.vocab_size),
+               cfg.init_from)  # vocabulary and tokenizer fit the model
     ckpt = Checkpoints(out / "checkpoints", keep=cfg.keep_checkpoints)
     saved = ckpt.steps()
     if saved and not cfg.resume:
@@ -145,7 +144,7 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
     if cfg.resume and not saved:
         say(f"[taco-jax] --resume: no checkpoint in {rel(ckpt.directory, out)}; starting from step 0")
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
-    batches = dist.TrainBatches(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # the training batch stream
+    batches = TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # the training batch stream
     return Run(cfg, out, dist.is_writer(), trainer, ds, batches, batch_sharding, ckpt,
                saved[-1] if cfg.resume and saved else None)  # resume: the latest complete checkpoint
 
@@ -193,6 +192,7 @@ def resume(run: Run, acct: Accounting, state: hooks.RunState) -> None:
             + "".join(f"; {n}" for n in notes))
     if run.writer:
         jsonio.write(out / "config.json", run.cfg.to_dict())
+        shutil.copyfile(run.dataset.tokenizer_path, out / "tokenizer.json")  # the run's tokenizer (taco-jax sample)
     state.inputs, state.targets = run.batches.next(run.batch_sharding)
 
 
