@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import os
 import re
@@ -66,31 +67,34 @@ def _seconds_or_auto(text: str):
     return value
 
 
-def _add_flag(sp, cls, f, helps) -> None:
+def _add_flag(sp, cls, f, helps, explicit: bool = False) -> None:
+    """Adds `f`'s flag to `sp`; `explicit`: no default (the namespace then holds only given flags)."""
     from taco_jax.models import PRESETS
 
     flag = "--" + f.name.replace("_", "-")
     help_ = helps[cls].get(f.name, "")
+    default = argparse.SUPPRESS if explicit else ([] if f.name == "site" else f.default)
     if f.name == "site":
-        sp.add_argument(flag, action="append", default=[], metavar="SITE:FIELD=VALUE,...", help=help_)
+        sp.add_argument(flag, action="append", default=default, metavar="SITE:FIELD=VALUE,...", help=help_)
     elif f.type in ("bool", bool):
-        sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
     elif f.name == "min_bytes":  # an integer or "auto" (taco_jax.perf.resolve_min_bytes)
-        sp.add_argument(flag, type=_int_or_auto("min_bytes", 0), default=f.default, metavar="BYTES|auto", help=help_)
+        sp.add_argument(flag, type=_int_or_auto("min_bytes", 0), default=default, metavar="BYTES|auto", help=help_)
     elif f.name == "chunks":  # an integer or "auto" (collectives.compressed.auto_chunks)
-        sp.add_argument(flag, type=_int_or_auto("chunks", 1), default=f.default, metavar="K|auto", help=help_)
+        sp.add_argument(flag, type=_int_or_auto("chunks", 1), default=default, metavar="K|auto", help=help_)
     elif f.name == "policy_file":  # `train --policy FILE`; --policy-file: the same flag (field name)
-        sp.add_argument("--policy", flag, dest=f.name, default=f.default, metavar="FILE", help=help_)
+        sp.add_argument("--policy", flag, dest=f.name, default=default, metavar="FILE", help=help_)
     elif f.name == "step_timeout":  # seconds or "auto" (train.distributed.StepWatchdog)
-        sp.add_argument(flag, type=_seconds_or_auto, default=f.default, metavar="S|auto", help=help_)
+        sp.add_argument(flag, type=_seconds_or_auto, default=default, metavar="S|auto", help=help_)
     elif f.name == "model":
-        sp.add_argument(flag, default=f.default, choices=sorted(PRESETS), metavar="PRESET",
+        sp.add_argument(flag, default=default, choices=sorted(PRESETS), metavar="PRESET",
                         help=f"{help_}: {', '.join(sorted(PRESETS))}")
     else:
-        sp.add_argument(flag, type=type(f.default), default=f.default, help=help_)
+        sp.add_argument(flag, type=type(f.default), default=default, help=help_)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(explicit: bool = False) -> argparse.ArgumentParser:
+    """The command line. `explicit`: the `train` / `compare` flags without defaults (which were given)."""
     from taco_jax import __version__
     from taco_jax.train.calibrate import DEFAULT_BUDGET
     from taco_jax.train.config import CommFlags, TrainConfig
@@ -107,8 +111,11 @@ def _parser() -> argparse.ArgumentParser:
                                    "--dp-comm / --pp-comm; --policy FILE (the sites it names); --site. "
                                    "--capture works on data × tensor meshes only (not with stage > 1 or "
                                    "microbatches > 1). Outputs are strict JSON (NaN/Inf as strings).")
+        sp.add_argument("--config", default="", metavar="FILE",
+                        help="flag values from a TOML file (flag = value; or a run's config.json): the flags "
+                             "given on the command line win; docs/training.md")
         for cls, f in _flag_fields():
-            _add_flag(sp, cls, f, helps)
+            _add_flag(sp, cls, f, helps, explicit)
         sp.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
         sp.add_argument("--distributed", action="store_true",
                         help="multi-process run; unset --coordinator / --num-processes / --process-id are "
@@ -142,7 +149,66 @@ def _parser() -> argparse.ArgumentParser:
     _add_data_and_sample(sub)
     for parser in sub.choices.values():  # no abbreviations anywhere: a typo or prefix is refused, not another flag
         parser.allow_abbrev = False
+    p.flag_parsers = {name: sub.choices[name] for name in ("train", "compare")}
     return p
+
+
+def _config_values(sp: argparse.ArgumentParser, path: str) -> tuple[dict, dict | None]:
+    """The values of `--config path` as `sp`'s defaults (each checked and typed like its flag) and
+    the file's "policy" table (None without one). Raises ValueError naming the file and the
+    unknown key or bad value."""
+    from taco_jax.train.config import read_config_file
+
+    actions = {a.dest: a for a in sp._actions if a.dest not in ("help", "config")}
+    values, policy = {}, None
+    for key, value in read_config_file(path).items():
+        where = f"--config {path!r}: {key}={value!r}"
+        if key == "policy" and isinstance(value, dict):
+            policy = value
+            continue
+        if key not in actions:
+            close = difflib.get_close_matches(key, actions, n=1)
+            raise ValueError(f"--config {path!r}: unknown key {key!r} (not a flag of {sp.prog.split()[-1]}"
+                             + (f"; did you mean {close[0]!r}?)" if close else ")"))
+        values[key] = _typed(actions[key], value, where)
+    return values, policy
+
+
+def _typed(action: argparse.Action, value, where: str):
+    """`value` (from a config file) checked as `action`'s flag would check its text. Raises ValueError."""
+    if isinstance(action, argparse.BooleanOptionalAction | argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise ValueError(f"{where} must be a string or a list of strings")
+        return list(items)
+    if isinstance(value, bool | dict | list) or value is None:
+        raise ValueError(f"{where} must be a single {getattr(action.type, '__name__', 'value')}")
+    if action.type is float and isinstance(value, int | float | str):
+        try:
+            value = float(value)  # also "Infinity" / "-Infinity" / "NaN" (a run's strict JSON)
+        except ValueError:
+            raise ValueError(f"{where} must be a number") from None
+    elif action.type is int and not isinstance(value, int):
+        raise ValueError(f"{where} must be an integer")
+    elif action.type in (str, None) and not isinstance(value, str):
+        raise ValueError(f"{where} must be a string")
+    elif action.type not in (int, float, str, None):  # e.g. an integer or "auto"
+        try:
+            value = action.type(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"{where}: {e}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where} is not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")  # one write per line: lines of several processes never interleave
+    sys.stderr.flush()
 
 
 def _add_data_and_sample(sub) -> None:
@@ -171,7 +237,7 @@ def _add_data_and_sample(sub) -> None:
 
 
 def _error(e: Exception, status: int) -> int:
-    print(f"taco-jax: error: {e}", file=sys.stderr)
+    _say(f"taco-jax: error: {e}")
     return status
 
 
@@ -218,7 +284,8 @@ def _data_or_sample(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     from taco_jax.train import jsonio
 
     if args.command == "calibrate":  # one host device; no mesh
@@ -248,6 +315,61 @@ def main(argv=None) -> int:
                           malloc=args.malloc, link=args.link, nodes=args.nodes)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)
+    try:
+        args, file_policy = _with_config(parser, args, argv)
+    except ValueError as e:
+        return _error(e, EXIT_BAD_INPUT)
+    return _train_or_compare(args, file_policy)
+
+
+def _with_config(parser, args, argv) -> tuple[argparse.Namespace, dict | None]:
+    """`args` re-parsed with `--config FILE`'s values as the defaults (the command line wins), and
+    the file's policy table when it applies: when neither the file nor the command line gives a
+    communication flag (`CommFlags`; given on the command line, they replace the file's policy).
+    Raises ValueError naming the file and the key."""
+    if not args.config:
+        return args, None
+    from taco_jax.train.config import CommFlags
+
+    sp = parser.flag_parsers[args.command]
+    values, policy = _config_values(sp, args.config)
+    sp.set_defaults(**values)
+    args = parser.parse_args(argv)
+    comm = {f.name for f in dataclasses.fields(CommFlags)}
+    if policy is not None and comm & set(values):
+        raise ValueError(f"--config {args.config!r} gives a policy table and communication flags "
+                         f"({', '.join(sorted(comm & set(values)))}); give one of them")
+    given = comm & set(vars(_parser(explicit=True).parse_args(argv)))
+    if policy is not None and given:
+        _say(f"taco-jax: --config {args.config!r}: its policy is replaced by the command line's "
+             f"communication flags ({', '.join('--' + g.replace('_', '-') for g in sorted(given))})")
+        policy = None
+    return args, policy
+
+
+def _train_config(args, file_policy: dict | None):
+    """The `TrainConfig` of parsed `train` / `compare` flags (with `--config`'s policy table, if it
+    applies). Raises ValueError naming a bad value."""
+    from taco_jax.collectives.policy import CommPolicy
+    from taco_jax.train.config import CommFlags, TrainConfig
+
+    flags = {f.name: getattr(args, f.name) for _, f in _flag_fields()}  # the one mapping: flags -> TrainConfig
+    if file_policy is not None:  # a run's config.json: its policy as it was
+        flags = {k: v for k, v in flags.items() if k not in {f.name for f in dataclasses.fields(CommFlags)}}
+        flags["policy"] = CommPolicy.from_dict(file_policy, where=f"--config {args.config!r}: policy")
+    return TrainConfig.from_flags(**flags)
+
+
+def config_from_argv(argv: list[str]):
+    """The `TrainConfig` that `taco-jax train ARGV...` / `compare ARGV...` would run (flags and
+    `--config FILE` applied; nothing started). Raises ValueError naming a bad value; SystemExit for
+    a malformed command line (as argparse)."""
+    parser = _parser()
+    args, file_policy = _with_config(parser, parser.parse_args(argv), argv)
+    return _train_config(args, file_policy)
+
+
+def _train_or_compare(args, file_policy: dict | None) -> int:
     from taco_jax.train import distributed
 
     try:
@@ -256,11 +378,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         return _error(e, EXIT_BAD_INPUT)
     _force_cpu_devices(args.mesh, dist.num_processes if dist else 1)
-    from taco_jax.train.config import TrainConfig
-
-    flags = {f.name: getattr(args, f.name) for _, f in _flag_fields()}  # the one mapping: flags -> TrainConfig
     try:
-        cfg = TrainConfig.from_flags(**flags)  # validates every value before anything runs
+        cfg = _train_config(args, file_policy)  # validates every value before anything runs
     except ValueError as e:
         return _error(e, EXIT_BAD_INPUT)
     import jax
@@ -270,7 +389,9 @@ def main(argv=None) -> int:
             distributed.initialize(dist)  # gloo for CPU collectives, then jax.distributed.initialize
         except ValueError as e:  # the coordinator's address in use (checked before the service starts)
             return _error(e, EXIT_BAD_INPUT)
-    from taco_jax.train.loop import compare, train
+    from taco_jax.train.compare import compare
+    from taco_jax.train.console import summary_block
+    from taco_jax.train.loop import train
 
     try:
         result = train(cfg, progress=not args.no_progress) if args.command == "train" else \
@@ -279,11 +400,10 @@ def main(argv=None) -> int:
         return _error(e, EXIT_BAD_INPUT)
     except FloatingPointError as e:  # non-finite loss, or a codec with nonfinite="error"
         return _error(e, EXIT_RUN_FAILED)
-    if jax.process_index() == 0:  # one summary per run
-        shown = {k: v for k, v in result.items() if k not in ("wire_detail", "config")}
-        print(jsonio.dumps(shown, indent=2))
+    if jax.process_index() == 0:  # one summary per run: its key numbers (the rest in summary.json)
+        sys.stdout.write(summary_block(result, cfg.out) + "\n")
+        sys.stdout.flush()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

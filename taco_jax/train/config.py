@@ -174,6 +174,9 @@ class TrainConfig:
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
     resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse
     step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
+    profile_steps: str = ""  # trace steps A:B (first:last, e.g. 3:5) with jax.profiler into --profile-dir
+    profile_dir: str = ""  # folder of the --profile-steps trace (default <out>/profile)
+    tensorboard: bool = False  # also write the metrics as TensorBoard event files to <out>/tensorboard
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 
     def __post_init__(self):
@@ -199,6 +202,10 @@ class TrainConfig:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
         check_compute(self.dtype, self.remat)
         check_tp_overlap(self.tp_overlap, self.sequence_parallel)
+        if self.profile_steps:
+            self.profile_range  # noqa: B018  (ValueError naming a malformed A:B)
+        elif self.profile_dir:
+            raise ValueError(f"profile_dir={self.profile_dir!r} is given without profile_steps (e.g. 3:5)")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
         if not self.lr > 0:
@@ -280,6 +287,22 @@ class TrainConfig:
         return self.steps // 10 if self.warmup_steps == -1 else self.warmup_steps
 
     @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """`profile_steps` "A:B" as (A, B), 1 <= A <= B <= steps ("A": one step); None when not set.
+        Raises ValueError naming a malformed value."""
+        if not self.profile_steps:
+            return None
+        a, sep, b = self.profile_steps.partition(":")
+        try:
+            first, last = int(a), int(b if sep else a)
+        except ValueError:
+            raise ValueError(f"profile_steps={self.profile_steps!r} must be A:B (first and last step traced, "
+                             "e.g. 3:5)") from None
+        if not 1 <= first <= last <= self.steps:
+            raise ValueError(f"profile_steps={self.profile_steps!r} must satisfy 1 <= A <= B <= steps={self.steps}")
+        return first, last
+
+    @property
     def mesh_axes(self) -> dict[str, int]:
         return parse_mesh(self.mesh)
 
@@ -296,3 +319,29 @@ class TrainConfig:
             return dataclasses.replace(cfg, dtype=self.dtype, remat=self.remat)
         return get_config(self.model, vocab_size=self.vocab_size, vocab_multiple=multiple, dtype=self.dtype,
                           remat=self.remat)
+
+
+def read_config_file(path) -> dict:
+    """The flag values of a `--config FILE`: a TOML file (as torchtitan's), or a JSON object (".json",
+    e.g. the `config.json` a run wrote). Top-level keys are flag names (underscores or dashes); the
+    only table allowed is "policy" (a `CommPolicy.to_dict()`, as config.json holds it).
+
+    Raises ValueError naming the file when it cannot be read or parsed, or is not a table / object.
+    """
+    import json
+    import pathlib
+    import tomllib
+
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"--config {str(path)!r}: cannot read it ({e.strerror or e})") from None
+    try:
+        values = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        kind = "JSON" if path.suffix == ".json" else "TOML (.json files are read as JSON)"
+        raise ValueError(f"--config {str(path)!r}: not valid {kind}: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {str(path)!r}: must hold a table of flag = value, not {type(values).__name__}")
+    return {k.replace("-", "_"): v for k, v in values.items()}

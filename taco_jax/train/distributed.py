@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import threading
 import time
 
 import numpy as np
 
 from taco_jax.data.stream import TokenStream, global_batch  # noqa: F401 (global_batch: re-export)
+from taco_jax.train.console import write_line
 
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
@@ -219,8 +219,7 @@ class StepWatchdog:
         if stall:  # test hook: "PROCESS:STEP:SECONDS"
             proc, at, secs = stall.split(":")
             if int(proc) == self.process and int(at) == step:
-                print(f"[taco-jax] {ENV_STALL}: process {proc} sleeps {secs} s before step {step}",
-                      file=sys.stderr, flush=True)
+                write_line(f"[taco-jax] {ENV_STALL}: process {proc} sleeps {secs} s before step {step}")
                 time.sleep(float(secs))
         if self.timeout_s > 0 and self.processes > 1:
             _client().key_value_set(f"{_STEP_KEY}{self.process}", str(step), allow_overwrite=True)
@@ -242,7 +241,7 @@ class StepWatchdog:
         slowest = self._slowest if self._done_steps > 1 else self._first_dt
         self.timeout_s = max(AUTO_FLOOR_S, AUTO_FACTOR * slowest)
         if self._done_steps == 2 and self.process == 0:
-            print(f"[taco-jax] --step-timeout auto: {self.describe()}", file=sys.stderr, flush=True)
+            write_line(f"[taco-jax] --step-timeout auto: {self.describe()}")
 
     def describe(self) -> str:
         """The limit and where it comes from, e.g. "10 s (max(10 s, 10 × slowest step 0.2 s))"."""
@@ -289,7 +288,7 @@ class StepWatchdog:
         msg = f"step {step} did not finish within --step-timeout {limit}"
         if self.processes > 1:
             msg += f" (process {self.process} of {self.processes}; {self.missing(step)})"
-        print(f"taco-jax: error: {msg}; the run stopped", file=sys.stderr, flush=True)
+        write_line(f"taco-jax: error: {msg}; the run stopped")
         os._exit(self.exit_status)
 
     def missing(self, step: int, *, wait_s: float = 8.0) -> str:

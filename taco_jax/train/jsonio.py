@@ -50,3 +50,10 @@ def write(path, obj, *, indent: int | None = 2) -> pathlib.Path:
     path = pathlib.Path(path)
     path.write_text(dumps(obj, indent=indent) + "\n")
     return path
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a run's `metrics.jsonl`, non-finite numbers (written as strings) back as floats."""
+    with open(path) as f:
+        recs = [json.loads(line) for line in f]
+    return [{k: float(v) if k in ("loss", "val_loss", "grad_norm") else v for k, v in r.items()} for r in recs]

@@ -44,7 +44,6 @@ forward and backward, so a monitored step costs about one more step plus the col
 from __future__ import annotations
 
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +56,7 @@ from taco_jax.collectives.policy import TENSOR_SITES, CommPolicy
 from taco_jax.kernels._vma import vma_of
 from taco_jax.parallel.mesh import TENSOR
 from taco_jax.train import capture
+from taco_jax.train.console import say
 
 #: Per-site keys of a monitor record (module docstring).
 SITE_KEYS = ("sqnr_db", "min_sqnr_db", "worst_call", "rel_err", "max_rel_err", "calls")
@@ -182,8 +182,8 @@ class Monitor:
                 raise MonitorError(f"step {step}: site {site}: SQNR {v:.2f} dB (worst call {what}) is below "
                                    f"--monitor-min-sqnr {self.min_db:g} dB; the run stopped{where}")
             if not v >= self.warn_db:
-                print(f"[taco-jax] monitor: step {step}: site {site}: SQNR {v:.2f} dB (worst call {what}) is below "
-                      f"{self.warn_db:g} dB (--monitor-warn-sqnr)", file=sys.stderr, flush=True)
+                say(f"[taco-jax] monitor: step {step}: site {site}: SQNR {v:.2f} dB (worst call {what}) is below "
+                    f"{self.warn_db:g} dB (--monitor-warn-sqnr)")  # the same numbers on every process: once
 
 
 def _host(x) -> np.ndarray:

@@ -3,16 +3,15 @@
 Inside one `shard_map` over the mesh (data, stage, tensor): each data shard differentiates its
 own loss (parameters made varying over the data axis, loss scaled by 1 / data size), the
 pipeline schedule runs over the stage axis when there is one (`parallel/pipeline.py`), and the
-per-shard gradients are summed explicitly over the data axis (`collectives/dp.py`, compressed per
-`CommPolicy.dp_grads`). With `dp_grads` exact this is the same arithmetic as differentiating the
-`shard_map`ped mean loss from outside (tested in tests/test_3d.py).
+per-shard gradients are summed explicitly over the data axis in float32 (`collectives/dp.py`,
+compressed per `CommPolicy.dp_grads`). With `dp_grads` exact this equals differentiating the
+`shard_map`ped mean loss from outside to float rounding (~1e-7 relative; tests/test_3d.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ from taco_jax.parallel import pipeline as pp
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, make_mesh
 from taco_jax.parallel.state import merge_params
 from taco_jax.train.config import TrainConfig
+from taco_jax.train.console import say
 from taco_jax.train.distributed import emulated_link, tensor_link_bytes_per_s
 
 
@@ -157,19 +157,13 @@ class Steps:
 
 
 def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, microbatches: int = 1,
-               schedule: str = "gpipe", pipelined: bool | None = None, explicit_dp: bool | None = None,
-               tap=None, tp_overlap: str = "none") -> Steps:
+               schedule: str = "gpipe", pipelined: bool | None = None, tap=None, tp_overlap: str = "none") -> Steps:
     """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
 
     pipelined: run the pipeline schedules (stacked layers); default: when the mesh has stage > 1
     or microbatches > 1.
-    explicit_dp: differentiate per data shard inside `shard_map` and sum the gradients with
-    `sync_gradients`; default: when pipelined, when `policy.dp_grads` compresses, or when the model
-    computes in a dtype other than float32 (the implicit path would all-reduce the gradients in
-    that dtype, before their cast back to the FP32 parameters; here they are summed in FP32). Otherwise the
-    gradient is taken outside `shard_map` (its transpose inserts the data-axis psum) — the
-    pre-3D formulation, kept so exact runs reproduce earlier numbers bit for bit (the explicit
-    path with an exact codec agrees to float rounding, ~1e-7 relative; tests/test_3d.py).
+    The gradient: each data shard differentiates its own loss inside `shard_map`, and
+    `sync_gradients` sums the gradients over the data axis in FP32 (with `policy.dp_grads`'s codec).
     tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
     tp_overlap: `ParallelContext.tp_overlap` ("none" | "collective-matmul", with sequence_parallel).
     """
@@ -185,10 +179,6 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
     if pipelined is None:
         pipelined = mesh.shape.get(STAGE, 1) > 1 or microbatches > 1
     staged = pp.StagedModel.from_model(abstract) if pipelined else None
-    if explicit_dp is None:  # mixed precision: FP32 gradient all-reduce over data (as Megatron's main grads)
-        explicit_dp = pipelined or policy.dp_grads.kind != "none" or model_cfg.dtype != "float32"
-    if pipelined and not explicit_dp:
-        raise ValueError("pipelined=True needs explicit_dp=True (the schedules compute gradients inside shard_map)")
     specs = staged.specs(mesh.axis_names) if staged else param_specs(abstract_state, mesh.axis_names)
     batch_spec = P(data_axis)
 
@@ -210,16 +200,13 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
                 return loss / n_data, loss
 
             (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-        grads = sync_gradients(grads, data_axis, policy)  # 3. sum over data shards (dp_grads codec)
+        grads = sync_gradients(grads, data_axis, policy)  # 3. sum over data shards in FP32 (dp_grads codec)
         return _mean_over(loss, data_axis), grads
 
     loss_fn = jax.shard_map(lambda *a: _mean_over(local_loss(*a), data_axis), mesh=mesh,
                             in_specs=(specs, batch_spec, batch_spec), out_specs=P())
-    if explicit_dp:
-        value_and_grad = jax.shard_map(local_value_and_grad, mesh=mesh, in_specs=(specs, batch_spec, batch_spec),
-                                       out_specs=(P(), specs))
-    else:
-        value_and_grad = jax.value_and_grad(loss_fn)
+    value_and_grad = jax.shard_map(local_value_and_grad, mesh=mesh, in_specs=(specs, batch_spec, batch_spec),
+                                   out_specs=(P(), specs))
     return Steps(value_and_grad, loss_fn, graphdef, abstract_state, specs, staged)
 
 
@@ -235,10 +222,10 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
                                     itemsize=jnp.dtype(cfg.model_config.dtype).itemsize,
                                     sequence_parallel=cfg.sequence_parallel,  # min_bytes "auto"
                                     link_bytes_per_s=tensor_link_bytes_per_s(emulated_link()))  # launch --link
-    if cfg.policy.min_bytes == "auto" and jax.process_index() == 0:
-        print(f"taco-jax: --min-bytes auto -> {policy.min_bytes} bytes (the cost model's break-even size on "
-              f"{mesh.devices.flat[0].platform}, docs/cost_model.md): smaller messages run the exact collective; "
-              "the compiled step's wire bytes in summary.json show what was compressed", file=sys.stderr)
+    if cfg.policy.min_bytes == "auto":
+        say(f"taco-jax: --min-bytes auto -> {policy.min_bytes} bytes (the cost model's break-even size on "
+            f"{mesh.devices.flat[0].platform}, docs/cost_model.md): smaller messages run the exact collective; "
+            "the compiled step's wire bytes in summary.json show what was compressed")
     steps = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
                        microbatches=cfg.microbatches, schedule=cfg.schedule, tp_overlap=cfg.tp_overlap)
     tx = make_optimizer(cfg, _decay_mask(steps.abstract_state, steps.staged))

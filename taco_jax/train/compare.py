@@ -1,0 +1,75 @@
+"""`taco-jax compare`: the same model trained twice (same seed and data order), exact on every axis
+and with the run's communication policy, with both runs' losses and wire bytes side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from taco_jax.collectives.policy import CommPolicy
+from taco_jax.data import training_data
+from taco_jax.train import distributed as dist
+from taco_jax.train import jsonio
+from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
+from taco_jax.train.loop import check_out_dir, train
+from taco_jax.train.plots import plot_losses
+
+
+def _ratio(runs: dict, key: str) -> float | None:
+    """Compressed / exact tensor-axis wire bytes of `compare`'s two runs under summary key `key`."""
+    exact = runs["none"][key].get("tensor", 0)
+    return runs["taco"][key].get("tensor", 0) / exact if exact else None
+
+
+def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
+    """Trains the same model twice (same seed and data order): exact on every axis ("none"), then
+    with `cfg.policy` ("taco": `--comm` and its codec flags, `--dp-comm`, `--pp-comm`, `--policy`, `--site`).
+
+    Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and
+    `<out>/summary.json`: both final validation losses, their relative difference, and the wire
+    bytes per step of each run by mesh axis with the compressed / exact ratio per axis.
+    In a multi-process run (`taco-jax launch --processes N -- compare ...`) every process trains
+    both runs on the distributed runtime and returns the summary; process 0 writes the files.
+    Raises: as `train`; ValueError before any training when `<out>` cannot be written.
+    """
+    out = check_out_dir(cfg.out)
+    ds = training_data(cfg.data, cfg.vocab_size)
+    configs = {"none": dataclasses.replace(cfg, policy=CommPolicy.none(), out=str(out / "none")),
+               "taco": dataclasses.replace(cfg, out=str(out / "taco"))}
+    for c in configs.values():
+        check_out_dir(c.out)
+    runs = {c: train(run_cfg, dataset=ds, progress=progress) for c, run_cfg in configs.items()}
+    base, taco = runs["none"]["final_val_loss"], runs["taco"]["final_val_loss"]
+    wire = {c: r["wire_bytes_per_step"] for c, r in runs.items()}
+    ratio = {a: wire["taco"].get(a, 0) / n for a, n in wire["none"].items() if n}
+    axes = runs["taco"]["compressed_axes"]
+    summary = {
+        "model": cfg.model,
+        "mesh": cfg.mesh,
+        "val_loss_none": base,
+        "val_loss_taco": taco,
+        "val_loss_rel_diff": (taco - base) / base,
+        "within_1pct": abs(taco - base) / base <= 0.01,
+        "compressed_axes": axes,
+        "policy_taco": runs["taco"]["policy"],
+        "tensor_wire_bytes_per_step": {c: w.get("tensor", 0) for c, w in wire.items()},
+        "tensor_wire_ratio_taco_over_none": ratio.get("tensor"),
+        "wire_ratio_taco_over_none": ratio,  # per mesh axis: compressed / exact wire bytes per step
+        "wire_bytes_per_step": wire,
+        # wire ratio against the exact run's messages as issued (bf16 with --dtype bfloat16) and as if
+        # they were FP32 (the uncompiled HLO; XLA:CPU's compiled exact all-reduces are f32 either way)
+        "tensor_wire_ratio_vs_exact_issued": _ratio(runs, "wire_bytes_per_step_issued"),
+        "tensor_wire_ratio_vs_exact_f32": _ratio(runs, "wire_bytes_per_step_issued_as_f32"),
+        "dtype": cfg.dtype,
+        "tokens_per_s": {c: r["tokens_per_s"] for c, r in runs.items()},
+        "config": {k: v for k, v in cfg.to_dict().items() if k not in ("policy", "out")},
+        "processes": runs["taco"]["processes"],
+    }
+    if not dist.is_writer():
+        return summary
+    jsonio.write(out / "summary.json", summary)
+    codecs = ", ".join(f"{a}: {policy_label(configs['taco'].policy, AXIS_SITES[a])}" for a in axes)
+    taco_label = f"compressed ({codecs})" if axes else "taco (nothing compressed)"
+    plot_losses(out / "loss.png", {"exact (every axis)": out / "none" / "metrics.jsonl",
+                                   taco_label: out / "taco" / "metrics.jsonl"},
+                title=f"{cfg.model} on Shakespeare, mesh {cfg.mesh}: exact vs compressed")
+    return summary

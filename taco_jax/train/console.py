@@ -1,0 +1,64 @@
+"""What a run prints: progress from process 0 only, warnings and errors from every process, each line
+written whole (one `write` per line, then flush) so the lines of several processes never interleave
+mid-line, and the short summary block shown at the end of `taco-jax train` / `compare`."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+
+def _process() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def say(msg: str) -> None:
+    """Progress / information for the run: written to stderr by process 0 only."""
+    if _process() == 0:
+        write_line(msg)
+
+
+def warn(msg: str) -> None:
+    """A warning: written to stderr by every process (process i > 0 names itself)."""
+    p = _process()
+    write_line(msg if p == 0 else f"(process {p}) {msg}")
+
+
+def write_line(msg: str) -> None:
+    sys.stderr.write(msg + "\n")  # one write: a line of another process cannot land inside it
+    sys.stderr.flush()
+
+
+def rel(path, run_dir) -> str:
+    """`path` relative to the run folder `run_dir` when it lies inside it, else as given."""
+    path, run_dir = pathlib.Path(path).absolute(), pathlib.Path(run_dir).absolute()
+    return str(path.relative_to(run_dir)) if path.is_relative_to(run_dir) else str(path)
+
+
+#: Keys of a `train` summary shown by `summary_block` (label, key); the rest stays in summary.json.
+TRAIN_KEYS = (("comm", "comm"), ("mesh", "mesh"), ("steps", "steps"), ("train loss", "final_train_loss"),
+              ("val loss", "final_val_loss"), ("tokens/s", "tokens_per_s"), ("compile s", "compile_s"),
+              ("wire bytes/step", "wire_bytes_per_step"), ("resumed from step", "resumed_from_step"),
+              ("preempted at step", "preempted_at_step"))
+#: The same for a `compare` summary.
+COMPARE_KEYS = (("mesh", "mesh"), ("val loss none", "val_loss_none"), ("val loss taco", "val_loss_taco"),
+                ("relative diff", "val_loss_rel_diff"), ("wire ratio taco/none", "wire_ratio_taco_over_none"),
+                ("tokens/s", "tokens_per_s"))
+
+
+def summary_block(summary: dict, out_dir) -> str:
+    """A few lines of a run's key numbers (`train` or `compare` summary), ending with where the full
+    summary is: `<out_dir>/summary.json`."""
+    keys = COMPARE_KEYS if "val_loss_taco" in summary else TRAIN_KEYS
+    lines = [f"  {label + ':':<20} {_fmt(summary[key])}" for label, key in keys if summary.get(key) is not None]
+    return "\n".join(["summary", *lines, f"  {'full summary:':<20} {pathlib.Path(out_dir) / 'summary.json'}"])
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.5g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items()) or "-"
+    return str(v)

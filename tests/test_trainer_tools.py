@@ -1,0 +1,179 @@
+"""The trainer's tools beside the loop: `--profile-steps` (a jax.profiler trace holding the named scopes
+of the compressed collectives), `--tensorboard` (events read back), `--config FILE` (TOML / a run's
+config.json; the command line wins; errors name the key)."""
+
+import glob
+import json
+import re
+
+import numpy as np
+import pytest
+
+from taco_jax.cli import config_from_argv, main
+from taco_jax.train import jsonio
+
+TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TACO_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "tokenizer_cache"))
+
+
+# ------------------------------------------------------------------------------------------------
+# reading an XSpace (`*.xplane.pb`) without its .proto: the protobuf wire format, field numbers from
+# tsl/profiler/protobuf/xplane.proto and xla/service/hlo.proto
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return n, i
+
+
+def _fields(buf: bytes, number: int) -> list:
+    """The values of field `number` of a protobuf message (ints for varints, bytes otherwise)."""
+    out, i = [], 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        wire = key & 7
+        if wire == 0:
+            v, i = _varint(buf, i)
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            v, i = buf[i:i + n], i + n
+        else:  # fixed 64 / 32 bits
+            size = 8 if wire == 1 else 4
+            v, i = buf[i:i + size], i + size
+        if key >> 3 == number:
+            out.append(v)
+    return out
+
+
+def _op_names(xspace: bytes) -> dict[str, dict[str, str]]:
+    """{HLO module: {instruction: op_name metadata}} of the HLO protos the profiler stores in its
+    "/host:metadata" plane (XSpace.planes=1; XPlane.name=2, event_metadata=4 (map: value=2);
+    XEventMetadata.stats=5; XStat.bytes_value=6 = HloProto; HloProto.hlo_module=1; module name=1,
+    computations=3; computation instructions=2; instruction name=1, metadata=7; OpMetadata.op_name=2)."""
+    modules = {}
+    for plane in _fields(xspace, 1):
+        if _fields(plane, 2) != [b"/host:metadata"]:
+            continue
+        for entry in _fields(plane, 4):
+            for stat in (s for meta in _fields(entry, 2) for s in _fields(meta, 5)):
+                for module in (m for hlo in _fields(stat, 6) for m in _fields(hlo, 1)):
+                    ops = modules.setdefault(_fields(module, 1)[0].decode(), {})
+                    for ins in (i for comp in _fields(module, 3) for i in _fields(comp, 2)):
+                        meta = _fields(ins, 7)
+                        name = _fields(meta[0], 2) if meta else []
+                        ops[_fields(ins, 1)[0].decode()] = name[0].decode() if name else ""
+    return modules
+
+
+def _executed_scopes(xplane_path) -> tuple[dict[str, set], list[int]]:
+    """({HLO module: taco_* scopes in the op names of its ops that ran}, numbers of the traced steps)."""
+    from jax.profiler import ProfileData
+
+    names = _op_names(open(xplane_path, "rb").read())
+    scopes, steps = {}, []
+    for plane in ProfileData.from_file(str(xplane_path)).planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_module" in stats and "hlo_op" in stats:
+                    op_name = names.get(stats["hlo_module"], {}).get(stats["hlo_op"], "")
+                    scopes.setdefault(stats["hlo_module"], set()).update(re.findall(r"taco_[a-z_]+", op_name))
+                if event.name == "train_step" and "step_num" in stats:
+                    steps.append(int(stats["step_num"]))
+    return scopes, sorted(set(steps))
+
+
+def test_toml_config_profile_and_tensorboard(tmp_path, capsys):
+    """One run set up by a TOML file (the command line's --out wins over the file's): the profile of
+    steps 2:3 holds the train step's executed ops under the codec's named scopes; the TensorBoard
+    events hold metrics.jsonl's loss, gradient norm and validation loss, the wire bytes and the
+    monitor's SQNR; the run's config.json, passed back as --config, gives the same configuration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    toml = tmp_path / "run.toml"
+    toml.write_text('steps = 3\neval-every = 2\nmonitor_every = 2\nprofile_steps = "2:3"\ntensorboard = true\n'
+                    f'out = "{tmp_path / "not-this"}"\nsite = ["ar_bwd:fmt=e5m2"]\n')
+    assert main(["train", "--config", str(toml), *TINY, "--out", str(out)]) == 0
+    assert not (tmp_path / "not-this").exists()
+    recs = jsonio.read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3]
+
+    (xplane,) = glob.glob(str(out / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    scopes, steps = _executed_scopes(xplane)
+    assert steps == [2, 3]
+    assert {"taco_encode", "taco_decode", "taco_psum"} <= scopes["jit_train_step"], scopes
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    f32 = lambda v: float(np.float32(v))  # noqa: E731  (TensorBoard stores float32)
+    assert scalars["train/loss"] == [(r["step"], f32(r["loss"])) for r in recs]
+    assert scalars["train/grad_norm"] == [(r["step"], f32(r["grad_norm"])) for r in recs]
+    assert scalars["val/loss"] == [(r["step"], f32(r["val_loss"])) for r in recs if "val_loss" in r] != []
+    wire = json.loads((out / "summary.json").read_text())["wire_bytes_per_step"]
+    assert scalars["wire_bytes_per_step/tensor"] == [(s, f32(wire["tensor"])) for s in (1, 2, 3)]
+    assert [s for s, _ in scalars["monitor/ar_bwd/sqnr_db"]] == [2, 3]
+    assert scalars["monitor/ar_bwd/min_sqnr_db"][-1] == (3, f32(recs[-1]["monitor"]["ar_bwd"]["min_sqnr_db"]))
+
+    written = json.loads((out / "config.json").read_text())
+    assert written["steps"] == 3 and written["out"] == str(out) and written["tensorboard"] is True
+    assert written["policy"]["sites"]["ar_bwd"]["fmt"] == "e5m2"
+    again = config_from_argv(["train", "--config", str(out / "config.json")])
+    assert jsonio.strict(again.to_dict()) == written  # the same run, policy included
+
+
+def test_command_line_wins_over_the_config_file(tmp_path, capsys):
+    toml = tmp_path / "c.toml"
+    toml.write_text('steps = 7\nlr = 1e-3\nmodel = "qwen3-tiny"\nmin_bytes = "auto"\nmonitor_min_sqnr = -inf\n'
+                    'sequence_parallel = true\n')
+    cfg = config_from_argv(["train", "--config", str(toml), "--steps", "9", "--no-sequence-parallel"])
+    assert (cfg.steps, cfg.lr, cfg.model, cfg.policy.min_bytes, cfg.sequence_parallel) == \
+        (9, 1e-3, "qwen3-tiny", "auto", False)
+    assert cfg.monitor_min_sqnr == float("-inf")
+    # a run's config.json holds its policy; communication flags on the command line replace it
+    run = tmp_path / "config.json"
+    jsonio.write(run, config_from_argv(["train", "--comm", "int8", "--dp-comm", "taco"]).to_dict())
+    assert config_from_argv(["train", "--config", str(run)]).policy.dp_grads.kind == "taco"
+    cfg = config_from_argv(["train", "--config", str(run), "--comm", "none"])
+    assert cfg.comm == "none" and cfg.policy.dp_grads.kind == "none"
+    assert "its policy is replaced by the command line's communication flags (--comm)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, suffix, match", [
+    ("stepz = 3\n", ".toml", r"unknown key 'stepz' \(not a flag of train; did you mean 'steps'\?\)"),
+    ('steps = "ten"\n', ".toml", r"steps='ten' must be an integer"),
+    ("lr = true\n", ".toml", r"lr=True must be a single"),
+    ('model = "gpt5"\n', ".toml", r"model='gpt5' is not one of"),
+    ('min_bytes = "lots"\n', ".toml", r"min_bytes='lots'"),
+    ("allow_nonfinite = 1\n", ".toml", r"allow_nonfinite=1 must be true or false"),
+    ("steps = \n", ".toml", r"not valid TOML"),
+    ('{"steps": 3,}', ".json", r"not valid JSON"),
+    ("[1, 2]", ".json", r"must hold a table"),
+    ('steps = 2\nprofile_steps = "3:4"\n', ".toml", r"profile_steps='3:4' must satisfy 1 <= A <= B <= steps=2"),
+    ('profile_steps = "a:b"\n', ".toml", r"profile_steps='a:b' must be A:B"),
+    ('comm = "int8"\n[policy]\nsites = {}\n', ".toml", r"gives a policy table and communication flags \(comm\)"),
+    ('[policy]\nsites = {ar_fwd = {fmt = "e9m9"}}\n', ".toml", r"policy.*e9m9"),
+])
+def test_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, suffix, match):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    assert main(["train", "--config", str(path), *TINY, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("taco-jax: error: ") and re.search(match, err[0]), err
+    assert not (tmp_path / "run" / "config.json").exists()  # refused before anything ran
+
+
+def test_missing_config_file_is_named(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "nope.toml")]) == 2
+    assert f"--config '{tmp_path / 'nope.toml'}': cannot read it" in capsys.readouterr().err
