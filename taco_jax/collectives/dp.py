@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from taco_jax.codec.vma import pvary, vma_of
 from taco_jax.collectives import compressed
 from taco_jax.collectives.policy import CommPolicy
-from taco_jax.kernels._vma import pvary, vma_of
 
 
 def varying_axes(x) -> frozenset:
