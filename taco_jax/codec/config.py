@@ -42,12 +42,16 @@ BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
 #: (CPU; `taco_jax.kernels.ffi_codec`). "auto" (the default) is resolved with the backend.
 WIRES = ("auto", "generic", "ffi")
 #: How the exact (uncompressed) collectives move their data (`CodecConfig.transport`): "xla": the
-#: `lax` collectives as XLA lowers them; "gloo": XLA:CPU runs the collectives through gloo
-#: (`jax.distributed` initialized, CPU backend), and the reduce-scatter, which gloo's
+#: `lax` collectives as XLA lowers them. "gloo": XLA:CPU runs the collectives through gloo
+#: (`jax.distributed` initialized, CPU backend); then (1) the reduce-scatter, which gloo's
 #: ReduceScatterHalvingDoubling intermittently gets wrong (jax-ml/jax#40830), runs as an
-#: all-to-all plus a rank-order sum instead. "auto" (the default) is resolved with the backend
-#: (`taco_jax.codec.dispatch.resolve_transport`).
-TRANSPORTS = ("auto", "xla", "gloo")
+#: all-to-all plus a rank-order sum instead, and (2) messages of a float dtype narrower than 32
+#: bits (bfloat16, float16), which XLA:CPU would widen to float32 on the wire, move as their own
+#: bytes (bit-cast to unsigned integers, moved by all-to-all / all-gather / collective-permute,
+#: summed in FP32 on the receiver), the bytes a GPU run (NCCL) moves. "gloo_widened": (1) only,
+#: narrow floats moved as XLA:CPU widens them (the baseline before (2), kept for comparisons).
+#: "auto" (the default) is resolved with the backend (`taco_jax.codec.dispatch.resolve_transport`).
+TRANSPORTS = ("auto", "xla", "gloo", "gloo_widened")
 
 
 def fp8_max(fmt: str) -> float:
@@ -114,7 +118,8 @@ class CodecConfig:
         "hidden", nonfinite "propagate"; values bit-identical to "generic"). Default "auto": "ffi"
         where it can run, else "generic". Other kinds always use "generic".
       transport: how the exact collectives (kind "none", and a compressed collective's exact
-        backward or below-threshold messages) move data, one of `TRANSPORTS`: "xla" or "gloo".
+        backward or below-threshold messages) move data, one of `TRANSPORTS`: "xla", "gloo" or
+        "gloo_widened".
         Default "auto": "gloo" when XLA:CPU runs the collectives through gloo (`jax.distributed`
         initialized, CPU backend) unless the environment variable TACO_GLOO_REDUCE_SCATTER=lax
         (read when the codec is resolved) asks for XLA's own reduce-scatter; else "xla".

@@ -262,7 +262,8 @@ def gloo_collectives() -> bool:
 
 def resolve_transport(name: str = "auto") -> str:
     """The concrete `CodecConfig.transport` `name` stands for here: "auto" -> "gloo" when
-    `gloo_collectives()` and TACO_GLOO_REDUCE_SCATTER (read now) is not "lax", else "xla".
+    `gloo_collectives()` and TACO_GLOO_REDUCE_SCATTER (read now) is not "lax", else "xla"
+    (a concrete name comes back unchanged).
     Raises ValueError naming a TACO_GLOO_REDUCE_SCATTER value other than all_to_all / lax."""
     if name != "auto":
         return name

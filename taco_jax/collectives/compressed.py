@@ -42,9 +42,12 @@ a compressed collective too (the two codecs swapped), so higher-order reverse mo
 codecs are `jax.custom_vjp` functions. Consequence: forward mode (`jax.jvp`, `jax.linearize`,
 `jax.jacfwd`) is NOT defined for a compressing codec and raises jax's `TypeError` ("can't apply
 forward-mode autodiff (jvp) to a custom_vjp function"); with kind "none" on both directions
-the function is the `lax` collective and forward mode works (with transport "gloo",
-`CodecConfig.transport`, the exact reduce-scatter is an all-to-all + sum and the exact all-gather
-a custom_jvp, both still differentiable in either mode).
+the function is the `lax` collective and forward mode works (with transport "gloo" or
+"gloo_widened", `CodecConfig.transport`, the exact reduce-scatter is an all-to-all + sum and the
+exact all-gather a custom_jvp, both still differentiable in either mode). Exception: with
+transport "gloo" a message of a float dtype narrower than 32 bits moves as its own bytes
+(bit-cast; the exact all-reduce then runs as all-to-all, FP32 rank-order sum, all-gather), the
+collective is a custom_vjp with `lax`'s derivative, and forward mode is not defined for it.
 An input that is not varying over the axis is first made varying (`lax.pcast`), as `lax`'s
 collectives do, so its gradient is the sum over ranks, as with `lax`.
 Limits: the chunking of two-shot is along the leading axis when it divides by P, else over the
@@ -89,18 +92,40 @@ def _resolved(codec: CodecConfig) -> CodecConfig:
     return codec if is_resolved(codec) else resolve_codec(codec)
 
 
-def _exact_psum_scatter(x, axis_name, dim, tiled):
+def _gloo(codec: CodecConfig) -> bool:
+    """Whether the codec's exact collectives run through gloo (transport "gloo" or "gloo_widened"):
+    then the exact reduce-scatter is `_exact_psum_scatter`, not XLA:CPU's gloo reduce-scatter."""
+    return codec.transport in ("gloo", "gloo_widened")
+
+
+def _own_bytes(codec: CodecConfig, x) -> bool:
+    """Whether the exact collective moves `x` as its own dtype's bytes rather than as XLA:CPU widens
+    it: transport "gloo" and a floating dtype narrower than 32 bits (bfloat16, float16, FP8)."""
+    return codec.transport == "gloo" and jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+
+
+def _move_bits(fn, x: jax.Array) -> jax.Array:
+    """`fn` (a data-movement collective) applied to x's bits, bit-cast to the unsigned integer of
+    x's width: the wire carries x's own bytes (XLA:CPU widens narrow float collectives to float32).
+    Not differentiable: callers are custom_vjp rules."""
+    bits = jnp.dtype(f"uint{jnp.dtype(x.dtype).itemsize * 8}")
+    return lax.bitcast_convert_type(fn(lax.bitcast_convert_type(x, bits)), x.dtype)
+
+
+def _exact_psum_scatter(x, axis_name, dim, tiled, own_bytes: bool = False):
     """`lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)`, exact, as an all-to-all
     of the P blocks and a sum in rank order (FP32 accumulation for narrower floats, as the compressed
     path). The same bytes on the wire as a reduce-scatter; used instead of XLA:CPU's gloo
-    reduce-scatter with transport "gloo" (`CodecConfig.transport`)."""
+    reduce-scatter with transport "gloo" (`CodecConfig.transport`). `own_bytes`: the blocks move as
+    their own dtype's bytes (`_move_bits`; then not differentiable: only inside `_psum_scatter`)."""
     p = lax.axis_size(axis_name)
     pre, post = x.shape[:dim], x.shape[dim + 1:]
     shape = (*pre, *((x.shape[dim] // p,) if tiled else ()), *post)
     if p == 1:
         return x.reshape(shape)
     xs = jnp.moveaxis(x.reshape(*pre, p, x.shape[dim] // p, *post), dim, 0)  # [P, *pre, s, *post]
-    got = lax.all_to_all(xs, axis_name, 0, 0)  # got[q]: rank q's block for this rank
+    a2a = functools.partial(lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0)
+    got = _move_bits(a2a, xs) if own_bytes else a2a(xs)  # got[q]: rank q's block for this rank
     acc_t = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32 else x.dtype
     acc = got[0].astype(acc_t)
     for q in range(1, p):
@@ -229,14 +254,19 @@ def _two_shot(x, axis_name, codec, reduce_domain, p):
 
 @_scoped("taco_psum")
 def _psum_value(x, axis_name, codec, algorithm, reduce_domain="signal", chunks=1):
-    """The compressed all-reduce's value (no derivative of its own)."""
-    if codec.kind == "none":
+    """The compressed all-reduce's value (no derivative of its own); kind "none": the exact one."""
+    if codec.kind == "none" and not _own_bytes(codec, x):
         return lax.psum(x, axis_name)
     p = lax.axis_size(axis_name)
     if p == 1:  # nothing to send; lax.psum of one rank is x, typed invariant over the axis as a sum is
         return lax.psum(x, axis_name)
     if x.size == 0:
         return _empty(x.shape, x.dtype, vma_of(x) - _axes(axis_name))
+    if codec.kind == "none":  # exact, x's own bytes: all-to-all, FP32 rank-order sum, all-gather
+        got = _move_bits(lambda b: lax.all_to_all(b, axis_name, 0, 0), _split_chunks(x, p))  # got[q]: rank q's
+        mine = sum_fp32(got, x.dtype)
+        full = _move_bits(lambda b: lax.all_gather(b, axis_name, axis=0, to="invarying"), mine)
+        return full.reshape(-1)[: x.size].reshape(x.shape)
     if algorithm == "one_shot":
         wire = wire_for(codec, x)
         rows = lax.all_gather(wire.encode_rows(x, codec), axis_name, axis=0, to="invarying")
@@ -303,9 +333,10 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
         raise ValueError(f"reduce_domain={reduce_domain!r} is not supported; choose one of {REDUCE_DOMAINS}")
     if chunks != "auto" and not (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1):
         raise ValueError(f"chunks={chunks!r} must be 'auto' or an integer >= 1")
-    if codec.kind == "none":
+    codec = _resolved(codec)
+    if codec.kind == "none" and not _own_bytes(codec, x):
         return lax.psum(x, axis_name)
-    return _psum(_vary(x, axis_name), axis_name, _resolved(codec), algorithm, reduce_domain, chunks)
+    return _psum(_vary(x, axis_name), axis_name, codec, algorithm, reduce_domain, chunks)
 
 
 # --------------------------------------------------------------------------------------
@@ -317,7 +348,8 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
 def _all_gather_value(x, axis_name, codec, axis, tiled):
     """The compressed all-gather's value (no derivative of its own); `axis` already normalized."""
     if codec.kind == "none":
-        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        gather = functools.partial(lax.all_gather, axis_name=axis_name, axis=axis, tiled=tiled)
+        return _move_bits(gather, x) if _own_bytes(codec, x) else gather(x)
     p = lax.axis_size(axis_name)
     if p == 1:
         return jnp.expand_dims(x, axis) if not tiled else x
@@ -337,8 +369,8 @@ def _all_gather_value(x, axis_name, codec, axis, tiled):
 def _psum_scatter_value(x, axis_name, codec, dim, tiled):
     """The compressed reduce-scatter's value (no derivative of its own); `dim` already checked."""
     if codec.kind == "none":
-        if codec.transport == "gloo":
-            return _exact_psum_scatter(x, axis_name, dim, tiled)
+        if _gloo(codec):
+            return _exact_psum_scatter(x, axis_name, dim, tiled, own_bytes=_own_bytes(codec, x))
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     p = lax.axis_size(axis_name)
     if p == 1:
@@ -394,8 +426,8 @@ def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 
     """
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))
     axis = _norm_axis(axis, x.ndim + (0 if tiled else 1), "axis")
-    if codec.kind == "none" and bwd.kind == "none":
-        if bwd.transport == "gloo":  # the transpose is the reduce-scatter
+    if codec.kind == "none" and bwd.kind == "none" and not (_own_bytes(codec, x) or _own_bytes(bwd, x)):
+        if _gloo(bwd):  # the transpose is the reduce-scatter
             return _exact_all_gather(_vary(x, axis_name), axis_name, axis, tiled)
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
     return _all_gather(_vary(x, axis_name), axis_name, codec, bwd, axis, tiled)
@@ -427,8 +459,8 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
     """
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))
     dim = _norm_axis(scatter_dimension, x.ndim, "scatter_dimension")
-    exact = codec.kind == "none" and bwd.kind == "none"
-    if exact and codec.transport != "gloo":
+    exact = codec.kind == "none" and bwd.kind == "none" and not (_own_bytes(codec, x) or _own_bytes(bwd, x))
+    if exact and not _gloo(codec):
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     p = lax.axis_size(axis_name)
     if tiled and x.shape[dim] % p:
@@ -449,7 +481,8 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
 def _ppermute_value(x, axis_name, perm, codec):
     """The compressed ppermute's value (no derivative of its own)."""
     if codec.kind == "none":
-        return lax.ppermute(x, axis_name, perm)
+        send = functools.partial(lax.ppermute, axis_name=axis_name, perm=perm)
+        return _move_bits(send, x) if _own_bytes(codec, x) else send(x)
     if x.size == 0:
         return _empty(x.shape, x.dtype, vma_of(x) | _axes(axis_name))
     wire = wire_for(codec, x)
@@ -484,6 +517,6 @@ def ppermute(x: jax.Array, axis_name: str, perm, *, codec: CodecConfig,
     """
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))
     perm = tuple((int(s), int(d)) for s, d in perm)
-    if codec.kind == "none" and bwd.kind == "none":
+    if codec.kind == "none" and bwd.kind == "none" and not (_own_bytes(codec, x) or _own_bytes(bwd, x)):
         return lax.ppermute(x, axis_name, perm)
     return _ppermute(_vary(x, axis_name), axis_name, perm, codec, bwd)
