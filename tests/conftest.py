@@ -18,17 +18,17 @@ def mesh():
     return Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "tensor"))
 
 
-def tp_value_and_grad(mesh, cfg, policy, sp=False):
+def tp_value_and_grad(mesh, cfg, policy, sp=False, tp_overlap="none"):
     """Jitted (params, ids, targets) -> (loss, grads) of `cfg`'s model under `shard_map` on `mesh`:
-    TP over "tensor" with `policy` (± sequence parallelism), loss pmean'd over "data", gradient
-    taken outside `shard_map` (the data-axis gradient psum comes from its transpose)."""
+    TP over "tensor" with `policy` (± sequence parallelism, ± `tp_overlap`), loss pmean'd over
+    "data", gradient taken outside `shard_map` (the data-axis gradient psum comes from its transpose)."""
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
     from taco_jax.models import make_model
     from taco_jax.parallel import ParallelContext, param_specs
 
-    ctx = ParallelContext("tensor", policy, sp)
+    ctx = ParallelContext("tensor", policy, sp, tp_overlap=tp_overlap)
     abstract = nnx.eval_shape(lambda: make_model(cfg, ctx, rngs=nnx.Rngs(0), tensor_size=mesh.shape["tensor"]))
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = param_specs(state, mesh.axis_names)

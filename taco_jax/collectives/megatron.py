@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.collectives import compressed
@@ -175,3 +176,119 @@ def scatter_to_sp(x: jax.Array, axis_name: str, policy: CommPolicy, dim: int) ->
     Raises: ValueError (from `compressed.psum_scatter`) if x.shape[dim] does not divide.
     """
     return _scatter_to_sp(x, axis_name, policy, dim)
+
+
+# --------------------------------------------------------------------------------------
+# Collective matmul: the sequence-parallel all-gather / reduce-scatter as P - 1 ppermute steps
+# interleaved with the partial matmuls (`--tp-overlap collective-matmul`)
+# --------------------------------------------------------------------------------------
+
+
+def _ring(axis_name, step: int) -> tuple[int, jax.Array, tuple[tuple[int, int], ...]]:
+    """(P, this rank, the ring permutation sending rank s to s + step mod P)."""
+    p = lax.axis_size(axis_name)
+    return p, lax.axis_index(axis_name), tuple((s, (s + step) % p) for s in range(p))
+
+
+def _full_message(x: jax.Array, dim: int, factor: int) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of x with x.shape[dim] multiplied by `factor` (for `CommPolicy.codec_for`)."""
+    return jax.ShapeDtypeStruct(x.shape[:dim] + (x.shape[dim] * factor,) + x.shape[dim + 1:], x.dtype)
+
+
+def _in_sequence_order(steps: list[jax.Array], rank, dim: int) -> jax.Array:
+    """Ring-step outputs (step i holds sequence block (rank - i) mod P, each [..., t, ...] at `dim`)
+    -> their concatenation along `dim` in sequence order."""
+    p = len(steps)
+    stacked = jnp.stack(steps)  # [P, *block]
+    ordered = jnp.take(stacked, (rank - jnp.arange(p)) % p, axis=0)  # sequence block j = step (rank - j) mod P
+    moved = jnp.moveaxis(ordered, 0, dim)  # [..., P, t, ...]
+    return moved.reshape(moved.shape[:dim] + (p * moved.shape[dim + 1],) + moved.shape[dim + 2:])
+
+
+def all_gather_matmul(x: jax.Array, fn, axis_name: str, policy: CommPolicy, dim: int) -> tuple[jax.Array, jax.Array]:
+    """`fn(gather_from_sp(x))` with the all-gather split into P - 1 ring steps that overlap `fn`.
+
+    The collective matmul of the shard_map docs (jax docs/notebooks/shard_map.md, "Matrix
+    multiplies", all-gather on one side): step 0 applies `fn` to the local sequence block; step i
+    (1 <= i < P) receives the block the left neighbour held at step i - 1 (`compressed.ppermute`,
+    rank s -> s + 1) and applies `fn` to it, so each transfer can run while the previous block's
+    matmul does. Every ppermute message goes through `policy`'s "all_gather" codec (chosen for
+    the local block, as `gather_from_sp` chooses it: `min_bytes` applies) and its transpose
+    through the "reduce_scatter" codec (chosen for the gathered size, as `gather_from_sp`'s
+    backward does). With codec "none" the ring is `lax.ppermute`.
+
+    Args:
+      x: this rank's sequence block, e.g. [B, T/P, D] with `dim` = 1, varying over `axis_name`.
+      fn: a function of one sequence block alone, e.g. `lambda b: b @ W`: it must treat the
+        positions along `dim` independently (a matmul over the feature axes), so that
+        `fn(concat(blocks)) == concat(fn(block) ...)`; traced P times.
+      axis_name: the tensor axis of the enclosing `shard_map(check_vma=True)` (static, size P).
+      policy: `CommPolicy` (static). dim: the sequence dimension (static).
+    Returns: (y, gathered): y = fn of the whole sequence (fn's output per block concatenated along
+      `dim` in sequence order, e.g. [B, T, F]) and gathered = the whole sequence x [B, T, D]
+      itself (what `gather_from_sp` returns; free: the blocks the ring received, reordered).
+    Derivative: autodiff of the ring: the transposed ppermutes (rank s -> s - 1) carry the
+      cotangent blocks back and accumulate them, i.e. a ring reduce-scatter interleaved with the
+      transposed matmuls.
+    Fidelity: a compressed block is re-encoded at every hop after the first (it is forwarded as
+      decoded), and the backward accumulator is requantized at every hop (P - 1 quantizations of a
+      growing partial sum, where the two-shot reduce-scatter quantizes each rank's message once);
+      docs/training.md "Overlapping TP communication with matmuls" gives the measured SQNR.
+    """
+    p, rank, right = _ring(axis_name, 1)
+    codec = policy.codec_for("all_gather", x)
+    bwd = policy.codec_for("reduce_scatter", _full_message(x, dim, p))
+    blocks, outs = [x], [fn(x)]
+    for _ in range(1, p):
+        blocks.append(compressed.ppermute(blocks[-1], axis_name, right, codec=codec, bwd_codec=bwd))
+        outs.append(fn(blocks[-1]))
+    if p == 1:
+        return outs[0], x
+    return _in_sequence_order(outs, rank, dim), _in_sequence_order(blocks, rank, dim)
+
+
+def matmul_reduce_scatter(x: jax.Array, fn, axis_name: str, policy: CommPolicy, dim: int) -> jax.Array:
+    """`scatter_to_sp(fn(x))` with the reduce-scatter split into P - 1 ring steps that overlap `fn`.
+
+    The collective matmul of the shard_map docs ("psum_scatter the result"): rank r starts with
+    `fn` of sequence block r + 1; at step i (1 <= i < P) it receives the running sum from its
+    right neighbour (`compressed.ppermute`, rank s -> s - 1), adds `fn` of block r + i + 1 and
+    passes it on; after P - 1 steps it holds the sum over ranks of block r. Each partial matmul
+    is independent of the transfer before it, so the two can overlap. The running sum travels in
+    x's dtype (a float32 add at each hop, rounded to the dtype, as a ring reduce-scatter in bf16
+    does); it is summed in ring order (rank r + 1 first, r last), not rank order.
+    Every ppermute message goes through `policy`'s "reduce_scatter" codec (chosen for the whole
+    message fn(x), as `scatter_to_sp` chooses it) and its transpose through the "all_gather"
+    codec (chosen for one block). With codec "none" the ring is `lax.ppermute`.
+
+    Args:
+      x: partial sums' input over the whole sequence, e.g. [B, T, F/P] with `dim` = 1.
+      fn: a function of one sequence block alone (e.g. `lambda b: b @ W`), as `all_gather_matmul`.
+      axis_name: the tensor axis (static, size P); x.shape[dim] must divide by P.
+      policy: `CommPolicy` (static). dim: the sequence dimension (static).
+    Returns: this rank's sequence block of the sum over ranks of fn(x), e.g. [B, T/P, D], varying.
+    Raises: ValueError if x.shape[dim] does not divide by P.
+    Derivative: autodiff of the ring: the transposed ppermutes (rank s -> s + 1) forward the
+      cotangent block around the ring, an all-gather interleaved with the transposed matmuls.
+    Fidelity: with a compressing codec the running sum is requantized at every hop, P - 1
+      quantizations of a growing partial sum where the two-shot reduce-scatter (`scatter_to_sp`)
+      quantizes each rank's message once and sums in FP32: a lower SQNR, measured in
+      docs/training.md "Overlapping TP communication with matmuls".
+    """
+    p, rank, left = _ring(axis_name, -1)
+    if x.shape[dim] % p:
+        raise ValueError(f"x.shape[{dim}]={x.shape[dim]} is not divisible by axis size {p}")
+    t = x.shape[dim] // p
+
+    def partial(j):  # fn of sequence block j (traced index)
+        return fn(lax.dynamic_slice_in_dim(x, (j % p) * t, t, axis=dim))
+
+    acc = partial(rank + 1)
+    if p == 1:
+        return acc
+    codec = policy.codec_for("reduce_scatter", _full_message(acc, dim, p))
+    bwd = policy.codec_for("all_gather", acc)
+    for i in range(1, p):
+        acc = compressed.ppermute(acc, axis_name, left, codec=codec, bwd_codec=bwd)
+        acc = (acc.astype(jnp.float32) + partial(rank + i + 1).astype(jnp.float32)).astype(acc.dtype)
+    return acc

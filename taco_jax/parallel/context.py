@@ -1,4 +1,5 @@
-"""Where a layer's tensor-parallel traffic goes: the tensor axis, the comm policy, sequence parallelism."""
+"""Where a layer's tensor-parallel traffic goes: the tensor axis, the comm policy, sequence parallelism,
+and whether the sequence-parallel collectives overlap the matmuls (`tp_overlap`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,21 @@ from jax import lax
 
 from taco_jax.codec import NONE
 from taco_jax.collectives import CommPolicy, copy_to_tp, gather_from_sp, psum, reduce_from_tp, scatter_to_sp
+from taco_jax.collectives.megatron import all_gather_matmul, matmul_reduce_scatter
+
+#: `ParallelContext.tp_overlap` / `--tp-overlap`: "none" (the all-gather and reduce-scatter run
+#: whole, before / after the matmuls) or "collective-matmul" (each split into P - 1 ring ppermute
+#: steps interleaved with the partial matmuls; needs sequence parallelism).
+TP_OVERLAP = ("none", "collective-matmul")
+
+
+def check_tp_overlap(tp_overlap: str, sequence_parallel: bool) -> None:
+    """Raises ValueError naming a `tp_overlap` not in `TP_OVERLAP`, or an overlap without sequence parallelism."""
+    if tp_overlap not in TP_OVERLAP:
+        raise ValueError(f"tp_overlap={tp_overlap!r} is not supported; choose one of {TP_OVERLAP}")
+    if tp_overlap != "none" and not sequence_parallel:
+        raise ValueError(f"tp_overlap={tp_overlap!r} needs sequence parallelism (--sequence-parallel): it splits "
+                         "the sequence-parallel all-gather / reduce-scatter into ring steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +42,31 @@ class ParallelContext:
         an object with `enter(ctx, x)` and `exit(ctx, x)` that must return `ctx.enter(x)` /
         `ctx.exit(x)` (same arithmetic) for the untapped `ctx` it is given. Hashable (it is
         part of the model's static graph). None: no observer.
+      tp_overlap: "none" (default) or "collective-matmul" (needs `sequence_parallel`): `enter`
+        returns a `PendingGather` and the ColumnParallel layers reading it run the all-gather as a
+        ring of ppermutes interleaved with their matmul (`all_gather_matmul`); RowParallel runs its
+        reduce-scatter the same way (`exit_matmul`, `matmul_reduce_scatter`). Same values as
+        "none" up to float summation order with an exact codec; with compression the ring
+        requantizes (docs/training.md, "Overlapping TP communication with matmuls"). A tapped
+        context (`tap`) runs the non-overlapped collectives (the messages observed are the same).
+
+    Raises: ValueError for a `tp_overlap` not in `TP_OVERLAP`, or "collective-matmul" without
+      `sequence_parallel`.
     """
 
     tensor_axis: str | None = None
     policy: CommPolicy = CommPolicy()
     sequence_parallel: bool = False
     tap: object | None = None
+    tp_overlap: str = "none"
+
+    def __post_init__(self):
+        check_tp_overlap(self.tp_overlap, self.sequence_parallel)
+
+    @property
+    def overlapped(self) -> bool:
+        """True where `enter` / `exit_matmul` run the collective-matmul rings (tensor axis present, untapped)."""
+        return self.tp_overlap != "none" and self.tensor_axis is not None and self.tap is None
 
     @property
     def tp_size(self) -> int:
@@ -45,7 +80,9 @@ class ParallelContext:
         if self.tensor_axis is None:
             return x
         if self.tap is not None:
-            return self.tap.enter(dataclasses.replace(self, tap=None), x)
+            return self.tap.enter(dataclasses.replace(self, tap=None, tp_overlap="none"), x)
+        if self.overlapped:
+            return PendingGather(x, self)
         if self.sequence_parallel:
             return gather_from_sp(x, self.tensor_axis, self.policy, 1)
         return copy_to_tp(x, self.tensor_axis, self.policy)
@@ -55,10 +92,18 @@ class ParallelContext:
         if self.tensor_axis is None:
             return x
         if self.tap is not None:
-            return self.tap.exit(dataclasses.replace(self, tap=None), x)
+            return self.tap.exit(dataclasses.replace(self, tap=None, tp_overlap="none"), x)
         if self.sequence_parallel:
             return scatter_to_sp(x, self.tensor_axis, self.policy, 1)
         return reduce_from_tp(x, self.tensor_axis, self.policy)
+
+    def exit_matmul(self, fn, x: jax.Array) -> jax.Array:
+        """`exit(fn(x))` for a RowParallel matmul `fn` of the sequence positions of x [B, T, ...]
+        alone; with `overlapped`, the reduce-scatter runs as a ring interleaved with the partial
+        matmuls (`matmul_reduce_scatter`)."""
+        if self.overlapped:
+            return matmul_reduce_scatter(x, fn, self.tensor_axis, self.policy, 1)
+        return self.exit(fn(x))
 
     def psum_exact(self, x: jax.Array) -> jax.Array:
         """Exact FP32 all-reduce over the tensor axis, for small statistics (softmax sums)."""
@@ -66,3 +111,50 @@ class ParallelContext:
 
     def pmax_exact(self, x: jax.Array) -> jax.Array:
         return x if self.tensor_axis is None else lax.pmax(x, self.tensor_axis)
+
+
+class PendingGather:
+    """The sequence-parallel all-gather of `shard`, not run yet: what `ParallelContext.enter` returns
+    with `tp_overlap="collective-matmul"`, so that the layer reading it can interleave the all-gather
+    with its matmul.
+
+    `apply(fn)` (ColumnParallel, `VocabParallelEmbed.attend`): the first call runs the ring
+    (`all_gather_matmul`) with `fn` overlapped and keeps the gathered sequence; later calls (Qwen's
+    q/k/v and gate/up read one entered input) apply `fn` to it with no further communication.
+    Anything else that reads it as an array (`jnp` functions, via `__jax_array__`) gets the
+    gathered sequence (`gathered`), from the ring if one ran, else from `gather_from_sp`.
+    `shape` / `dtype`: those of the gathered sequence [B, T, D]. Use it inside the trace that
+    made it (it holds traced values).
+    """
+
+    def __init__(self, shard: jax.Array, ctx: ParallelContext):
+        self.shard, self.ctx = shard, ctx
+        self._gathered = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = self.shard.shape
+        return (s[0], s[1] * self.ctx.tp_size, *s[2:])
+
+    @property
+    def dtype(self):
+        return self.shard.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.shard.ndim
+
+    def apply(self, fn) -> jax.Array:
+        """fn(the gathered sequence), fn treating the sequence positions (axis 1) independently."""
+        if self._gathered is not None:
+            return fn(self._gathered)
+        y, self._gathered = all_gather_matmul(self.shard, fn, self.ctx.tensor_axis, self.ctx.policy, 1)
+        return y
+
+    def gathered(self) -> jax.Array:
+        """The whole sequence [B, T, D] (`gather_from_sp`, or the blocks a ring already received)."""
+        if self._gathered is None:
+            self._gathered = gather_from_sp(self.shard, self.ctx.tensor_axis, self.ctx.policy, 1)
+        return self._gathered
+
+    __jax_array__ = gathered

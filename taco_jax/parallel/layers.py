@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taco_jax.parallel.context import ParallelContext
+from taco_jax.parallel.context import ParallelContext, PendingGather
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype=jnp.float32):
@@ -27,6 +27,8 @@ class ColumnParallel(nnx.Module):
     No communication: the caller enters the TP region once (`ctx.enter`, Megatron "f") for all
     ColumnParallel layers reading the same input.
     Shapes: x [..., in] (replicated over the tensor axis) -> y [..., *out_shape_local].
+    With `--tp-overlap collective-matmul` x is the `PendingGather` of a sequence shard [B, T/tp, in]
+    and the all-gather runs as a ring interleaved with this matmul (`PendingGather.apply`).
     """
 
     def __init__(self, in_features: int, out_shape: tuple[int, ...], axes: tuple[str | None, ...], *,
@@ -34,8 +36,12 @@ class ColumnParallel(nnx.Module):
         self.kernel = nnx.Param(_normal(rngs, (in_features, *out_shape), std), axes=axes)
         self.bias = nnx.Param(jnp.zeros(out_shape), axes=axes[1:]) if use_bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.tensordot(x, self.kernel[...].astype(x.dtype), axes=1)
+    def __call__(self, x: jax.Array | PendingGather) -> jax.Array:
+        kernel = self.kernel[...].astype(x.dtype)
+        if isinstance(x, PendingGather):
+            y = x.apply(lambda block: jnp.tensordot(block, kernel, axes=1))
+        else:
+            y = jnp.tensordot(x, kernel, axes=1)
         return y if self.bias is None else y + self.bias[...].astype(x.dtype)
 
 
@@ -44,6 +50,8 @@ class RowParallel(nnx.Module):
 
     Shapes: x [..., *in_shape_local] (varying) -> y [..., out] (replicated, or sequence-sharded
     with sequence parallelism). The bias is added once, after the all-reduce.
+    With `--tp-overlap collective-matmul` the reduce-scatter runs as a ring interleaved with the
+    partial matmuls (`ParallelContext.exit_matmul`).
     """
 
     def __init__(self, in_shape: tuple[int, ...], out_features: int, axes: tuple[str | None, ...], *,
@@ -54,7 +62,8 @@ class RowParallel(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         k = self.kernel[...]
-        y = self.ctx.exit(jnp.tensordot(x, k.astype(x.dtype), axes=k.ndim - 1))
+        kernel = k.astype(x.dtype)
+        y = self.ctx.exit_matmul(lambda block: jnp.tensordot(block, kernel, axes=k.ndim - 1), x)
         return y if self.bias is None else y + self.bias[...].astype(x.dtype)
 
 
@@ -63,7 +72,8 @@ class VocabParallelEmbed(nnx.Module):
 
     `__call__`: ids int32 [B, T] -> [B, T, D] (each rank looks up its vocab rows, zeros elsewhere,
     then `ctx.exit` sums: all-reduce, or reduce-scatter over T with sequence parallelism).
-    `attend`: h [B, T, D] (already through `ctx.enter`) -> local logits [B, T, V / tp].
+    `attend`: h [B, T, D] (already through `ctx.enter`; with `--tp-overlap collective-matmul` its
+    `PendingGather`, the all-gather then interleaved with the logits matmul) -> local logits [B, T, V / tp].
     """
 
     def __init__(self, vocab_size: int, features: int, *, ctx: ParallelContext, std: float, rngs: nnx.Rngs,
@@ -84,8 +94,12 @@ class VocabParallelEmbed(nnx.Module):
         x = jnp.take(table, jnp.where(inside, local, 0), axis=0).astype(dtype)
         return self.ctx.exit(jnp.where(inside[..., None], x, 0))
 
-    def attend(self, h: jax.Array) -> jax.Array:
-        logits = jnp.einsum("btd,vd->btv", h, self.embedding[...].astype(h.dtype))
+    def attend(self, h: jax.Array | PendingGather) -> jax.Array:
+        table = self.embedding[...].astype(h.dtype)
+        if isinstance(h, PendingGather):
+            logits = h.apply(lambda block: jnp.einsum("btd,vd->btv", block, table))
+        else:
+            logits = jnp.einsum("btd,vd->btv", h, table)
         return mask_vocab_padding(logits, self.vocab_size, self.ctx)
 
 

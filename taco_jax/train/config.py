@@ -11,6 +11,7 @@ from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
 from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.models import GPTConfig, get_config
+from taco_jax.parallel.context import check_tp_overlap
 from taco_jax.parallel.layers import check_compute
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
 from taco_jax.parallel.pipeline import check_pipeline
@@ -138,6 +139,7 @@ class TrainConfig:
     model: str = "gpt2-tiny"  # preset name (taco_jax.models.PRESETS)
     mesh: str = "data=2,tensor=4"  # mesh axes and sizes; product = device count
     sequence_parallel: bool = False  # Megatron sequence parallelism on the tensor axis
+    tp_overlap: str = "none"  # with --sequence-parallel: none | collective-matmul (SP collectives as matmul rings)
     microbatches: int = 1  # pipeline microbatches per data shard (>= stages; > 1 without stages: accumulation)
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b (parallel/pipeline.py)
     steps: int = 300  # optimizer steps
@@ -189,6 +191,7 @@ class TrainConfig:
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
         check_compute(self.dtype, self.remat)
+        check_tp_overlap(self.tp_overlap, self.sequence_parallel)
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
         if not self.lr > 0:

@@ -157,7 +157,7 @@ class Steps:
 
 def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, microbatches: int = 1,
                schedule: str = "gpipe", pipelined: bool | None = None, explicit_dp: bool | None = None,
-               tap=None) -> Steps:
+               tap=None, tp_overlap: str = "none") -> Steps:
     """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
 
     pipelined: run the pipeline schedules (stacked layers); default: when the mesh has stage > 1
@@ -170,12 +170,14 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
     pre-3D formulation, kept so exact runs reproduce earlier numbers bit for bit (the explicit
     path with an exact codec agrees to float rounding, ~1e-7 relative; tests/test_3d.py).
     tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
+    tp_overlap: `ParallelContext.tp_overlap` ("none" | "collective-matmul", with sequence_parallel).
     """
     tensor_axis = TENSOR if TENSOR in mesh.axis_names else None
     stage_axis = STAGE if STAGE in mesh.axis_names else None
     data_axis = DATA if DATA in mesh.axis_names else None
     n_data = mesh.shape[data_axis] if data_axis else 1
-    ctx = ParallelContext(tensor_axis=tensor_axis, policy=policy, sequence_parallel=sequence_parallel, tap=tap)
+    ctx = ParallelContext(tensor_axis=tensor_axis, policy=policy, sequence_parallel=sequence_parallel, tap=tap,
+                          tp_overlap=tp_overlap)
     abstract = nnx.eval_shape(lambda: make_model(model_cfg, ctx, rngs=nnx.Rngs(0),
                                                  tensor_size=mesh.shape.get(TENSOR, 1)))
     graphdef, abstract_state = nnx.split(abstract, nnx.Param)
@@ -236,7 +238,7 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
               f"{mesh.devices.flat[0].platform}, docs/cost_model.md): smaller messages run the exact collective; "
               "the compiled step's wire bytes in summary.json show what was compressed", file=sys.stderr)
     steps = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
-                       microbatches=cfg.microbatches, schedule=cfg.schedule)
+                       microbatches=cfg.microbatches, schedule=cfg.schedule, tp_overlap=cfg.tp_overlap)
     tx = make_optimizer(cfg, _decay_mask(steps.abstract_state, steps.staged))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
