@@ -7,13 +7,14 @@
 #   experiments/veth_bytes.sh OUT.json TRAIN_FLAGS...
 #   e.g. experiments/veth_bytes.sh /tmp/exact_bf16.json --model gpt2-tiny --mesh data=1,tensor=2 --comm none --dtype bfloat16
 #
-# Namespaces tacoA-0 / tacoA-1 (198.18.0.1 / 198.18.0.2, RFC 2544 benchmarking range) and their
-# /etc/netns hosts files are removed at exit.
+# Namespaces $NS_PREFIX-0 / -1 (default tacoA; 198.18.0.1 / 198.18.0.2, RFC 2544 benchmarking range)
+# and their /etc/netns hosts files are removed at exit.
 set -euo pipefail
 out=$1; shift
 STEPS_A=${STEPS_A:-2}; STEPS_B=${STEPS_B:-6}
 PY=${PYTHON:-python}
-NS=(tacoA-0 tacoA-1); IP=(198.18.0.1 198.18.0.2); DEV=(tacoA-v0 tacoA-v1)
+PFX=${NS_PREFIX:-tacoA}  # another prefix runs a second measurement beside this one
+NS=("$PFX-0" "$PFX-1"); IP=(198.18.0.1 198.18.0.2); DEV=("$PFX-v0" "$PFX-v1")
 cleanup() { for n in "${NS[@]}"; do ip netns del "$n" 2>/dev/null || true; rm -rf "/etc/netns/$n"; done; }
 trap cleanup EXIT
 cleanup

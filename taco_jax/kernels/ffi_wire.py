@@ -5,7 +5,7 @@ Implements the wire-codec contract of `taco_jax.codec.backends` with the packed 
 `reduce_hadamard_packed`): the kernels write and read the rows themselves (decode, FP32
 rank-order sum and re-encode in one pass), so XLA adds no concatenation, slice or FP32 temporary
 around the transfers. The bytes and values are those of the generic wire codec
-(`taco_jax.codec.wire`; tests/test_fused_wire.py). Messages of kind "taco", group_axis "hidden",
+(`taco_jax.codec.wire`; tested byte for byte against it). Messages of kind "taco", group_axis "hidden",
 nonfinite "propagate", group backend "ffi" only (`taco_jax.codec.dispatch.resolve_codec` picks it
 for them). Rows an all-to-all delivers are read as P separate buffers (`per_source`): the encoder
 writes one buffer per destination and the reducer reads one per source, so XLA's all-to-all
