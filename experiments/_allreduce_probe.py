@@ -101,13 +101,11 @@ def child(args):
             fs[var] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t"), check_vma=False),
                               donate_argnums=0 if args.donate and name not in SUB else ())
             xs[var] = x.copy()
-            packed = cc._packed
-            if "unpacked" in opts:  # one collective per wire buffer (codes, s, a) instead of one packed
-                cc._packed = lambda fn, enc, bd: cc._tree(fn, enc)
+            if "unpacked" in opts:  # every wire codec now moves one packed row per message
+                raise SystemExit("the 'unpacked' variant is gone: the wire codecs (taco_jax.codec.wire) always pack")
             sub = name in SUB
             y = fs[var](xs[var]).block_until_ready()
             xs[var] = xs[var] if sub else y
-            cc._packed = packed
         ts = {v: [] for v in fs}
         for _ in range(args.reps):  # round robin: every variant sees the same background load
             for var, f in fs.items():

@@ -1,6 +1,6 @@
 """Where the fused two-shot all-reduce spends its codec time, and what the SP collectives compile to.
 
-1. Stage times of the fused wire path (`compressed.FUSED_WIRE`, C++ FFI on CPU), one process, for an
+1. Stage times of the "ffi" wire codec (`CodecConfig.wire`, C++ FFI on CPU), one process, for an
    M MB float32 message per rank split over P = 2 ranks: `encode_packed` (split rows for the
    all-to-all), `reduce_packed` (decode both received halves, FP32 sum, re-encode), `decode_packed`
    of the gathered rows, and, for scale, a jitted `x * 2` of the same message (a fresh output
@@ -65,21 +65,21 @@ def sp_transposes() -> dict:
     """Transpose ops in the compiled SP train step: exact, taco fused, taco unfused."""
     import jax
 
-    from taco_jax.collectives import compressed
+    from taco_jax.collectives import TENSOR_SITES
     from taco_jax.train.config import TrainConfig
     from taco_jax.train.step import make_trainer
 
     out = {}
     for label, comm, fused in (("exact", "none", True), ("taco_fused", "taco", True), ("taco_unfused", "taco", False)):
-        compressed.FUSED_WIRE = fused
+        generic = () if fused or comm == "none" else tuple(f"{s}:wire=generic" for s in TENSOR_SITES)
         cfg = TrainConfig.from_flags(comm=comm, mesh="data=1,tensor=2", model="gpt2-narrow", batch_size=64,
-                                     seq_len=32, dtype="float32", vocab_size=512, sequence_parallel=True)
+                                     seq_len=32, dtype="float32", vocab_size=512, sequence_parallel=True,
+                                     site=generic)
         tr = make_trainer(cfg, jax.devices()[:2])
         params, opt = tr.init()
         batch = jax.ShapeDtypeStruct((64, 32), "int32", sharding=None)
         text = tr.train_step.lower(params, opt, batch, batch).compile().as_text()
         out[label] = len(re.findall(r"=\s*\S+\s+transpose\(", text))  # instructions, not metadata
-    compressed.FUSED_WIRE = True
     return out
 
 

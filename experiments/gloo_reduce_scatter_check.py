@@ -1,5 +1,5 @@
 """How often XLA:CPU's gloo reduce-scatter returns wrong values (jax-ml/jax#40830), against the
-all-to-all + sum that taco_jax uses instead (`compressed.GLOO_REDUCE_SCATTER_WORKAROUND`) and the
+all-to-all + sum that taco_jax uses instead (transport "gloo", `CodecConfig.transport`) and the
 all-reduce, on real processes: 2 processes x 1 CPU device, `jax.distributed` + gloo on 127.0.0.1.
 
   python experiments/gloo_reduce_scatter_check.py --mb 64 --calls 8 --pairs 6 [--json OUT]
