@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SIM    := $(VENV)/.gpu-sim
 OUT    ?= runs/compare
 
-.PHONY: ffi cuda gpu-sim install train test test-gpu-sim test-slow lint clean
+.PHONY: ffi cuda gpu-sim install train test test-gpu-sim test-slow bench bench-e2e fidelity lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,28 @@ test-gpu-sim: install gpu-sim cuda
 ## Heavier tests (marked `slow`).
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+## The collective benchmark as README "Every compressed collective, measured" runs it (2 processes over
+## gloo, taco vs exact, 64 KB to 64 MB per rank, 9 interleaved rounds): JSON, PNG and
+## Markdown in $(BENCH_OUT). Other options: BENCH_ARGS (python -m experiments.bench_collectives --help).
+BENCH_OUT  ?= runs/bench_collectives
+BENCH_ARGS ?= --transports gloo --ranks 2 --codecs none,taco --backends ffi --dtypes float32 \
+              --sizes 64K,1M,4M,16M,64M --runs 9 --variants 'two_shot,one_shot,hd:algorithm=two_shot:reduce_domain=hadamard'
+bench: install
+	$(PY) -m experiments.bench_collectives --out $(BENCH_OUT) $(BENCH_ARGS)
+
+## The fidelity study as README "Fidelity" runs it (paired seeds, none vs taco vs int8 on gpt2-tiny and
+## qwen3-tiny, 60 steps, 8 seeds): summary JSON, Markdown and plot in $(FIDELITY_OUT).
+## Other options: FIDELITY_ARGS (python -m experiments.fidelity_runs --help).
+FIDELITY_OUT  ?= runs/fidelity_runs_lr1e-3
+FIDELITY_ARGS ?= --models gpt2-tiny qwen3-tiny --variants none taco int8 --seeds 8 --eval-batches 64 \
+                 --mesh data=1,tensor=2 --steps 60 --lr 1e-3 --batch-size 8 --seq-len 128 --backend ffi
+fidelity: install
+	$(PY) -m experiments.fidelity_runs --out $(FIDELITY_OUT) $(FIDELITY_ARGS)
+
+## Exact vs TACO tokens/s on emulated links (network namespaces: root); docs/distributed.md.
+bench-e2e: install
+	$(PY) -m experiments.bench_e2e $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check taco_jax tests experiments

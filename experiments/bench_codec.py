@@ -2,9 +2,9 @@
 
 Run (CPU; build the FFI library first with `make -C custom_calls`):
 
-    .venv/bin/python experiments/bench_codec.py --out runs/bench_codec            # 1 MB .. 256 MB
-    .venv/bin/python experiments/bench_codec.py --out runs/bench_codec --quick    # 1 and 16 MB
-    .venv/bin/python experiments/bench_codec.py --out runs/x --sizes 4,64 --backends ffi
+    .venv/bin/python -m experiments.bench_codec --out runs/bench_codec            # 1 MB .. 256 MB
+    .venv/bin/python -m experiments.bench_codec --out runs/bench_codec --quick    # 1 and 16 MB
+    .venv/bin/python -m experiments.bench_codec --out runs/x --sizes 4,64 --backends ffi
 
 Throughput is the f32 input bytes (encode) or f32 output bytes (decode) per second, i.e. the
 message size, and each case is compared with a memcpy of that many bytes measured in the same

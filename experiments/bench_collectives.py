@@ -130,9 +130,7 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a file: import this checkout's taco_jax
-    sys.path.insert(0, str(ROOT))
+from experiments.common import ROOT, child_env, git_commit, light_import, module_command
 
 SCHEMA = "taco_jax.bench_collectives/1"
 COLLECTIVES = ("psum", "all_gather", "psum_scatter", "ppermute")
@@ -144,22 +142,6 @@ ROW_KEYS = ("collective", "algorithm", "codec", "backend", "dtype", "transport",
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "64K,1M"
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
-
-
-def _light(module: str):
-    """`module` of taco_jax.train (jsonio, distributed: both import only the standard library and
-    numpy at module level) loaded from its file without the package's __init__, which imports the
-    models (about 1 s of CPU per process on the 2-core machine, paid by every worker)."""
-    import importlib.util
-
-    name = f"_bench_collectives_{module.rpartition('.')[2]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / (module.replace(".", "/") + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # -----------------------------------------------------------------------------------------------
@@ -362,7 +344,7 @@ def worker(cfg_path: str, process_id: int) -> None:
     cfg = json.loads(pathlib.Path(cfg_path).read_text())
     transport, p = cfg["transport"], cfg["ranks"]
     if transport == "gloo":
-        dist = _light("taco_jax.train.distributed")  # gloo selected before the backend starts
+        dist = light_import("taco_jax.train.distributed")  # gloo selected before the backend starts
         dist.initialize(dist.DistConfig(cfg["coordinator"], p, process_id))
     import jax
     import jax.numpy as jnp
@@ -483,9 +465,7 @@ def _worker_env(devices_per_process: int, malloc: str = "keep") -> dict:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip()
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return child_env(env)
 
 
 def run_transport(cfg: dict, transport: str, p: int, timeout: float) -> list[dict]:
@@ -502,8 +482,7 @@ def run_transport(cfg: dict, transport: str, p: int, timeout: float) -> list[dic
         procs, logs = [], []
         for i in range(nproc):
             log = open(pathlib.Path(tmp) / f"log{i}.txt", "w+")  # noqa: SIM115 — closed below
-            cmd = [sys.executable, "-m", "experiments.bench_collectives", "--worker", str(cfg_path),
-                   "--process-id", str(i)]
+            cmd = module_command("experiments.bench_collectives", "--worker", str(cfg_path), "--process-id", str(i))
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                           stderr=None if i == 0 else log, start_new_session=True,
                                           preexec_fn=_die_with_parent))
@@ -632,14 +611,6 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _human(n: int) -> str:
     for unit, f in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= f and n % f == 0:
@@ -713,15 +684,15 @@ def main(argv=None) -> dict:
             rows.extend(merge(res, transport, p))
     env = dict(python=platform.python_version(), machine=platform.machine(), system=platform.platform(),
                cpu_count=os.cpu_count(), loadavg_before=list(load0), loadavg_after=list(os.getloadavg()),
-               git_commit=_git_commit(), command=[sys.executable, "-m", "experiments.bench_collectives",
-                                                  *(sys.argv[1:] if argv is None else argv)],
+               git_commit=git_commit(), command=module_command("experiments.bench_collectives",
+                                                         *(sys.argv[1:] if argv is None else argv)),
                utc_start=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), seconds=time.time() - t0,
                jax=workers[0]["jax"] if workers else None, jaxlib=workers[0]["jaxlib"] if workers else None,
                workers=workers,
                note="CPU timings on the machine as it was (see loadavg_*): other processes may share the cores")
     result = dict(schema=SCHEMA, env=env, config={k: v for k, v in cfg.items()}, rows=rows,
                   summary=dict(break_even=break_even(rows)))
-    path = _light("taco_jax.train.jsonio").write(out / "bench_collectives.json", result)
+    path = light_import("taco_jax.train.jsonio").write(out / "bench_collectives.json", result)
     _log(f"wrote {path}")
     if not args.no_plot and rows:
         plot(rows, out / "bench_collectives.png")

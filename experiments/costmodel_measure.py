@@ -8,7 +8,7 @@ difference is the local work of the compressed collective (codec, sums, splits).
 
 Run (from the repository root; writes rows in the `taco_jax.bench_collectives/1` shape, subset of keys):
 
-    python experiments/costmodel_measure.py --out runs/costmodel/measure.json --sizes-mb 0.25,1,4,16,64
+    python -m experiments.costmodel_measure --out runs/costmodel/measure.json --sizes-mb 0.25,1,4,16,64
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from experiments.common import child_env, module_command
+
 SIM = 99  # --pid of the one-process child on a simulated 2-device mesh (transport "sim")
 
 
@@ -98,7 +99,7 @@ def _child(args) -> None:
     if args.pid == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"schema": "taco_jax.bench_collectives/1", "source":
-                                              "experiments/costmodel_measure.py", "rows": rows}, indent=1))
+                                              "experiments.costmodel_measure", "rows": rows}, indent=1))
     jax.distributed.shutdown()
 
 
@@ -121,17 +122,18 @@ def main(argv=None):
         return _child(a)
     from taco_jax.launch import malloc_env
 
-    env = malloc_env({**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}, a.malloc)
+    env = malloc_env(child_env({**os.environ, "JAX_PLATFORMS": "cpu"}), a.malloc)
     env.pop("XLA_FLAGS", None)
     from taco_jax.launch import run_local
 
+    cmd = module_command("experiments.costmodel_measure", *(argv or sys.argv[1:]))
     try:  # one child failing (or 1800 s passing) stops the other
-        run_local([[sys.executable, __file__, *(argv or sys.argv[1:]), "--pid", str(i)] for i in range(2)],
+        run_local([[*cmd, "--pid", str(i)] for i in range(2)],
                   env=env, timeout_s=1800)
     except RuntimeError as e:
         raise SystemExit(f"gloo children: {e}") from None
     sim_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    if subprocess.run([sys.executable, __file__, *(argv or sys.argv[1:]), "--pid", str(SIM)], env=sim_env).returncode:
+    if subprocess.run([*cmd, "--pid", str(SIM)], env=sim_env).returncode:
         raise SystemExit("the simulated-mesh child failed")
     print(Path(a.out).read_text()[:2000])
 

@@ -15,9 +15,9 @@ difference, i.e. how much Δ_s would move for another validation set of the same
 One process per invocation: each variant's train step is compiled once and reused for every seed
 (the seed only changes the initial parameters and the data stream, not the program).
 
-    python experiments/fidelity_runs.py --out runs/fidelity_runs --models gpt2-tiny qwen3-tiny \
+    python -m experiments.fidelity_runs --out runs/fidelity_runs --models gpt2-tiny qwen3-tiny \
         --variants none taco int8 --seeds 8 --steps 100
-    python experiments/fidelity_runs.py --quick --out /tmp/fr     # format check, seconds
+    python -m experiments.fidelity_runs --quick --out /tmp/fr     # format check, seconds
 
 Writes `<out>/runs.jsonl` (one line per finished (model, variant, seed): resumable; a line
 already there is not rerun), `<out>/report.json` (strict JSON), `<out>/report.md` and
@@ -36,9 +36,10 @@ import pathlib
 import sys
 import time
 
+from experiments.common import cpu_devices
+
 if "jax" not in sys.modules:  # simulated CPU devices for the mesh (a few idle extra ones cost nothing)
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
@@ -311,7 +312,7 @@ def main(argv=None) -> dict:
     summary = summarize(records, variants, args.models)
     meta = {k: getattr(args, k) for k in ("models", "variants", "seeds", "steps", "batch_size", "seq_len",
                                           "eval_batches", "lr", "dtype", "mesh", "backend")}
-    meta.update(command="python experiments/fidelity_runs.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta.update(command="python -m experiments.fidelity_runs " + " ".join(argv if argv is not None else sys.argv[1:]),
                 this_invocation_cpu_s=time.process_time() - cpu0, this_invocation_wall_s=time.perf_counter() - t0,
                 this_invocation_compile_s=compile_s, cpu_count=os.cpu_count(),
                 run_wall_s_total=float(sum(r["wall_s"] for r in records)))

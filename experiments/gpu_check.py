@@ -3,15 +3,16 @@
 Sections (each runs even if an earlier one failed; a failure is recorded as {"error": ...} and named
 in "errors"; a section left out by --sections is {"skipped": ...}, not an error):
   conformance  every available codec backend (not `auto`) against `reference` under the rule of
-               `taco_jax.kernels` (tests/test_kernels.py::check_backend): E4M3 / E5M2, G 32/128/512;
+               `taco_jax.kernels` (`taco_jax.kernels.conformance.check_backend`, as in the tests):
+               E4M3 / E5M2, G 32/128/512;
   throughput   encode / decode GB/s of the f32 message beside an XLA device copy of the same bytes
                (back-to-back calls, two inputs rotated, median of 3 passes), --sizes MB (16,64,256);
   collectives  compressed (taco) vs exact all-reduce and all-gather over the visible devices
                (skipped, with the reason, on one device), time and relative error;
   training     a short compressed training run (gpt2-tiny, synthetic learnable tokens): losses, s/step.
 
-    python experiments/gpu_check.py --out runs/gpu_check            # on the GPU
-    python experiments/gpu_check.py --out runs/gpu_dry --dry-run    # CPU: tiny sizes, checks the format
+    python -m experiments.gpu_check --out runs/gpu_check            # on the GPU
+    python -m experiments.gpu_check --out runs/gpu_dry --dry-run    # CPU: tiny sizes, checks the format
 
 `validate(report)` checks the format (raises ValueError naming the bad field); --dry-run runs it.
 """
@@ -20,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "experiments"), str(ROOT / "tests")]
-if "--dry-run" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from experiments.common import cpu_devices
+
+if "--dry-run" in sys.argv:
+    cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -75,7 +74,7 @@ def backends_here() -> list[str]:
 
 
 def conformance(dry: bool) -> list[dict]:
-    from test_kernels import check_backend  # noqa: PLC0415  (the rule of taco_jax.kernels, as tested)
+    from taco_jax.kernels.conformance import check_backend  # noqa: PLC0415  (the rule of taco_jax.kernels)
 
     rows = []
     for name in backends_here():

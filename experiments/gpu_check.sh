@@ -40,7 +40,7 @@ date
 $PYTHON --version
 if [ "$DRY" = 1 ]; then
   echo "gpu_check: dry run on $(uname -m) CPU"
-  exec timeout "$LIMIT_S" $PYTHON experiments/gpu_check.py --out "$OUT" --dry-run
+  exec timeout "$LIMIT_S" $PYTHON -m experiments.gpu_check --out "$OUT" --dry-run
 fi
 
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
@@ -67,12 +67,12 @@ fi
 
 # 4. Triton kernels compiled ahead of time for this GPU: registers, shared memory, spills (seconds); AOT=0 skips
 if [ "${AOT:-1}" = 1 ]; then
-  timeout 120 $PYTHON experiments/triton_aot.py --out "$OUT/triton_aot.json" --arch "${CUDA_ARCH#sm_}" \
+  timeout 120 $PYTHON -m experiments.triton_aot --out "$OUT/triton_aot.json" --arch "${CUDA_ARCH#sm_}" \
     || echo "gpu_check: triton_aot failed"
 fi
 
 # 5. the report (SECTIONS: a comma-separated subset; SIZES: throughput sizes in MB; TRAIN_STEPS)
-timeout "$LIMIT_S" $PYTHON experiments/gpu_check.py --out "$OUT" \
+timeout "$LIMIT_S" $PYTHON -m experiments.gpu_check --out "$OUT" \
   --sections "${SECTIONS:-conformance,throughput,collectives,training}" --sizes "${SIZES:-16,64,256}" \
   --train-steps "${TRAIN_STEPS:-30}"
 rc=$?

@@ -8,12 +8,12 @@ variant, the median step time and tokens/s, and the median over rounds of the pe
 to the first variant (`step_ratio`: > 1 is slower than the first).
 
 Single process (simulated mesh):
-  python experiments/step_time.py --mesh data=2,tensor=4 --steps 30
+  python -m experiments.step_time --mesh data=2,tensor=4 --steps 30
 Several processes over the real transport (jax.distributed + gloo on 127.0.0.1), started by this
 script (with the allocator setting of `taco-jax launch`, `--malloc keep` by default):
-  python experiments/step_time.py --mesh data=1,tensor=2 --processes 2 ...
+  python -m experiments.step_time --mesh data=1,tensor=2 --processes 2 ...
 or one per shell:
-  python experiments/step_time.py --mesh data=1,tensor=2 --coordinator 127.0.0.1:PORT \
+  python -m experiments.step_time --mesh data=1,tensor=2 --coordinator 127.0.0.1:PORT \
       --num-processes 2 --process-id I ...
 Comm fraction of the exact step over the real transport: the same flags with one process holding
 both devices (in-process collectives are memory copies) gives the step without the transport.
@@ -157,6 +157,7 @@ def _spawn(args, argv: list[str]) -> dict:
     Raises RuntimeError naming the failing process (the others are stopped) or the timeout."""
     import tempfile  # noqa: PLC0415
 
+    from experiments.common import child_env, module_command  # noqa: PLC0415
     from taco_jax.launch import free_port, malloc_env, run_local  # noqa: PLC0415
 
     drop = {"--processes", "--malloc", "--timeout"}
@@ -176,12 +177,13 @@ def _spawn(args, argv: list[str]) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".json", prefix="step_time_", delete=False) as f:
             json_path = f.name
         rest += ["--json", json_path]
-    env = malloc_env(os.environ, args.malloc)
-    env[_COMMAND_ENV] = " ".join([sys.argv[0], *argv])  # what the user ran, recorded in the result
+    env = malloc_env(child_env(), args.malloc)
+    env[_COMMAND_ENV] = " ".join(["python -m experiments.step_time", *argv])  # what the user ran, for the result
     coord = f"127.0.0.1:{free_port()}"
     try:
-        run_local([[sys.executable, __file__, *rest, "--coordinator", coord, "--num-processes", str(args.processes),
-                    "--process-id", str(i)] for i in range(args.processes)],
+        run_local([module_command("experiments.step_time", *rest, "--coordinator", coord,
+                                  "--num-processes", str(args.processes), "--process-id", str(i))
+                   for i in range(args.processes)],
                   env=env, timeout_s=args.timeout, quiet_after_first=True)
         with open(json_path) as f:
             return json.load(f)

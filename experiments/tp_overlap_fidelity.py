@@ -1,7 +1,7 @@
 """Fidelity of `--tp-overlap collective-matmul` with TACO: the ring's requantization against the
 non-overlapped (two-shot) sequence-parallel collectives, both against exact.
 
-    python experiments/tp_overlap_fidelity.py --out runs/tp_overlap_fidelity
+    python -m experiments.tp_overlap_fidelity --out runs/tp_overlap_fidelity
 
 1. One SP layer pair on standard-normal inputs (x [B, T, D], weights N(0, 1/fan-in)), tensor = P
    simulated CPU devices, float32 and bfloat16; SQNR (dB, float64 on the host) against the exact
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
+from experiments.common import cpu_devices
+
 if "jax" not in sys.modules:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -2,7 +2,7 @@
 SP layer pair (ColumnParallel -> GELU -> RowParallel, tensor = 4 simulated CPU devices), read per
 device from the thunk events of the perfetto trace.
 
-    python experiments/tp_overlap_trace.py --overlap collective-matmul --comm taco --sizes 4 512 512 2048
+    python -m experiments.tp_overlap_trace --overlap collective-matmul --comm taco --sizes 4 512 512 2048
 
 Prints, over 3 traced calls: the collective thunks' time, how much of it a matmul thunk (`ynn_fusion`)
 of the same device ran concurrently, the (collective, matmul) pairs seen concurrent, and how many
@@ -23,9 +23,10 @@ import re
 import sys
 import tempfile
 
+from experiments.common import cpu_devices
+
 if "jax" not in sys.modules:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -33,9 +34,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_overlap_fidelity import _column, _ctx, _row  # noqa: E402
-
+from experiments.tp_overlap_fidelity import _column, _ctx, _row  # noqa: E402
 from taco_jax.collectives import CommPolicy  # noqa: E402
 
 COLLECTIVES = ("ppermute", "all_gather", "all-gather", "all-to-all", "all_to_all", "reduce_scatter",

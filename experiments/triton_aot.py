@@ -1,8 +1,8 @@
 """Ahead-of-time compile of the Triton codec kernels (`taco_jax.kernels.triton_codec`) for a CUDA
 target, on any host (no GPU needed): registers, stack, shared memory and spills per kernel.
 
-    python experiments/triton_aot.py --out runs/triton_aot.json                 # sm_90, all variants
-    python experiments/triton_aot.py --out x.json --variants encode-e4m3-128,decode-128-a
+    python -m experiments.triton_aot --out runs/triton_aot.json                 # sm_90, all variants
+    python -m experiments.triton_aot --out x.json --variants encode-e4m3-128,decode-128-a
 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` runs Triton's whole pipeline
 (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the ptxas Triton ships), with the same constexprs and
@@ -25,8 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 N_ROWS = 4096  # groups per launch (a constexpr of the kernels: rows are masked against it)
 GROUPS = (32, 128, 512)

@@ -1,6 +1,7 @@
 """`taco-jax` command line: `train` (one run), `compare` (exact vs compressed, same seed and data),
-`calibrate` (a per-site policy from captured messages) and `launch` (N local processes of one run;
-docs/distributed.md). Flags and outputs: docs/training.md."""
+`calibrate` (a per-site policy from captured messages), `launch` (N local processes of one run;
+docs/distributed.md), `prepare-data` (your corpus as token files) and `sample` (generate text).
+Flags and outputs: docs/training.md."""
 
 from __future__ import annotations
 
@@ -52,6 +53,19 @@ def _int_or_auto(name: str, low: int):
     return parse
 
 
+def _seconds_or_auto(text: str):
+    """argparse type of --step-timeout: "auto" or seconds >= 0 (a bad value: exit 2 naming it)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"step_timeout={text!r} must be seconds >= 0 or 'auto'")
+    return value
+
+
 def _add_flag(sp, cls, f, helps) -> None:
     from taco_jax.models import PRESETS
 
@@ -65,6 +79,8 @@ def _add_flag(sp, cls, f, helps) -> None:
         sp.add_argument(flag, type=_int_or_auto("min_bytes", 0), default=f.default, metavar="BYTES|auto", help=help_)
     elif f.name == "chunks":  # an integer or "auto" (collectives.compressed.auto_chunks)
         sp.add_argument(flag, type=_int_or_auto("chunks", 1), default=f.default, metavar="K|auto", help=help_)
+    elif f.name == "step_timeout":  # seconds or "auto" (train.distributed.StepWatchdog)
+        sp.add_argument(flag, type=_seconds_or_auto, default=f.default, metavar="S|auto", help=help_)
     elif f.name == "model":
         sp.add_argument(flag, default=f.default, choices=sorted(PRESETS), metavar="PRESET",
                         help=f"{help_}: {', '.join(sorted(PRESETS))}")
@@ -100,8 +116,15 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--num-processes", type=int, default=0, help="process count (default $JAX_NUM_PROCESSES)")
         sp.add_argument("--process-id", type=int, default=-1, help="this process, 0..N-1 (default $JAX_PROCESS_ID)")
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
-                        usage="taco-jax launch --processes N -- train [flags ...]")
-    lp.add_argument("--processes", type=int, required=True, help="number of local processes")
+                        usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
+                              "-- train [flags ...]\n       taco-jax launch --cleanup")
+    lp.add_argument("--processes", type=int, default=0, help="number of local processes")
+    lp.add_argument("--link", default="", metavar="RATE|intra=RATE,inter=RATE",
+                    help="emulated cluster: each process in its own network namespace, links shaped to RATE "
+                         "(e.g. 1gbit, 100mbit; root only; docs/distributed.md)")
+    lp.add_argument("--nodes", type=int, default=0, help="with --link intra=...,inter=...: processes in K nodes")
+    lp.add_argument("--cleanup", action="store_true",
+                    help="remove the namespaces and hosts files of emulated clusters whose launcher is gone")
     lp.add_argument("--malloc", choices=("keep", "default"), default="keep",
                     help="keep: the processes' glibc keeps freed memory for reuse instead of mapping large "
                          "buffers anew (GLIBC_TUNABLES, unless already set); default: leave the allocator alone")
@@ -114,7 +137,33 @@ def _parser() -> argparse.ArgumentParser:
                      help="max wire bytes per element of a chosen codec (= TACO's E4M3 G=128 dual codec)")
     cal.add_argument("--max-messages", type=int, default=16, help="messages per site in each split")
     cal.add_argument("--kinds", nargs="+", default=None, help="restrict the candidates to these codec kinds")
+    _add_data_and_sample(sub)
     return p
+
+
+def _add_data_and_sample(sub) -> None:
+    """The `prepare-data` and `sample` subcommands (docs/training.md, "Continue pre-training")."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    pd = sub.add_parser("prepare-data", formatter_class=fmt,
+                        help="tokenize text / JSONL files into train.bin, val.bin, meta.json (for train --data)")
+    pd.add_argument("inputs", nargs="+", help="text files, folders of them (.txt/.md/.text/.jsonl), JSONL files")
+    pd.add_argument("--out", required=True, help="folder to write (train.bin, val.bin, tokenizer.json, meta.json)")
+    pd.add_argument("--tokenizer", default="", help="a tokenizers JSON file (an HF tokenizer.json) to encode with")
+    pd.add_argument("--init-from", default="", help="HF checkpoint folder whose tokenizer.json to encode with")
+    pd.add_argument("--vocab-size", type=int, default=0,
+                    help="without --tokenizer / --init-from: train a byte-level BPE of this size (0: 2048)")
+    pd.add_argument("--text-field", default="text", help="JSONL: the field holding each document's text")
+    pd.add_argument("--val-fraction", type=float, default=0.1, help="last fraction of the token stream held out")
+    pd.add_argument("--eot-token", default="<|endoftext|>", help="token appended after every document")
+    pd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sa = sub.add_parser("sample", formatter_class=fmt, help="generate text from a run folder or an HF checkpoint")
+    sa.add_argument("--from", dest="source", required=True, metavar="RUN_DIR|HF_DIR",
+                    help="a run's --out folder (its --export-hf, else its latest checkpoint) or an HF checkpoint")
+    sa.add_argument("--prompt", required=True, help="text to continue (encoded with the run's own tokenizer)")
+    sa.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    sa.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample from softmax(logits / T)")
+    sa.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0: all)")
+    sa.add_argument("--seed", type=int, default=0, help="random seed of the samples")
 
 
 def _error(e: Exception, status: int) -> int:
@@ -141,6 +190,29 @@ def _force_cpu_devices(mesh: str, processes: int = 1) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def _data_or_sample(args) -> int:
+    import json
+
+    try:
+        if args.command == "prepare-data":
+            from taco_jax.data import prepare_data
+
+            meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, init_from=args.init_from,
+                                vocab_size=args.vocab_size, text_field=args.text_field,
+                                val_fraction=args.val_fraction, eot_token=args.eot_token,
+                                progress=not args.no_progress)
+            print(json.dumps({k: v for k, v in meta.items() if k != "sources"} | {"sources": len(meta["sources"])},
+                             indent=2))
+            return 0
+        from taco_jax.train.sample import sample
+
+        print(sample(args.source, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                     seed=args.seed))
+        return 0
+    except ValueError as e:
+        return _error(e, EXIT_BAD_INPUT)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from taco_jax.train import jsonio
@@ -154,12 +226,22 @@ def main(argv=None) -> int:
             return _error(e, EXIT_BAD_INPUT)
         print(jsonio.dumps(result, indent=2))
         return 0
+    if args.command in ("prepare-data", "sample"):  # one host device; no mesh
+        return _data_or_sample(args)
     if args.command == "launch":
+        from taco_jax import emulate
         from taco_jax.launch import launch
 
         try:
+            if args.cleanup:
+                emulate.check_available()
+                print(f"[launch] removed {len(emulate.cleanup_stale())} stale namespaces; "
+                      f"{len(emulate.list_namespaces())} of running launchers left")
+                return 0
+            if args.processes < 1:
+                raise ValueError(f"--processes {args.processes} must be >= 1")
             return launch(args.processes, args.argv[1:] if args.argv[:1] == ["--"] else args.argv,
-                          malloc=args.malloc)
+                          malloc=args.malloc, link=args.link, nodes=args.nodes)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)
     from taco_jax.train import distributed

@@ -17,11 +17,21 @@ gloo (README, "Every compressed collective" and "Real transport"): the exact 64 
 no difference beyond noise with the default all-to-all reduce-scatter (0.808 vs 0.828 s). An
 existing `GLIBC_TUNABLES` is left as it is; `malloc="default"` sets nothing.
 Other C libraries ignore the variable.
+
+Emulated cluster (`link=`, `taco-jax launch --link 1gbit` or `--link intra=8gbit,inter=1gbit --nodes K`,
+taco_jax/emulate.py): each process runs in its own network namespace (`ip netns exec`), joined by
+links shaped with tbf; the coordinator is process 0's namespace address. Each link is measured
+first (a TCP bulk transfer); the description (requested and measured rates) reaches every process
+as `$TACO_JAX_EMULATED_LINK`, so summary.json records it and `--min-bytes auto` /
+`--step-timeout auto` use the measured rate. Namespaces and hosts files are removed when the run
+ends, fails or the launcher is stopped; a reaper process removes them when the launcher is
+killed (SIGKILL too), and the next start removes those of any launcher that is gone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
 import signal
@@ -30,6 +40,9 @@ import subprocess
 import sys
 import threading
 import time
+
+from taco_jax import emulate
+from taco_jax.train.distributed import ENV_LINK
 
 
 def _die_with_parent() -> None:
@@ -48,7 +61,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _mesh_size(argv: list[str]) -> int | None:
+def _mesh_axes(argv: list[str]) -> dict[str, int] | None:
     from taco_jax.parallel.mesh import parse_mesh
     from taco_jax.train.config import TrainConfig
 
@@ -59,7 +72,7 @@ def _mesh_size(argv: list[str]) -> int | None:
         elif a.startswith("--mesh="):
             spec = a.split("=", 1)[1]
     try:
-        return math.prod(parse_mesh(spec).values())
+        return parse_mesh(spec)
     except ValueError:
         return None  # the processes report the bad --mesh
 
@@ -82,12 +95,15 @@ def malloc_env(env: dict, malloc: str = "keep") -> dict:
 
 
 def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, out=None,
-           malloc: str = "keep") -> int:
+           malloc: str = "keep", link: str = "", nodes: int = 0) -> int:
     """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
-    the first failure's). `out`: stream for the prefixed lines (default stdout). `malloc`: the
-    processes' allocator setting ("keep" or "default", see the module docstring).
-    Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, or an
-    unknown `malloc`."""
+    the first failure's; the others then get `FAILED_GRACE_S` after SIGTERM). `out`: stream for the
+    prefixed lines (default stdout). `malloc`: the processes' allocator setting ("keep" or
+    "default", see the module docstring). `link`, `nodes`: an emulated cluster (module docstring;
+    "" = plain local processes on 127.0.0.1).
+    Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, an
+    unknown `malloc`, a malformed `link` / `nodes` or a tensor axis spanning nodes;
+    emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
     if malloc not in MALLOC_MODES:
         raise ValueError(f"malloc={malloc!r} must be one of {MALLOC_MODES}")
     if processes < 1:
@@ -98,16 +114,46 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise ValueError(f"{flag} is set by the launcher; remove it from the command")
     out = out or sys.stdout
+    axes = _mesh_axes(argv)
+    spec = emulate.LinkSpec.parse(link, nodes) if link else None
+    if nodes and not link:
+        raise ValueError(f"--nodes {nodes} needs --link intra=RATE,inter=RATE")
+    if spec is not None:
+        node_of = spec.node_of(processes)
+        if axes and spec.intra is not None:  # two tiers: tensor parallelism inside a node
+            emulate.check_tensor_in_node(axes, processes, node_of)
+        emulate.check_available()
     port = free_port()
     base = malloc_env(os.environ if env is None else env, malloc)
-    n_mesh = _mesh_size(argv)
+    n_mesh = math.prod(axes.values()) if axes else None
     if n_mesh and n_mesh % processes == 0 and "xla_force_host_platform_device_count" not in base.get("XLA_FLAGS", ""):
         base["XLA_FLAGS"] = (base.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={n_mesh // processes}").strip()
     base["PYTHONUNBUFFERED"] = "1"
+    if spec is None:
+        return _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [], grace_s, out)
+    with emulate.Cluster(processes, spec) as cluster:
+        print(f"[launch] emulated cluster: namespaces {cluster.names[0]} .. {cluster.names[-1]}; measuring "
+              f"the links ...", file=out, flush=True)
+        description = cluster.measure_links()
+        for tier, t in description["tiers"].items():
+            print(f"[launch] {tier} link: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
+                  f"{t['measured_bit_per_s'] / 1e6:.1f} Mbit/s (TCP payload, median of "
+                  f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
+        base[ENV_LINK] = json.dumps(description)
+        return _run(processes, argv, base, f"{cluster.addrs[0]}:{port}", cluster.exec_prefix, grace_s, out)
+
+
+#: Seconds the others get between SIGTERM and SIGKILL once a process failed: the run cannot go on (its
+#: collectives lack a member), and a process blocked in one runs no Python signal handler.
+FAILED_GRACE_S = 2.0
+
+
+def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out) -> int:
+    """Starts the processes (`wrap(i) + python -m taco_jax.cli ...`) and waits (see `launch`)."""
     procs = []
     for i in range(processes):
-        cmd = [sys.executable, "-m", "taco_jax.cli", *argv, "--coordinator", f"127.0.0.1:{port}",
+        cmd = [*wrap(i), sys.executable, "-m", "taco_jax.cli", *argv, "--coordinator", coordinator,
                "--num-processes", str(processes), "--process-id", str(i)]
         procs.append(subprocess.Popen(cmd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       start_new_session=True, preexec_fn=_die_with_parent))
@@ -144,7 +190,7 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
                     with lock:
                         print(f"[launch] process {i} exited with status {rc}; stopping the others",
                               file=out, flush=True)
-                    _stop([procs[j] for j in pending], grace_s)
+                    _stop([procs[j] for j in pending], min(grace_s, FAILED_GRACE_S))
             time.sleep(0.05)
     finally:
         _stop(procs, grace_s)

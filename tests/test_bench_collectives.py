@@ -1,4 +1,4 @@
-"""experiments/bench_collectives.py: a --quick run on tiny messages over both transports (one process
+"""experiments.bench_collectives: a --quick run on tiny messages over both transports (one process
 with 2 simulated devices; 2 real processes over gloo), its JSON schema, exactness of codec "none"
 and the wire bytes of taco; option parsing. Real processes, no mocks; no timing asserts."""
 
@@ -9,10 +9,9 @@ import math
 import sys
 
 import pytest
-from _procs import ROOT, run
+from _procs import run
 
-sys.path.insert(0, str(ROOT))
-from experiments import bench_collectives as bc  # noqa: E402
+from experiments import bench_collectives as bc
 
 CASES = {("psum", "two_shot"), ("psum", "one_shot"), ("all_gather", "default"), ("psum_scatter", "default"),
          ("ppermute", "default")}

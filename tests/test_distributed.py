@@ -284,7 +284,7 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
     assert _summaries(log) == 1, log[-2000:]  # one summary, from process 0
     assert '"processes": 2' in log
     assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["checkpoints", "config.json", "loss.png",
-                                                                   "metrics.jsonl", "summary.json"]
+                                                                   "metrics.jsonl", "summary.json", "tokenizer.json"]
     assert not list((tmp_path / "p2" / "checkpoints").iterdir())  # no --checkpoint-every, no SIGTERM
 
 

@@ -1,22 +1,16 @@
-"""The fidelity measurement protocol: paired t-interval (experiments/fidelity_runs.py) and the
-deterministic gradient measure (experiments/grad_fidelity.py)."""
+"""The fidelity measurement protocol: paired t-interval (experiments.fidelity_runs) and the
+deterministic gradient measure (experiments.grad_fidelity)."""
 
 import dataclasses
 import json
 import math
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
 from scipy import stats
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import fidelity_runs  # noqa: E402
-import grad_fidelity  # noqa: E402
+from experiments import fidelity_runs, grad_fidelity
 
 
 def test_paired_ci_matches_scipy_ttest_rel():

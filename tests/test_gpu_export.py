@@ -154,12 +154,12 @@ def test_compressed_train_step_exports_for_cuda_on_one_device():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton not installed (gpu-sim extra: pip install -e '.[gpu-sim]')")
 def test_triton_kernels_compile_for_sm90(tmp_path):
-    """Triton's whole pipeline to a cubin for sm_90 (experiments/triton_aot.py, in its own process:
+    """Triton's whole pipeline to a cubin for sm_90 (experiments.triton_aot, in its own process:
     this suite may have turned the Triton interpreter on); resources within an H100/H200's limits."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # really compile, not a cache hit
     out = tmp_path / "aot.json"
-    subprocess.run([sys.executable, str(ROOT / "experiments" / "triton_aot.py"), "--out", str(out),
+    subprocess.run([sys.executable, "-m", "experiments.triton_aot", "--out", str(out),
                     "--variants", "encode-e4m3-128,decode-128-a"], check=True, env=env, cwd=ROOT, timeout=600)
     rows = json.loads(out.read_text())["kernels"]
     assert [r["variant"] for r in rows] == ["encode-e4m3-128", "decode-128-a"]

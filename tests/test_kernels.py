@@ -23,6 +23,12 @@ from taco_jax.codec.vma import vma_of  # noqa: E402
 from taco_jax.collectives.policy import CommPolicy  # noqa: E402
 from taco_jax.kernels import ffi_codec  # noqa: E402
 from taco_jax.kernels._platform import default_platform  # noqa: E402
+from taco_jax.kernels.conformance import (  # noqa: E402
+    assert_conforms,
+    assert_decode_conforms,
+    check_backend,
+    make_groups,
+)
 
 ON_GPU = default_platform() == "cuda"
 FFI_REASON = ffi_codec.unavailable_reason(default_platform())
@@ -30,76 +36,6 @@ needs_ffi = pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec librar
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (jax's default platform is not cuda)")
 
 CODE_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
-
-
-# --------------------------------------------------------------------------------------
-# Helpers: test data and the conformance rule
-# --------------------------------------------------------------------------------------
-
-
-def make_groups(g: int, n_groups: int = 24, batch: int = 2, seed: int = 0, last_count: int | None = None):
-    """[batch, n_groups, G] float32 with varied scales, outlier channels, a zero group, a partial
-    last group (zero-padded past `last_count`), a NaN group and an Inf group, huge and tiny groups."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, n_groups, g)).astype(np.float32)
-    x *= rng.lognormal(0.0, 2.0, (batch, n_groups, 1)).astype(np.float32)
-    flat = x.reshape(-1, g)  # a view: special groups at flat positions 1..7
-    assert flat.shape[0] >= 9, "make_groups needs batch * n_groups >= 9"
-    flat[1, rng.integers(0, g, 3)] *= 50.0  # outlier channels
-    flat[2] = 0.0  # all-zero group
-    flat[3] *= np.float32(1e30)  # sum of squares overflows -> a = 1e-3
-    flat[4] *= np.float32(1e-30)  # tiny
-    flat[5, 5] = np.nan
-    flat[6, 7] = np.inf
-    flat[7, 1] = -np.inf
-    last_count = g // 3 if last_count is None else last_count
-    x[:, -1, last_count:] = 0.0
-    return x, last_count
-
-
-def ordinal(codes: np.ndarray) -> np.ndarray:
-    """FP8 codes as signed step counts (sign-magnitude -> integer; +0 and -0 both 0)."""
-    u = np.asarray(codes).view(np.uint8).astype(np.int32)
-    return np.where(u & 0x80, -(u & 0x7F), u & 0x7F)
-
-
-def assert_conforms(got, want, g: int, r: float = 448.0, max_code_frac: float = 1e-3):
-    """The conformance rule of `taco_jax.kernels` for encode outputs (codes, s, a)."""
-    codes, s, a = (np.asarray(t) for t in got)
-    codes_r, s_r, a_r = (np.asarray(t) for t in want)
-    assert codes.dtype == codes_r.dtype and codes.shape == codes_r.shape
-    assert s.shape == s_r.shape and a.shape == a_r.shape
-    finite = np.isfinite(s_r)
-    np.testing.assert_array_equal(np.isnan(s), ~finite, err_msg="non-finite groups must (only) get s = NaN")
-    rtol = 2.0**-23 * g
-    np.testing.assert_allclose(s[finite], s_r[finite], rtol=rtol, atol=0)
-    np.testing.assert_allclose(a, a_r, rtol=rtol, atol=0)  # NaN where the reference has NaN
-    steps = np.abs(ordinal(codes) - ordinal(codes_r))[finite]
-    values = np.abs(codes.astype(np.float32) - codes_r.astype(np.float32))[finite]
-    ok = (steps <= 1) | (values <= 2.0**-23 * g * r)  # one FP8 step, or reordering noise near 0
-    assert ok.all(), f"codes differ by up to {steps.max()} steps / {values[~ok].max()} in value"
-    frac = np.mean(steps > 0)
-    assert frac <= max_code_frac, f"{frac:.2e} of codes differ"
-
-
-def assert_decode_conforms(got, want, g: int):
-    got, want = np.asarray(got), np.asarray(want)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    ok = ~np.isnan(want).any(axis=-1)
-    tol = 2.0**-23 * g * np.max(np.abs(want[ok]), axis=-1, keepdims=True)
-    assert np.all(np.abs(got[ok] - want[ok]) <= tol)
-
-
-def check_backend(name: str, g: int, fmt: str, **data_kw):
-    """Encode conforms; decoding the same codes (dual and folded layout) conforms."""
-    cfg = CodecConfig(fmt=fmt, group_size=g)
-    x, last_count = make_groups(g, **data_kw)
-    enc, dec = kernels.get_backend(name)
-    got = enc(jnp.asarray(x), cfg, last_count=last_count)
-    assert_conforms(got, reference.encode_groups(jnp.asarray(x), cfg, last_count=last_count), g)
-    codes, s, a = got
-    assert_decode_conforms(dec(codes, s, a), reference.decode_groups(codes, s, a), g)
-    assert_decode_conforms(dec(codes, s / a, None), reference.decode_groups(codes, s / a, None), g)
 
 
 # --------------------------------------------------------------------------------------

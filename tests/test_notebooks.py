@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 #: What each notebook prints once it has run through (every notebook must be listed here).
 END_MARKERS = {"00_quickstart.ipynb": "quickstart OK", "01_codec_and_collectives.ipynb": "SQNR",
-               "02_scaling.ipynb": "scaling OK"}
+               "02_scaling.ipynb": "scaling OK", "03_continue_pretraining.ipynb": "continue pre-training OK"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

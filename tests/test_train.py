@@ -35,7 +35,7 @@ def test_short_taco_run_loss_falls(dataset, tmp_path):
 def test_ffi_backend_training_tracks_reference(dataset, tmp_path):
     """Training-level rule (taco_jax.kernels): same config and seed, the first steps' losses agree to
     1e-4 relative. Later steps drift apart as reordered float sums compound; the run-level check
-    against seed noise is experiments/backend_repro.py (numbers in README)."""
+    against seed noise was measured by a study removed since (numbers in README)."""
     from taco_jax import kernels
 
     if "ffi" not in kernels.available_backends():
@@ -248,7 +248,7 @@ def test_init_from_hf_checkpoint(dataset, tmp_path):
     src = get_config("gpt2-tiny", vocab_size=520, n_layer=2)
     params = nnx.to_pure_dict(nnx.split(make_model(src, rngs=nnx.Rngs(7)), nnx.Param)[1])
     hf.save_hf(tmp_path / "ckpt", src, params)
-    run = dict(SMALL, model="ignored-with-init-from", vocab_size=512, steps=2, warmup_steps=1, eval_every=2)
+    run = dict(SMALL, model="", vocab_size=512, steps=2, warmup_steps=1, eval_every=2)  # the checkpoint's model
     cfg = TrainConfig(init_from=str(tmp_path / "ckpt"), out=str(tmp_path / "run"), **run)
     assert cfg.model_config == get_config("gpt2-tiny", vocab_size=520, n_layer=2, vocab_multiple=512,
                                          dtype="bfloat16")

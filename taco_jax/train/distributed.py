@@ -10,6 +10,7 @@ CPU. Launch on a cluster: docs/distributed.md; locally: `taco-jax launch --proce
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import threading
@@ -17,11 +18,21 @@ import time
 
 import numpy as np
 
+from taco_jax.data.stream import TokenStream, global_batch  # noqa: F401 (global_batch: re-export)
+
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 #: Test hook: "PROCESS:STEP:SECONDS" makes that process sleep before that step (watchdog tests).
 ENV_STALL = "TACO_JAX_TEST_STALL"
 _STEP_KEY = "taco_jax/step/"  # coordinator key-value store: the last step each process started
+_BEAT_KEY = "taco_jax/alive/"  # ... and a counter each process advances every HEARTBEAT_S (watchdog on)
+HEARTBEAT_S = 0.5
+#: Set by `taco-jax launch --link` (taco_jax/emulate.py): the emulated links, requested and measured (JSON).
+ENV_LINK = "TACO_JAX_EMULATED_LINK"
+#: `--step-timeout auto`: a step may take AUTO_FACTOR × the slowest step so far (the first step's time
+#: until a second one finished), at least AUTO_FLOOR_S; the first step (gloo connections, caches):
+#: AUTO_FIRST_S, or AUTO_FACTOR × its wire bytes at the measured link rate where that is longer.
+AUTO_FACTOR, AUTO_FLOOR_S, AUTO_FIRST_S = 10.0, 10.0, 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,58 +111,9 @@ def _client():
 # data: each process builds only its own rows of the global batch
 
 
-class TrainBatches:
-    """The training stream of `data.batch_iterator` (same windows for the same seed), built as global
-    arrays from process-local data: every process draws the window starts of the whole batch (a few
-    integers) but gathers the tokens of its own devices' rows only.
-
-    `next(sharding)` -> (inputs, targets): int32 [batch_size, seq_len] `jax.Array`s on `sharding`.
-    `position` counts the batches drawn; `state()` / `restore(state)` save and restore the stream
-    (position and the numpy PCG64 bit-generator state) for checkpoints.
-    """
-
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int):
-        from taco_jax.data.shakespeare import _check_batch_args
-
-        self.tokens = _check_batch_args(tokens, batch_size, seq_len)
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.rng = np.random.default_rng(seed)
-        self.position = 0
-
-    def next(self, sharding):
-        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)  # as batch_iterator
-        self.position += 1
-        return global_batch(self.tokens, starts, self.seq_len, sharding)
-
-    def state(self) -> dict:
-        return {"position": self.position, "bit_generator": self.rng.bit_generator.state}
-
-    def restore(self, state: dict) -> None:
-        """Continues the stream from `state()`. Raises ValueError for a state of another generator."""
-        bg = state["bit_generator"]
-        if bg.get("bit_generator") != type(self.rng.bit_generator).__name__:
-            raise ValueError(f"data RNG state of {bg.get('bit_generator')!r}, expected "
-                             f"{type(self.rng.bit_generator).__name__!r}")
-        self.rng.bit_generator.state = bg
-        self.position = int(state["position"])
-
-
-def global_batch(tokens, starts, seq_len: int, sharding):
-    """(inputs, targets) int32 [len(starts), seq_len] as global arrays on `sharding`: row i is the
-    window `tokens[starts[i] : starts[i] + seq_len + 1]`, split into inputs and targets shifted by one.
-    Only rows on this process's devices are read (`jax.make_array_from_callback`)."""
-    import jax
-
-    offsets = np.arange(seq_len + 1)
-    shape = (len(starts), seq_len)
-
-    def part(shift):
-        def rows(index):
-            r, c = index if len(index) == 2 else (index[0], slice(None))
-            return tokens[np.asarray(starts)[r][:, None] + offsets[shift:shift + seq_len][c]].astype(np.int32)
-        return jax.make_array_from_callback(shape, sharding, rows)
-
-    return part(0), part(1)
+#: The training stream (`data.TokenStream`: same windows as `data.batch_iterator` for the same seed);
+#: `TrainBatches(tokens, batch_size, seq_len, seed=...).next(sharding)` -> global (inputs, targets).
+TrainBatches = TokenStream
 
 
 def global_arrays(sharding, *arrays):
@@ -168,34 +130,48 @@ def global_arrays(sharding, *arrays):
 
 
 class StepWatchdog:
-    """Ends the run when a step does not finish within `timeout_s` seconds.
+    """Ends the run when a step does not finish within its time limit.
 
     `start(step)` before the step's work, `done()` after its result arrived. When the time passes,
     a thread prints an error naming the step (and, multi-process, which processes had not started
-    it: each process records the last step it started in the coordinator's key-value store) to
+    it: each process records the last step it started in the coordinator's key-value store; and
+    which stopped answering: each advances a heartbeat counter there every `HEARTBEAT_S`) to
     stderr and ends the process with `os._exit(exit_status)` (a hung collective cannot be
     interrupted from Python; the launcher or the cluster then stops the other processes).
-    The first step a process runs gets `first_factor` × timeout_s (it also opens the collectives'
-    connections, e.g. gloo's TCP mesh, and warms caches). timeout_s <= 0: disabled.
+    timeout_s: seconds per step (<= 0: disabled); the first step a process runs gets
+    `first_factor` × timeout_s (it also opens the collectives' connections, e.g. gloo's TCP mesh,
+    and warms caches). "auto": from the steps measured so far (`AUTO_FACTOR`, `AUTO_FLOOR_S`,
+    `AUTO_FIRST_S`); `wire_bytes`, the step's wire bytes, and the link rate of `emulated_link()`
+    lengthen the first step's limit on a slow link.
     """
 
-    def __init__(self, timeout_s: float, *, exit_status: int = 1, first_factor: float = 10.0):
+    def __init__(self, timeout_s: float | str, *, exit_status: int = 1, first_factor: float = 10.0,
+                 wire_bytes: float = 0.0):
         import jax
 
-        self.timeout_s, self.exit_status, self.first_factor = timeout_s, exit_status, first_factor
-        self._first = True
+        self.auto = timeout_s == "auto"
+        if self.auto:
+            rate = tensor_link_bytes_per_s(emulated_link())
+            self._first_limit = max(AUTO_FIRST_S, AUTO_FACTOR * wire_bytes / rate if rate else 0.0)
+            timeout_s = self._first_limit
+        else:
+            self._first_limit = timeout_s * first_factor
+        self.timeout_s, self.exit_status = float(timeout_s), exit_status
+        self._first, self._done_steps, self._first_dt, self._slowest = True, 0, 0.0, 0.0
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._step, self._since, self._closed = None, 0.0, False
         self._cond = threading.Condition()
-        if timeout_s > 0:
+        if self.timeout_s > 0:
             threading.Thread(target=self._watch, name="taco-jax-step-watchdog", daemon=True).start()
+            if self.processes > 1:
+                threading.Thread(target=self._heartbeat, name="taco-jax-heartbeat", daemon=True).start()
 
     def start(self, step: int) -> None:
         stall = os.environ.get(ENV_STALL)
         if self.timeout_s > 0:
             with self._cond:
                 self._step, self._since = step, time.monotonic()
-                self._limit = self.timeout_s * (self.first_factor if self._first else 1.0)
+                self._limit = self._first_limit if self._first else self.timeout_s
                 self._first = False
                 self._cond.notify()
         if stall:  # test hook: "PROCESS:STEP:SECONDS"
@@ -210,8 +186,31 @@ class StepWatchdog:
     def done(self) -> None:
         if self.timeout_s > 0:
             with self._cond:
+                if self.auto and self._step is not None:
+                    self._adapt(time.monotonic() - self._since)
                 self._step = None
                 self._cond.notify()
+
+    def _adapt(self, dt: float) -> None:
+        """--step-timeout auto: the limit from the steps measured so far (the first only until a second finished)."""
+        self._done_steps += 1
+        if self._done_steps == 1:
+            self._first_dt = dt
+        self._slowest = max(self._slowest, dt) if self._done_steps > 1 else 0.0
+        slowest = self._slowest if self._done_steps > 1 else self._first_dt
+        self.timeout_s = max(AUTO_FLOOR_S, AUTO_FACTOR * slowest)
+        if self._done_steps == 2 and self.process == 0:
+            print(f"[taco-jax] --step-timeout auto: {self.describe()}", file=sys.stderr, flush=True)
+
+    def describe(self) -> str:
+        """The limit and where it comes from, e.g. "10 s (max(10 s, 10 × slowest step 0.2 s))"."""
+        if not self.auto:
+            return f"{self.timeout_s:g} s"
+        if not self._done_steps:
+            return f"{self._first_limit:.3g} s (first step)"
+        which = "slowest step" if self._done_steps > 1 else "first step"
+        return (f"{self.timeout_s:.3g} s (max({AUTO_FLOOR_S:g} s, {AUTO_FACTOR:g} × {which} "
+                f"{self._slowest if self._done_steps > 1 else self._first_dt:.3g} s))")
 
     def close(self) -> None:
         """Disarms the watchdog for good and ends its thread (the run is over, however it ended)."""
@@ -219,6 +218,16 @@ class StepWatchdog:
             with self._cond:
                 self._step, self._closed = None, True
                 self._cond.notify()
+
+    def _heartbeat(self):
+        beat = 0
+        while not self._closed:
+            beat += 1
+            try:
+                _client().key_value_set(f"{_BEAT_KEY}{self.process}", str(beat), allow_overwrite=True)
+            except Exception:  # the run is ending (coordinator gone); the watchdog reports
+                return
+            time.sleep(HEARTBEAT_S)
 
     def _watch(self):
         with self._cond:
@@ -234,28 +243,68 @@ class StepWatchdog:
                     continue
                 step = self._step
                 break
-        msg = f"step {step} did not finish within --step-timeout {self._limit:g} s"
+        limit = f"auto ({self._limit:.3g} s)" if self.auto else f"{self._limit:g} s"
+        msg = f"step {step} did not finish within --step-timeout {limit}"
         if self.processes > 1:
             msg += f" (process {self.process} of {self.processes}; {self.missing(step)})"
         print(f"taco-jax: error: {msg}; the run stopped", file=sys.stderr, flush=True)
         os._exit(self.exit_status)
 
-    def missing(self, step: int) -> str:
-        """Which processes had not started `step`, read from the coordinator's key-value store."""
-        late, unknown = [], []
+    def missing(self, step: int, *, wait_s: float = 8.0) -> str:
+        """Which processes had not started `step`, and which stopped answering (no heartbeat in
+        4 × HEARTBEAT_S), read from the coordinator's key-value store; "coordinator unreachable"
+        when it does not answer within `wait_s` seconds (process 0 dead, or this process cut off)."""
+        found = []
+        th = threading.Thread(target=lambda: found.append(self._missing(step)), daemon=True)
+        th.start()
+        th.join(wait_s)
+        return found[0] if found else f"coordinator unreachable: no answer within {wait_s:g} s"
+
+    def _missing(self, step: int) -> str:
+        def read(key, p):
+            try:
+                return int(client.key_value_try_get(f"{key}{p}"))
+            except Exception:  # not set: the process never started a step
+                return 0
+
         try:
             client = _client()
-            for p in range(self.processes):
-                try:
-                    last = int(client.key_value_try_get(f"{_STEP_KEY}{p}"))
-                except Exception:  # not set: the process never started a step
-                    last = 0
-                if last < step:
-                    late.append(f"process {p} (last started step {last})")
+            before = [read(_BEAT_KEY, p) for p in range(self.processes)]
+            late = {p: read(_STEP_KEY, p) for p in range(self.processes)}
+            time.sleep(4 * HEARTBEAT_S)
+            silent = [p for p in range(self.processes) if p != self.process and read(_BEAT_KEY, p) == before[p]]
         except Exception as e:  # coordinator gone (process 0 died)
-            unknown.append(f"coordinator unreachable: {e}")
-        if unknown:
-            return "; ".join(unknown)
+            return f"coordinator unreachable: {e}"
+        why = f"no heartbeat for {4 * HEARTBEAT_S:g} s: link down, stopped or dead"
+        late = [f"process {p} (last started step {last}{'; ' + why if p in silent else ''})"
+                for p, last in late.items() if last < step]
         if late:
             return f"did not arrive at step {step}: " + ", ".join(late)
+        if silent:
+            return (f"every process started step {step}; stopped answering: "
+                    + ", ".join(f"process {p}" for p in silent) + f" ({why})")
         return f"every process started step {step}; a collective of the step hung"
+
+
+# -----------------------------------------------------------------------------
+# emulated links (`taco-jax launch --link`, taco_jax/emulate.py)
+
+
+def emulated_link() -> dict | None:
+    """The run's link description from `$TACO_JAX_EMULATED_LINK` (set by `taco-jax launch --link`; it
+    goes into summary.json as "emulated_link"), None without it. Raises ValueError naming the
+    variable for malformed JSON."""
+    text = os.environ.get(ENV_LINK)
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"${ENV_LINK} is not JSON: {e}") from None
+
+
+def tensor_link_bytes_per_s(link: dict | None) -> float | None:
+    """Measured payload bytes/s of the emulated link the tensor axis runs over (`tensor_tier`), or None."""
+    if not link or not link.get("tensor_tier"):
+        return None
+    return link["tiers"][link["tensor_tier"]]["measured_bit_per_s"] / 8

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 from taco_jax.codec import raise_if_nonfinite
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES, CommPolicy
-from taco_jax.data import eval_batches, load_shakespeare
+from taco_jax.data import TokenStream, check_data, eval_batches, training_data
 from taco_jax.models import count_params
 from taco_jax.models.hf import read_config, save_hf
 from taco_jax.parallel.mesh import DATA, MESH_AXES, STAGE
@@ -114,18 +115,15 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     writer = dist.is_writer()  # process 0 writes the run's files
     if cfg.capture and jax.process_count() > 1:
         raise ValueError(f"capture={cfg.capture} records on one process; run it without --num-processes")
-    if cfg.export_hf and jax.process_count() > 1:  # each process holds only its shards of the parameters
-        raise ValueError(f"export_hf={cfg.export_hf!r} writes from one process; export from a one-process run "
-                         "(e.g. --resume the checkpoint without --num-processes)")
     trainer = make_trainer(cfg, devices)
     policy = trainer.policy  # backends resolved ("auto" -> what runs here)
     if writer:
-        print(f"[taco-jax] {cfg.model} on mesh {cfg.mesh}: {describe_policy(policy)}"
+        source = f" from {cfg.init_from}" if cfg.init_from else ""
+        print(f"[taco-jax] {cfg.model}{source} on mesh {cfg.mesh}: {describe_policy(policy)}"
               + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""), file=sys.stderr, flush=True)
-    ds = dataset or load_shakespeare(cfg.vocab_size)
-    if ds.vocab_size > min(cfg.vocab_size, cfg.model_config.vocab_size):
-        raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds the model's vocab_size="
-                         f"{min(cfg.vocab_size, cfg.model_config.vocab_size)}")
+    ds = dataset or training_data(cfg.data, cfg.vocab_size)  # --data DIR (memory-mapped) or Shakespeare
+    check_data(ds, cfg.model_config.vocab_size if cfg.data else min(cfg.vocab_size, cfg.model_config.vocab_size),
+               cfg.init_from)  # vocabulary and tokenizer fit the model
     ckpt = Checkpoints(out / "checkpoints", keep=cfg.keep_checkpoints)
     saved = ckpt.steps()
     if saved and not cfg.resume:
@@ -133,7 +131,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                          "that run, or another --out")
     params, opt_state = trainer.init()  # identical initial parameters for every --comm (same seed)
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
-    batches = dist.TrainBatches(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # = batch_iterator's stream
+    batches = TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # = batch_iterator's stream
     resume_from = saved[-1] if cfg.resume and saved else None  # the latest complete checkpoint
     if cfg.resume and not saved and writer:
         print(f"[taco-jax] --resume: no checkpoint in {ckpt.directory}; starting from step 0", file=sys.stderr,
@@ -173,6 +171,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                   + "".join(f"; {n}" for n in notes), file=sys.stderr, flush=True)
     if writer:
         jsonio.write(out / "config.json", cfg.to_dict())
+        shutil.copyfile(ds.tokenizer_path, out / "tokenizer.json")  # the run's tokenizer (taco-jax sample)
     val = [dist.global_arrays(batch_sharding, x, y) for x, y in
            eval_batches(ds.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]
     stop = _Preemption()
@@ -184,7 +183,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     # 3. the loop: step, log, evaluate every `eval_every` steps and at the end
     tokens_per_step = cfg.batch_size * cfg.seq_len
     val_loss = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
-    watchdog = dist.StepWatchdog(cfg.step_timeout)
+    watchdog = dist.StepWatchdog(cfg.step_timeout, wire_bytes=sum(wire["by_axis"].values()))
     preempted = None
     t_start = time.perf_counter()
     bar = tqdm(range(start + 1, cfg.steps + 1), desc=f"train[{cfg.comm}]", dynamic_ncols=True, initial=start,
@@ -250,7 +249,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     captured = recorder.close() if recorder else None
     if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py)
         save_hf(cfg.export_hf, cfg.model_config, trainer.staged.unstack_layers(params) if trainer.staged else params,
-                base_config=read_config(cfg.init_from) if cfg.init_from else None)
+                base_config=read_config(cfg.init_from) if cfg.init_from else None,  # multi-process: gathered
+                source=cfg.init_from or None, tokenizer=ds.tokenizer_path)
 
     backends = sorted({getattr(policy, s).backend for s in SITES if getattr(policy, s).kind == "taco"})
     summary = {
@@ -278,6 +278,10 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",
         "processes": jax.process_count(),
     }
+    if cfg.step_timeout == "auto":
+        summary["step_timeout_auto"] = watchdog.describe()  # the limit at the end of the run
+    if link := dist.emulated_link():  # `taco-jax launch --link`: requested and measured rates
+        summary["emulated_link"] = link
     if start:
         summary["resumed_from_step"] = start
     if preempted:
@@ -380,7 +384,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     Raises: as `train`; ValueError before any training when `<out>` cannot be written.
     """
     out = check_out_dir(cfg.out)
-    ds = load_shakespeare(cfg.vocab_size)
+    ds = training_data(cfg.data, cfg.vocab_size)
     configs = {"none": dataclasses.replace(cfg, policy=CommPolicy.none(), out=str(out / "none")),
                "taco": dataclasses.replace(cfg, out=str(out / "taco"))}
     for c in configs.values():

@@ -30,6 +30,7 @@ from taco_jax.parallel import pipeline as pp
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, make_mesh
 from taco_jax.parallel.state import merge_params
 from taco_jax.train.config import TrainConfig
+from taco_jax.train.distributed import emulated_link, tensor_link_bytes_per_s
 
 
 @dataclasses.dataclass
@@ -232,7 +233,8 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     policy = cfg.policy.resolve_backends(n_devices=mesh.devices.size)  # concrete backends, before tracing
     policy = perf.resolve_min_bytes(policy, mesh.devices.flat[0].platform, tensor_size=cfg.mesh_axes.get(TENSOR, 1),
                                     itemsize=jnp.dtype(cfg.model_config.dtype).itemsize,
-                                    sequence_parallel=cfg.sequence_parallel)  # min_bytes "auto"
+                                    sequence_parallel=cfg.sequence_parallel,  # min_bytes "auto"
+                                    link_bytes_per_s=tensor_link_bytes_per_s(emulated_link()))  # launch --link
     if cfg.policy.min_bytes == "auto" and jax.process_index() == 0:
         print(f"taco-jax: --min-bytes auto -> {policy.min_bytes} bytes (the cost model's break-even size on "
               f"{mesh.devices.flat[0].platform}, docs/cost_model.md): smaller messages run the exact collective; "

@@ -1,0 +1,399 @@
+"""An emulated cluster on one Linux machine: each process of a `taco-jax launch --link ...` run in its
+own network namespace, joined by links shaped with `tbf` (docs/distributed.md, "Emulated links").
+
+Topology (names `<prefix><run id>-...`, prefix `taco-` or `$TACO_JAX_NETNS_PREFIX`; run id = the
+launcher's pid and start time, so a leftover of a dead launcher is recognised as stale):
+  - one namespace per process, `...-p<i>`, address 198.18.a.b/32 (RFC 2544 benchmarking range)
+    on its inter-node interface `x0`; its own hosts file `/etc/netns/<ns>/hosts` maps this
+    machine's hostname to that address (gloo binds the address its hostname resolves to);
+  - one "switch" namespace `...-sw` holding a bridge `bx` that joins every process's `x0` and,
+    in the two-tier form, one bridge `bn<k>` per node joining the `i0` (intra-node) interfaces of
+    that node's processes. No interface is made in the caller's namespace.
+  - Routes are per peer (/32): a peer on the same node via `i0`, any other via `x0`.
+  - Every interface is shaped on egress on both sides (process side and switch side, so a
+    process neither sends nor receives faster than its link): `tbf rate R burst B latency 100ms`,
+    B = max(32 KB, R × 250 µs) (a small bucket: messages of a step are shaped too; at high rates
+    the bucket must cover the timer's granularity or the rate is not reached).
+Two tiers (`--link intra=8gbit,inter=1gbit --nodes K`): processes 0..N/K-1 are node 0, the next
+N/K node 1, ... . Devices of process i are global devices i·d .. (i+1)·d-1 and a mesh spec
+takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nodes of 2
+one-device processes puts each tensor pair inside a node (`check_tensor_in_node`).
+
+Each link is measured before the run by a bulk TCP transfer between the namespaces (bounded in
+bytes and time; payload bits/s, i.e. without Ethernet/IP/TCP headers: ~95 % of the tbf rate).
+Cleanup: `Cluster.close()` (run end, failure, SIGTERM), a reaper process that cleans up when the
+launcher dies by any signal (it waits for the end of a pipe), and `cleanup_stale()` at the next
+start or `taco-jax launch --cleanup` (namespaces whose launcher is gone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ENV_PREFIX = "TACO_JAX_NETNS_PREFIX"
+DEFAULT_PREFIX = "taco-"
+NETNS_DIR = pathlib.Path("/var/run/netns")
+ETC_NETNS = pathlib.Path("/etc/netns")
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_CLONE_NEWNET = 0x40000000
+
+
+class EmulationUnavailable(ValueError):
+    """Network namespaces cannot be made here; the message names what is missing."""
+
+
+def prefix() -> str:
+    """Name prefix of this machine's emulated-cluster namespaces (`$TACO_JAX_NETNS_PREFIX`, default `taco-`)."""
+    p = os.environ.get(ENV_PREFIX, DEFAULT_PREFIX)
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*-", p):
+        raise ValueError(f"${ENV_PREFIX}={p!r} must be letters, digits or _ ending in '-' (e.g. 'taco-')")
+    return p
+
+
+def parse_rate(text: str) -> float:
+    """"100mbit" -> 1e8 bits/s (decimal units as tc: bit, kbit, mbit, gbit, tbit; case-insensitive).
+    Raises ValueError naming `text` for another form or a rate <= 0."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]+)\s*", text.lower())
+    if not m or m[2] not in _UNITS or not float(m[1]) > 0:
+        raise ValueError(f"link rate {text!r} must be a positive number with a unit of {sorted(_UNITS)}, "
+                         "e.g. 100mbit or 1gbit")
+    return float(m[1]) * _UNITS[m[2]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkSpec:
+    """`--link RATE` (one tier: every process on one switch) or `--link intra=RATE,inter=RATE` with
+    `--nodes K` (two tiers). Rates in bits/s; `intra` is None for one tier."""
+
+    inter: float
+    intra: float | None = None
+    nodes: int = 0  # 0: one tier (every process its own node)
+    text: str = ""
+
+    @classmethod
+    def parse(cls, text: str, nodes: int = 0) -> LinkSpec:
+        """Raises ValueError naming a malformed `text`, a two-tier form without `nodes` >= 1, or `nodes`
+        with the one-tier form."""
+        if "=" not in text:
+            if nodes:
+                raise ValueError(f"--nodes {nodes} needs the two-tier form --link intra=RATE,inter=RATE "
+                                 f"(got --link {text!r})")
+            return cls(parse_rate(text), None, 0, text)
+        parts = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
+        if sorted(parts) != ["inter", "intra"] or text.count("=") != 2:
+            raise ValueError(f"--link {text!r} must be RATE or intra=RATE,inter=RATE (e.g. intra=8gbit,inter=1gbit)")
+        if nodes < 1:
+            raise ValueError(f"--link {text!r} (two tiers) needs --nodes K >= 1")
+        return cls(parse_rate(parts["inter"]), parse_rate(parts["intra"]), nodes, text)
+
+    def node_of(self, processes: int) -> list[int]:
+        """Node index of each process (contiguous blocks of processes / nodes). Raises ValueError when
+        the node count does not divide the process count."""
+        if not self.nodes:
+            return list(range(processes))
+        if processes % self.nodes:
+            raise ValueError(f"--nodes {self.nodes} must divide --processes {processes}")
+        per = processes // self.nodes
+        return [i // per for i in range(processes)]
+
+
+def check_tensor_in_node(mesh: dict[str, int], processes: int, node_of: list[int]) -> None:
+    """Raises ValueError when a tensor-axis group of `mesh` (axes in spec order, the last fastest; device
+    d on process d // (devices / processes)) spans two nodes."""
+    import numpy as np
+
+    n = math.prod(mesh.values())
+    if "tensor" not in mesh or n % processes:
+        return
+    ids = np.arange(n).reshape(tuple(mesh.values()))
+    groups = np.moveaxis(ids, list(mesh).index("tensor"), -1).reshape(-1, mesh["tensor"])
+    nodes = np.asarray(node_of)[groups // (n // processes)]
+    if (nodes != nodes[:, :1]).any():
+        raise ValueError(f"mesh {','.join(f'{k}={v}' for k, v in mesh.items())} puts a tensor group on processes "
+                         f"of different nodes ({sorted(set(map(int, nodes[(nodes != nodes[:, :1]).any(1)][0])))}); "
+                         "write the tensor axis last and give each node a multiple of tensor devices")
+
+
+def check_available() -> None:
+    """Raises EmulationUnavailable naming what is missing: Linux, root / CAP_NET_ADMIN and
+    CAP_SYS_ADMIN (namespaces, mounts of the hosts file), the `ip` and `tc` commands."""
+    missing = []
+    if not sys.platform.startswith("linux"):
+        raise EmulationUnavailable(f"--link needs Linux network namespaces; this is {sys.platform}")
+    caps = _effective_caps()
+    for bit, name in ((12, "CAP_NET_ADMIN"), (21, "CAP_SYS_ADMIN")):
+        if not caps >> bit & 1:
+            missing.append(f"{name} (run as root)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            missing.append(f"the `{tool}` command (iproute2)")
+    if missing:
+        raise EmulationUnavailable("--link cannot make network namespaces here: missing " + ", ".join(missing))
+
+
+def _effective_caps() -> int:
+    """This process's effective capability bits (/proc/self/status CapEff), 0 where unreadable."""
+    try:
+        return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("CapEff:")), 16)
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if check and r.returncode:
+        raise EmulationUnavailable(f"`{' '.join(args)}` failed: {r.stderr.strip() or r.stdout.strip()}")
+    return r
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Start time of process `pid` (clock ticks since boot), None if it does not exist."""
+    try:
+        return int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def list_namespaces(pre: str | None = None) -> list[str]:
+    """Names of the network namespaces starting with `pre` (default: `prefix()`)."""
+    pre = prefix() if pre is None else pre
+    names = {p.name for p in NETNS_DIR.glob(pre + "*")} if NETNS_DIR.exists() else set()
+    return sorted(names | {p.name for p in ETC_NETNS.glob(pre + "*")} if ETC_NETNS.exists() else names)
+
+
+def remove(names) -> None:
+    """Deletes the namespaces `names` (one `ip -batch`) and their /etc/netns folders. Every interface of
+    a run lives in its namespaces, both veth ends included, so the kernel deletes them with those."""
+    names = list(names)
+    live = [ns for ns in names if (NETNS_DIR / ns).exists()]
+    if live:
+        subprocess.run(["ip", "-force", "-batch", "-"], input="".join(f"netns del {ns}\n" for ns in live),
+                       capture_output=True, text=True, timeout=60)
+    for ns in names:
+        shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+
+
+def cleanup_stale(pre: str | None = None) -> list[str]:
+    """Removes the namespaces (and hosts files) of emulated clusters whose launcher is gone (a run id
+    `<pid>-<start ticks>` that no live process has); returns their names. Live runs are left alone."""
+    pre = prefix() if pre is None else pre
+    stale = []
+    for ns in list_namespaces(pre):
+        m = re.fullmatch(re.escape(pre) + r"(\d+)-(\d+)-(?:p\d+|sw)", ns)
+        if m and _start_ticks(int(m[1])) != int(m[2]):
+            stale.append(ns)
+    remove(stale)
+    return stale
+
+
+def _addr(i: int) -> str:
+    return f"198.18.{i // 250}.{i % 250 + 1}"
+
+
+def _burst(rate_bps: float) -> int:
+    return max(32 * 1024, int(rate_bps / 8 * 250e-6))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _in_netns(ns: str, fn):
+    """`fn()` with this thread in network namespace `ns` (sockets made there stay there)."""
+    here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    there = os.open(NETNS_DIR / ns, os.O_RDONLY)
+    try:
+        if _libc.setns(there, _CLONE_NEWNET):
+            raise OSError(ctypes.get_errno(), f"setns into {ns}")
+        return fn()
+    finally:
+        _libc.setns(here, _CLONE_NEWNET)
+        os.close(there)
+        os.close(here)
+
+
+def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds: float = 0.5,
+            max_bytes: int = 256 << 20) -> float:
+    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`: at most
+    min(rate × `seconds`, `max_bytes`) bytes and 4 × `seconds` + 5 s, timed at the receiver from its
+    first byte to its last. Raises EmulationUnavailable if nothing arrived."""
+    total = int(min(rate_bps / 8 * seconds, max_bytes))
+    srv = _in_netns(dst_ns, lambda: socket.create_server((dst_addr, 0)))
+    got = {}
+
+    def receive():
+        srv.settimeout(4 * seconds + 5)
+        try:
+            conn, _ = srv.accept()
+            conn.settimeout(4 * seconds + 5)
+            n, t0, t1 = 0, None, None
+            while b := conn.recv(1 << 20):
+                t1 = time.perf_counter()
+                if t0 is None:
+                    t0, first = t1, len(b)
+                n += len(b)
+            got.update(n=n - first if t0 is not None else 0, dt=(t1 - t0) if t0 is not None else 0.0)
+            conn.close()
+        except OSError as e:
+            got["error"] = e
+
+    th = threading.Thread(target=receive, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 4 * seconds + 5
+    try:
+        with _in_netns(src_ns, socket.socket) as c:
+            c.settimeout(4 * seconds + 5)
+            c.connect((dst_addr, srv.getsockname()[1]))
+            buf, sent = b"\0" * (1 << 16), 0
+            while sent < total and time.monotonic() < deadline:
+                sent += c.send(buf[:total - sent])
+    finally:
+        th.join(timeout=max(0.1, deadline - time.monotonic() + 1))
+        srv.close()
+    if not got.get("dt"):
+        raise EmulationUnavailable(f"link test {src_ns} -> {dst_ns} ({dst_addr}) moved no data: {got.get('error', '')}")
+    return got["n"] * 8 / got["dt"]
+
+
+class Cluster:
+    """The namespaces and shaped links of one run (see the module docstring). `Cluster(processes, spec)`
+    makes them (raises EmulationUnavailable naming a failed command; what was made is removed
+    again); `measure_links()` -> the run's link description; `exec_prefix(i)` -> the command prefix
+    that runs a program in process i's namespace; `close()` removes everything (idempotent)."""
+
+    def __init__(self, processes: int, spec: LinkSpec, *, reaper: bool = True):
+        check_available()
+        self.processes, self.spec = processes, spec
+        self.node_of = spec.node_of(processes)
+        self.run = f"{prefix()}{os.getpid()}-{_start_ticks(os.getpid())}-"
+        self.names = [f"{self.run}p{i}" for i in range(processes)] + [f"{self.run}sw"]
+        self.addrs = [_addr(i) for i in range(processes)]
+        self._reaper = None
+        self._closed = False
+        try:
+            cleanup_stale()
+            if reaper:  # removes the namespaces when this process dies, however it dies
+                self._reaper = subprocess.Popen(
+                    [sys.executable, "-c", "import sys; from taco_jax.emulate import _reap; _reap(sys.argv[1:])",
+                     *self.names], stdin=subprocess.PIPE, start_new_session=True,
+                    env={**os.environ, ENV_PREFIX: prefix()})
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _tiers(self, i: int) -> list[tuple[str, str, float]]:
+        """(interface in the process namespace, bridge in the switch, rate) of process i."""
+        tiers = [("x0", "bx", self.spec.inter)]
+        if self.spec.intra is not None and self.node_of.count(self.node_of[i]) > 1:
+            tiers.append(("i0", f"bn{self.node_of[i]}", self.spec.intra))
+        return tiers
+
+    def _build(self) -> None:
+        sw = self.names[-1]
+        hostname = socket.gethostname()
+        for ns in self.names:
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        bridges = {b for i in range(self.processes) for _, b, _ in self._tiers(i)}
+        for b in sorted(bridges):
+            _sh("ip", "-n", sw, "link", "add", b, "type", "bridge")
+            _sh("ip", "-n", sw, "link", "set", b, "up")
+        for i, ns in enumerate(self.names[:-1]):
+            for dev, bridge, rate in self._tiers(i):
+                port = f"p{i}{dev[0]}"
+                _sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", sw)
+                _sh("ip", "-n", sw, "link", "set", port, "master", bridge)
+                for where, d in ((sw, port), (ns, dev)):
+                    _sh("ip", "-n", where, "link", "set", d, "up")
+                    _sh("tc", "-n", where, "qdisc", "add", "dev", d, "root", "tbf", "rate", f"{int(rate)}bit",
+                        "burst", str(_burst(rate)), "latency", "100ms")
+            _sh("ip", "-n", ns, "addr", "add", f"{self.addrs[i]}/32", "dev", "x0")
+            for j in range(self.processes):
+                if j != i:
+                    dev = "i0" if self.spec.intra is not None and self.node_of[j] == self.node_of[i] else "x0"
+                    _sh("ip", "-n", ns, "route", "add", f"{self.addrs[j]}/32", "dev", dev, "src", self.addrs[i])
+            (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
+            (ETC_NETNS / ns / "hosts").write_text(f"127.0.0.1 localhost\n::1 localhost\n{self.addrs[i]} {hostname}\n")
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[i]]
+
+    def peers(self) -> list[tuple[str, int, int]]:
+        """(tier, from, to) of each measured link: per process, one peer per tier (the next process
+        of its node on "intra"; on "inter"/"link" the first process of the next node, or the next
+        process with one tier)."""
+        out = []
+        n, nodes = self.processes, self.node_of
+        for i in range(n):
+            if self.spec.intra is None:
+                if n > 1:
+                    out.append(("link", i, (i + 1) % n))
+                continue
+            same = [j for j in range(n) if nodes[j] == nodes[i]]
+            if len(same) > 1:
+                out.append(("intra", i, same[(same.index(i) + 1) % len(same)]))
+            other = [j for j in range(n) if nodes[j] == (nodes[i] + 1) % (max(nodes) + 1) and nodes[j] != nodes[i]]
+            if other:
+                out.append(("inter", i, other[0]))
+        return out
+
+    def measure_links(self, seconds: float = 0.5) -> dict:
+        """Measures every link of `peers()`; returns the run's link description (`$TACO_JAX_EMULATED_LINK`): per tier
+        the requested and measured (median over its links) payload bits/s and each link's rate."""
+        rates = {"link": self.spec.inter, "inter": self.spec.inter, "intra": self.spec.intra}
+        links = []
+        for tier, i, j in self.peers():
+            got = measure(self.names[i], self.names[j], self.addrs[j], rates[tier], seconds=seconds)
+            links.append({"tier": tier, "from": i, "to": j, "measured_bit_per_s": got})
+        tiers = {}
+        for tier in dict.fromkeys(x["tier"] for x in links):
+            got = sorted(x["measured_bit_per_s"] for x in links if x["tier"] == tier)
+            tiers[tier] = {"requested_bit_per_s": rates[tier], "measured_bit_per_s": got[len(got) // 2],
+                           "measured_min_bit_per_s": got[0], "burst_bytes": _burst(rates[tier])}
+        tensor_tier = "intra" if "intra" in tiers else next(iter(tiers), None)
+        return {"link": self.spec.text, "processes": self.processes, "nodes": self.spec.nodes or self.processes,
+                "node_of_process": self.node_of, "addresses": self.addrs, "tiers": tiers, "links": links,
+                "tensor_tier": tensor_tier,
+                "method": "tbf on each interface's egress, both sides; TCP bulk transfer per link, payload bits/s"}
+
+    def close(self) -> None:
+        """Removes every namespace, interface and hosts file of the run; ends the reaper."""
+        if self._closed:
+            return
+        self._closed = True
+        remove(self.names)
+        if self._reaper is not None:
+            self._reaper.stdin.close()  # the reaper finds nothing left and exits
+            try:
+                self._reaper.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._reaper.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _reap(names: list[str]) -> None:
+    """The reaper: waits until its stdin ends (the launcher closed it or died), then removes `names`."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the terminal's group is the launcher's
+    try:
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+    finally:
+        remove(names)

@@ -1,0 +1,106 @@
+"""The conformance rule of `taco_jax.kernels` as a check: a codec backend against `reference` on the
+same inputs. Used by the tests (tests/test_kernels.py, tests/test_triton_interpret.py) and by the GPU
+check (`python -m experiments.gpu_check`), so both apply one rule.
+
+  make_groups             test input: [batch, n_groups, G] float32 with the hard cases
+  assert_conforms         encode outputs (codes, s, a) against the reference's
+  assert_decode_conforms  decoded values against the reference's
+  check_backend           all three for one registered backend, format and group size
+
+Every check raises AssertionError naming what differs (and by how much); it returns None.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax.codec import reference
+from taco_jax.codec.config import CodecConfig
+
+
+def make_groups(g: int, n_groups: int = 24, batch: int = 2, seed: int = 0, last_count: int | None = None):
+    """[batch, n_groups, G] float32 with varied scales, outlier channels, a zero group, a partial
+    last group (zero-padded past `last_count`), a NaN group and an Inf group, huge and tiny groups.
+
+    Returns (x: np.ndarray float32 [batch, n_groups, g], last_count: int, the valid entries of
+    each message's last group; default g // 3). Raises ValueError if batch * n_groups < 9 (the
+    special groups need 9 places)."""
+    if batch * n_groups < 9:
+        raise ValueError(f"make_groups needs batch * n_groups >= 9, got {batch} * {n_groups}")
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, n_groups, g)).astype(np.float32)
+    x *= rng.lognormal(0.0, 2.0, (batch, n_groups, 1)).astype(np.float32)
+    flat = x.reshape(-1, g)  # a view: special groups at flat positions 1..7
+    flat[1, rng.integers(0, g, 3)] *= 50.0  # outlier channels
+    flat[2] = 0.0  # all-zero group
+    flat[3] *= np.float32(1e30)  # sum of squares overflows -> a = 1e-3
+    flat[4] *= np.float32(1e-30)  # tiny
+    flat[5, 5] = np.nan
+    flat[6, 7] = np.inf
+    flat[7, 1] = -np.inf
+    last_count = g // 3 if last_count is None else last_count
+    x[:, -1, last_count:] = 0.0
+    return x, last_count
+
+
+def ordinal(codes: np.ndarray) -> np.ndarray:
+    """FP8 codes (any 1-byte dtype) as signed step counts, int32 of the same shape (sign-magnitude
+    -> integer; +0 and -0 both 0)."""
+    u = np.asarray(codes).view(np.uint8).astype(np.int32)
+    return np.where(u & 0x80, -(u & 0x7F), u & 0x7F)
+
+
+def assert_conforms(got, want, g: int, r: float = 448.0, max_code_frac: float = 1e-3) -> None:
+    """The conformance rule of `taco_jax.kernels` for encode outputs: `got` and `want` are
+    (codes [..., G] FP8, s [...] float32, a [...] float32) of a backend and of `reference`; `r` is
+    the format's largest finite value (448 for E4M3). Raises AssertionError naming the difference."""
+    codes, s, a = (np.asarray(t) for t in got)
+    codes_r, s_r, a_r = (np.asarray(t) for t in want)
+    if codes.dtype != codes_r.dtype or codes.shape != codes_r.shape:
+        raise AssertionError(f"codes {codes.dtype}{list(codes.shape)}, reference {codes_r.dtype}{list(codes_r.shape)}")
+    if s.shape != s_r.shape or a.shape != a_r.shape:
+        raise AssertionError(f"scales s{list(s.shape)} a{list(a.shape)}, "
+                             f"reference s{list(s_r.shape)} a{list(a_r.shape)}")
+    finite = np.isfinite(s_r)
+    np.testing.assert_array_equal(np.isnan(s), ~finite, err_msg="non-finite groups must (only) get s = NaN")
+    rtol = 2.0**-23 * g
+    np.testing.assert_allclose(s[finite], s_r[finite], rtol=rtol, atol=0)
+    np.testing.assert_allclose(a, a_r, rtol=rtol, atol=0)  # NaN where the reference has NaN
+    steps = np.abs(ordinal(codes) - ordinal(codes_r))[finite]
+    values = np.abs(codes.astype(np.float32) - codes_r.astype(np.float32))[finite]
+    ok = (steps <= 1) | (values <= 2.0**-23 * g * r)  # one FP8 step, or reordering noise near 0
+    if not ok.all():
+        raise AssertionError(f"codes differ by up to {steps.max()} steps / {values[~ok].max()} in value")
+    frac = np.mean(steps > 0)
+    if frac > max_code_frac:
+        raise AssertionError(f"{frac:.2e} of codes differ (at most {max_code_frac:g} may)")
+
+
+def assert_decode_conforms(got, want, g: int) -> None:
+    """Decoded values [..., G] float32 of a backend (`got`) against `reference` (`want`): NaN in the
+    same places; elsewhere within 2^-23 * G * max|want| of the group. Raises AssertionError."""
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want).any(axis=-1)
+    tol = 2.0**-23 * g * np.max(np.abs(want[ok]), axis=-1, keepdims=True)
+    err = np.abs(got[ok] - want[ok])
+    if not np.all(err <= tol):
+        raise AssertionError(f"decoded values differ by up to {np.max(err - tol):.3g} beyond 2^-23 * G * max|x|")
+
+
+def check_backend(name: str, g: int, fmt: str, **data_kw) -> None:
+    """Backend `name` (registered in `taco_jax.kernels`) against `reference` for format `fmt`
+    ("e4m3" / "e5m2") and group size `g`, on `make_groups(g, **data_kw)`: encode conforms, and
+    decoding the same codes (dual and folded scale layout) conforms. Raises AssertionError, or
+    the backend's own error (e.g. ValueError for a backend that is not available)."""
+    from taco_jax import kernels  # the backends register on import
+
+    cfg = CodecConfig(fmt=fmt, group_size=g)
+    x, last_count = make_groups(g, **data_kw)
+    enc, dec = kernels.get_backend(name)
+    got = enc(jnp.asarray(x), cfg, last_count=last_count)
+    assert_conforms(got, reference.encode_groups(jnp.asarray(x), cfg, last_count=last_count), g)
+    codes, s, a = got
+    assert_decode_conforms(dec(codes, s, a), reference.decode_groups(codes, s, a), g)
+    assert_decode_conforms(dec(codes, s / a, None), reference.decode_groups(codes, s / a, None), g)

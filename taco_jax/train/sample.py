@@ -1,0 +1,101 @@
+"""`taco-jax sample`: text from a run folder or a Hugging Face checkpoint, with the run's own tokenizer.
+
+    taco-jax sample --from runs/qwen --prompt "ROMEO:" --max-new-tokens 64 --temperature 0.8 --top-k 50
+
+A run folder (`train --out`) holds its tokenizer (`tokenizer.json`: the Shakespeare BPE, or the
+`--data` folder's); its weights are read from its `--export-hf` folder when that exists, else from
+its latest complete checkpoint (`<out>/checkpoints`, parameters only, onto one device). An HF
+checkpoint folder needs a `tokenizer.json`. Generation: `models.generate` (one device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+
+
+def _int_keys(tree):
+    """Orbax returns dict keys as strings: layer indices ("0", "1", ...) back to ints (the model's keys)."""
+    if isinstance(tree, dict):
+        return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()}
+    return tree
+
+
+def _checkpoint_params(run: pathlib.Path, conf: dict):
+    """(InferenceModel, params) of a run's latest complete checkpoint. Raises ValueError when it has none."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from taco_jax.models.generate import InferenceModel
+    from taco_jax.train.checkpoint import Checkpoints
+    from taco_jax.train.config import TrainConfig
+
+    floats = {f.name for f in dataclasses.fields(TrainConfig) if isinstance(f.default, float)}  # "-Infinity"
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"policy"}
+    cfg = TrainConfig(**{k: float(v) if k in floats else v for k, v in conf.items() if k in fields})
+    ckpt = Checkpoints(run / "checkpoints", keep=cfg.keep_checkpoints)
+    try:
+        steps = ckpt.steps()
+    finally:
+        ckpt.close()
+    if not steps:
+        raise ValueError(f"run {run} has no --export-hf folder and no complete checkpoint in {run / 'checkpoints'}")
+    path = run / "checkpoints" / str(steps[-1]) / "state"
+    tree = ocp.StandardCheckpointer().metadata(path).item_metadata["params"]
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
+    args = ocp.args.PyTreeRestore(item={"params": target}, partial_restore=True,
+                                  restore_args={"params": jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=dev),
+                                                                       target)})
+    params = _int_keys(ocp.PyTreeCheckpointer().restore(path, args=args)["params"])
+    model_cfg = dataclasses.replace(cfg.model_config, dtype="float32", remat="none")
+    if cfg.mesh_axes.get("stage", 1) > 1:  # pipeline layout: layers stacked along a leading axis
+        key = "h" if "h" in params else "layers"
+        stacked = params[key]
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        params = {**params, key: {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)}}
+    return InferenceModel.from_config(model_cfg), params
+
+
+def load_for_sampling(source):
+    """(InferenceModel, params, tokenizer path) of a run folder or an HF checkpoint folder `source`.
+    Raises ValueError naming the folder when it is neither, or lacks its tokenizer or weights."""
+    from taco_jax.models.generate import load_hf
+
+    src = pathlib.Path(source)
+    conf_file = src / "config.json"
+    if not conf_file.is_file():
+        raise ValueError(f"--from {source!r} is neither a run folder nor an HF checkpoint (no config.json)")
+    conf = json.loads(conf_file.read_text())
+    tokenizer = src / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise ValueError(f"--from {source!r} has no tokenizer.json (runs write theirs; an HF checkpoint needs one)")
+    if "architectures" in conf:  # an HF checkpoint
+        model, params = load_hf(src)
+        return model, params, tokenizer
+    export = pathlib.Path(conf.get("export_hf") or "")
+    if conf.get("export_hf") and (export / "config.json").is_file():
+        model, params = load_hf(export)
+        return model, params, tokenizer
+    model, params = _checkpoint_params(src, conf)
+    return model, params, tokenizer
+
+
+def sample(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+           seed: int = 0) -> str:
+    """The prompt and its continuation, decoded (see the module docstring). Raises ValueError as
+    `load_for_sampling` and `models.generate` (e.g. a prompt + count beyond the model's context)."""
+    from tokenizers import Tokenizer
+
+    from taco_jax.models.generate import generate
+
+    model, params, tokenizer = load_for_sampling(source)
+    tok = Tokenizer.from_file(str(tokenizer))
+    ids = np.asarray(tok.encode(prompt, add_special_tokens=False).ids, np.int32)
+    if ids.size == 0:
+        raise ValueError(f"prompt={prompt!r} encodes to no tokens")
+    out = generate(model, params, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    return tok.decode([int(i) for i in out], skip_special_tokens=False)

@@ -1,0 +1,349 @@
+"""The emulated cluster of `taco-jax launch --link` (taco_jax/emulate.py): link specs and their checks,
+the refusal where namespaces cannot be made, measured rates, cleanup (run end, SIGKILL of the
+launcher, stale namespaces by prefix), a shaped run's losses equal to loopback's, and two faults on
+a link: a link set down mid-run (watchdog, resume) and a slow link under `--step-timeout auto`.
+
+Namespace tests run real processes in network namespaces (root); they skip with the reason where
+namespaces cannot be made. Names start with `$TACO_JAX_NETNS_PREFIX` (default `taco-`).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from _procs import ROOT, TINY, cli, env, losses, run, start, wait_for
+
+from taco_jax import cli as taco_cli
+from taco_jax import emulate
+from taco_jax.launch import launch
+
+try:
+    emulate.check_available()
+    NO_NETNS = ""
+except emulate.EmulationUnavailable as e:
+    NO_NETNS = str(e)
+needs_netns = pytest.mark.skipif(bool(NO_NETNS), reason=NO_NETNS or "-")
+
+#: A 2-process tensor=2 run: every step's TP messages cross the link.
+SHORT = ["train", *TINY, "--steps", "3", "--mesh", "data=1,tensor=2", "--no-progress"]
+ARGS = [*SHORT, "--steps", "6", "--checkpoint-every", "2"]  # with checkpoints (the later --steps wins)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+def _launch(link: str, *args) -> list[str]:
+    """`taco-jax launch --processes 2 --link LINK -- args`."""
+    return [sys.executable, "-m", "taco_jax.cli", "launch", "--processes", "2", "--link", link, "--", *map(str, args)]
+
+
+def _ours(pid: int) -> list[str]:
+    """Namespaces of the launcher with process id `pid`."""
+    return [n for n in emulate.list_namespaces() if n.startswith(f"{emulate.prefix()}{pid}-")]
+
+
+def _leftovers(pid: int) -> list[str]:
+    """Namespaces and hosts-file folders left by launcher `pid`, and interfaces in this (the host's)
+    namespace named as the emulated cluster names its interfaces (it makes none here)."""
+    etc = [p.name for p in emulate.ETC_NETNS.glob(f"{emulate.prefix()}{pid}-*")] if emulate.ETC_NETNS.exists() else []
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    ours = re.compile(r"(x0|i0|p\d+[xi]|bx|bn\d+)(@\S+)?")
+    return _ours(pid) + etc + [line.split()[0] for line in links.splitlines() if ours.fullmatch(line.split()[0])]
+
+
+def _run_pids(out) -> list[int]:
+    """Processes whose command line names the run folder `out`."""
+    pids = []
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and str(out).encode() in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+# -----------------------------------------------------------------------------
+# specs and refusals (no namespaces)
+
+
+def test_link_rates_and_specs():
+    assert emulate.parse_rate("100mbit") == 1e8 and emulate.parse_rate("1.5Gbit") == 1.5e9
+    for bad in ("10parsec", "0mbit", "-1gbit", "fast", "1 gbps"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            emulate.parse_rate(bad)
+    two = emulate.LinkSpec.parse("intra=8gbit,inter=1gbit", nodes=2)
+    assert (two.intra, two.inter, two.node_of(4)) == (8e9, 1e9, [0, 0, 1, 1])
+    assert emulate.LinkSpec.parse("1gbit").node_of(3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="needs --nodes"):
+        emulate.LinkSpec.parse("intra=8gbit,inter=1gbit")
+    with pytest.raises(ValueError, match="two-tier form"):
+        emulate.LinkSpec.parse("1gbit", nodes=2)
+    with pytest.raises(ValueError, match="must be RATE or intra=RATE,inter=RATE"):
+        emulate.LinkSpec.parse("intra=8gbit,outer=1gbit", nodes=2)
+    with pytest.raises(ValueError, match="--nodes 3 must divide --processes 4"):
+        two.__class__.parse("intra=8gbit,inter=1gbit", nodes=3).node_of(4)
+
+
+def test_tensor_groups_must_stay_inside_a_node():
+    nodes = [0, 0, 1, 1]  # 4 one-device processes in 2 nodes
+    emulate.check_tensor_in_node({"data": 2, "tensor": 2}, 4, nodes)  # tensor pairs (0,1), (2,3)
+    emulate.check_tensor_in_node({"data": 2, "tensor": 4}, 4, nodes)  # 2 devices per process, 4 per node
+    with pytest.raises(ValueError, match=r"mesh tensor=2,data=2 puts a tensor group on processes of different nodes"):
+        emulate.check_tensor_in_node({"tensor": 2, "data": 2}, 4, nodes)  # tensor pairs (0,2), (1,3)
+    with pytest.raises(ValueError, match="different nodes"):
+        emulate.check_tensor_in_node({"tensor": 4}, 4, nodes)
+
+
+def test_launch_refuses_bad_links_before_anything_runs(capsys):
+    with pytest.raises(ValueError, match="'10parsec'"):
+        launch(2, ["train"], link="10parsec")
+    with pytest.raises(ValueError, match="--nodes 2 needs --link"):
+        launch(2, ["train"], nodes=2)
+    with pytest.raises(ValueError, match="different nodes"):
+        launch(4, ["train", "--mesh", "tensor=2,data=2"], link="intra=8gbit,inter=1gbit", nodes=2)
+    assert taco_cli.main(["launch", "--processes", "2", "--link", "1gbit/s", "--", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("taco-jax: error: link rate '1gbit/s'"), err
+
+
+def test_refusal_names_what_is_missing(monkeypatch, capsys):
+    monkeypatch.setattr(emulate, "_effective_caps", lambda: 0)
+    monkeypatch.setattr(emulate.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/ip")
+    with pytest.raises(emulate.EmulationUnavailable) as e:
+        emulate.check_available()
+    assert str(e.value) == ("--link cannot make network namespaces here: missing CAP_NET_ADMIN (run as root), "
+                            "CAP_SYS_ADMIN (run as root), the `tc` command (iproute2)")
+    assert taco_cli.main(["launch", "--processes", "2", "--link", "1gbit", "--", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing CAP_NET_ADMIN" in err
+
+
+def test_step_timeout_auto_is_validated(capsys):
+    from taco_jax.train.config import TrainConfig
+
+    assert TrainConfig(step_timeout="auto").step_timeout == "auto"
+    for bad in ("soon", -1.0, math.inf, True):
+        with pytest.raises(ValueError, match="step_timeout="):
+            TrainConfig(step_timeout=bad)
+    for bad in ("soon", "-1", "inf", "nan"):
+        with pytest.raises(SystemExit) as e:
+            taco_cli.main(["train", "--step-timeout", bad])
+        assert e.value.code == 2
+        assert f"step_timeout={bad!r} must be seconds >= 0 or 'auto'" in capsys.readouterr().err
+
+
+# -----------------------------------------------------------------------------
+# namespaces: rates and cleanup
+
+
+@needs_netns
+def test_measured_rates_within_15_percent_and_nothing_left():
+    """One tier (2 processes) and two tiers (2 nodes × 2 processes): every link carries its
+    requested rate within 15 % (TCP payload; tbf counts headers too: ~95 %); close() leaves nothing."""
+    for text, n, nodes in (("100mbit", 2, 0), ("intra=100mbit,inter=40mbit", 4, 2)):
+        spec = emulate.LinkSpec.parse(text, nodes)
+        with emulate.Cluster(n, spec) as c:
+            assert len(_ours(os.getpid())) == n + 1
+            hosts = (emulate.ETC_NETNS / c.names[1] / "hosts").read_text()
+            assert f"{c.addrs[1]} " in hosts and c.addrs[1].startswith("198.18.")
+            d = c.measure_links()
+        assert d["link"] == text and d["processes"] == n
+        for link in d["links"]:
+            want = d["tiers"][link["tier"]]["requested_bit_per_s"]
+            assert 0.85 * want <= link["measured_bit_per_s"] <= 1.15 * want, (text, link)
+        assert {x["tier"] for x in d["links"]} == ({"link"} if not nodes else {"intra", "inter"})
+        assert d["tensor_tier"] == ("link" if not nodes else "intra")
+        assert not _leftovers(os.getpid())
+
+
+@needs_netns
+def test_sigkilled_launcher_leaves_no_namespace(tmp_path, cache):
+    """SIGKILL to the launcher once its processes run in their namespaces: the processes die with it,
+    and its reaper removes every namespace, hosts file and interface within seconds."""
+    log, out = tmp_path / "log", tmp_path / "run"
+    p = start(_launch("100mbit", *ARGS, "--steps", "100", "--out", out), cache, log)
+    wait_for(lambda: len(_ours(p.pid)) == 3 and len(_run_pids(out)) == 3, p, timeout=60, what="the processes",
+             log=log)  # the launcher and its 2 processes
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=10)
+    end = time.monotonic() + 20
+    while (_leftovers(p.pid) or _run_pids(out)) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not _leftovers(p.pid) and not _run_pids(out), (_leftovers(p.pid), _run_pids(out))
+
+
+def _dead_cluster(tmp_path) -> int:
+    """Makes a 2-process cluster in a child without a reaper and SIGKILLs the child; returns its pid."""
+    code = ("import time; from taco_jax import emulate; "
+            "c = emulate.Cluster(2, emulate.LinkSpec.parse('1gbit'), reaper=False); print('ready', flush=True); "
+            "time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+    assert len(_ours(child.pid)) == 3  # nobody cleaned up
+    return child.pid
+
+
+@needs_netns
+def test_stale_namespaces_are_removed_by_prefix_and_live_ones_kept(tmp_path):
+    """A cluster whose owner died without a reaper stays until `taco-jax launch --cleanup` or the next
+    start removes it; the namespaces of a live launcher (this test process) are left alone."""
+    with emulate.Cluster(2, emulate.LinkSpec.parse("1gbit")) as live:
+        dead = _dead_cluster(tmp_path)
+        r = subprocess.run(cli("launch", "--cleanup"), cwd=ROOT, env=env(tmp_path), capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "removed 3 stale namespaces" in r.stdout
+        assert not _leftovers(dead)
+        assert sorted(_ours(os.getpid())) == sorted(live.names)  # a live run's are left alone
+    dead = _dead_cluster(tmp_path)
+    with emulate.Cluster(2, emulate.LinkSpec.parse("1gbit")):  # the next start
+        assert not _leftovers(dead)
+    assert not _leftovers(os.getpid())
+
+
+# -----------------------------------------------------------------------------
+# namespaces: training over a shaped link (real processes)
+
+
+def _loopback(args, tmp_path, cache) -> subprocess.Popen:
+    """Starts the 2-process run of `args` on 127.0.0.1 (no --link) into tmp_path / "loopback"."""
+    return start(cli(*args, "--out", tmp_path / "loopback", processes=2), cache, tmp_path / "loopback.log")
+
+
+def _finish(p: subprocess.Popen, log) -> None:
+    assert p.wait(timeout=420) == 0, pathlib.Path(log).read_text()[-3000:]
+
+
+@needs_netns
+def test_shaped_link_gives_the_loopback_losses(tmp_path, cache):
+    """2 processes in their namespaces over a 100 Mbit/s link: per-step losses and gradient norms
+    bit-identical to the same run on loopback (run alongside); summary.json records the requested and
+    measured rates."""
+    out, args = tmp_path / "run", SHORT
+    ref = _loopback(args, tmp_path, cache)
+    r = run(_launch("100mbit", *args, "--out", out), cache)
+    assert r.returncode == 0, r.stdout[-3000:]
+    _finish(ref, tmp_path / "loopback.log")
+    assert [s for s, _, _ in losses(out)] == [1, 2, 3] and losses(out) == losses(tmp_path / "loopback")
+    link = json.loads((out / "summary.json").read_text())["emulated_link"]
+    tier = link["tiers"]["link"]
+    assert tier["requested_bit_per_s"] == 1e8 and 0.85e8 <= tier["measured_bit_per_s"] <= 1.15e8
+    assert "link link: requested 100 Mbit/s, measured" in r.stdout
+    run_id = re.search(r"namespaces (\S+-)p0 ", r.stdout)[1]
+    assert not [n for n in emulate.list_namespaces() if n.startswith(run_id)]  # removed at the end
+
+
+@needs_netns
+@pytest.mark.slow  # make test-slow: two 2-process runs over a shaped link (~3 min on 2 loaded cores)
+def test_link_down_mid_run_then_resume(tmp_path, cache):
+    """Process 1's link set down before step 5 (it pauses there, TACO_JAX_TEST_STALL): the watchdog ends
+    the run within --step-timeout + 10 s naming process 1, no process is left; with the link back
+    (a new launch), --resume reproduces the uninterrupted losses bit for bit."""
+    timeout, out, log = 10, tmp_path / "run", tmp_path / "log"
+    args = [*ARGS, "--out", out, "--step-timeout", timeout]
+    p = start(_launch("100mbit", *args), cache, log, TACO_JAX_TEST_STALL="1:5:4")
+    wait_for(lambda: "process 1 sleeps 4 s before step 5" in log.read_text(), p, timeout=400, what="step 5", log=log)
+    ns = f"{_ours(p.pid)[0].rsplit('-', 1)[0]}-p1"
+    subprocess.run(["ip", "-n", ns, "link", "set", "x0", "down"], check=True, timeout=10)
+    t_down = time.monotonic()
+    assert p.wait(timeout=timeout + 60) == 1
+    elapsed = time.monotonic() - t_down
+    assert elapsed <= timeout + 10, elapsed
+    text = log.read_text()
+    err = next(line for line in text.splitlines() if "did not finish" in line and line.startswith("[0]"))
+    assert "step 5 did not finish within --step-timeout 10 s" in err
+    assert re.search(r"did not arrive at step 5: process 1 \(last started step 4; no heartbeat", err), err
+    assert not _run_pids(out) and not _leftovers(p.pid)
+    ref = _loopback(ARGS, tmp_path, cache)  # the uninterrupted run
+    r = run(_launch("100mbit", *args, "--resume"), cache)
+    assert r.returncode == 0, r.stdout[-3000:]
+    _finish(ref, tmp_path / "loopback.log")
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] in (2, 4)
+    assert losses(out) == losses(tmp_path / "loopback")
+    print(f"link down -> launcher exit: {elapsed:.1f} s (--step-timeout {timeout})")
+
+
+@needs_netns
+@pytest.mark.slow  # make test-slow: one 2-process run over a 100 Mbit/s link (~2 min on 2 loaded cores)
+def test_slow_link_is_not_a_hang_but_a_stopped_peer_is(tmp_path, cache):
+    """--step-timeout auto on a 100 Mbit/s link with steps that move ~2.5 MB (exact f32 messages; about
+    a second each here): the steps run without the watchdog firing; SIGSTOP of process 1 then ends
+    the run within the auto limit + 10 s, naming process 1."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    args = ["train", *TINY, "--batch-size", "16", "--seq-len", "64", "--steps", "40", "--mesh", "data=1,tensor=2",
+            "--comm", "none", "--no-progress", "--step-timeout", "auto", "--out", out]
+    p = start(_launch("100mbit", *args), cache, log)
+    wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 5,
+             p, timeout=400, what="step 5", log=log)
+    assert re.search(r"--step-timeout auto: [\d.]+ s \(max\(10 s, 10 × slowest step [\d.]+ s", log.read_text())
+    steps = [json.loads(line)["step_s"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps[1:]) > 0.3  # a slow link: each step waits for its bytes
+    pid = int(subprocess.run(["ip", "netns", "pids", f"{_ours(p.pid)[0].rsplit('-', 1)[0]}-p1"], capture_output=True,
+                             text=True, check=True).stdout.split()[0])
+    os.kill(pid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    assert p.wait(timeout=200) == 1
+    elapsed = time.monotonic() - t_stop
+    err = next(line for line in log.read_text().splitlines() if "did not finish" in line and line.startswith("[0]"))
+    limit = float(re.search(r"--step-timeout auto \(([\d.]+) s\)", err)[1])  # the limit when it fired
+    assert elapsed <= limit + 10, (elapsed, err)
+    assert re.search(r"process 1 \(.*no heartbeat|stopped answering: process 1", err), err
+    assert not _run_pids(out) and not _leftovers(p.pid)
+    print(f"SIGSTOP -> launcher exit: {elapsed:.1f} s (auto limit {limit} s)")
+
+
+# -----------------------------------------------------------------------------
+# what the processes do with the measured link (in-process)
+
+
+def test_processes_read_the_link_and_min_bytes_auto_uses_it(monkeypatch):
+    from taco_jax import perf
+    from taco_jax.collectives.policy import CommPolicy
+    from taco_jax.train import distributed
+
+    monkeypatch.delenv(distributed.ENV_LINK, raising=False)
+    assert distributed.emulated_link() is None and distributed.tensor_link_bytes_per_s(None) is None
+    monkeypatch.setenv(distributed.ENV_LINK, "{not json")
+    with pytest.raises(ValueError, match="TACO_JAX_EMULATED_LINK is not JSON"):
+        distributed.emulated_link()
+    link = {"tensor_tier": "intra",
+            "tiers": {"intra": {"measured_bit_per_s": 8e8}, "inter": {"measured_bit_per_s": 1e8}}}
+    monkeypatch.setenv(distributed.ENV_LINK, json.dumps(link))
+    assert distributed.tensor_link_bytes_per_s(distributed.emulated_link()) == 1e8  # intra, bytes/s
+    policy = CommPolicy.taco().resolve_backends(n_devices=2)
+    policy = dataclasses.replace(policy, min_bytes="auto")
+    loopback = perf.resolve_min_bytes(policy, "cpu").min_bytes
+    slow = perf.resolve_min_bytes(policy, "cpu", link_bytes_per_s=1.25e6).min_bytes  # 10 Mbit/s
+    assert isinstance(slow, int) and slow < loopback  # a slower link: compression pays from smaller messages
+
+
+def test_step_timeout_auto_follows_the_measured_steps():
+    from taco_jax.train import distributed
+
+    w = distributed.StepWatchdog("auto")
+    try:
+        assert w.timeout_s == distributed.AUTO_FIRST_S and w.describe().endswith("(first step)")
+        w._adapt(30.0)  # the first step (connections): alone, until a second one finished
+        assert w.timeout_s == 300.0
+        w._adapt(0.5)
+        assert w.timeout_s == distributed.AUTO_FLOOR_S  # max(10 s, 10 × 0.5 s)
+        w._adapt(2.5)
+        assert w.timeout_s == 25.0 and w.describe() == "25 s (max(10 s, 10 × slowest step 2.5 s))"
+    finally:
+        w.close()

@@ -1,0 +1,202 @@
+"""Your own corpus: `prepare-data` (text, folders, JSONL; a given tokenizer or a BPE trained on the data),
+the memory-mapped token files, the one training stream over them, and the checks against the model."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from taco_jax.data import (
+    TokenStream,
+    batch_iterator,
+    check_data,
+    load_prepared,
+    prepare_data,
+    tokenizer_hash,
+)
+from taco_jax.data import prepared as prep
+from taco_jax.data.shakespeare import play_text
+
+QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "a.txt").write_text(play_text("macbeth")[:30000])
+    (d / "b.md").write_text(play_text("othello")[:20000])
+    return d
+
+
+def _stream(folder):
+    ds = load_prepared(folder)
+    return np.concatenate([np.asarray(ds.train), np.asarray(ds.val)]), ds
+
+
+def test_prepare_with_the_checkpoint_tokenizer(corpus, tmp_path):
+    """Token files equal the tokenizer's own encoding of each document followed by the end-of-text
+    id; meta.json records tokenizer hash, vocabulary, dtype, end-of-text id, sources and split."""
+    meta = prepare_data([str(corpus)], tmp_path, init_from=str(QWEN3), val_fraction=0.2, progress=False)
+    tok = Tokenizer.from_file(str(QWEN3 / "tokenizer.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    want = []
+    for name in ("a.txt", "b.md"):  # a folder: its files sorted by path
+        want += tok.encode((corpus / name).read_text(), add_special_tokens=False).ids + [eot]
+    ids, ds = _stream(tmp_path)
+    np.testing.assert_array_equal(ids, want)
+    assert isinstance(ds.train, np.memmap) and ds.train.dtype == np.uint16
+    assert len(ds.val) == round(0.2 * len(want)) and len(ds.train) + len(ds.val) == len(want)
+    assert meta["tokenizer"]["sha256"] == tokenizer_hash(QWEN3 / "tokenizer.json")
+    assert (meta["vocab_size"], meta["dtype"], meta["eot_id"]) == (tok.get_vocab_size(), "uint16", eot)
+    assert [(pathlib.Path(s["path"]).name, s["bytes"], s["documents"]) for s in meta["sources"]] == \
+        [("a.txt", (corpus / "a.txt").stat().st_size, 1), ("b.md", (corpus / "b.md").stat().st_size, 1)]
+    assert json.loads((tmp_path / "meta.json").read_text()) == meta
+    assert tokenizer_hash(tmp_path / "tokenizer.json") == meta["tokenizer"]["sha256"]
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "qwen3"])
+def test_long_documents_are_cut_at_line_starts_without_changing_ids(corpus, tmp_path, monkeypatch, tokenizer):
+    """Long documents are encoded in pieces (parallel batch encode) cut where the pre-tokenizer splits
+    anyway: the ids equal those of the whole document (GPT-2 byte-level BPE; Qwen's split regex)."""
+    if tokenizer == "bpe":
+        prepare_data([str(corpus / "a.txt")], tmp_path / "whole", vocab_size=400, progress=False)
+        args = dict(tokenizer=str(tmp_path / "whole" / "tokenizer.json"))
+    else:
+        args = dict(init_from=str(QWEN3))
+        prepare_data([str(corpus / "a.txt")], tmp_path / "whole", progress=False, **args)
+    assert prep._splits_at_line_starts(Tokenizer.from_file(str(tmp_path / "whole" / "tokenizer.json")))
+    pieces = list(prep._pieces((corpus / "a.txt").read_text(), 500))
+    assert len(pieces) > 20 and "".join(pieces) == (corpus / "a.txt").read_text()
+    monkeypatch.setattr(prep, "PIECE_CHARS", 500)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 4000)  # several batches too
+    prepare_data([str(corpus / "a.txt")], tmp_path / "cut", progress=False, **args)
+    np.testing.assert_array_equal(_stream(tmp_path / "cut")[0], _stream(tmp_path / "whole")[0])
+
+
+def test_trained_bpe_round_trips_and_jsonl(tmp_path):
+    """No tokenizer given: a byte-level BPE trained on the data (saved with it); JSONL documents come
+    from --text-field, each followed by the end-of-text id; decoding gives the text back."""
+    docs = [play_text("hamlet")[i * 3000:(i + 1) * 3000] for i in range(6)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)) + "\n")
+    meta = prepare_data([str(src)], tmp_path / "out", vocab_size=300, text_field="body", progress=False)
+    ids, ds = _stream(tmp_path / "out")
+    assert meta["vocab_size"] == 300 and meta["sources"][0]["documents"] == 6
+    tok = ds.tokenizer
+    assert tok.decode([int(i) for i in ids], skip_special_tokens=False) == "<|endoftext|>".join(docs) + "<|endoftext|>"
+    assert int((ids == ds.eot_id).sum()) == 6
+
+
+def test_uint32_for_large_vocabularies(tmp_path):
+    vocab = {f"w{i}": i for i in range(70_000)} | {"<|endoftext|>": 70_000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "big.json"))
+    words = [*range(0, 70_000, 7), 69_999]
+    (tmp_path / "t.txt").write_text(" ".join(f"w{i}" for i in words))
+    meta = prepare_data([str(tmp_path / "t.txt")], tmp_path / "out", tokenizer=str(tmp_path / "big.json"),
+                        progress=False)
+    ids, ds = _stream(tmp_path / "out")
+    assert meta["dtype"] == "uint32" and ds.train.dtype == np.uint32
+    np.testing.assert_array_equal(ids, words + [70_000])
+
+
+def test_bad_inputs_are_named(corpus, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 has no string field text_field='text'"):
+        prepare_data([str(bad)], tmp_path / "o1", progress=False)
+    bad.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not JSON"):
+        prepare_data([str(bad)], tmp_path / "o1", progress=False)
+    with pytest.raises(ValueError, match="neither a file nor a folder"):
+        prepare_data([str(tmp_path / "missing.txt")], tmp_path / "o1", progress=False)
+    with pytest.raises(ValueError, match="val_fraction=1.5"):
+        prepare_data([str(corpus)], tmp_path / "o1", val_fraction=1.5, progress=False)
+    with pytest.raises(ValueError, match="eot_token='<eos>' is not in the tokenizer's vocabulary"):
+        prepare_data([str(corpus)], tmp_path / "o1", init_from=str(QWEN3), eot_token="<eos>", progress=False)
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        prepare_data([str(corpus)], tmp_path / "o1", init_from=str(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="not a prepared folder"):
+        load_prepared(tmp_path)
+    prepare_data([str(corpus)], tmp_path / "ok", init_from=str(QWEN3), progress=False)
+    with open(tmp_path / "ok" / "val.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ValueError, match="val.bin: .* bytes, meta.json says"):
+        load_prepared(tmp_path / "ok")
+
+
+def test_memmap_stream_is_the_stream_and_resumes(corpus, tmp_path):
+    """The trainer's stream over the memory-mapped file draws the windows `batch_iterator` draws from
+    the same tokens in memory (same seed), and its state continues it exactly."""
+    prepare_data([str(corpus)], tmp_path, init_from=str(QWEN3), progress=False)
+    ds = load_prepared(tmp_path)
+    ref = batch_iterator(np.asarray(ds.train, np.int32).copy(), 4, 16, seed=5)
+    stream = TokenStream(ds.train, 4, 16, seed=5)
+    for _ in range(3):
+        (x, y), (rx, ry) = next(stream), next(ref)
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+        assert x.dtype == np.int32
+    again = TokenStream(ds.train, 4, 16, seed=0)
+    again.restore(stream.state())
+    np.testing.assert_array_equal(next(again)[0], next(ref)[0])
+    assert again.position == 4
+
+
+def test_check_data_refuses_a_larger_vocabulary_and_another_tokenizer(corpus, tmp_path):
+    prepare_data([str(corpus)], tmp_path / "bpe", vocab_size=300, progress=False)
+    ds = load_prepared(tmp_path / "bpe")
+    with pytest.raises(ValueError, match="tokenizer vocab 300 exceeds the model's vocab_size=99"):
+        check_data(ds, 99, str(QWEN3))
+    with pytest.raises(ValueError, match=r"the data's tokenizer .*bpe/tokenizer.json differs from the tokenizer of "
+                                         r"init_from=.*qwen3"):
+        check_data(ds, 512, str(QWEN3))
+    check_data(ds, 300, "")  # no checkpoint: nothing to compare
+    prepare_data([str(corpus)], tmp_path / "q", tokenizer=str(QWEN3 / "tokenizer.json"), progress=False)
+    check_data(load_prepared(tmp_path / "q"), 99, str(QWEN3))  # the checkpoint's own tokenizer
+
+
+def test_cli_prepare_data_and_sample_errors(corpus, tmp_path, capsys):
+    from taco_jax.cli import main
+
+    assert main(["prepare-data", str(corpus / "a.txt"), "--init-from", str(QWEN3), "--out", str(tmp_path / "d"),
+                 "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["vocab_size"] == 99
+    assert main(["prepare-data", str(tmp_path / "missing"), "--out", str(tmp_path / "e")]) == 2
+    assert capsys.readouterr().err.strip() == f"taco-jax: error: input {str(tmp_path / 'missing')!r} is neither " \
+                                              "a file nor a folder"
+    assert main(["sample", "--from", str(tmp_path / "d"), "--prompt", "x"]) == 2  # a data folder: no config.json
+    assert "is neither a run folder nor an HF checkpoint" in capsys.readouterr().err
+    assert main(["sample", "--from", str(QWEN3), "--prompt", "MACBETH:", "--max-new-tokens", "60"]) == 2
+    assert "exceeds the model's block_size=64" in capsys.readouterr().err
+
+
+def test_each_device_reads_only_its_own_rows():
+    """`global_batch` reads, for each device, the windows of its own rows of the batch only (so a
+    process of a multi-process run touches only its rows of the memory-mapped file)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from taco_jax.data import global_batch
+
+    class Spy:  # records which windows (their first token index) each read touches
+        def __init__(self, a):
+            self.a, self.reads = a, []
+
+        def __getitem__(self, idx):
+            self.reads.append(set(np.asarray(idx)[:, 0].tolist()))
+            return self.a[idx]
+
+    tokens = Spy(np.arange(1000, dtype=np.uint16))
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    starts = np.array([10, 200, 30, 400, 50, 600, 70, 800])
+    x, y = global_batch(tokens, starts, 16, NamedSharding(mesh, P("data")))
+    np.testing.assert_array_equal(np.asarray(x), starts[:, None] + np.arange(16))
+    np.testing.assert_array_equal(np.asarray(y), starts[:, None] + 1 + np.arange(16))
+    halves = [set(starts[:4].tolist()), set(starts[4:].tolist())]
+    halves += [{s + 1 for s in h} for h in halves]  # targets start one later
+    assert tokens.reads and all(r in halves for r in tokens.reads), tokens.reads
