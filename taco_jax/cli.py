@@ -79,14 +79,15 @@ def _add_flag(sp, cls, f, helps) -> None:
         sp.add_argument(flag, type=_int_or_auto("min_bytes", 0), default=f.default, metavar="BYTES|auto", help=help_)
     elif f.name == "chunks":  # an integer or "auto" (collectives.compressed.auto_chunks)
         sp.add_argument(flag, type=_int_or_auto("chunks", 1), default=f.default, metavar="K|auto", help=help_)
+    elif f.name == "policy_file":  # `train --policy FILE`; --policy-file: the same flag (field name)
+        sp.add_argument("--policy", flag, dest=f.name, default=f.default, metavar="FILE", help=help_)
     elif f.name == "step_timeout":  # seconds or "auto" (train.distributed.StepWatchdog)
         sp.add_argument(flag, type=_seconds_or_auto, default=f.default, metavar="S|auto", help=help_)
     elif f.name == "model":
         sp.add_argument(flag, default=f.default, choices=sorted(PRESETS), metavar="PRESET",
                         help=f"{help_}: {', '.join(sorted(PRESETS))}")
     else:
-        flags = (flag, "--policy") if f.name == "policy_file" else (flag,)  # `train --policy FILE`
-        sp.add_argument(*flags, type=type(f.default), default=f.default, help=help_)
+        sp.add_argument(flag, type=type(f.default), default=f.default, help=help_)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,13 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     from taco_jax.train.calibrate import DEFAULT_BUDGET
     from taco_jax.train.config import CommFlags, TrainConfig
 
-    p = argparse.ArgumentParser(prog="taco-jax", description=__doc__)
+    p = argparse.ArgumentParser(prog="taco-jax", description=__doc__, allow_abbrev=False)  # a typo is no other flag
     p.add_argument("--version", action="version", version=f"taco-jax {__version__}")
     helps = {TrainConfig: _field_help(TrainConfig), CommFlags: _field_help(CommFlags)}
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "train one model"),
                         ("compare", "train exact (every axis), then with the codec flags' policy; plot both")):
         sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                            allow_abbrev=False,
                             epilog="Precedence of the codec flags (later wins): --comm and its codec flags, "
                                    "--dp-comm / --pp-comm; --policy FILE (the sites it names); --site. "
                                    "--capture works on data × tensor meshes only (not with stage > 1 or "
@@ -117,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--process-id", type=int, default=-1, help="this process, 0..N-1 (default $JAX_PROCESS_ID)")
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
                         usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
-                              "-- train [flags ...]\n       taco-jax launch --cleanup")
+                              "-- train [flags ...]\n       taco-jax launch --cleanup", allow_abbrev=False)
     lp.add_argument("--processes", type=int, default=0, help="number of local processes")
     lp.add_argument("--link", default="", metavar="RATE|intra=RATE,inter=RATE",
                     help="emulated cluster: each process in its own network namespace, links shaped to RATE "
@@ -130,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
                          "buffers anew (GLIBC_TUNABLES, unless already set); default: leave the allocator alone")
     lp.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command for every process (train / compare)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     cal.add_argument("--captures", required=True, help="<run>/captures folder written by `train --capture N`")
     cal.add_argument("--out", default="policy.json", help="policy file to write (for `train --policy FILE`)")
     cal.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
@@ -138,6 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-messages", type=int, default=16, help="messages per site in each split")
     cal.add_argument("--kinds", nargs="+", default=None, help="restrict the candidates to these codec kinds")
     _add_data_and_sample(sub)
+    for parser in sub.choices.values():  # no abbreviations anywhere: a typo or prefix is refused, not another flag
+        parser.allow_abbrev = False
     return p
 
 
@@ -262,7 +266,10 @@ def main(argv=None) -> int:
     import jax
 
     if dist is not None:
-        distributed.initialize(dist)  # gloo for CPU collectives, then jax.distributed.initialize
+        try:
+            distributed.initialize(dist)  # gloo for CPU collectives, then jax.distributed.initialize
+        except ValueError as e:  # the coordinator's address in use (checked before the service starts)
+            return _error(e, EXIT_BAD_INPUT)
     from taco_jax.train.loop import compare, train
 
     try:

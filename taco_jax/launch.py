@@ -3,9 +3,11 @@ and tests, in the manner of `torchrun --standalone`).
 
 Each process runs `python -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
 --process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on
-CPU. Every output line is prefixed with "[I] "; when one process fails (exit status != 0) the others
-are stopped (SIGTERM, then SIGKILL after `grace_s`) and the launcher returns that status. SIGTERM /
-SIGINT to the launcher is forwarded to every process (a preemption: they checkpoint and exit).
+CPU. When process 0 finds the port taken (another program bound it in between), the processes are
+started again on another free port (up to `PORT_ATTEMPTS` tries). Every output line is prefixed
+with "[I] "; when one process fails (exit status != 0) the others are stopped (SIGTERM, then SIGKILL
+after `grace_s`) and the launcher returns that status. SIGTERM / SIGINT to the launcher is forwarded
+to every process (a preemption: they checkpoint and exit).
 
 Allocator (`malloc="keep"`, the default): the processes get `GLIBC_TUNABLES` = `MALLOC_KEEP`, so
 glibc serves large buffers from its heap and keeps freed memory for reuse instead of mapping
@@ -123,7 +125,6 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         if axes and spec.intra is not None:  # two tiers: tensor parallelism inside a node
             emulate.check_tensor_in_node(axes, processes, node_of)
         emulate.check_available()
-    port = free_port()
     base = malloc_env(os.environ if env is None else env, malloc)
     n_mesh = math.prod(axes.values()) if axes else None
     if n_mesh and n_mesh % processes == 0 and "xla_force_host_platform_device_count" not in base.get("XLA_FLAGS", ""):
@@ -131,7 +132,8 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
                              f" --xla_force_host_platform_device_count={n_mesh // processes}").strip()
     base["PYTHONUNBUFFERED"] = "1"
     if spec is None:
-        return _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [], grace_s, out)
+        return _retry_ports(lambda port, busy: _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [],
+                                                    grace_s, out, busy), out)
     with emulate.Cluster(processes, spec) as cluster:
         print(f"[launch] emulated cluster: namespaces {cluster.names[0]} .. {cluster.names[-1]}; measuring "
               f"the links ...", file=out, flush=True)
@@ -141,7 +143,26 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
                   f"{t['measured_bit_per_s'] / 1e6:.1f} Mbit/s (TCP payload, median of "
                   f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
         base[ENV_LINK] = json.dumps(description)
-        return _run(processes, argv, base, f"{cluster.addrs[0]}:{port}", cluster.exec_prefix, grace_s, out)
+        return _retry_ports(lambda port, busy: _run(processes, argv, base, f"{cluster.addrs[0]}:{port}",
+                                                    cluster.exec_prefix, grace_s, out, busy), out)
+
+
+#: Tries of `launch` with a fresh port when the chosen one turned out to be in use (another program
+#: took it between `free_port` and the coordinator's start).
+PORT_ATTEMPTS = 3
+
+
+def _retry_ports(run_on, out) -> int:
+    """`run_on(port, busy)` on a free port; again on another (up to `PORT_ATTEMPTS` tries) when it
+    returned 2 with `busy` set: process 0 found the port in use (`distributed.check_coordinator_port`)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port, busy = free_port(), threading.Event()
+        status = run_on(port, busy)
+        if not (status == 2 and busy.is_set()) or attempt == PORT_ATTEMPTS:
+            return status
+        print(f"[launch] port {port} was taken before the coordinator started; retrying with another "
+              f"(attempt {attempt + 1} of {PORT_ATTEMPTS})", file=out, flush=True)
+    return status
 
 
 #: Seconds the others get between SIGTERM and SIGKILL once a process failed: the run cannot go on (its
@@ -149,8 +170,13 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
 FAILED_GRACE_S = 2.0
 
 
-def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out) -> int:
-    """Starts the processes (`wrap(i) + python -m taco_jax.cli ...`) and waits (see `launch`)."""
+def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out,
+         busy: threading.Event | None = None) -> int:
+    """Starts the processes (`wrap(i) + python -m taco_jax.cli ...`) and waits (see `launch`). `busy`
+    is set when process 0 reports `coordinator` in use."""
+    from taco_jax.train.distributed import PORT_IN_USE
+
+    busy_line = f"coordinator {coordinator} {PORT_IN_USE}"
     procs = []
     for i in range(processes):
         cmd = [*wrap(i), sys.executable, "-m", "taco_jax.cli", *argv, "--coordinator", coordinator,
@@ -161,8 +187,11 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
 
     def pump(i, p):
         for line in iter(p.stdout.readline, b""):
+            text = line.decode(errors="replace")
+            if i == 0 and busy is not None and busy_line in text:
+                busy.set()
             with lock:
-                out.write(f"[{i}] {line.decode(errors='replace')}")
+                out.write(f"[{i}] {text}")
                 out.flush()
 
     pumps = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(procs)]

@@ -70,6 +70,7 @@ def test_run_asked_to_continue_writes_strict_json_resolved_policy_and_progress_l
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
     assert summary["final_val_loss"] in ("NaN", "Infinity") and stdout["final_val_loss"] == summary["final_val_loss"]
     assert (out / "loss.png").exists()  # `train` writes its loss plot
+    assert not (out / "checkpoints").exists()  # checkpointing off: no empty checkpoints/ folder (issue 25)
 
     concrete = kernels.resolve("auto")
     assert summary["backend"] == concrete != "auto"

@@ -283,9 +283,9 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
     log = (tmp_path / "p2.log").read_text()
     assert _summaries(log) == 1, log[-2000:]  # one summary, from process 0
     assert '"processes": 2' in log
-    assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["checkpoints", "config.json", "loss.png",
-                                                                   "metrics.jsonl", "summary.json", "tokenizer.json"]
-    assert not list((tmp_path / "p2" / "checkpoints").iterdir())  # no --checkpoint-every, no SIGTERM
+    # no checkpoints/ folder: no --checkpoint-every, no SIGTERM
+    assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["config.json", "loss.png", "metrics.jsonl",
+                                                                   "summary.json", "tokenizer.json"]
 
 
 @pytest.mark.slow  # make test-slow (~40 s); the default suite keeps the gloo 2-vs-1 process test

@@ -144,7 +144,7 @@ class GPT(CausalLM):
         self.cfg, self.ctx = cfg, ctx
         self.wte = VocabParallelEmbed(cfg.vocab_size, cfg.n_embd, ctx=ctx, std=cfg.init_std, rngs=rngs,
                                       padded_size=cfg.padded_vocab_size)
-        self.wpe = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.block_size, cfg.n_embd)),
+        self.wpe = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (cfg.block_size, cfg.n_embd), jnp.float32),
                              axes=("position", "embed"))
         self.h = nnx.List([Block(cfg, ctx, rngs=rngs) for _ in range(cfg.n_layer)])
         self.ln_f = layer_norm(cfg.n_embd, cfg.dtype, rngs=rngs)

@@ -165,7 +165,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, eps: float, axis_name: str):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,)), axes=(axis_name,))
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=(axis_name,))
 
     def __call__(self, x):  # [..., dim]
         x32 = x.astype(jnp.float32)

@@ -34,7 +34,7 @@ class ColumnParallel(nnx.Module):
     def __init__(self, in_features: int, out_shape: tuple[int, ...], axes: tuple[str | None, ...], *,
                  use_bias: bool, std: float, rngs: nnx.Rngs):
         self.kernel = nnx.Param(_normal(rngs, (in_features, *out_shape), std), axes=axes)
-        self.bias = nnx.Param(jnp.zeros(out_shape), axes=axes[1:]) if use_bias else None
+        self.bias = nnx.Param(jnp.zeros(out_shape, jnp.float32), axes=axes[1:]) if use_bias else None
 
     def __call__(self, x: jax.Array | PendingGather) -> jax.Array:
         kernel = self.kernel[...].astype(x.dtype)
@@ -58,7 +58,7 @@ class RowParallel(nnx.Module):
                  ctx: ParallelContext, use_bias: bool, std: float, rngs: nnx.Rngs):
         self.ctx = ctx
         self.kernel = nnx.Param(_normal(rngs, (*in_shape, out_features), std), axes=axes)
-        self.bias = nnx.Param(jnp.zeros((out_features,)), axes=axes[-1:]) if use_bias else None
+        self.bias = nnx.Param(jnp.zeros((out_features,), jnp.float32), axes=axes[-1:]) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         k = self.kernel[...]

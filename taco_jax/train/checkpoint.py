@@ -5,18 +5,25 @@ Layout (`<out>/checkpoints/`, docs/distributed.md):
                     its own shards, restored onto any mesh through the target's shardings)
     <step>/meta/    JSON: step, data position and RNG state, run config with the communication
                     policy, parameter shapes, per-leaf fingerprints, process count
-    <step>.orbax-checkpoint-tmp-*   a save in progress (or interrupted): never read
+    <step>.orbax-checkpoint-tmp*    a save in progress (or interrupted): never read
+    <step>.corrupt                  a corrupt checkpoint set aside by `Checkpoints.resume` (kept, never read)
 
 A save runs in the background (async: the step loop continues while the arrays are written) and
 is atomic: Orbax writes into a temporary folder and renames it to `<step>` only when every process
 finished, so a crash during a save leaves the previous checkpoints untouched and no `<step>` that
 looks complete; old checkpoints beyond `keep` are removed only after a newer one is complete.
+Resume (`Checkpoints.resume`) takes the newest checkpoint that restores: a corrupt newer one is
+named and set aside (or, without fallback, refused naming the intact one); arrays whose vocabulary
+padding differs (another tensor size) are trimmed or zero-padded.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import pathlib
+import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +70,43 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed here (another model or vocabulary, corrupt, truncated)."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files cannot be read back as saved (truncated, flipped bytes, missing meta)."""
+
+
+def _why(e: Exception) -> str:
+    """One readable line of a restore error: TensorStore's JSON specs, status codes and driver chain
+    dropped (e.g. 'Error reading Byte range [0, 2443) of local file ".../d/5ee4": Requested byte range
+    [0, 2443) is not valid for value of size 1221')."""
+    text = " ".join(str(e).split())
+    text = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text)
+    text = re.sub(r"^[A-Z_]+: ", "", text)
+    text = re.sub(r'(Error opening "\w+" driver: )+', "", text)
+    return f"{type(e).__name__}: {text[:500]}"
+
+
+#: Test hook (tests only): seconds to sleep inside every background save, before its arrays are
+#: written (tests/test_resume_faults.py kills a run while a save is in flight).
+ENV_SLOW_SAVE = "TACO_JAX_TEST_SLOW_SAVE"
+
+
+def _slow_json_handler(seconds: float):
+    """Orbax's JSON handler whose background write sleeps `seconds` first (`ENV_SLOW_SAVE`, tests only):
+    the save stays in flight, its temporary folder not yet renamed to `<step>`."""
+    import asyncio
+
+    ocp = _ocp()
+
+    class SlowJson(ocp.JsonCheckpointHandler):
+        async def _save_fn(self, x, directory):
+            print(f"[taco-jax] {ENV_SLOW_SAVE}: the save into {directory} sleeps {seconds:g} s", file=sys.stderr,
+                  flush=True)
+            await asyncio.sleep(seconds)
+            await super()._save_fn(x, directory)
+
+    return SlowJson()
+
+
 class Checkpoints:
     """The checkpoints of one run in `directory` (every process constructs it; Orbax coordinates).
 
@@ -73,8 +117,19 @@ class Checkpoints:
     def __init__(self, directory, *, keep: int, async_save: bool = True):
         ocp = _ocp()
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        # create=False: the folder appears with the first save (none for a run that never checkpoints)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=False)
+        slow = float(os.environ.get(ENV_SLOW_SAVE, 0) or 0)
+        if slow > 0:  # test hook: every save's background write of the meta starts `slow` seconds late
+            registry, state, meta = (ocp.handlers.DefaultCheckpointHandlerRegistry(), ocp.StandardCheckpointHandler(),
+                                     _slow_json_handler(slow))
+            for item, handler, args in (("state", state, (ocp.args.StandardSave, ocp.args.StandardRestore)),
+                                        ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore))):
+                for a in args:
+                    registry.add(item, a, handler)
+            self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        else:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (temporary folders of unfinished saves excluded), ascending."""
@@ -110,19 +165,23 @@ class Checkpoints:
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:
-            why = " ".join(str(e).split())[:300]
-            raise CheckpointError(f"checkpoint {self.directory / str(step)}: its meta cannot be read "
-                                  f"({type(e).__name__}: {why}); corrupt or truncated") from e
+            raise CorruptCheckpointError(f"checkpoint {self.directory / str(step)}: its meta cannot be read "
+                                         f"({_why(e)}); corrupt or truncated") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {self.directory / str(step)}: meta format "
                                   f"{meta.get('format') if isinstance(meta, dict) else meta!r}, expected {FORMAT}")
         return meta
 
-    def check(self, step: int, config: dict, params, opt_state) -> dict:
+    def check(self, step: int, config: dict, params, opt_state, *, vocab: tuple[int, int] | None = None) -> dict:
         """The meta of checkpoint `step` after checking that it can be restored into arrays shaped like
         `params` / `opt_state` of a run with `config` (`TrainConfig.to_dict()`); reads no array.
-        Raises CheckpointError naming what differs (model, vocab_size, a parameter's shape) or an
-        unreadable meta."""
+
+        vocab: (real rows, padded rows) of this run's vocabulary (`model_config.vocab_size`,
+        `padded_vocab_size`): a leaf whose one differing axis is the saved run's padded vocabulary
+        (from its config: vocabulary padded to make_vocab_size_divisible_by × tensor size) vs this
+        run's is accepted (`restore` trims or pads the zero padding rows). None: shapes must match.
+        Raises CheckpointError naming what differs (model, vocab_size, a parameter's shape);
+        CorruptCheckpointError for an unreadable meta."""
         where = self.directory / str(step)
         meta = self.read_meta(step)
         saved = meta.get("config", {})
@@ -136,51 +195,184 @@ class Checkpoints:
         state = {"params": params, "opt_state": opt_state}
         want = {k: [list(v.shape), str(v.dtype)] for k, v in _paths(state).items()}
         have = meta.get("shapes", {})
+        pads = _padding_axes(have, want, _saved_padded_vocab(saved, vocab), vocab)
         diff = [f"{k}: checkpoint {have.get(k)} vs this run {want.get(k)}"
-                for k in sorted(set(want) | set(have)) if have.get(k) != want.get(k)]
+                for k in sorted(set(want) | set(have)) if have.get(k) != want.get(k) and k not in pads]
         if diff:
             raise CheckpointError(f"checkpoint {where} does not match this run's parameters / optimizer state "
                                   f"({len(diff)} differ; e.g. {'; '.join(diff[:3])})")
         return meta
 
-    def restore(self, step: int, config: dict, params, opt_state, *, shardings=None) -> tuple:
+    def restore(self, step: int, config: dict, params, opt_state, *, shardings=None,
+                vocab: tuple[int, int] | None = None) -> tuple:
         """Checkpoint `step` placed like `params` / `opt_state` (this run's arrays: their shapes and
         dtypes, and their shardings unless `shardings` = (params', opt_state') shardings is given; a
         checkpoint saved on another mesh is resharded by Orbax).
 
-        config: this run's `TrainConfig.to_dict()`.
+        config: this run's `TrainConfig.to_dict()`. vocab: as `check`; the vocabulary padding rows
+        of the embedding, an untied LM head and their optimizer moments are trimmed (they must be
+        zero) or padded with zeros to this run's padded vocabulary.
         Returns (params, opt_state, meta, notes): notes name run-config fields that differ from the
-        checkpoint's but do not prevent resuming (e.g. lr). Raises CheckpointError as `check`, or
-        for a corrupt / truncated checkpoint (unreadable arrays, or arrays that differ from the
-        fingerprints saved with them).
+        checkpoint's but do not prevent resuming (e.g. lr), the mesh and a re-padded vocabulary.
+        Raises CheckpointError as `check`, or naming a leaf whose trimmed padding rows are not zero;
+        CorruptCheckpointError for a corrupt / truncated checkpoint (unreadable arrays, or arrays that
+        differ from the fingerprints saved with them).
         """
         ocp = _ocp()
         where = self.directory / str(step)
-        meta = self.check(step, config, params, opt_state)
+        meta = self.check(step, config, params, opt_state, vocab=vocab)
         saved = meta.get("config", {})
         state = {"params": params, "opt_state": opt_state}
         shardings = _mesh_shardings(state) if shardings is None else \
             {"params": shardings[0], "opt_state": shardings[1]}
+        pads = _padding_axes(meta.get("shapes", {}), {k: [list(v.shape), str(v.dtype)] for k, v in
+                                                      _paths(state).items()}, _saved_padded_vocab(saved, vocab), vocab)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+        if pads:  # read at the saved shape, replicated; re-padded below
+            target = _map_paths(target, lambda k, t: t if k not in pads else jax.ShapeDtypeStruct(
+                tuple(meta["shapes"][k][0]), t.dtype, sharding=_replicated(t.sharding)))
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
             jax.block_until_ready(out)
         except Exception as e:
-            why = " ".join(str(e).split())  # one line
-            raise CheckpointError(f"checkpoint {where}: its arrays cannot be read ({type(e).__name__}: "
-                                  f"{why[:300]}); corrupt or truncated") from e
+            raise CorruptCheckpointError(f"checkpoint {where}: its arrays cannot be read ({_why(e)}); "
+                                         "corrupt or truncated") from None
         got = {k: float(v) for k, v in _paths(jax.device_get(_fingerprints(out))).items()}
         bad = [k for k, v in meta.get("fingerprints", {}).items() if not _same(got.get(k, math.nan), v)]
         if bad:
-            raise CheckpointError(f"checkpoint {where}: {len(bad)} arrays differ from what was saved (e.g. {bad[0]}: "
-                                  f"sum |x| {got.get(bad[0])!r} vs {meta['fingerprints'][bad[0]]!r}); corrupt")
+            raise CorruptCheckpointError(f"checkpoint {where}: {len(bad)} arrays differ from what was saved (e.g. "
+                                         f"{bad[0]}: sum |x| {got.get(bad[0])!r} vs {meta['fingerprints'][bad[0]]!r}); "
+                                         "corrupt")
         notes = [f"{f}: checkpoint {saved.get(f)!r}, now {config.get(f)!r}" for f in NUMERIC
                  if f in saved and saved.get(f) != config.get(f)]
         if saved.get("init_from", "") != config.get("init_from", ""):  # same architecture (checked), other folder
             notes.append(f"init_from: checkpoint {saved.get('init_from')!r}, now {config.get('init_from')!r}")
         if saved.get("mesh") != config.get("mesh"):
             notes.append(f"mesh: checkpoint {saved.get('mesh')!r}, now {config.get('mesh')!r} (resharded)")
+        if pads:
+            keys, targets = list(_paths(state)), list(_paths(shardings).values())  # leaf order of `out` too
+            leaves = [a if k not in pads else _repad(a, pads[k], vocab, target=t, name=k, where=where)
+                      for k, t, a in zip(keys, targets, jax.tree.leaves(out), strict=True)]
+            out = jax.tree.unflatten(jax.tree.structure(out), leaves)
+            notes.append(f"vocabulary padding: checkpoint {_saved_padded_vocab(saved, vocab)} rows, now {vocab[1]} "
+                         f"(zero rows {'trimmed' if vocab[1] < _saved_padded_vocab(saved, vocab) else 'added'}; "
+                         f"{len(pads)} arrays)")
         return out["params"], out["opt_state"], meta, notes
+
+    def resume(self, config: dict, params, opt_state, *, shardings=None, vocab: tuple[int, int] | None = None,
+               fallback: bool = True, arrays: bool = True):
+        """The newest checkpoint that restores (`restore`; with `arrays` False only `check`ed: a cheap
+        look before compiling). Returns None when there is none, else (step, params, opt_state, meta,
+        notes, warnings) (params etc. None without `arrays`; warnings: the corrupt checkpoints skipped).
+
+        A corrupt newest checkpoint (CorruptCheckpointError) is skipped with `fallback`: the next older
+        one is tried; the corrupt ones are named in the notes and, once one restored, renamed aside to
+        `<step>.corrupt` (never deleted: this run's own save of that step would collide with it).
+        Without `fallback` it raises CorruptCheckpointError naming the corrupt one and the newest intact
+        one to use. Raises CorruptCheckpointError when every checkpoint is corrupt (naming each);
+        CheckpointError (a run that differs) as `check`, at the first checkpoint that differs."""
+        bad = []
+        for step in reversed(self.steps()):
+            try:
+                if arrays:
+                    p, o, meta, notes = self.restore(step, config, params, opt_state, shardings=shardings,
+                                                     vocab=vocab)
+                else:
+                    p, o, meta, notes = None, None, self.check(step, config, params, opt_state, vocab=vocab), []
+            except CorruptCheckpointError as e:
+                bad.append((step, str(e)))
+                continue
+            if bad and not fallback:
+                raise CorruptCheckpointError(
+                    f"{bad[0][1]}. The newest intact checkpoint is {self.directory / str(step)} (step {step}); "
+                    f"resume from it with --resume-fallback (the corrupt {'ones are' if len(bad) > 1 else 'one is'} "
+                    f"then renamed to <step>.corrupt, nothing is deleted)")
+            if arrays:
+                warnings = [f"{msg}; resumed from the newest intact checkpoint, step {step}, instead "
+                            f"(the corrupt one renamed to {self._set_aside(s)})" for s, msg in bad]
+            else:
+                warnings = [f"{msg}; step {step} is intact" for _, msg in bad]
+            return step, p, o, meta, notes, warnings
+        if bad:
+            raise CorruptCheckpointError(f"no intact checkpoint in {self.directory}: " + "; ".join(m for _, m in bad)
+                                         + "; start afresh with another --out")
+        return None
+
+    def _set_aside(self, step: int) -> pathlib.Path:
+        """Renames corrupt checkpoint `step` to `<step>.corrupt` (`.corrupt-2`, ... if taken), which Orbax
+        does not list; process 0 renames, every process waits for it. Returns the new path."""
+        from jax.experimental import multihost_utils
+
+        def barrier(what):
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"taco_jax checkpoint {step} {what}")
+
+        barrier("to set aside")  # every process picks the same free name before process 0 renames
+        src, n = self.directory / str(step), 1
+        dst = self.directory / f"{step}.corrupt"
+        while dst.exists():
+            n += 1
+            dst = self.directory / f"{step}.corrupt-{n}"
+        barrier("named")
+        if jax.process_index() == 0:
+            src.rename(dst)
+        barrier("set aside")
+        self.manager.reload()
+        return dst
+
+
+def _saved_padded_vocab(saved: dict, vocab: tuple[int, int] | None) -> int | None:
+    """Padded vocabulary rows of the run that saved (its config: make_vocab_size_divisible_by × tensor
+    size), for this run's real vocabulary `vocab[0]`; None without `vocab` or those fields."""
+    from taco_jax.parallel.mesh import TENSOR, parse_mesh
+
+    if vocab is None or "mesh" not in saved or "make_vocab_size_divisible_by" not in saved:
+        return None
+    multiple = int(saved["make_vocab_size_divisible_by"]) * parse_mesh(saved["mesh"]).get(TENSOR, 1)
+    return -(-vocab[0] // multiple) * multiple
+
+
+def _padding_axes(have: dict, want: dict, saved_rows: int | None, vocab: tuple[int, int] | None) -> dict:
+    """{leaf: axis} of the leaves that differ only in their vocabulary padding: one axis, `saved_rows`
+    in the checkpoint (`have`) vs `vocab[1]` in this run (`want`), the same dtype."""
+    if vocab is None or saved_rows is None or saved_rows == vocab[1]:
+        return {}
+    out = {}
+    for k, (shape, dtype) in want.items():
+        if k not in have or have[k][1] != dtype or len(have[k][0]) != len(shape):
+            continue
+        axes = [i for i, (a, b) in enumerate(zip(have[k][0], shape)) if a != b]
+        if len(axes) == 1 and have[k][0][axes[0]] == saved_rows and shape[axes[0]] == vocab[1]:
+            out[k] = axes[0]
+    return out
+
+
+def _map_paths(tree, fn):
+    """`fn(keystr, leaf)` over a pytree's leaves."""
+    return jax.tree_util.tree_map_with_path(lambda path, a: fn(jax.tree_util.keystr(path), a), tree)
+
+
+def _replicated(sharding):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(sharding.mesh, PartitionSpec())
+
+
+def _repad(a, axis: int, vocab: tuple[int, int], *, target, name: str, where):
+    """`a` with its vocabulary `axis` trimmed or zero-padded to `vocab[1]` rows, placed on `target`.
+    Raises CheckpointError naming the leaf when a trimmed row is not zero (not padding)."""
+    rows = a.shape[axis]
+    if rows > vocab[1]:
+        tail = jax.lax.slice_in_dim(a, vocab[1], rows, axis=axis)
+        if bool(jnp.any(tail != 0)):
+            raise CheckpointError(f"checkpoint {where}: {name} has non-zero rows in [{vocab[1]}, {rows}) of its "
+                                  f"vocabulary axis; they are not padding, so the checkpoint's {rows} rows cannot "
+                                  f"become this run's {vocab[1]} (real vocabulary {vocab[0]})")
+        a = jax.lax.slice_in_dim(a, 0, vocab[1], axis=axis)
+    else:
+        a = jnp.pad(a, [(0, vocab[1] - rows if i == axis else 0) for i in range(a.ndim)])
+    return jax.device_put(a, target)
+
 
 def _same(a: float, b: float) -> bool:
     """Fingerprints agree: equal (NaN with NaN too) or within `_RTOL`."""

@@ -172,6 +172,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps and at the end (0: only on SIGTERM)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
+    resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse
     step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 

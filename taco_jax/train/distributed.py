@@ -82,16 +82,58 @@ class DistConfig:
         return cls(coordinator, num_processes, process_id)
 
 
+#: Start of the error of a coordinator address in use (`taco-jax launch` retries another port on it).
+PORT_IN_USE = "is in use"
+
+
+def check_coordinator_port(address: str) -> str | None:
+    """Probes the coordinator's address "HOST:PORT" (IPv6 as "[::1]:PORT") the way its gRPC service
+    will bind it (SO_REUSEADDR: a port held only by closed connections counts as free).
+
+    Returns the address for the service to bind: `address`, or "[::]:PORT" (every interface, JAX's
+    default) when HOST is not an address of this machine (e.g. a NAT-ed or container address).
+    Raises ValueError naming `address` when something already listens there or HOST does not resolve.
+    """
+    import errno
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"coordinator {address}: host {host!r} does not resolve ({e.strerror})") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"coordinator {address} {PORT_IN_USE} (another process listens on it); "
+                                 "stop it or give --coordinator another port") from None
+            if e.errno == errno.EADDRNOTAVAIL:  # not an address of this host: every interface
+                return check_coordinator_port(f"[::]:{port}")
+            raise ValueError(f"coordinator {address} cannot be bound: {e.strerror}") from None
+    return address
+
+
 def initialize(dist: DistConfig, *, heartbeat_timeout_s: int = 100) -> None:
     """Joins the run: selects gloo for CPU collectives (must precede the backend's start, i.e. the
     first device query), then `jax.distributed.initialize`. Blocks until every process connected
-    (up to 300 s). Raises RuntimeError from JAX when the coordinator cannot be reached."""
+    (up to 300 s). Process 0 (the coordinator) first checks that its address is free
+    (`check_coordinator_port`) and starts the coordinator service on the address given, not on
+    every interface. Raises ValueError naming the coordinator address when it is in use;
+    RuntimeError from JAX when the coordinator cannot be reached."""
     import jax
 
+    bind = None
+    if dist.coordinator and dist.process_id == 0:
+        bind = check_coordinator_port(dist.coordinator)  # before gRPC starts (it would crash or hang)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(dist.coordinator or None, dist.num_processes or None,
                                dist.process_id if dist.process_id >= 0 else None,
-                               heartbeat_timeout_seconds=heartbeat_timeout_s)
+                               heartbeat_timeout_seconds=heartbeat_timeout_s, coordinator_bind_address=bind)
 
 
 def is_writer() -> bool:

@@ -132,12 +132,13 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     params, opt_state = trainer.init()  # identical initial parameters for every --comm (same seed)
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
     batches = TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # = batch_iterator's stream
-    resume_from = saved[-1] if cfg.resume and saved else None  # the latest complete checkpoint
+    resuming = bool(cfg.resume and saved)  # from the newest intact checkpoint
     if cfg.resume and not saved and writer:
         print(f"[taco-jax] --resume: no checkpoint in {ckpt.directory}; starting from step 0", file=sys.stderr,
               flush=True)
-    if resume_from is not None:
-        ckpt.check(resume_from, cfg.to_dict(), params, opt_state)  # CheckpointError naming what differs
+    vocab = (cfg.model_config.vocab_size, cfg.model_config.padded_vocab_size)  # padding may differ: re-padded
+    if resuming:  # CheckpointError naming what differs, before compiling (checkpoint metas only)
+        ckpt.resume(cfg.to_dict(), params, opt_state, vocab=vocab, fallback=cfg.resume_fallback, arrays=False)
 
     # 2. compile once (from the initial arrays: a resumed run runs the same program) and read the
     #    collectives' wire bytes off the optimized HLO
@@ -159,11 +160,13 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     memory = compiled_memory(train_step)  # per device; temp = activations etc. (what --remat lowers)
 
     start, history = 0, []
-    if resume_from is not None:  # placed as the compiled step returns them (its steady-state layout)
-        params, opt_state, meta, notes = ckpt.restore(resume_from, cfg.to_dict(), params, opt_state,
-                                                      shardings=train_step.output_shardings[:2])
+    if resuming:  # placed as the compiled step returns them (its steady-state layout)
+        start, params, opt_state, meta, notes, warnings = ckpt.resume(
+            cfg.to_dict(), params, opt_state, shardings=train_step.output_shardings[:2], vocab=vocab,
+            fallback=cfg.resume_fallback)
+        for w in warnings if writer else ():  # corrupt newer checkpoints skipped (renamed aside, not deleted)
+            print(f"[taco-jax] warning: {w}", file=sys.stderr, flush=True)
         batches.restore(meta["data"])
-        start = meta["step"]
         history = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] <= start] \
             if (out / "metrics.jsonl").exists() else []
         if writer:
