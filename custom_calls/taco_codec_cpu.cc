@@ -21,9 +21,9 @@
 //       target_range (f32), impl. CPU only.
 //   On the CPU, codes may also be uint8 (the FP8 bytes; fmt from the fmt attribute, for
 //   taco_decode from impl >> 8 = fmt + 1), so that XLA moves them without a conversion copy.
-//   Packed wire rows (CPU only; the compressed collectives' fused path, `compressed.FUSED_WIRE`):
+//   Packed wire rows (CPU only; the "ffi" wire codec, `taco_jax/kernels/ffi_wire.py`):
 //   one uint8 row per message, [codes n_groups*G][s n_groups f32][a n_groups f32] (has_a = 1) or
-//   [codes][s/a] (has_a = 0), as `compressed._packed` lays out an `Encoded`:
+//   [codes][s/a] (has_a = 0), as `codec.wire.pack_rows` lays out an `Encoded`:
 //     taco_encode_packed(x f32[..., n_groups*G]) -> K x u8[..., row_bytes] (row i -> result i % K)
 //         attrs fmt, lam, fmax, target_range, g, n_groups, last_count, has_a, impl, outer (i64:
 //         > 1: x is [..., outer, P, inner], inner % G == 0, message row (v, r) = x[v, :, r, :])
@@ -237,7 +237,7 @@ ffi::Error ReduceImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result
 // buffer they move. A row holds one message of n_groups groups of G:
 //   [codes: n_groups * G bytes][s: n_groups f32][a: n_groups f32]   (has_a = 1, dual layout)
 //   [codes: n_groups * G bytes][s/a: n_groups f32]                  (has_a = 0, folded layout)
-// (what `compressed._packed` builds from an `Encoded`). The per-group kernels run on row-relative
+// (what `codec.wire.pack_rows` builds from an `Encoded`). The per-group kernels run on row-relative
 // pointers; rows are only 4-byte aligned in general (s/a are read and written one float at a time).
 // ------------------------------------------------------------------------------------------
 

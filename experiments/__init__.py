@@ -10,8 +10,12 @@
   step_time            train step time, exact vs compressed, on one or more local processes
   tp_overlap_fidelity  SQNR of the overlapped TP ring (--tp-overlap) vs the two-shot SP collectives
   tp_overlap_trace     profiler trace: does a ring step's ppermute run beside a partial matmul
+  hlo_dump             compiled train-step HLO (metadata stripped), two steps' losses, wire bytes: diff two checkouts
   gpu_check            one JSON report of the GPU path (run by gpu_check.sh on a lent GPU)
   triton_aot           the Triton kernels compiled ahead of time for a GPU architecture
+
+`veth_bytes.sh` (root) counts a 2-process training step's bytes on a veth pair between two network
+namespaces (docs/results.md, "Honest exact baselines").
 
 Shared helpers (paths, child processes, simulated CPU devices) live in `experiments.common`.
 """

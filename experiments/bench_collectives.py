@@ -12,7 +12,7 @@ Run from the repository root (the workers import this checkout's `taco_jax`):
 What is measured: every collective of `taco_jax.collectives.compressed` (psum as each of
 `--variants`, all_gather, psum_scatter, ppermute) × codec (`--codecs`, names of
 `taco_jax.codec.presets.NAMED`; "none" is the exact collective and always runs: the `lax` one, except
-psum_scatter under gloo, which taco_jax runs as all-to-all + sum, GLOO_REDUCE_SCATTER_WORKAROUND) × codec
+psum_scatter under gloo, which taco_jax runs as all-to-all + sum, transport "gloo") × codec
 backend (`--backends`; only kind "taco" has backends, the other kinds run the jnp reference and
 get backend "reference") × dtype × message size (`--sizes`, bytes per rank) × transport:
 
@@ -78,7 +78,7 @@ One row per (transport, ranks, collective, algorithm, codec, backend, dtype, siz
                     XLA:CPU's gloo reduce-scatter intermittently returns wrong values,
                     jax-ml/jax#40830; under gloo the exact psum_scatter row is
                     `compressed.psum_scatter` with codec none, i.e. all-to-all + local sum,
-                    `compressed.GLOO_REDUCE_SCATTER_WORKAROUND`)
+                    transport "gloo", `CodecConfig.transport`)
   speedup_vs_exact  exact time_s_median / this row's time_s_median, same rounds (1.0 for "none")
 Extra row keys (also stable): exact_time_s_median, exact_time_s_min, exact_wire_bytes,
 speedup_vs_exact_min (exact time_s_min / time_s_min: the least load-disturbed ratio on a shared

@@ -100,3 +100,16 @@ def test_the_graph_sees_known_arrows(graph):
     assert "taco_jax.codec.config" in graph["taco_jax.codec.reference"]
     assert "taco_jax.codec.backends" in graph["taco_jax.kernels"]
     assert "taco_jax.kernels" in graph["taco_jax.collectives.policy"]
+
+
+def test_training_never_reaches_into_the_kernels(graph):
+    """taco_jax.train reaches the codec kernels only through the codec and the collectives."""
+    bad = sorted((a, b) for a, targets in graph.items() if a.startswith("taco_jax.train")
+                 for b in targets if b == "taco_jax.kernels" or b.startswith("taco_jax.kernels."))
+    assert not bad, f"modules of taco_jax/train import taco_jax.kernels: {bad}"
+
+
+def test_the_compressed_collectives_never_import_a_kernel(graph):
+    """`collectives/compressed.py` dispatches to wire codecs through the codec's registry."""
+    bad = sorted(b for b in graph["taco_jax.collectives.compressed"] if b.startswith("taco_jax.kernels"))
+    assert not bad, bad

@@ -9,6 +9,7 @@ in-process CPU all-reduce. Same collectives -> the same bits; the default in-pro
 differ in the last bits (a few 1e-6 relative after a step; checked against a bound below).
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -126,21 +127,23 @@ def test_malloc_keep_takes_effect_in_glibc():
 
 
 def test_gloo_reduce_scatter_switch_from_the_environment(monkeypatch):
-    from taco_jax.collectives import compressed
+    """TACO_GLOO_REDUCE_SCATTER is read when a codec's transport is resolved (policy resolution, or
+    a library call's unresolved codec at trace time); a resolved codec keeps its transport."""
+    from taco_jax.codec import NONE, resolve_codec
+    from taco_jax.codec.dispatch import resolve_transport
+    from taco_jax.collectives import CommPolicy
 
-    monkeypatch.setattr(compressed, "GLOO_REDUCE_SCATTER_WORKAROUND", None)
     monkeypatch.setenv("TACO_GLOO_REDUCE_SCATTER", "bogus")
     with pytest.raises(ValueError, match="TACO_GLOO_REDUCE_SCATTER='bogus' must be one of"):
-        compressed._gloo_collectives()  # read at trace time, not at import
+        resolve_transport()
+    with pytest.raises(ValueError, match="site ar_fwd: TACO_GLOO_REDUCE_SCATTER='bogus'"):
+        CommPolicy.none().resolve_backends()
     monkeypatch.setenv("TACO_GLOO_REDUCE_SCATTER", "lax")
-    assert compressed._gloo_collectives() is False
-
-    assert compressed._env_choice("TACO_TEST_UNSET_VAR", ("all_to_all", "lax")) == "all_to_all"
-    monkeypatch.setenv("TACO_TEST_VAR", "lax")
-    assert compressed._env_choice("TACO_TEST_VAR", ("all_to_all", "lax")) == "lax"
-    monkeypatch.setenv("TACO_TEST_VAR", "ring")
-    with pytest.raises(ValueError, match="TACO_TEST_VAR='ring' must be one of"):
-        compressed._env_choice("TACO_TEST_VAR", ("all_to_all", "lax"))
+    assert resolve_transport() == "xla"
+    monkeypatch.delenv("TACO_GLOO_REDUCE_SCATTER")
+    assert resolve_transport() == "xla"  # one process, jax.distributed not initialized: no gloo
+    assert resolve_transport("gloo") == "gloo"
+    assert resolve_codec(dataclasses.replace(NONE, transport="gloo")).transport == "gloo"
 
 
 _GLOO_RS = """
@@ -154,7 +157,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from taco_jax.codec import NONE
 from taco_jax.collectives import compressed as cc
-cc.GLOO_REDUCE_SCATTER_WORKAROUND = sys.argv[1] == "1"
+from taco_jax.codec import resolve_codec
+WORKAROUND = sys.argv[1] == "1"
+NONE = resolve_codec(NONE)  # after jax.distributed: transport "gloo" ("xla" with TACO_GLOO_REDUCE_SCATTER=lax)
+assert NONE.transport == ("gloo" if WORKAROUND else "xla"), NONE
 mesh = jax.make_mesh((4,), ("t",), devices=jax.devices())
 x = np.random.default_rng(0).standard_normal((4, 3, 8, 5)).astype(np.float32)  # rank r: x[r] [3, 8, 5]
 def loss(v):
@@ -185,7 +191,7 @@ jvp_ok = bool(np.abs(d1).max() < 1e-5 and np.abs(d2).max() < 1e-5 and g0.shape =
 s = x[0] + x[1] + x[2] + x[3]
 want = np.stack([s[:, 2 * r:2 * r + 2] for r in range(4)])
 print("reduce-scatter" in hlo, "all-to-all" in hlo,
-      np.array_equal(y, want) if cc.GLOO_REDUCE_SCATTER_WORKAROUND else np.allclose(y, want, rtol=1e-6, atol=1e-6),
+      np.array_equal(y, want) if WORKAROUND else np.allclose(y, want, rtol=1e-6, atol=1e-6),
       np.allclose(g, np.broadcast_to(8 * s, x.shape), rtol=1e-5, atol=1e-5), jvp_ok)
 jax.distributed.shutdown()
 """
@@ -197,14 +203,15 @@ def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
     the exact all-gather's transpose compile to an all-to-all plus a local sum, not XLA:CPU's gloo
     reduce-scatter (jax-ml/jax#40830), and give psum_scatter's values (bit for bit the sum in rank
     order; gloo's own reduce-scatter sums in another order) and gradient (8 s: 4 ranks, each with
-    loss sum(s^2)), and forward mode (jax.jvp) works, also for a zero-size block; with the switch off,
-    the compiled step has the reduce-scatter again."""
+    loss sum(s^2)), and forward mode (jax.jvp) works, also for a zero-size block; with
+    TACO_GLOO_REDUCE_SCATTER=lax (transport "xla"), the compiled step has the reduce-scatter again."""
     import os
     import subprocess
 
     e = {k: v for k, v in os.environ.items() if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
                                                            "JAX_PROCESS_ID")}
-    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             TACO_GLOO_REDUCE_SCATTER="all_to_all" if workaround else "lax")
     out = subprocess.run([sys.executable, "-c", _GLOO_RS, "1" if workaround else "0"], env=e, capture_output=True,
                          text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,9 +1,10 @@
-"""Fused wire path of the compressed collectives (C++ FFI on CPU, `compressed.FUSED_WIRE`).
+"""The "ffi" wire codec (packed rows written and read by the C++ FFI kernels on CPU) against the generic one.
 
 1. Each packed FFI target (`ffi_codec.encode_packed` ...) equals, byte for byte / bit for bit, the
-   unfused composition it replaces: `encode_groups` + `compressed._packed`, `decode_groups`,
-   `compressed._sum_fp32`, `reduce_groups`; both kernels (impl 0 / 1), partial last groups, NaN/Inf.
-2. Every compressed collective gives bit-identical values (and gradients) with FUSED_WIRE True and False.
+   generic composition it replaces: `encode_groups` + `codec.wire.pack_rows`, `decode_groups`,
+   `codec.wire.sum_fp32`, `reduce_groups`; both kernels (impl 0 / 1), partial last groups, NaN/Inf.
+2. Every compressed collective gives bit-identical values (and gradients) with `CodecConfig.wire`
+   "ffi" (fused) and "generic" (unfused).
 3. The compiled fused two-shot psum has no concatenation around its transfers.
 """
 
@@ -17,7 +18,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.codec import TACO, decode, encode, reduce_encoded
+from taco_jax.codec import TACO, decode, encode, reduce_encoded, resolve_codec, wire_for
+from taco_jax.codec import wire as generic_wire
 from taco_jax.collectives import compressed
 from taco_jax.kernels import ffi_codec
 from taco_jax.kernels._platform import default_platform
@@ -51,15 +53,20 @@ def _same(a, b):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def _grads_fused_and_unfused(monkeypatch, body, x, p, *, seed):
-    """d/dx of sum(w * body(x)) (w random, fixed) inside shard_map over P ranks, with the fused wire
-    path on, then off."""
+def _wired(cfg, fused: bool):
+    """`cfg` with the "ffi" wire codec (fused) or the generic one."""
+    return dataclasses.replace(cfg, wire="ffi" if fused else "generic")
+
+
+def _grads_fused_and_unfused(make, cfg, x, p, *, seed):
+    """d/dx of sum(w * body(x)) (w random, fixed; body = make(codec)) inside shard_map over P ranks,
+    with the "ffi" wire codec, then the generic one."""
     mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
-    out = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("t"), out_specs=P("t")), x)
+    out = jax.eval_shape(jax.shard_map(make(cfg), mesh=mesh, in_specs=P("t"), out_specs=P("t")), x)
     w = _x(out.shape, seed=seed, nonfinite=False)
 
     def grad(fused):
-        monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+        body = make(_wired(cfg, fused))
         f = jax.shard_map(lambda v, u: jax.lax.psum(jnp.sum(u * body(v)), "t"), mesh=mesh,
                           in_specs=(P("t"), P("t")), out_specs=P())
         return jax.jit(jax.grad(lambda v: f(v, w)))(x)
@@ -67,24 +74,15 @@ def _grads_fused_and_unfused(monkeypatch, body, x, p, *, seed):
     return grad(True), grad(False)
 
 
-def _wire(enc, batch_dims):
-    """The uint8 wire buffer `compressed._packed` builds from an `Encoded`."""
-    box = []
-    compressed._packed(lambda b: box.append(b) or b, enc, batch_dims)
-    return box[0]
-
-
 def _unfused_rows(x, cfg, batch_dims=1):
-    """The uint8 wire buffer the unfused path builds: encode + `compressed._packed`."""
-    return _wire(encode(x, cfg, batch_dims=batch_dims), batch_dims)
+    """The uint8 wire buffer the generic wire codec builds: encode + `pack_rows`."""
+    return generic_wire.pack_rows(encode(x, cfg, batch_dims=batch_dims), batch_dims)
 
 
 def _decoded(rows, cfg, m, has_a=True, dtype=jnp.float32):
-    """Unfused decode of packed rows [..., row_bytes] -> [..., m]: `_packed`'s unpacking + decode."""
-    lead = rows.shape[:-1]
+    """Generic decode of packed rows [..., row_bytes] -> [..., m]: `unpack_rows` + decode."""
     dec_cfg = cfg if has_a else dataclasses.replace(cfg, scale_layout="folded")
-    proto = encode(jnp.zeros((*lead, m), jnp.float32), dec_cfg, batch_dims=len(lead))
-    return decode(compressed._packed(lambda b: rows, proto, len(lead)), dec_cfg, dtype)
+    return decode(generic_wire.unpack_rows(rows, dec_cfg, (m,), jnp.float32), dec_cfg, dtype)
 
 
 CASES = [("e4m3", 32, "dual", 100), ("e4m3", 128, "folded", 1024), ("e5m2", 512, "dual", 700),
@@ -108,7 +106,7 @@ def test_packed_targets_equal_unfused_composition(fmt, g, layout, m, impl):
     _same(dec, want_dec)
     assert np.isnan(np.asarray(dec)[1]).any() and np.isnan(np.asarray(dec)[2]).any()
     tot = jax.jit(lambda r: ffi_codec.decode_sum_packed(r, cfg, m, impl=impl))(rows)
-    _same(tot, jax.jit(lambda d: compressed._sum_fp32(d, jnp.float32))(want_dec))
+    _same(tot, jax.jit(lambda d: generic_wire.sum_fp32(d, jnp.float32))(want_dec))
 
     # one buffer per destination (split) and one operand per source rank: the same bytes
     parts = ffi_codec.encode_packed(x, cfg, split=True, impl=impl)
@@ -125,14 +123,14 @@ def test_packed_targets_equal_unfused_composition(fmt, g, layout, m, impl):
     xf = _x((p, m), seed=g + m + 1, nonfinite=False)
     rf = ffi_codec.encode_packed(xf, cfg)
     red = jax.jit(lambda r: ffi_codec.reduce_packed(r, cfg, m, impl=impl))(rf)
-    want_red = jax.jit(lambda r: _unfused_rows(compressed._sum_fp32(_decoded(r, cfg, m), jnp.float32), cfg, 0))(rf)
+    want_red = jax.jit(lambda r: _unfused_rows(generic_wire.sum_fp32(_decoded(r, cfg, m), jnp.float32), cfg, 0))(rf)
     _same(red, want_red)
     red_nan = np.asarray(ffi_codec.reduce_packed(rows, cfg, m, impl=impl))
     assert np.isnan(np.asarray(ffi_codec.decode_packed(jnp.asarray(red_nan), cfg, m))).any()
 
     # transform-domain reduce, folded output
     had = jax.jit(lambda r: ffi_codec.reduce_hadamard_packed(r, cfg, m, impl=impl))(rows)
-    want_had = jax.jit(lambda v: _wire(reduce_encoded(encode(v, cfg, batch_dims=1), cfg), 0))(x)
+    want_had = jax.jit(lambda v: generic_wire.pack_rows(reduce_encoded(encode(v, cfg, batch_dims=1), cfg), 0))(x)
     _same(had, want_had)
     assert had.shape[-1] == ffi_codec.packed_row_bytes(m, cfg, has_a=False)
     hd = ffi_codec.decode_packed(had, cfg, m, has_a=False, impl=impl)
@@ -183,27 +181,26 @@ def test_bad_packed_input_raises():
 
 
 # --------------------------------------------------------------------------------------------
-# collectives: FUSED_WIRE True vs False
+# collectives: wire "ffi" vs "generic" (each `make(codec)` gives the per-rank function)
 # --------------------------------------------------------------------------------------------
 
 
-def _run(monkeypatch, fused, fn, x, p):
-    monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+def _run(make, cfg, fused, x, p):
     mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
-    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("t"), out_specs=P("t")))
+    f = jax.jit(jax.shard_map(make(_wired(cfg, fused)), mesh=mesh, in_specs=P("t"), out_specs=P("t")))
     return f(x)
 
 
-def _both(monkeypatch, fn, x, p):
-    a = _run(monkeypatch, True, fn, x, p)
-    b = _run(monkeypatch, False, fn, x, p)
+def _both(make, cfg, x, p):
+    a = _run(make, cfg, True, x, p)
+    b = _run(make, cfg, False, x, p)
     _same(a, b)
     return a
 
 
-def _hlo(monkeypatch, fused, fn, x, p):
-    monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+def _hlo(make, cfg, fused, x, p):
     mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
+    fn = make(_wired(cfg, fused))
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("t"), out_specs=P("t"))).lower(x).compile().as_text()
 
 
@@ -226,28 +223,37 @@ COLLECTIVES = {
 @pytest.mark.parametrize("p,rows,cols,layout", [(2, 8, 256, "dual"), (4, 12, 100, "folded"), (2, 6, 45, "dual"),
                                                 (4, 8, 512, "dual")], ids=str)
 @pytest.mark.parametrize("name", sorted(COLLECTIVES))
-def test_collectives_bit_identical_fused_vs_unfused(monkeypatch, name, p, rows, cols, layout, dtype):
+def test_collectives_bit_identical_fused_vs_unfused(name, p, rows, cols, layout, dtype):
     cfg = _cfg("e4m3" if cols % 2 == 0 else "e5m2", 32 if cols < 128 else 128, layout)
     x = _x((p * rows, cols), seed=rows + cols).astype(dtype)  # holds a NaN and an Inf (rank 0)
     x = x.at[p * rows - 1, 0].set(jnp.nan)  # and a NaN on the last rank
-    _both(monkeypatch, COLLECTIVES[name](cfg), x, p)
+    _both(COLLECTIVES[name], cfg, x, p)
 
 
 @pytest.mark.parametrize("name", ["psum_scatter", "all_gather"])
-def test_gradients_bit_identical_fused_vs_unfused(monkeypatch, name):
+def test_gradients_bit_identical_fused_vs_unfused(name):
     p, cfg = 4, _cfg("e4m3", 32, "dual")
     x = _x((p * 8, 40), seed=11, nonfinite=False)
-    _same(*_grads_fused_and_unfused(monkeypatch, COLLECTIVES[name](cfg), x, p, seed=12))
+    _same(*_grads_fused_and_unfused(COLLECTIVES[name], cfg, x, p, seed=12))
 
 
-def test_auto_backend_takes_the_fused_path():
-    """`auto` resolves to ffi here, so the default TACO codec uses the packed targets."""
+@pytest.mark.filterwarnings("ignore:codec backend 'auto' on cuda")
+def test_auto_resolves_to_the_ffi_wire_codec():
+    """`auto` resolves to ffi here, so the default TACO codec uses the packed targets; codecs whose
+    rows the kernels do not write, and messages they do not take, use the generic wire codec."""
     x = jnp.ones((4, 256))
-    assert compressed._fused_wire(TACO, x)
-    assert not compressed._fused_wire(dataclasses.replace(TACO, backend="reference"), x)
-    assert not compressed._fused_wire(dataclasses.replace(TACO, backend="ffi", group_axis="token"), x)
-    assert not compressed._fused_wire(dataclasses.replace(TACO, backend="ffi", nonfinite="zero"), x)
-    assert not compressed._fused_wire(_cfg(), jnp.ones((0, 4)))
+    assert resolve_codec(TACO).wire == "ffi"
+    assert wire_for(TACO, x).per_source  # "auto" resolved at trace time: the ffi wire codec
+    assert resolve_codec(dataclasses.replace(TACO, backend="reference")).wire == "generic"
+    assert resolve_codec(dataclasses.replace(TACO, backend="ffi", group_axis="token")).wire == "generic"
+    assert resolve_codec(dataclasses.replace(TACO, backend="ffi", nonfinite="zero")).wire == "generic"
+    assert resolve_codec(dataclasses.replace(TACO, kind="int8")).wire == "generic"
+    assert wire_for(_cfg(), jnp.ones((0, 4))) is generic_wire.GENERIC
+    assert wire_for(_wired(_cfg(), True), jnp.ones((4, 256), jnp.int32)) is generic_wire.GENERIC
+    with pytest.raises(ValueError, match="wire='ffi' needs kind='taco'"):
+        dataclasses.replace(_cfg(), wire="ffi", nonfinite="zero")
+    with pytest.raises(ValueError, match="wire='ffi' cannot run"):
+        resolve_codec(dataclasses.replace(TACO, wire="ffi"), "cuda")
 
 
 def _ops(hlo: str) -> dict:
@@ -258,20 +264,20 @@ def _ops(hlo: str) -> dict:
 
 
 @pytest.mark.parametrize("reduce_domain", ["signal", "hadamard"])
-def test_fused_two_shot_moves_wire_rows_without_copies(monkeypatch, reduce_domain):
+def test_fused_two_shot_moves_wire_rows_without_copies(reduce_domain):
     """The compiled fused two-shot psum is custom calls, collectives and bitcasts only: no
     concatenation, slice or elementwise fusion (copy) around the all-to-all and all-gather."""
     cfg = _cfg()
     x = _x((2 * 64, 256), seed=5, nonfinite=False)
-    fn = lambda v: compressed.psum(v, "t", codec=cfg, reduce_domain=reduce_domain)[None]  # noqa: E731
-    fused = _hlo(monkeypatch, True, fn, x, 2)
+    make = lambda c: (lambda v: compressed.psum(v, "t", codec=c, reduce_domain=reduce_domain)[None])  # noqa: E731
+    fused = _hlo(make, cfg, True, x, 2)
     ops = _ops(fused)
     assert set(ops) <= {"parameter", "bitcast", "custom-call", "get-tuple-element", "all-to-all", "all-gather"}, ops
     assert ops["custom-call"] == 3 and ops["all-to-all"] == 1 and ops["all-gather"] == 1, ops
     reducer = "taco_reduce_packed" if reduce_domain == "signal" else "taco_reduce_hadamard_packed"
     for t in ("taco_encode_packed", reducer, "taco_decode_packed"):
         assert f'custom_call_target="{t}"' in fused, t
-    unfused = _ops(_hlo(monkeypatch, False, fn, x, 2))
+    unfused = _ops(_hlo(make, cfg, False, x, 2))
     assert unfused.get("concatenate", 0) > 0 and unfused.get("fusion", 0) > 0  # what the fused path removes
 
 
@@ -337,7 +343,7 @@ SP_SHAPES = [((2, 8, 64), 1), ((3, 4, 40), 1), ((2, 3, 8, 32), 2), ((2, 8, 16), 
                          ids=lambda v: jnp.dtype(v).name if not isinstance(v, int) else str(v))
 @pytest.mark.parametrize("shape,dim", SP_SHAPES, ids=str)
 @pytest.mark.parametrize("kind", ["all_gather", "all_gather_untiled", "psum_scatter", "psum_scatter_untiled"])
-def test_sp_collectives_bit_identical_fused_vs_unfused(monkeypatch, kind, shape, dim, p, dtype):
+def test_sp_collectives_bit_identical_fused_vs_unfused(kind, shape, dim, p, dtype):
     cfg = _cfg("e4m3", 32, "dual")
     shape = list(shape)
     if kind == "psum_scatter":
@@ -346,7 +352,7 @@ def test_sp_collectives_bit_identical_fused_vs_unfused(monkeypatch, kind, shape,
         shape[dim] = p
     x = _x((p * shape[0], *shape[1:]), seed=sum(shape) + p, nonfinite=False).astype(dtype)
     x = x.at[0, 1, 2].set(jnp.nan).at[-1, 0, -1].set(jnp.inf)
-    _both(monkeypatch, _sp_fn(kind, dim, cfg), x, p)
+    _both(lambda c: _sp_fn(kind, dim, c), cfg, x, p)
 
 
 @pytest.mark.parametrize("dim", [1, 2])
@@ -364,57 +370,57 @@ def test_psum_scatter_message_layout(dim):
     inner = int(np.prod(per[dim:])) // p
     for r in range(p):
         msgs = jnp.asarray(xs.reshape(p, outer, p, inner)[:, :, r, :].reshape(p, -1))  # [q, m]
-        want = compressed._sum_fp32(decode(encode(msgs, cfg, batch_dims=1), cfg, jnp.float32), jnp.float32)
+        want = generic_wire.sum_fp32(decode(encode(msgs, cfg, batch_dims=1), cfg, jnp.float32), jnp.float32)
         shard = np.asarray(got).reshape(p, *per[:dim], per[dim] // p, *per[dim + 1:])[r]
         _same(shard.reshape(-1), want)
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "psum_scatter"])
 @pytest.mark.parametrize("p", [2, 4])
-def test_sp_gradients_bit_identical_fused_vs_unfused(monkeypatch, kind, p):
+def test_sp_gradients_bit_identical_fused_vs_unfused(kind, p):
     """jax.grad through all_gather / psum_scatter along dim 1 (backward: the other one along dim 1)."""
     cfg = _cfg("e4m3", 32, "dual")
     per = (2, 8 * (p if kind == "psum_scatter" else 1), 32)
     x = _x((p * per[0], *per[1:]), seed=31, nonfinite=False)
-    g, g_unfused = _grads_fused_and_unfused(monkeypatch, _sp_fn(kind, 1, cfg), x, p, seed=32)
+    g, g_unfused = _grads_fused_and_unfused(lambda c: _sp_fn(kind, 1, c), cfg, x, p, seed=32)
     _same(g, g_unfused)
     assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "psum_scatter"])
-def test_fused_sp_collectives_have_no_transpose(monkeypatch, kind):
+def test_fused_sp_collectives_have_no_transpose(kind):
     """Compiled fused all_gather(axis=1) / psum_scatter(dim=1) of [8, 64, 32] f32 per rank (P=2,
     G=128): custom calls, the collective and bitcasts only: no transpose and no copy fusion."""
     cfg = _cfg("e4m3", 128, "dual")
     x = _x((2 * 8, 64, 32), seed=41, nonfinite=False)
-    fn = _sp_fn(kind, 1, cfg)
-    hlo = _hlo(monkeypatch, True, fn, x, 2)
+    make = lambda c: _sp_fn(kind, 1, c)  # noqa: E731
+    hlo = _hlo(make, cfg, True, x, 2)
     ops = _ops(hlo)
     coll = "all-gather" if kind == "all_gather" else "all-to-all"
     assert set(ops) <= {"parameter", "bitcast", "custom-call", "get-tuple-element", coll}, ops
     assert not re.search(r"= \S+ (transpose|copy)\(", hlo) and "fusion" not in ops, ops  # any computation
     assert ops["custom-call"] == 2 and ops[coll] == 1, ops
-    unfused = _ops(_hlo(monkeypatch, False, fn, x, 2))
+    unfused = _ops(_hlo(make, cfg, False, x, 2))
     assert unfused.get("transpose", 0) + unfused.get("fusion", 0) + unfused.get("copy", 0) > 0, unfused
 
 
-def test_auto_backend_hadamard_psum_same_fused_and_unfused(monkeypatch):
-    """backend "auto" (the default): the unfused transform-domain reduction resolves "auto" too, so it
-    runs the same C++ reduction as the fused path (bit-identical results either way)."""
+def test_auto_backend_hadamard_psum_same_fused_and_unfused():
+    """backend "auto" (the default): the generic transform-domain reduction resolves "auto" too, so it
+    runs the same C++ reduction as the ffi wire codec (bit-identical results either way)."""
     cfg = dataclasses.replace(TACO)  # backend "auto"
     assert cfg.backend == "auto"
     x = _x((4 * 4, 512), seed=51, nonfinite=False)
     mesh = Mesh(np.array(jax.devices()[:4]), ("t",))
-    f = jax.shard_map(lambda v: compressed.psum(v, "t", codec=cfg, reduce_domain="hadamard"), mesh=mesh,
-                      in_specs=P("t"), out_specs=P())
     got = {}
     for fused in (True, False):
-        monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
+        c = _wired(cfg, fused)
+        f = jax.shard_map(lambda v, c=c: compressed.psum(v, "t", codec=c, reduce_domain="hadamard"), mesh=mesh,
+                          in_specs=P("t"), out_specs=P())
         got[fused] = jax.jit(f)(x)
     _same(got[True], got[False])
 
 
-@pytest.mark.parametrize("nonfinite", ["zero", "propagate"])  # "zero" takes the unfused path
+@pytest.mark.parametrize("nonfinite", ["zero", "propagate"])  # "zero" takes the generic wire codec
 def test_vmap_of_hadamard_psum(nonfinite):
     """vmap over a transform-domain psum: the C++ reduction takes the batch axis vmap adds."""
     cfg = dataclasses.replace(_cfg(), nonfinite=nonfinite)

@@ -17,12 +17,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from taco_jax import kernels  # noqa: E402
 from taco_jax.codec import backends as codec_backends  # noqa: E402
-from taco_jax.codec import encode, reference  # noqa: E402
+from taco_jax.codec import decode, encode, reference  # noqa: E402
 from taco_jax.codec.config import CodecConfig  # noqa: E402
+from taco_jax.codec.vma import vma_of  # noqa: E402
 from taco_jax.collectives.policy import CommPolicy  # noqa: E402
 from taco_jax.kernels import ffi_codec  # noqa: E402
 from taco_jax.kernels._platform import default_platform  # noqa: E402
-from taco_jax.kernels._vma import vma_of  # noqa: E402
 from taco_jax.kernels.conformance import (  # noqa: E402
     assert_conforms,
     assert_decode_conforms,
@@ -85,7 +85,8 @@ def test_resolve_codec_makes_auto_concrete_and_names_reference_for_other_kinds()
     got = kernels.resolve_codec(CodecConfig(backend="auto"), "cpu")
     assert got.backend == kernels.resolve("auto", "cpu") != "auto"
     int8 = CodecConfig(kind="int8", backend="auto")  # its group math is always the jnp reference
-    assert kernels.resolve_codec(int8, "cpu") == dataclasses.replace(int8, backend="reference")
+    assert kernels.resolve_codec(int8, "cpu") == dataclasses.replace(int8, backend="reference", wire="generic",
+                                                                     transport="xla")
 
 
 def test_policy_resolution_names_the_site_whose_backend_cannot_run():
@@ -111,7 +112,7 @@ def test_auto_is_the_default_and_resolves_at_trace_time_in_a_library_call():
 
 
 def test_auto_without_a_chooser_is_reference(monkeypatch):
-    monkeypatch.setattr(codec_backends, "_AUTO", [])
+    monkeypatch.setattr(codec_backends, "_RESOLVER", [])
     assert codec_backends.resolve_auto() == "reference"
 
 
@@ -154,7 +155,7 @@ def test_every_site_of_the_train_step_runs_the_requested_backend(monkeypatch, co
         monkeypatch.setitem(codec_backends._LOADED, name, codec_backends.GroupBackend(
             recording(name, real.encode_groups), recording(name, real.decode_groups)))
     for fn in ("encode_packed", "decode_packed", "decode_sum_packed", "reduce_packed", "reduce_hadamard_packed"):
-        monkeypatch.setattr(ffi_codec, fn, recording("ffi", getattr(ffi_codec, fn)))  # compressed.FUSED_WIRE
+        monkeypatch.setattr(ffi_codec, fn, recording("ffi", getattr(ffi_codec, fn)))  # the "ffi" wire codec
     cfg = TrainConfig.from_flags(comm=comm, dp_comm="taco", pp_comm="taco", backend=backend,
                                  mesh="data=2,stage=2,tensor=2", microbatches=2, model="gpt2-tiny", vocab_size=512,
                                  batch_size=8, seq_len=32)
@@ -319,11 +320,11 @@ def test_ffi_under_vmap_matches_unbatched():
 def test_codec_encode_decode_with_ffi_backend_conform(layout):
     x = jnp.asarray(np.random.default_rng(4).standard_normal((37, 100)).astype(np.float32))  # partial last group
     cfg_r, cfg_f = CodecConfig(scale_layout=layout), CodecConfig(scale_layout=layout, backend="ffi")
-    got, want = reference.encode(x, cfg_f), reference.encode(x, cfg_r)
+    got, want = encode(x, cfg_f), encode(x, cfg_r)
     ones = jnp.ones_like(got.scale)
     prescale = (got.prescale, want.prescale) if layout == "dual" else (ones, ones)
     assert_conforms((got.codes, got.scale, prescale[0]), (want.codes, want.scale, prescale[1]), 128)
-    assert_decode_conforms(reference.decode(got, cfg_f), reference.decode(got, cfg_r), 128)
+    assert_decode_conforms(decode(got, cfg_f), decode(got, cfg_r), 128)
 
 
 @pytest.mark.parametrize(("g", "fmt"), [(32, "e4m3"), (128, "e5m2"), (512, "e4m3")])

@@ -160,19 +160,18 @@ def _ancestors(ops, name, memo):
     return memo[name]
 
 
-#: custom-call targets of the fused wire path (`compressed.FUSED_WIRE`) -> the step they stand for
+#: custom-call targets of the "ffi" wire codec (`CodecConfig.wire`) -> the step they stand for
 _PACKED_STEP = {"taco_encode_packed": "taco_encode", "taco_reduce_hadamard_packed": "taco_reduce",
                 "taco_decode_packed": "taco_decode"}
 
 
 @needs_ffi
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_wire", "unfused"])
-def test_chunked_psum_has_independent_chains_in_compiled_hlo(mesh, monkeypatch, fused):
+def test_chunked_psum_has_independent_chains_in_compiled_hlo(mesh, fused):
     """K chunks compile to K encode -> all-to-all -> reduce -> all-gather -> decode chains with no
     data dependence between chains: every encode is ready before any transfer, so XLA's thunk
     executor may run chain i+1's codec work beside chain i's transfers."""
-    monkeypatch.setattr(compressed, "FUSED_WIRE", fused)
-    codec = kernels.resolve_codec(dataclasses.replace(TACO, backend="ffi"))
+    codec = kernels.resolve_codec(dataclasses.replace(TACO, backend="ffi", wire="ffi" if fused else "generic"))
     x = _x((8, 64, 256), seed=7)
     hlo = _psum(mesh, codec=codec, reduce_domain="hadamard", chunks=2).lower(x).compile().as_text()
     ops, lines = _deps(hlo)

@@ -1,18 +1,14 @@
-"""Registry of the implementations ("backends") of the taco group math, filled in by their owners.
+"""Registries of the implementations of the codec, filled in by their owners: group backends and wire codecs.
 
-The codec defines the contract and looks a backend up by name; it never imports an
-implementation. `taco_jax.codec.reference` registers "reference" (plain jnp, the
-specification); `taco_jax.kernels` registers "pallas", "triton" and "ffi" when it is imported,
-and the chooser of "auto" (`register_auto`). "auto" (the default of `CodecConfig.backend`) is
-resolved in one of two places, both before a kernel is called:
-  * training: once, before tracing (`taco_jax.kernels.resolve_codec`, `CommPolicy.resolve_backends`),
-    so the run's policy, printed and stored in summary.json, names the concrete backend;
-  * a library call with an "auto" codec (`encode(x, TACO)`, `collectives.psum(x, codec=TACO)`): at
-    trace time, by `get_backend("auto")`, which asks the registered chooser (kernels: ffi on CPU
-    when built, else reference with a one-time warning; GPU kernels on GPU) for jax's default
-    platform, or gives "reference" when no chooser is registered (`taco_jax.kernels` not imported).
+The codec defines the contracts and looks implementations up by name; it never imports one.
+`taco_jax.codec.dispatch` registers the "reference" group backend (plain jnp, the specification)
+and `taco_jax.codec.wire` the "generic" wire codec; `taco_jax.kernels` registers the "pallas",
+"triton" and "ffi" group backends, the "ffi" wire codec (CPU) and the resolver of backend names
+(`register_resolver`: which backend "auto" stands for, and whether a named one can run here)
+when it is imported. Every "auto" of a `CodecConfig` is resolved in one place,
+`taco_jax.codec.dispatch.resolve_codec`, which asks these registries.
 
-Contract of a backend (spec §2 steps 1-5 and their inverse):
+Contract of a group backend (spec §2 steps 1-5 and their inverse):
   encode_groups(xg, cfg, *, last_count) -> (codes, s, a)
     xg: float32 [..., n_groups, G], the last group zero-padded past `last_count` (1..G), G =
     cfg.group_size; codes: cfg.code_dtype [..., n_groups, G]; s, a: float32 [..., n_groups];
@@ -23,6 +19,30 @@ Optional, registered apart (`register_reducer`; none registered: the reference's
     all-reduce (`taco_jax.codec.reference.reduce_groups`): codes [P, ..., n_groups, G] and
     s, a [P, ..., n_groups] of P ranks' messages -> the requantized sum, codes [..., n_groups, G]
     and s [..., n_groups] (folded layout: decode_groups(codes, s, None) gives the sum).
+
+Contract of a wire codec (`WireCodec`): messages <-> the uint8 rows the collectives move. A row
+holds one message's wire buffers as bytes, [codes][s][a] ([codes][s/a] folded), the layout
+`taco_jax.codec.wire.pack_rows` gives; every wire codec writes and reads the same bytes and
+gives values bit-identical to the generic one. `shape` is the shape of one message and `dtype`
+its dtype; the rows' leading axes index messages.
+  encode_rows(x, cfg, *, batch_dims=0, blocks=None, per_rank=False) -> uint8 [*batch, row_bytes]
+    x: float [*batch, *shape] (messages along the leading `batch_dims` axes); or, with
+    blocks=(dim, P), x [*pre, P*s, *post] holding P messages, message r its block r along `dim`
+    ([*pre, s, *post]), giving rows [P, row_bytes]. per_rank: the rows are for an all-to-all (the
+    wire codec may lay them out as one buffer per destination).
+  decode_rows(rows, cfg, shape, dtype, *, axis=0) -> dtype [*lead, *shape]
+    rows [*lead, row_bytes]; finite values clipped to dtype's range before the cast
+    (`dispatch.clip_to_dtype`). axis (rows [P, row_bytes] only): where the P axis goes:
+    [*shape[:axis], P, *shape[axis:]].
+  decode_sum_rows(rows, cfg, shape, dtype) -> dtype [*shape]
+    rows: uint8 [P, row_bytes], or the sequence of P rows an all-to-all delivered (`per_source`);
+    the P messages decoded and summed in FP32 in rank order, then cast.
+  reduce_rows(rows, cfg, shape, dtype, domain) -> uint8 [row_bytes]
+    the middle step of the two-shot all-reduce on received rows (as `decode_sum_rows` takes
+    them): "signal": the FP32 sum rounded to dtype and encoded again; "hadamard" (kind taco):
+    `reduce_groups`, the sum's rows in the folded layout.
+  per_source: whether the rows an all-to-all delivers are handed to decode_sum_rows / reduce_rows
+    as a sequence of P buffers (one per source rank) rather than one [P, row_bytes] array.
 """
 
 from __future__ import annotations
@@ -38,10 +58,22 @@ class GroupBackend(NamedTuple):
     decode_groups: Callable
 
 
+class WireCodec(NamedTuple):
+    """One implementation of the wire rows (contract in the module docstring)."""
+
+    encode_rows: Callable
+    decode_rows: Callable
+    decode_sum_rows: Callable
+    reduce_rows: Callable
+    per_source: bool = False
+
+
 _LOADERS: dict[str, Callable[[], GroupBackend]] = {}
 _LOADED: dict[str, GroupBackend] = {}
-_AUTO: list[Callable[[], str]] = []  # the chooser of "auto" (at most one; `register_auto`)
+_RESOLVER: list[Callable] = []  # at most one (`register_resolver`)
 _REDUCERS: dict[str, Callable] = {}
+_WIRE_LOADERS: dict[str, tuple[Callable[[], WireCodec], tuple[str, ...]]] = {}
+_WIRE_LOADED: dict[str, WireCodec] = {}
 
 
 def register_reducer(name: str, fn: Callable) -> None:
@@ -51,10 +83,9 @@ def register_reducer(name: str, fn: Callable) -> None:
 
 def get_reducer(name: str) -> Callable | None:
     """Backend `name`'s `reduce_groups`, or None if it has none (then the reference's applies).
-    "auto" is `resolve_auto()`'s, as in `get_backend`. Loads the backend first (`get_backend`),
-    whose loader may register it."""
-    if name == "auto":
-        name = resolve_auto()
+    "auto" is `resolve_backend("auto")`'s. Loads the backend first (`get_backend`), whose loader
+    may register it."""
+    name = resolve_backend(name)
     get_backend(name)
     return _REDUCERS.get(name)
 
@@ -66,16 +97,31 @@ def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
     _LOADED.pop(name, None)
 
 
-def register_auto(chooser: Callable[[], str]) -> None:
-    """Registers `chooser() -> name`, the concrete backend "auto" stands for (jax's default platform);
-    `taco_jax.kernels` registers its `resolve("auto")`. Re-registering replaces it."""
-    _AUTO[:] = [chooser]
+def register_resolver(resolver: Callable, platform: Callable[[], str]) -> None:
+    """Registers `resolver(name, platform, *, n_devices) -> concrete backend name` (it raises
+    ValueError for a backend that cannot run on `platform`) and `platform() -> str`, the platform
+    traced for by default; `taco_jax.kernels` registers `resolve` and `default_platform`.
+    Re-registering replaces them."""
+    _RESOLVER[:] = [(resolver, platform)]
+
+
+def default_platform() -> str:
+    """The platform the codec is traced for: the registered one (`taco_jax.kernels`), else "cpu"."""
+    return _RESOLVER[0][1]() if _RESOLVER else "cpu"
+
+
+def resolve_backend(name: str, platform: str | None = None, *, n_devices: int = 1) -> str:
+    """The concrete group backend `name` stands for on `platform` (default: `default_platform()`):
+    the registered resolver's answer; without one (`taco_jax.kernels` not imported), "reference"
+    for "auto" and the name itself otherwise. Raises ValueError from the resolver."""
+    if _RESOLVER:
+        return _RESOLVER[0][0](name, platform, n_devices=n_devices)
+    return "reference" if name == "auto" else name
 
 
 def resolve_auto() -> str:
-    """The concrete backend "auto" stands for here: the registered chooser's answer, or "reference"
-    when nothing registered one (`taco_jax.kernels` not imported)."""
-    return _AUTO[0]() if _AUTO else "reference"
+    """The concrete backend "auto" stands for here (`resolve_backend("auto")`)."""
+    return resolve_backend("auto")
 
 
 def registered_backends() -> tuple[str, ...]:
@@ -90,11 +136,40 @@ def get_backend(name: str) -> GroupBackend:
     """
     if name == "auto":
         name = resolve_auto()
-    got = _LOADED.get(name)
+    return _load(name, _LOADED, _LOADERS, "codec backend", "pallas, triton and ffi")
+
+
+def _load(name: str, loaded: dict, loaders: dict, what: str, kernels_register: str):
+    """`loaded[name]`, loading it with `loaders[name]` (a loader, or a (loader, ...) tuple) once.
+    Raises ValueError for a name nothing registered."""
+    got = loaded.get(name)
     if got is not None:
         return got
-    if name not in _LOADERS:
-        raise ValueError(f"codec backend {name!r} is not registered (registered: {registered_backends()}); "
-                         "`import taco_jax.kernels` registers pallas, triton and ffi")
-    got = _LOADED[name] = _LOADERS[name]()
+    if name not in loaders:
+        raise ValueError(f"{what} {name!r} is not registered (registered: {tuple(loaders)}); "
+                         f"`import taco_jax.kernels` registers {kernels_register}")
+    loader = loaders[name]
+    got = loaded[name] = (loader[0] if isinstance(loader, tuple) else loader)()
     return got
+
+
+def register_wire(name: str, loader: Callable[[], WireCodec], platforms: tuple[str, ...] = ()) -> None:
+    """Registers wire codec `name`: `loader()` is called on its first use; `platforms` lists where it
+    runs (empty: everywhere). A wire codec other than "generic" runs the group math of the backend
+    of the same name. Re-registering replaces the entry."""
+    _WIRE_LOADERS[name] = (loader, tuple(platforms))
+    _WIRE_LOADED.pop(name, None)
+
+
+def wire_runs_on(name: str, platform: str) -> bool:
+    """Whether wire codec `name` is registered and runs on `platform`."""
+    entry = _WIRE_LOADERS.get(name)
+    return entry is not None and (not entry[1] or platform in entry[1])
+
+
+def get_wire(name: str) -> WireCodec:
+    """The wire codec registered as `name` (loaded once per process).
+
+    Raises: ValueError for a name nothing registered.
+    """
+    return _load(name, _WIRE_LOADED, _WIRE_LOADERS, "wire codec", "ffi")

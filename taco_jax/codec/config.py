@@ -31,10 +31,27 @@ _SCALE_WORDS = {"fp8_group": 1, "int8": 1, "int4": 1, "tah": 2}
 
 
 #: Implementations of the taco group math (registry: `taco_jax.codec.backends`; filled in by
-#: `taco_jax.kernels`). "auto" (the default) and whether a backend runs here are resolved once,
-#: before tracing, in training (`taco_jax.kernels.resolve_codec`, `CommPolicy.resolve_backends`);
-#: a library call with an "auto" codec resolves it at trace time (`codec.backends.get_backend`).
+#: `taco_jax.kernels`). "auto" (the default) and whether a backend runs here are resolved by
+#: `taco_jax.codec.dispatch.resolve_codec`: once, before tracing, in training
+#: (`CommPolicy.resolve_backends`); at trace time for a library call with an "auto" codec.
 BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
+#: Wire codecs (`CodecConfig.wire`; registry: `taco_jax.codec.backends.register_wire`): what turns a
+#: message into the uint8 rows a collective moves, and rows back into values, sums or a requantized
+#: sum. "generic" composes `encode` / `decode` of the group backend with byte packing
+#: (`taco_jax.codec.wire`); "ffi" runs the C++ FFI kernels that read and write the rows themselves
+#: (CPU; `taco_jax.kernels.ffi_codec`). "auto" (the default) is resolved with the backend.
+WIRES = ("auto", "generic", "ffi")
+#: How the exact (uncompressed) collectives move their data (`CodecConfig.transport`): "xla": the
+#: `lax` collectives as XLA lowers them. "gloo": XLA:CPU runs the collectives through gloo
+#: (`jax.distributed` initialized, CPU backend); then (1) the reduce-scatter, which gloo's
+#: ReduceScatterHalvingDoubling intermittently gets wrong (jax-ml/jax#40830), runs as an
+#: all-to-all plus a rank-order sum instead, and (2) messages of a float dtype narrower than 32
+#: bits (bfloat16, float16), which XLA:CPU would widen to float32 on the wire, move as their own
+#: bytes (bit-cast to unsigned integers, moved by all-to-all / all-gather / collective-permute,
+#: summed in FP32 on the receiver), the bytes a GPU run (NCCL) moves. "gloo_widened": (1) only,
+#: narrow floats moved as XLA:CPU widens them (the baseline before (2), kept for comparisons).
+#: "auto" (the default) is resolved with the backend (`taco_jax.codec.dispatch.resolve_transport`).
+TRANSPORTS = ("auto", "xla", "gloo", "gloo_widened")
 
 
 def fp8_max(fmt: str) -> float:
@@ -94,7 +111,21 @@ class CodecConfig:
         library call gets an "auto" codec. "reference" = plain jnp, the specification and the
         tests' oracle (see `taco_jax.kernels`). The other kinds always run the jnp reference.
         Only the name is checked here; availability (e.g. "triton" on CPU is refused, listing the
-        available ones) is checked by `taco_jax.kernels.resolve_codec`.
+        available ones) is checked by `taco_jax.codec.dispatch.resolve_codec`.
+      wire: kind "taco": the wire codec that packs messages into the rows the collectives move
+        (one of `WIRES`): "generic" (`encode` / `decode` of `backend` plus byte packing) or "ffi"
+        (the C++ FFI kernels read and write the rows themselves; CPU, backend "ffi", group_axis
+        "hidden", nonfinite "propagate"; values bit-identical to "generic"). Default "auto": "ffi"
+        where it can run, else "generic". Other kinds always use "generic".
+      transport: how the exact collectives (kind "none", and a compressed collective's exact
+        backward or below-threshold messages) move data, one of `TRANSPORTS`: "xla", "gloo" or
+        "gloo_widened".
+        Default "auto": "gloo" when XLA:CPU runs the collectives through gloo (`jax.distributed`
+        initialized, CPU backend) unless the environment variable TACO_GLOO_REDUCE_SCATTER=lax
+        (read when the codec is resolved) asks for XLA's own reduce-scatter; else "xla".
+      All "auto" fields are resolved in one place, `taco_jax.codec.dispatch.resolve_codec`: once,
+      before tracing, in training (`CommPolicy.resolve_backends`), or at trace time when a library
+      call gets an unresolved codec.
 
     Raises:
       ValueError: on any value outside the sets above, naming it.
@@ -110,6 +141,8 @@ class CodecConfig:
     nonfinite: str = "propagate"
     backend: str = "auto"
     hadamard: bool = False
+    wire: str = "auto"
+    transport: str = "auto"
     site: str = ""
 
     def __post_init__(self):
@@ -120,6 +153,15 @@ class CodecConfig:
         _check("group_axis", self.group_axis, GROUP_AXES)
         _check("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _check("backend", self.backend, BACKENDS)
+        _check("wire", self.wire, WIRES)
+        _check("transport", self.transport, TRANSPORTS)
+        if self.wire not in ("auto", "generic") and not (
+                self.kind == "taco" and self.group_axis == "hidden" and self.nonfinite == "propagate"
+                and self.backend in (self.wire, "auto")):
+            raise ValueError(f"wire={self.wire!r} needs kind='taco', group_axis='hidden', nonfinite='propagate' "
+                             f"and backend {self.wire!r} or 'auto' (got kind={self.kind!r}, "
+                             f"group_axis={self.group_axis!r}, nonfinite={self.nonfinite!r}, "
+                             f"backend={self.backend!r}); use wire='generic'")
         if not self.lam >= 0:
             raise ValueError(f"lam={self.lam!r} must be >= 0")
         f = fp8_max(self.fmt)

@@ -1,7 +1,7 @@
 """Group math of the non-TACO codecs: per-tensor / per-group FP8, int8, int4 (SDP4Bit-style), TAH-style tiles.
 
 Every function works on float32 groups `[..., n_groups, G]` (the last group zero-padded) and
-returns / takes the wire buffers `(codes, scale, prescale)`; `taco_jax.codec.reference.encode`
+returns / takes the wire buffers `(codes, scale, prescale)`; `taco_jax.codec.dispatch.encode`
 cuts messages into groups and calls these. A group holding NaN/±Inf gets a NaN scale, so it
 decodes to NaN (the "propagate" policy; "zero" and "error" are applied around these functions).
 

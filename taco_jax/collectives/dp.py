@@ -3,8 +3,10 @@
 Gradients are computed per data shard (the caller differentiates w.r.t. parameters made varying
 over the data axis, and scales the loss by 1 / data size) and summed here:
 
-- codec kind "none": `lax.psum` per gradient leaf — exactly what `shard_map`'s transpose inserts
-  when the gradient is taken outside, so the uncompressed numerics are unchanged.
+- codec kind "none": `lax.psum` per gradient leaf (`compressed.psum` with the exact codec) — exactly
+  what `shard_map`'s transpose inserts when the gradient is taken outside, so the uncompressed
+  numerics are unchanged. (Gradients of the FP32 parameters are FP32; a narrower gradient leaf
+  moves as its own bytes under transport "gloo", `CodecConfig.transport`.)
 - any other codec: the leaves are packed into one flat FP32 bucket per (dtype, varying-axes) class
   and summed with the two-shot compressed all-reduce (`compressed.psum(..., algorithm="two_shot")`):
   encode P chunks -> all-to-all -> decode, sum in FP32 the chunk this rank owns (reduce-scatter)
@@ -25,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from taco_jax.codec.vma import pvary, vma_of
 from taco_jax.collectives import compressed
 from taco_jax.collectives.policy import CommPolicy
-from taco_jax.kernels._vma import pvary, vma_of
 
 
 def varying_axes(x) -> frozenset:
@@ -50,7 +52,9 @@ def sync_gradients(grads, axis_name: str | None, policy: CommPolicy):
     """
     if axis_name is None:
         return grads
-    if policy.dp_grads.kind == "none" or lax.axis_size(axis_name) == 1:
+    if policy.dp_grads.kind == "none":  # `lax.psum`, or bf16 moved as bf16 under gloo (transport "gloo")
+        return jax.tree.map(lambda g: compressed.psum(g, axis_name, codec=policy.dp_grads), grads)
+    if lax.axis_size(axis_name) == 1:
         return jax.tree.map(lambda g: lax.psum(g, axis_name), grads)
     leaves, treedef = jax.tree.flatten(grads)
     buckets: dict[tuple, list[int]] = {}

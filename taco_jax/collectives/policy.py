@@ -8,8 +8,9 @@ import pathlib
 
 import numpy as np
 
-from taco_jax import kernels
+from taco_jax import kernels  # noqa: F401  (registers the kernel backends and wire codecs the policy resolves to)
 from taco_jax.codec import NONE, TACO, CodecConfig
+from taco_jax.codec.dispatch import resolve_codec
 
 #: Tensor-axis sites (TACO spec §1): RowParallel output all-reduce ("g" forward), ColumnParallel
 #: input all-reduce ("f" backward), sequence-parallel all-gather and reduce-scatter.
@@ -81,7 +82,8 @@ class CommPolicy:
                 raise ValueError(f"{site}={getattr(self, site)!r} must be a CodecConfig")
 
     def codec_for(self, site: str, x) -> CodecConfig:
-        """The codec for a message `x` at `site`, or NONE if `x` is below `min_bytes`.
+        """The codec for a message `x` at `site`, or the exact codec (kind "none", with the site
+        codec's `transport`) if `x` is below `min_bytes`.
 
         A codec with `nonfinite="error"` comes back with `site` set, so its error names the site.
         """
@@ -91,21 +93,25 @@ class CommPolicy:
             raise ValueError("min_bytes='auto' is unresolved; resolve it before tracing "
                              "(taco_jax.perf.resolve_min_bytes)")
         nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-        codec = NONE if nbytes < self.min_bytes else getattr(self, site)
+        codec = getattr(self, site)
+        if nbytes < self.min_bytes and codec.kind != "none":
+            codec = NONE if codec.transport == NONE.transport else dataclasses.replace(NONE, transport=codec.transport)
         if codec.nonfinite == "error" and not codec.site:
             codec = dataclasses.replace(codec, site=site)
         return codec
 
     def resolve_backends(self, platform: str | None = None, *, n_devices: int = 1) -> CommPolicy:
-        """A copy whose codecs name concrete backends (`taco_jax.kernels.resolve_codec`: "auto" and
-        availability on `platform`, default jax's); run once, before the step is traced.
+        """A copy whose codecs are concrete (`taco_jax.codec.dispatch.resolve_codec`: backend, wire
+        codec and exact transport; "auto" and availability on `platform`, default jax's); run once,
+        before the step is traced (after `jax.distributed` is initialized, which decides the
+        transport).
 
-        Raises: ValueError naming the site whose backend cannot run here.
+        Raises: ValueError naming the site whose backend or wire codec cannot run here.
         """
         new = {}
         for site in SITES:
             try:
-                new[site] = kernels.resolve_codec(getattr(self, site), platform, n_devices=n_devices)
+                new[site] = resolve_codec(getattr(self, site), platform, n_devices=n_devices)
             except ValueError as e:
                 raise ValueError(f"site {site}: {e}") from e
         return dataclasses.replace(self, **new)

@@ -1,9 +1,11 @@
-"""Codec kernel backends for the TACO group math: `reference | pallas | triton | ffi | auto`.
+"""Codec kernel backends for the TACO group math (`reference | pallas | triton | ffi | auto`) and the "ffi" wire codec.
 
 Every backend is a pair `(encode_groups, decode_groups)` with the contract of
 `taco_jax.codec.backends` (spec §2). Importing this package registers pallas, triton and ffi in
-that registry (the codec never imports kernels); `resolve_codec` / `CommPolicy.resolve_backends`
-turn `CodecConfig.backend` into a concrete one once, before tracing:
+that registry (the codec never imports kernels), the "ffi" wire codec (`ffi_wire`, CPU: packed
+wire rows written and read by the C++ kernels) and `resolve`, which
+`taco_jax.codec.dispatch.resolve_codec` (the one place "auto" is decided) asks which backend a
+name stands for:
 
   reference  plain jnp (the specification); every platform.
   pallas     fused Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs sm >= 89),
@@ -11,13 +13,9 @@ turn `CodecConfig.backend` into a concrete one once, before tracing:
   triton     Triton kernels through jax-triton (`triton_codec`); GPU only, imported lazily.
   ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU (AVX2 when the CPU has it), CUDA on
              GPU; needs the shared library built by `make -C custom_calls` (`... cuda` for GPU).
-  auto       the default: the fastest correct backend available: CPU: ffi if built, else
-             reference; GPU: ffi (CUDA) if built, else reference (measured on an H200, README
-             "GPU path": the pallas / triton encoders run at < 0.01x a device copy, the reference
-             at 0.18x). When ffi is not built, a one-time warning says so and how to build it.
-             Training resolves it once, before tracing (`resolve_codec`); a library call with an
-             "auto" codec resolves it at trace time (this package registers `resolve("auto")` as
-             the registry's chooser).
+  auto       the default: CPU: ffi if built, else reference; GPU: ffi (CUDA) if built, else
+             reference (the pallas / triton encoders are far slower than both on GPU; README
+             "GPU path"). When ffi is not built, a one-time warning says so and how to build it.
 
 Conformance rule (tested in tests/test_kernels.py against `reference` on the same inputs):
   For a group whose input is finite:
@@ -44,15 +42,15 @@ Training-level rule (a backend vs `reference`, same config and seed):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import importlib.util
 import warnings
 
-from taco_jax.codec.backends import GroupBackend, register_auto, register_backend, register_reducer
+from taco_jax.codec.backends import GroupBackend, register_backend, register_reducer, register_resolver, register_wire
 from taco_jax.codec.backends import get_backend as _registered
-from taco_jax.codec.config import BACKENDS, CodecConfig
+from taco_jax.codec.config import BACKENDS
+from taco_jax.codec.dispatch import resolve_codec
 from taco_jax.kernels._platform import default_platform
 
 #: Backends whose implementation lives in this package: name -> module.
@@ -94,9 +92,8 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
       name: one of `BACKENDS`.
       platform: "cpu", "cuda", ... (default: jax's default platform).
       n_devices: devices of the program the backend will run in. On CPU, pallas runs the Pallas
-        TPU-semantics interpreter, whose per-call host callbacks stall a multi-device program
-        (`taco-jax train --backend pallas` on 8 CPU devices never finished step 1), so it is
-        refused for n_devices > 1 (it is for the kernel tests).
+        TPU-semantics interpreter, whose per-call host callbacks stall a multi-device program, so
+        it is refused for n_devices > 1 (it is for the kernel tests).
 
     Raises:
       ValueError: if `name` is unknown, not available, or pallas in a multi-device CPU program;
@@ -105,9 +102,7 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
     platform = platform or default_platform()
     if name not in BACKENDS:
         raise ValueError(f"unknown codec backend {name!r}; choose one of {BACKENDS}")
-    if name == "auto":
-        # On an H200 (README "GPU path") the CUDA FFI codec runs at 0.78x / 1.10x a device copy, the
-        # jnp reference at 0.18x / 0.26x, pallas and triton encoders at < 0.01x: never pick those.
+    if name == "auto":  # never pallas / triton: far slower than both on GPU (README "GPU path")
         order = ("ffi", "reference")
         got = next(b for b in order if _unavailable(b, platform) is None)
         if got != "ffi":
@@ -123,18 +118,6 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
         raise ValueError(f"backend='pallas' runs the Pallas interpreter on CPU, which stalls in a {n_devices}-device "
                          "program; use backend 'ffi', 'auto' or 'reference'")
     return name
-
-
-def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: int = 1) -> CodecConfig:
-    """`cfg` with `backend` replaced by the concrete one it stands for (`resolve`); codecs of other
-    kinds than "taco" always run the jnp reference and come back with backend "reference".
-
-    Raises: ValueError from `resolve`.
-    """
-    if cfg.kind != "taco":
-        return cfg if cfg.backend == "reference" else dataclasses.replace(cfg, backend="reference")
-    name = resolve(cfg.backend, platform, n_devices=n_devices)
-    return cfg if name == cfg.backend else dataclasses.replace(cfg, backend=name)
 
 
 @functools.cache
@@ -183,4 +166,7 @@ def get_backend(name: str) -> GroupBackend:
 
 for _name in _MODULES:
     register_backend(_name, _loader(_name))
-register_auto(lambda: resolve("auto"))
+register_resolver(resolve, default_platform)
+register_wire("ffi", lambda: importlib.import_module("taco_jax.kernels.ffi_wire").FFI_WIRE, platforms=("cpu",))
+
+__all__ = ["available_backends", "get_backend", "resolve", "resolve_codec"]

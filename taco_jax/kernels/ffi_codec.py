@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.vma import pvary, vma_of
 from taco_jax.kernels._platform import default_platform
-from taco_jax.kernels._vma import pvary, vma_of
 
 LIB_DIR = Path(os.environ.get("TACO_KERNELS_LIB_DIR", Path(__file__).parent / "_lib"))
 LIBS = {"cpu": "libtaco_codec_cpu.so", "cuda": "libtaco_codec_cuda.so"}
@@ -124,8 +124,8 @@ _FMT_OF_DTYPE = {jnp.dtype(jnp.float8_e4m3fn): 0, jnp.dtype(jnp.float8_e5m2): 1}
 
 def _codes_as_u8() -> bool:
     """Whether the handlers exchange codes as uint8 (CPU): the FP8 bytes, typed uint8 so that the
-    collectives' own uint8 view of them (`compressed._tree`) cancels against ours and XLA moves
-    them without an elementwise bitcast-convert copy. The CUDA handlers take FP8 types."""
+    wire codec's own uint8 view of them (`codec.wire.pack_rows`) cancels against ours and XLA
+    moves them without an elementwise bitcast-convert copy. The CUDA handlers take FP8 types."""
     return default_platform() == "cpu"
 
 
@@ -216,7 +216,7 @@ def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: Code
 
 
 # --------------------------------------------------------------------------------------------
-# Packed wire rows (CPU only): one uint8 row per message, laid out as `compressed._packed` packs an
+# Packed wire rows (CPU only): one uint8 row per message, laid out as `codec.wire.pack_rows` packs an
 # `Encoded` (its leaves in field order, each as little-endian bytes):
 #   [codes: n_groups * G bytes][s: n_groups float32][a: n_groups float32]   dual layout
 #   [codes: n_groups * G bytes][s / a: n_groups float32]                    folded layout
@@ -258,7 +258,7 @@ def _check_rows(rows: jax.Array, m: int, cfg: CodecConfig, has_a: bool, min_rank
 
 
 def _pad_rows(x: jax.Array, g: int) -> jax.Array:
-    """x [..., m] -> float32 [..., n_groups * G], zero-padded as `codec.reference.encode` pads."""
+    """x [..., m] -> float32 [..., n_groups * G], zero-padded as `codec.dispatch.encode` pads."""
     x = x.astype(jnp.float32)
     pad = -x.shape[-1] % g
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
@@ -274,7 +274,7 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
 
     Args:
       x: float [..., m], m >= 1: each row one message (cast to float32, zero-padded to
-        n_groups * G here, as `codec.reference.encode` does). With `interleaved`: float
+        n_groups * G here, as `codec.dispatch.encode` does). With `interleaved`: float
         [..., outer, P, inner] with inner % G == 0, holding P messages of m = outer * inner
         elements, message r = x[..., :, r, :] (row-major): read in place, as if x were
         `swapaxes(x, -3, -2).reshape(..., P, m)`, without that transpose (the compressed
@@ -285,7 +285,7 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
         gets its own result buffer [..., row_bytes] (stacked for an all-to-all, XLA moves them
         without the slicing copies one [P, ...] buffer takes).
     Returns: uint8 [..., packed_row_bytes(m, cfg)], equal byte for byte to
-      `compressed._packed(..., encode(x, cfg, batch_dims=x.ndim - 1), ...)`'s buffer; with split,
+      `codec.wire.pack_rows(encode(x, cfg, batch_dims=x.ndim - 1), x.ndim - 1)`; with split,
       a tuple of P uint8 [..., packed_row_bytes(m, cfg)] (x[..., r, :]'s rows in result r).
       (Interleaved: the same for the transposed x; without split the result is [..., P, row_bytes].)
     Raises: ValueError for a non-floating x, another codec kind, m == 0, split with x of rank < 2, or
@@ -384,7 +384,7 @@ def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | No
 
 def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
     """Decodes P packed rows and sums them in float32 in rank order (acc = d_0; acc = acc + d_1; ...)
-    in one pass (C++ `taco_decode_sum_packed`, CPU): `compressed._sum_fp32(decode(...))` fused.
+    in one pass (C++ `taco_decode_sum_packed`, CPU): `codec.wire.sum_fp32(decode(...))` fused.
 
     Args:
       rows: uint8 [..., P, packed_row_bytes(m, cfg)] (P >= 1; cfg.scale_layout's layout), or a

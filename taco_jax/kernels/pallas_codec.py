@@ -32,9 +32,9 @@ from jax.experimental import pallas as pl
 from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.hadamard import hadamard
+from taco_jax.codec.vma import pvary, shape_dtype, vma_of
 from taco_jax.kernels._platform import PINNED, pinned_platform  # noqa: F401  (pinned_platform: public here)
 from taco_jax.kernels._tiles import wht_chunk
-from taco_jax.kernels._vma import pvary, shape_dtype, vma_of
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -51,9 +51,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from taco_jax.codec.metrics import db_from_powers
+from taco_jax.codec.vma import vma_of
 from taco_jax.collectives.megatron import site_collective
 from taco_jax.collectives.policy import TENSOR_SITES, CommPolicy
-from taco_jax.kernels._vma import vma_of
 from taco_jax.parallel.mesh import TENSOR
 from taco_jax.train import capture
 from taco_jax.train.console import say

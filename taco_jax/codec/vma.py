@@ -1,11 +1,13 @@
-"""Varying-manual-axes (vma) helpers, so kernel outputs keep their inputs' type inside `shard_map(check_vma=True)`.
+"""Varying-manual-axes (vma) helpers, so values keep their varying type inside `shard_map(check_vma=True)`.
 
-The one home of these helpers for every floor from kernels up (`taco_jax.collectives.dp.varying_axes` /
-`vary` are the same two functions and are to be replaced by `vma_of` / `pvary`).
+The one home of these helpers for every floor (kernels, collectives, train): it sits at the lowest
+floor so that no module above has to reach into another floor's internals for them
+(`taco_jax.collectives.dp.varying_axes` / `vary` are the same two functions).
 
-jax 0.10 spells the type `ShapedArray.manual_axis_type` (`jax.sharding.ManualAxisType`); later
-versions `aval.vma`. A custom call whose output type lacks the inputs' varying axes would be
-taken as replicated (invariant) by later collectives, so every kernel declares it explicitly.
+The type is spelled `ShapedArray.manual_axis_type` (`jax.sharding.ManualAxisType`) in some jax
+versions and `aval.vma` in others; both are read. A custom call whose output type lacks the inputs'
+varying axes would be taken as replicated (invariant) by later collectives, so every kernel
+declares it explicitly.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax
 def vma_of(x) -> frozenset:
     """Mesh axes `x` varies over inside `shard_map` (empty outside)."""
     aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10.x
+    mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()))
@@ -24,7 +26,7 @@ def vma_of(x) -> frozenset:
 
 def shape_dtype(shape, dtype, vma: frozenset) -> jax.ShapeDtypeStruct:
     """A `ShapeDtypeStruct` varying over `vma` (as `out_shape` / ffi result types need)."""
-    if hasattr(jax.sharding, "ManualAxisType"):  # jax 0.10.x
+    if hasattr(jax.sharding, "ManualAxisType"):
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=vma))
     if vma:
         return jax.ShapeDtypeStruct(shape, dtype, vma=vma)

@@ -1,0 +1,314 @@
+"""The codec's dispatcher: `encode` / `decode` of every kind, the `Encoded` wire buffers, and `resolve_codec`.
+
+`encode` / `decode` cut messages into groups and hand them to the group math of the codec's kind:
+kind "taco" to the registered group backend `cfg.backend` (`taco_jax.codec.backends`; the
+"reference" backend, `taco_jax.codec.reference`, is registered here), the other kinds to
+`taco_jax.codec.family`. `resolve_codec` is the one place where a codec's "auto" fields
+(backend, wire, transport) become concrete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax.codec.backends import (
+    GroupBackend,
+    default_platform,
+    get_backend,
+    get_reducer,
+    register_backend,
+    register_reducer,
+    resolve_backend,
+    wire_runs_on,
+)
+from taco_jax.codec.config import CODE_BITS, CODEC_KINDS, CodecConfig
+from taco_jax.codec.family import GROUP_CODECS
+from taco_jax.codec.nonfinite import check_finite
+from taco_jax.codec.reference import decode_groups, encode_groups, reduce_groups
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """One or more encoded messages, as they travel on the wire: every array leaf is a wire buffer.
+
+    Attributes:
+      codes: [*batch, n_groups, G] codes in `cfg.code_dtype`: FP8 (fp8_*, taco), int8, or uint8
+        holding two 4-bit codes per byte ([*batch, n_groups, G/2]; int4, tah). fp8_tensor:
+        [*batch, 1, n] (one group = the message, no padding).
+      scale: float32 [*batch, n_groups]: s (taco dual), s/a (taco folded), the absmax scale
+        (fp8_*, int8, int4) or the tile step (tah).
+      prescale: float32 [*batch, n_groups] or None: taco's adaptive scale a (dual layout), tah's
+        zero point (tile minimum); None otherwise.
+      shape: static shape of one message (without the batch axes).
+      dtype: static dtype the message is decoded back to.
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    prescale: jax.Array | None
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all wire buffers (codes + scales)."""
+        return sum(int(np.prod(b.shape)) * b.dtype.itemsize for b in jax.tree.leaves(self))
+
+
+# --------------------------------------------------------------------------------------
+# Message layout: any shape <-> groups.
+# --------------------------------------------------------------------------------------
+
+
+def _message_to_rows(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> jax.Array:
+    """[*batch, *shape] -> [*batch, n] in the order groups are cut."""
+    batch, shape = x.shape[:batch_dims], x.shape[batch_dims:]
+    if cfg.group_axis == "token" and len(shape) >= 2:
+        x = x.reshape(*batch, math.prod(shape[:-1]), shape[-1])
+        x = jnp.swapaxes(x, -1, -2)  # one channel across tokens is contiguous
+    return x.reshape(*batch, math.prod(shape))
+
+
+def _rows_to_message(x: jax.Array, shape: tuple[int, ...], cfg: CodecConfig) -> jax.Array:
+    batch = x.shape[:-1]
+    if cfg.group_axis == "token" and len(shape) >= 2:
+        x = x.reshape(*batch, shape[-1], math.prod(shape[:-1]))
+        x = jnp.swapaxes(x, -1, -2)
+    return x.reshape(*batch, *shape)
+
+
+def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
+    """Encodes each message of `x` with the codec `cfg.kind` (inside `jax.named_scope("taco_encode")`).
+
+    Args:
+      x: float array [*batch, *shape]; the leading `batch_dims` axes index independent
+        messages (e.g. the P chunks of a two-shot all-reduce); each message is flattened
+        (after moving channels first if `cfg.group_axis == "token"`) and cut into groups of
+        `cfg.group_size`, the last one zero-padded (fp8_tensor: one group per message). A
+        zero-size `x` gives an `Encoded` of zero-size buffers (no groups when a message is empty).
+      cfg: a `CodecConfig` of a compressing kind (not "none"); kind "taco" runs the group math of
+        the registered backend `cfg.backend` (`taco_jax.codec.backends`; "auto", the default,
+        is resolved here, at trace time, for jax's default platform, as `resolve_codec` does).
+      batch_dims: number of leading message axes.
+
+    Returns:
+      An `Encoded` pytree (see its docstring).
+
+    Raises:
+      ValueError: if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is not
+        registered or cannot run here.
+    """
+    if cfg.kind == "none":
+        raise ValueError(f"encode needs a compressing codec (kind 'taco' or another of {CODEC_KINDS[1:]}); "
+                         "kind='none' is the exact collective and has no encoding")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"encode needs a floating-point message, got dtype={x.dtype}")
+    with jax.named_scope("taco_encode"):
+        return _encode(x, cfg, batch_dims)
+
+
+def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
+    shape = tuple(x.shape[batch_dims:])
+    n = math.prod(shape)
+    if x.size == 0:
+        return _empty_encoded(x, cfg, batch_dims)
+    rows = _message_to_rows(x, cfg, batch_dims).astype(jnp.float32)
+    if cfg.nonfinite == "zero":
+        rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
+    if cfg.kind == "fp8_tensor":
+        xg = rows[..., None, :]  # the whole message is one group
+        last_count = n
+    else:
+        g = cfg.group_size
+        n_groups = -(-n // g)
+        pad = n_groups * g - n
+        if pad:
+            rows = jnp.pad(rows, [(0, 0)] * batch_dims + [(0, pad)])
+        xg = rows.reshape(*rows.shape[:-1], n_groups, g)
+        last_count = n - (n_groups - 1) * g
+    if cfg.kind == "taco":
+        codes, s, a = get_backend(cfg.backend).encode_groups(xg, cfg, last_count=last_count)
+        if cfg.scale_layout == "folded":
+            s, a = s / a, None
+    else:
+        codes, s, a = GROUP_CODECS[cfg.kind][0](xg, cfg)
+    if cfg.nonfinite == "error":
+        check_finite(rows, cfg.site)
+    return Encoded(codes, s, a, shape, np.dtype(x.dtype))
+
+
+def wire_layout(cfg: CodecConfig, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each wire buffer of one message of `shape` as `encode` gives it, in the
+    order of `Encoded`'s leaves: codes [n_groups, width], scale [n_groups], and the prescale
+    [n_groups] where the layout has one (taco "dual", tah). No group math is run."""
+    n = math.prod(shape)
+    if cfg.kind == "fp8_tensor":
+        n_groups, width = (1 if n else 0), n
+    else:
+        n_groups, width = -(-n // cfg.group_size), cfg.group_size * CODE_BITS[cfg.kind] // 8
+    out = [((n_groups, width), np.dtype(cfg.code_dtype)), ((n_groups,), np.dtype(np.float32))]
+    if cfg.kind == "tah" or (cfg.kind == "taco" and cfg.scale_layout == "dual"):
+        out.append(((n_groups,), np.dtype(np.float32)))
+    return out
+
+
+def _empty_encoded(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
+    """The wire buffers of zero-size input: the shapes `encode` gives, with no group math run."""
+    batch, shape = x.shape[:batch_dims], tuple(x.shape[batch_dims:])
+    (codes_shape, code_dtype), (s_shape, _), *prescale = wire_layout(cfg, shape)
+    codes = jnp.zeros((*batch, *codes_shape), code_dtype)
+    s = jnp.zeros((*batch, *s_shape), jnp.float32)
+    return Encoded(codes, s, s if prescale else None, shape, np.dtype(x.dtype))
+
+
+def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
+    """Decodes an `Encoded` back to [*batch, *enc.shape] in `dtype` (default: the encoded dtype),
+    inside `jax.named_scope("taco_decode")`.
+
+    With `cfg.nonfinite` "propagate" or "error" a group that held NaN/±Inf decodes to NaN;
+    with "zero" every non-finite output is replaced by 0 (COCCL plugin behaviour). For a
+    narrower `dtype` than float32 finite values are clipped to its finite range (a decoded
+    float16 never overflows to Inf); float32 output is left alone (it could only overflow for
+    inputs within rounding of float32's largest value), so the float32 program has no extra op.
+    Zero-size buffers decode to a zero-size array, with no group math run.
+
+    Raises: ValueError if `cfg.backend` is not registered or cannot run here (kind "taco"; "auto"
+    is resolved as in `encode`).
+    """
+    with jax.named_scope("taco_decode"):
+        n = math.prod(enc.shape)
+        batch = enc.scale.shape[:-1]
+        if enc.codes.size == 0:
+            rows = jnp.zeros((*batch, n), jnp.float32)
+        else:
+            if cfg.kind == "taco":
+                xg = get_backend(cfg.backend).decode_groups(enc.codes, enc.scale, enc.prescale)
+            else:
+                xg = GROUP_CODECS[cfg.kind][1](enc.codes, enc.scale, enc.prescale, cfg)
+            rows = xg.reshape(*xg.shape[:-2], -1)[..., :n]
+        if cfg.nonfinite == "zero":
+            rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
+        dtype = jnp.dtype(dtype or enc.dtype)
+        return _rows_to_message(clip_to_dtype(rows, dtype), enc.shape, cfg).astype(dtype)
+
+
+def clip_to_dtype(rows: jax.Array, dtype) -> jax.Array:
+    """Decoded float32 values clipped to the finite range of a narrower `dtype` (float16, bfloat16),
+    so that casting them never overflows to Inf (NaN stays NaN); unchanged for float32 or wider.
+    `decode` applies it before its cast; so do the wire codecs' `decode_rows`."""
+    dtype = jnp.dtype(dtype)
+    if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max:
+        big = np.float32(jnp.finfo(dtype).max)
+        rows = jnp.clip(rows, -big, big)
+    return rows
+
+
+def roundtrip(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> jax.Array:
+    """decode(encode(x)) — what the receiver of one compressed message sees (`x` itself for "none")."""
+    if cfg.kind == "none":
+        return x
+    return decode(encode(x, cfg, batch_dims=batch_dims), cfg)
+
+
+register_backend("reference", lambda: GroupBackend(encode_groups, decode_groups))
+register_reducer("reference", reduce_groups)
+
+
+def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
+    """Sums the P messages of `enc` (batch axis 0) in the Hadamard domain and requantizes the sum
+    (`reduce_groups`; the backend's own kernel when it has one), inside
+    `jax.named_scope("taco_reduce")`.
+
+    Args:
+      enc: an `Encoded` of kind "taco" with a leading batch axis of P messages of equal shape
+        (`encode(x, cfg, batch_dims=1)`, as received by the two-shot all-to-all).
+      cfg: the codec that encoded them.
+    Returns: an `Encoded` of the sum, [*enc.shape], in the folded layout (prescale None): decode it
+      with `dataclasses.replace(cfg, scale_layout="folded")`.
+    Raises: ValueError if `cfg.kind` is not "taco" (the other kinds have no transform domain here).
+    """
+    if cfg.kind != "taco":
+        raise ValueError(f"reduce_encoded (transform-domain reduction) needs kind 'taco', got kind={cfg.kind!r}")
+    with jax.named_scope("taco_reduce"):
+        if enc.codes.size == 0:
+            return Encoded(enc.codes[0], enc.scale[0], None, enc.shape, enc.dtype)
+        fn = get_reducer(cfg.backend) or reduce_groups
+        codes, s = fn(enc.codes, enc.scale, enc.prescale, cfg)
+        return Encoded(codes, s, None, enc.shape, enc.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Resolution of "auto": the one place.
+# --------------------------------------------------------------------------------------
+
+#: Environment variable read by `resolve_transport` (when a codec is resolved, never while tracing a
+#: resolved one): "all_to_all" (default) keeps the gloo reduce-scatter workaround on, "lax" turns
+#: it off (XLA's own reduce-scatter, transport "xla").
+GLOO_REDUCE_SCATTER_ENV = "TACO_GLOO_REDUCE_SCATTER"
+
+
+def gloo_collectives() -> bool:
+    """Whether XLA:CPU runs this process's collectives through gloo: `jax.distributed` initialized
+    and jax's default backend is the CPU."""
+    return jax.default_backend() == "cpu" and jax.distributed.is_initialized()
+
+
+def resolve_transport(name: str = "auto") -> str:
+    """The concrete `CodecConfig.transport` `name` stands for here: "auto" -> "gloo" when
+    `gloo_collectives()` and TACO_GLOO_REDUCE_SCATTER (read now) is not "lax", else "xla"
+    (a concrete name comes back unchanged).
+    Raises ValueError naming a TACO_GLOO_REDUCE_SCATTER value other than all_to_all / lax."""
+    if name != "auto":
+        return name
+    env = os.environ.get(GLOO_REDUCE_SCATTER_ENV, "all_to_all")
+    if env not in ("all_to_all", "lax"):
+        raise ValueError(f"{GLOO_REDUCE_SCATTER_ENV}={env!r} must be one of ('all_to_all', 'lax')")
+    return "gloo" if env == "all_to_all" and gloo_collectives() else "xla"
+
+
+def _resolve_wire(cfg: CodecConfig, backend: str, platform: str) -> str:
+    """The concrete wire codec of `cfg` with its backend resolved to `backend`: "auto" -> the wire
+    codec of the same name as the backend where one is registered for `platform` and the codec's
+    rows are its kind ("taco", group_axis "hidden", nonfinite "propagate"), else "generic".
+    Raises ValueError for an explicit wire codec that cannot run here."""
+    fits = cfg.kind == "taco" and cfg.group_axis == "hidden" and cfg.nonfinite == "propagate"
+    if cfg.wire == "auto":
+        return backend if fits and wire_runs_on(backend, platform) else "generic"
+    if cfg.wire != "generic" and not (cfg.wire == backend and wire_runs_on(backend, platform)):
+        raise ValueError(f"wire={cfg.wire!r} cannot run on {platform} with backend {backend!r}; use wire='generic'")
+    return cfg.wire
+
+
+def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: int = 1) -> CodecConfig:
+    """`cfg` with every "auto" made concrete, the one place where that is decided:
+    `backend` (kind "taco": the registered resolver's choice for `platform`, default
+    `backends.default_platform()`; other kinds always run the jnp reference: "reference"),
+    `wire` (`_resolve_wire`) and `transport` (`resolve_transport`). Training calls it once per
+    site before tracing (`CommPolicy.resolve_backends`); the compressed collectives call it at
+    trace time on a codec a library caller passed unresolved.
+
+    Args:
+      cfg: the codec. platform: "cpu", "cuda", ... n_devices: devices of the program (the resolver
+        refuses backends that stall a multi-device program).
+    Raises: ValueError naming a backend or wire codec that cannot run here, or a bad
+      TACO_GLOO_REDUCE_SCATTER value.
+    """
+    platform = platform or default_platform()
+    backend = resolve_backend(cfg.backend, platform, n_devices=n_devices) if cfg.kind == "taco" else "reference"
+    wire = _resolve_wire(cfg, backend, platform)
+    transport = resolve_transport(cfg.transport)
+    if (backend, wire, transport) == (cfg.backend, cfg.wire, cfg.transport):
+        return cfg
+    return dataclasses.replace(cfg, backend=backend, wire=wire, transport=transport)
+
+
+def is_resolved(cfg: CodecConfig) -> bool:
+    """Whether no field of `cfg` is "auto" (`resolve_codec` would return it unchanged)."""
+    return "auto" not in (cfg.backend, cfg.wire, cfg.transport)

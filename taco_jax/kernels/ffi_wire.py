@@ -1,0 +1,86 @@
+"""The "ffi" wire codec: packed wire rows written and read by the C++ FFI kernels (CPU).
+
+Implements the wire-codec contract of `taco_jax.codec.backends` with the packed targets of
+`ffi_codec` (`encode_packed`, `decode_packed`, `decode_sum_packed`, `reduce_packed`,
+`reduce_hadamard_packed`): the kernels write and read the rows themselves (decode, FP32
+rank-order sum and re-encode in one pass), so XLA adds no concatenation, slice or FP32 temporary
+around the transfers. The bytes and values are those of the generic wire codec
+(`taco_jax.codec.wire`; tested byte for byte against it). Messages of kind "taco", group_axis "hidden",
+nonfinite "propagate", group backend "ffi" only (`taco_jax.codec.dispatch.resolve_codec` picks it
+for them). Rows an all-to-all delivers are read as P separate buffers (`per_source`): the encoder
+writes one buffer per destination and the reducer reads one per source, so XLA's all-to-all
+needs no slicing copy before it nor concatenation after it. Strided messages (the reduce-scatter
+blocks along a non-leading dimension, the all-gather along a non-leading axis) are read and
+written in place when their inner extent is a multiple of G, so no transpose surrounds the codec.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from taco_jax.codec.backends import WireCodec
+from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.dispatch import clip_to_dtype
+from taco_jax.codec.wire import block_messages
+from taco_jax.kernels import ffi_codec
+
+
+def _cast(y: jax.Array, dtype) -> jax.Array:
+    """Decoded float32 values in the message dtype, as `codec.dispatch.decode` casts them."""
+    return clip_to_dtype(y, dtype).astype(dtype)
+
+
+def encode_rows(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, blocks=None, per_rank: bool = False):
+    interleaved = False
+    if blocks is not None:
+        dim, p = blocks
+        outer = math.prod(x.shape[:dim])
+        inner = x.size // (outer * p)
+        if dim != 0 and inner % cfg.group_size == 0:  # read the blocks [outer, P, inner] in place
+            x, interleaved = x.reshape(outer, p, inner), True
+        else:
+            x = block_messages(x, dim, p).reshape(p, -1)
+    else:
+        x = x.reshape(*x.shape[:batch_dims], -1)
+    with jax.named_scope("taco_encode"):
+        rows = ffi_codec.encode_packed(x, cfg, split=per_rank, interleaved=interleaved)
+    return jnp.stack(rows) if per_rank else rows
+
+
+def decode_rows(rows: jax.Array, cfg: CodecConfig, shape, dtype, *, axis: int = 0) -> jax.Array:
+    m = math.prod(shape)
+    if axis:
+        outer = math.prod(shape[:axis])
+        if (m // outer) % cfg.group_size == 0:  # decode straight into [*shape[:axis], P, *shape[axis:]]
+            with jax.named_scope("taco_decode"):
+                y = _cast(ffi_codec.decode_packed(rows, cfg, m, outer=outer), dtype)
+            return y.reshape(*shape[:axis], rows.shape[0], *shape[axis:])
+    with jax.named_scope("taco_decode"):
+        y = _cast(ffi_codec.decode_packed(rows, cfg, m), dtype)
+    y = y.reshape(*rows.shape[:-1], *shape)
+    return jnp.moveaxis(y, 0, axis) if axis else y
+
+
+def decode_sum_rows(rows, cfg: CodecConfig, shape, dtype) -> jax.Array:
+    with jax.named_scope("taco_decode"):
+        return ffi_codec.decode_sum_packed(rows, cfg, math.prod(shape)).astype(dtype).reshape(shape)
+
+
+def reduce_rows(rows, cfg: CodecConfig, shape, dtype, domain: str) -> jax.Array:
+    m = math.prod(shape)
+    if domain == "hadamard":
+        with jax.named_scope("taco_reduce"):
+            return ffi_codec.reduce_hadamard_packed(rows, cfg, m)
+    if jnp.finfo(dtype).bits >= 32:
+        with jax.named_scope("taco_reduce"):
+            return ffi_codec.reduce_packed(rows, cfg, m)
+    # a narrower dtype: the sum is rounded to it before it is encoded again
+    with jax.named_scope("taco_decode"):
+        total = ffi_codec.decode_sum_packed(rows, cfg, m).astype(dtype)
+    return encode_rows(total, cfg)
+
+
+FFI_WIRE = WireCodec(encode_rows, decode_rows, decode_sum_rows, reduce_rows, per_source=True)

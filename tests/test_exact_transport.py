@@ -1,0 +1,115 @@
+"""Exact collectives under gloo move the dtype a GPU run moves (`CodecConfig.transport` "gloo").
+
+XLA:CPU widens narrow float collectives to float32 on the wire; with transport "gloo" the exact
+all-reduce, all-gather, reduce-scatter and ppermute of a bfloat16 message move its bf16 bytes
+(bit-cast to uint16; the all-reduce as all-to-all, FP32 rank-order sum, all-gather). In process:
+the compiled collectives carry no f32 operand, and values and gradients equal the widened ones
+(for these sums of P partial sums, the FP32 sum rounded once). With real processes (2 x gloo): the
+exact bf16 train step compiles to collectives of the bytes it issues and trains bit-identically
+to the plain one-process run.
+"""
+
+import dataclasses
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _procs import TINY, cli, losses, run, start
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from taco_jax.codec import NONE
+from taco_jax.collectives import compressed as cc
+
+GLOO = dataclasses.replace(NONE, transport="gloo")
+WIDENED = dataclasses.replace(NONE, transport="gloo_widened")
+_COLL = re.compile(r"= (\(.*?\)|\S+) (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+                   r"(?:-start)?\(")
+
+
+def _collective_types(hlo: str) -> set[str]:
+    """Element types of the operands of every collective in compiled HLO text."""
+    return {dt for typ, _ in _COLL.findall(hlo) for dt in re.findall(r"\b([a-z]+\d+)\[", typ)}
+
+
+def _fns(p):
+    return {"psum": lambda v, c: cc.psum(v, "t", codec=c),
+            "all_gather": lambda v, c: cc.all_gather(v, "t", codec=c, axis=1, tiled=True),
+            "psum_scatter": lambda v, c: cc.psum_scatter(v, "t", codec=c, scatter_dimension=1),
+            "ppermute": lambda v, c: cc.ppermute(v, "t", [(i, (i + 1) % p) for i in range(p)], codec=c)}
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("name", ["psum", "all_gather", "psum_scatter", "ppermute"])
+def test_bf16_exact_collectives_move_bf16_bytes(name, p):
+    mesh = Mesh(np.array(jax.devices()[:p]), ("t",))
+    x = jnp.asarray(np.random.default_rng(p).standard_normal((p * 4, 8 * p, 6)), jnp.bfloat16)
+    f = _fns(p)[name]
+    got = {}
+    for codec in (GLOO, WIDENED):
+        step = jax.jit(jax.shard_map(
+            lambda v, c=codec: (f(v, c), jax.grad(lambda w: jnp.sum(f(w, c).astype(jnp.float32) ** 2))(v)),
+            mesh=mesh, in_specs=P("t"), out_specs=(P() if name == "psum" else P("t"), P("t"))))
+        types = _collective_types(step.lower(x).compile().as_text())
+        if codec is GLOO:
+            assert types == {"u16"}, types  # bf16 bytes only, forward and backward
+        else:
+            assert "f32" in types, types  # what XLA:CPU makes of a bf16 collective
+        got[codec.transport] = [np.asarray(o).view(np.uint16) for o in step(x)]
+    for a, b in zip(got["gloo"], got["gloo_widened"], strict=True):
+        np.testing.assert_array_equal(a, b)  # bit for bit, value and gradient
+
+
+def test_f32_messages_and_other_transports_are_unchanged():
+    """float32 messages compile to the same program with "gloo" as with "gloo_widened"; transport
+    "xla" keeps `lax`'s collectives for every dtype."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("t",))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+    xla = dataclasses.replace(NONE, transport="xla")
+    for name, f in _fns(2).items():
+        out = P() if name == "psum" else P("t")
+
+        def hlo(fn, out=out):  # the computations, without metadata (source lines differ)
+            text = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("t"), out_specs=out)).lower(x).compile().as_text()
+            start = re.search(r"^(%|ENTRY)", text, flags=re.M).start()
+            return re.sub(r",?\s*metadata=\{[^{}]*\}", "", text[start:])
+
+        assert hlo(lambda v, f=f: f(v, GLOO)) == hlo(lambda v, f=f: f(v, WIDENED)), name
+        assert "u16" not in _collective_types(hlo(lambda v, f=f: f(v.astype(jnp.bfloat16), xla))), name
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp", "tp-sp"])
+def test_two_gloo_processes_move_bf16_and_match_one(tmp_path, cache, extra):
+    """2 processes x 1 device (gloo), mesh tensor=2, exact bf16 step: its compiled collectives move
+    the bytes the program issues (bf16 as u16, nothing widened to f32; the one-process run's
+    compiled step moves more), and its per-step losses and gradient norms equal the plain
+    one-process run's (XLA's in-process collectives, bf16 widened to f32) bit for bit: a sum of two
+    partial sums in FP32, rounded once, either way."""
+    args = ["train", *TINY, "--steps", "2", "--mesh", "data=1,tensor=2", "--comm", "none", "--dtype", "bfloat16",
+            *extra, "--no-progress"]
+    p2 = start(cli(*args, "--out", tmp_path / "p2", processes=2), cache, tmp_path / "p2.log")
+    ref = run(cli(*args, "--out", tmp_path / "ref"), cache)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert p2.wait(timeout=420) == 0, (tmp_path / "p2.log").read_text()[-3000:]
+    two, one = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("p2", "ref"))
+    compiled, issued = two["wire_bytes_per_step"]["tensor"], two["wire_bytes_per_step_issued"]["tensor"]
+    assert abs(compiled - issued) <= 0.02 * issued  # XLA may merge the few small f32 all-reduces
+    assert one["wire_bytes_per_step"]["tensor"] > 1.9 * one["wire_bytes_per_step_issued"]["tensor"]  # widened
+    tensor = [r for r in two["wire_detail"] if r["axis"] == "tensor"]
+    assert {r["dtype"] for r in tensor} <= {"u16", "f32"}, tensor  # no bf16 widened, no other type
+    # the bf16 messages move as u16; the f32 ones are FP32 values (loss terms, replicated parameters' gradients)
+    assert sum(r["bytes"] for r in tensor if r["dtype"] == "u16") >= 0.95 * compiled, tensor
+    assert two["wire_bytes_per_step"]["tensor"] <= 0.55 * one["wire_bytes_per_step"]["tensor"]  # 2 bytes, not 4
+    a, b = losses(tmp_path / "ref"), losses(tmp_path / "p2")
+    assert [r[0] for r in a] == [r[0] for r in b] == [1, 2]
+    assert a == b, (a, b)
+    assert all(math.isfinite(v) for _, v, _ in b)
