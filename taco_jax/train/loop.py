@@ -342,8 +342,9 @@ def compressed_axes(policy: CommPolicy, detail: list[dict] | None = None) -> lis
 
 def as_f32(detail: list[dict]) -> dict[str, int]:
     """Wire bytes by axis from `collective_bytes(...)["detail"]` with every bf16 / f16 message counted at
-    4 bytes per element (what the same run would send computing in FP32)."""
+    4 bytes per element (what the same run would send computing in FP32). u16 rows are bf16 / f16
+    messages bit-cast for the wire (exact collectives under gloo, `CodecConfig.transport`)."""
     out = collections.Counter()
     for row in detail:
-        out[row["axis"]] += row["bytes"] * (2 if row["dtype"] in ("bf16", "f16") else 1)
+        out[row["axis"]] += row["bytes"] * (2 if row["dtype"] in ("bf16", "f16", "u16") else 1)
     return dict(out)
