@@ -36,35 +36,31 @@ def _flag_fields():
         [(CommFlags, f) for f in dataclasses.fields(CommFlags)]
 
 
-def _int_or_auto(name: str, low: int):
-    """argparse type of a flag that takes "auto" or an integer >= `low`; a bad value is reported
-    by argparse (exit 2) with the reason."""
+def _or_auto(name: str, convert, ok, need: str, show=repr):
+    """argparse type of a flag that takes "auto" or a number `convert(text)` with `ok(number)`; a bad
+    value is reported by argparse (exit 2) naming it: "{name}={value} must be {need} or 'auto'"."""
 
     def parse(text: str):
         if text == "auto":
             return text
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}={text!r} must be an integer >= {low} or 'auto'") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{name}={value} must be an integer >= {low} or 'auto'")
+            raise argparse.ArgumentTypeError(f"{name}={text!r} must be {need} or 'auto'") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{name}={show(value) if show else repr(text)} must be {need} or 'auto'")
         return value
 
     return parse
 
 
-def _seconds_or_auto(text: str):
-    """argparse type of --step-timeout: "auto" or seconds >= 0 (a bad value: exit 2 naming it)."""
-    if text == "auto":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"step_timeout={text!r} must be seconds >= 0 or 'auto'")
-    return value
+def _int_or_auto(name: str, low: int):
+    """argparse type of a flag that takes "auto" or an integer >= `low`."""
+    return _or_auto(name, int, lambda v: v >= low, f"an integer >= {low}", show=str)
+
+
+#: argparse type of --step-timeout: "auto" or seconds >= 0 (finite).
+_seconds_or_auto = _or_auto("step_timeout", float, lambda v: 0 <= v < float("inf"), "seconds >= 0", show=None)
 
 
 def _add_flag(sp, cls, f, helps, explicit: bool = False) -> None:
