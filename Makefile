@@ -44,7 +44,7 @@ train: install
 test: install gpu-sim cuda
 	$(PY) -m pytest -q --durations=30
 
-## Only the CPU checks of the GPU path (README "GPU path").
+## Only the CPU checks of the GPU path (docs/results.md "GPU path").
 test-gpu-sim: install gpu-sim cuda
 	$(PY) -m pytest -q tests/test_triton_interpret.py tests/test_gpu_export.py tests/test_gpu_check.py
 
@@ -52,7 +52,7 @@ test-gpu-sim: install gpu-sim cuda
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
-## The collective benchmark as README "Every compressed collective, measured" runs it (2 processes over
+## The collective benchmark as docs/results.md "Every compressed collective, measured" runs it (2 processes over
 ## gloo, taco vs exact, 64 KB to 64 MB per rank, 9 interleaved rounds): JSON, PNG and
 ## Markdown in $(BENCH_OUT). Other options: BENCH_ARGS (python -m experiments.bench_collectives --help).
 BENCH_OUT  ?= runs/bench_collectives
@@ -61,7 +61,7 @@ BENCH_ARGS ?= --transports gloo --ranks 2 --codecs none,taco --backends ffi --dt
 bench: install
 	$(PY) -m experiments.bench_collectives --out $(BENCH_OUT) $(BENCH_ARGS)
 
-## The fidelity study as README "Fidelity" runs it (paired seeds, none vs taco vs int8 on gpt2-tiny and
+## The fidelity study as docs/fidelity.md "Convergence" runs it (paired seeds, none vs taco vs int8 on gpt2-tiny and
 ## qwen3-tiny, 60 steps, 8 seeds): summary JSON, Markdown and plot in $(FIDELITY_OUT).
 ## Other options: FIDELITY_ARGS (python -m experiments.fidelity_runs --help).
 FIDELITY_OUT  ?= runs/fidelity_runs_lr1e-3

@@ -14,7 +14,7 @@ glibc serves large buffers from its heap and keeps freed memory for reuse instea
 every buffer of >= 32 MB anew and returning it to the OS (which the kernel then page-faults in
 again on each step: a jitted `x * 2` of 64 MB took 30-34 ms of which most is faults on this VM).
 The cost is that a process's resident memory stays at its peak. Measured on the 2-core VM over
-gloo (README, "Every compressed collective" and "Real transport"): the exact 64 MB all-gather
+gloo (docs/results.md, "Every compressed collective" and "Real transport"): the exact 64 MB all-gather
 147 -> 50 ms; the exact sequence-parallel step with XLA's gloo reduce-scatter 0.968 -> 0.887 s, and
 no difference beyond noise with the default all-to-all reduce-scatter (0.808 vs 0.828 s). An
 existing `GLIBC_TUNABLES` is left as it is; `malloc="default"` sets nothing.
@@ -134,12 +134,15 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
     if spec is None:
         return _retry_ports(lambda port, busy: _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [],
                                                     grace_s, out, busy), out)
+    if processes < 2:
+        print(f"[launch] warning: --link {spec.text} with {processes} process shapes no link (nothing to connect)",
+              file=sys.stderr, flush=True)
     with emulate.Cluster(processes, spec) as cluster:
         print(f"[launch] emulated cluster: namespaces {cluster.names[0]} .. {cluster.names[-1]}; measuring "
               f"the links ...", file=out, flush=True)
         description = cluster.measure_links()
         for tier, t in description["tiers"].items():
-            print(f"[launch] {tier} link: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
+            print(f"[launch] {'' if tier == 'link' else tier + ' '}link: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
                   f"{t['measured_bit_per_s'] / 1e6:.1f} Mbit/s (TCP payload, median of "
                   f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
         base[ENV_LINK] = json.dumps(description)

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from _procs import cli, metrics, run, start
+from _procs import ROOT, cli, metrics, run, start
 
 from taco_jax.data.shakespeare import play_text
 from taco_jax.models import hf, load_hf
@@ -95,5 +95,17 @@ def test_continue_pretraining_qwen3_on_two_processes(tmp_path, cache):
     # sample continues a prompt with the run's tokenizer
     r = run(cli("sample", "--from", tmp_path / "p2", "--prompt", "MACBETH:", "--max-new-tokens", "8"), cache,
             timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("MACBETH:") and len(r.stdout.strip()) > len("MACBETH:")
+    # ... and from the run's latest checkpoint when it has no export, named by a relative path
+    import os
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tmp_path / "p2" / "checkpoints", ck / "checkpoints")
+    shutil.copy(tmp_path / "p2" / "tokenizer.json", ck)
+    (ck / "config.json").write_text(json.dumps({**config, "export_hf": ""}))
+    r = run(cli("sample", "--from", os.path.relpath(ck, ROOT), "--prompt", "MACBETH:", "--max-new-tokens", "8"),
+            cache, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.startswith("MACBETH:") and len(r.stdout.strip()) > len("MACBETH:")

@@ -244,7 +244,7 @@ def test_shaped_link_gives_the_loopback_losses(tmp_path, cache):
     link = json.loads((out / "summary.json").read_text())["emulated_link"]
     tier = link["tiers"]["link"]
     assert tier["requested_bit_per_s"] == 1e8 and 0.85e8 <= tier["measured_bit_per_s"] <= 1.15e8
-    assert "link link: requested 100 Mbit/s, measured" in r.stdout
+    assert "[launch] link: requested 100 Mbit/s, measured" in r.stdout
     run_id = re.search(r"namespaces (\S+-)p0 ", r.stdout)[1]
     assert not [n for n in emulate.list_namespaces() if n.startswith(run_id)]  # removed at the end
 

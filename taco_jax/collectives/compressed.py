@@ -228,7 +228,7 @@ def _scoped(name: str):
 
 def auto_chunks(nbytes: int, platform: str | None = None) -> int:
     """Pipeline chunks for `chunks="auto"`: on CPU (XLA:CPU + gloo) 1, because there each extra
-    collective costs more than the overlap gains (README); elsewhere one per AUTO_CHUNK_BYTES of
+    collective costs more than the overlap gains (docs/results.md); elsewhere one per AUTO_CHUNK_BYTES of
     the (uncompressed) message, between 1 and AUTO_MAX_CHUNKS.
     `platform` defaults to jax's default backend."""
     if (platform or jax.default_backend()) == "cpu":
@@ -313,7 +313,7 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
         "hadamard": sum the chunks in the transform domain (z_r = q_r * s_r / a_r, FP32, rank
           order), requantize the sum with an absmax scale and no transform, all-gather, one
           inverse transform at the end (`taco_jax.codec.reference.reduce_groups`). As accurate
-          as "signal" on captured TP messages; not the default (README).
+          as "signal" on captured TP messages; not the default (docs/results.md).
       chunks: two-shot only: split the flattened message into this many contiguous pieces (whole
         groups on every rank; fewer when the message is small; 1 for a codec grouping along
         "token", whose groups span the message), each its own two-shot chain, so

@@ -44,7 +44,7 @@ class CommPolicy:
         before tracing, like backend "auto").
       reduce_domain: two-shot all-reduce with a taco codec: "signal" (default) decodes, sums and
         re-encodes; "hadamard" sums the ranks' chunks in the transform domain and requantizes (two
-        transforms fewer per chunk, as accurate on captured messages; README) (`compressed.psum`).
+        transforms fewer per chunk, as accurate on captured messages; docs/results.md) (`compressed.psum`).
       chunks: two-shot all-reduce pipeline chunks (an integer >= 1, or "auto": from the message
         size, `compressed.auto_chunks`).
 

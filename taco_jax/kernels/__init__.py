@@ -14,8 +14,8 @@ name stands for:
   ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU (AVX2 when the CPU has it), CUDA on
              GPU; needs the shared library built by `make -C custom_calls` (`... cuda` for GPU).
   auto       the default: CPU: ffi if built, else reference; GPU: ffi (CUDA) if built, else
-             reference (the pallas / triton encoders are far slower than both on GPU; README
-             "GPU path"). When ffi is not built, a one-time warning says so and how to build it.
+             reference (the pallas / triton encoders are far slower than both on GPU;
+             docs/results.md "GPU path"). When ffi is not built, a one-time warning says so and how to build it.
 
 Conformance rule (tested in tests/test_kernels.py against `reference` on the same inputs):
   For a group whose input is finite:
@@ -37,7 +37,7 @@ Training-level rule (a backend vs `reference`, same config and seed):
     weights by float noise, which training amplifies like any other reordering of float sums;
   * so the run-level check is against seed noise: over two or more seeds, the backend's mean
     final validation loss lies within two standard errors of the difference from the reference's
-    mean (`experiments/backend_repro.py`; 4 seeds measured for ffi, numbers in the README).
+    mean (a removed probe, `experiments/backend_repro.py` at commit 569f56f; 4 seeds measured for ffi, numbers in docs/results.md).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
     platform = platform or default_platform()
     if name not in BACKENDS:
         raise ValueError(f"unknown codec backend {name!r}; choose one of {BACKENDS}")
-    if name == "auto":  # never pallas / triton: far slower than both on GPU (README "GPU path")
+    if name == "auto":  # never pallas / triton: far slower than both on GPU (docs/results.md "GPU path")
         order = ("ffi", "reference")
         got = next(b for b in order if _unavailable(b, platform) is None)
         if got != "ffi":

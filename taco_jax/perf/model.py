@@ -128,7 +128,7 @@ NVLINK_H800 = Link.from_bandwidth("nvlink-h800", 3e-6, 0.8 * 200e9, "H800 datash
 IB_NDR = Link.from_bandwidth("ib-ndr400", 10e-6, 0.8 * 50e9, "ConnectX-7 400 Gb/s per GPU, 80% achieved")
 #: TACO codec on an H200, MEASURED (CUDA FFI backend, E4M3, G = 128, f32 input, 256 MB message:
 #: encode 1,386 GB/s = 0.78x and decode 1,962 GB/s = 1.10x a device copy of the same message;
-#: docs/gpu/h200_gpu_check_2026-11-30.json, README "GPU path"). Per-call overhead inside a compiled
+#: docs/gpu/h200_gpu_check_2026-11-30.json, docs/results.md "GPU path"). Per-call overhead inside a compiled
 #: step: 8 µs (assumption: kernel launch + the group pass; the 34-39 µs fitted from back-to-back
 #: jitted calls at 16-256 MB include Python dispatch, which a train step does not pay).
 H200_CODEC = CodecSpeed(1386.0, 1962.0, 8e-6, "measured on an H200 (CUDA FFI, 256 MB f32); 8 us/call assumed")

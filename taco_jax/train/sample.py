@@ -43,7 +43,7 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
         ckpt.close()
     if not steps:
         raise ValueError(f"run {run} has no --export-hf folder and no complete checkpoint in {run / 'checkpoints'}")
-    path = run / "checkpoints" / str(steps[-1]) / "state"
+    path = (run / "checkpoints" / str(steps[-1]) / "state").resolve()  # Orbax reads no metadata from a relative path
     tree = ocp.StandardCheckpointer().metadata(path).item_metadata["params"]
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
