@@ -342,7 +342,6 @@ def test_x64_changes_no_dtype_and_no_wire_byte(cache):
     collectives (FP8 codes as u8 + float32 scales) and its outputs have the dtypes of an x64-off run,
     and the wire bytes per axis are identical (before: 17 float64 leaves, f64 collective operands)."""
     import json
-
     import os
 
     code = "import json; import test_resume_faults as t; print('RESULT ' + json.dumps(t._dtypes_and_wire()))"
