@@ -142,7 +142,8 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
               f"the links ...", file=out, flush=True)
         description = cluster.measure_links()
         for tier, t in description["tiers"].items():
-            print(f"[launch] {'' if tier == 'link' else tier + ' '}link: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
+            name = "link" if tier == "link" else f"{tier} link"
+            print(f"[launch] {name}: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
                   f"{t['measured_bit_per_s'] / 1e6:.1f} Mbit/s (TCP payload, median of "
                   f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
         base[ENV_LINK] = json.dumps(description)
