@@ -23,8 +23,8 @@ def env(cache_dir, **extra) -> dict:
     cache, and no XLA_FLAGS device count (the CLI / launcher set it from the mesh)."""
     e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
                                                            "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-    e.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
+    e.update({"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONUNBUFFERED": "1", **extra})
     return e
 
 

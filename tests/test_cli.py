@@ -80,8 +80,10 @@ def test_run_asked_to_continue_writes_strict_json_resolved_policy_and_progress_l
     assert summary["backend"] == concrete != "auto"
     assert summary["comm"] == "per-site" and summary["compressed_axes"] == ["data", "tensor"]
     pol = CommPolicy.from_dict(summary["policy"])
-    assert pol.ar_fwd == CodecConfig(kind="int8", backend="reference")  # the other kinds run the jnp reference
-    assert pol.ar_bwd == CodecConfig(fmt="e5m2", group_size=64, backend=concrete)
+    # the other kinds run the jnp reference; wire codec and transport are resolved too (one process: xla)
+    assert pol.ar_fwd == CodecConfig(kind="int8", backend="reference", wire="generic", transport="xla")
+    wire = "ffi" if concrete == "ffi" else "generic"
+    assert pol.ar_bwd == CodecConfig(fmt="e5m2", group_size=64, backend=concrete, wire=wire, transport="xla")
     assert pol.dp_grads.backend == concrete and pol.dp_grads.kind == "taco"
     assert f"ar_bwd=taco-e5m2-G64-dual[{concrete}]" in err and f"data: taco-e4m3-G128-dual[{concrete}]" in err
     assert "step 2/4" in err and "step 4/4" in err

@@ -2,6 +2,7 @@
 latest checkpoint, another vocabulary padding, x64, a SIGKILL during an async save, another process
 count. Process tests run real `taco_jax.cli` processes (bounded by timeouts; `_procs`)."""
 
+import re
 import socket
 import sys
 import time
@@ -124,7 +125,10 @@ def _no_meta(step_dir):
         f.unlink()
 
 
-CORRUPTIONS = {"truncated": (_truncate, "its arrays cannot be read"), "flipped": (_flip, "1 arrays differ from what"),
+#: corruption -> (how, what the error says); flipped bytes are caught by the fingerprints, or by the
+#: decoder when they land in compressed chunk data (which one depends on the file layout)
+CORRUPTIONS = {"truncated": (_truncate, "its arrays cannot be read"),
+               "flipped": (_flip, "(1 arrays differ from what|its arrays cannot be read)"),
                "no-meta": (_no_meta, "its meta cannot be read")}
 
 
@@ -169,13 +173,14 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(two_check
     with pytest.raises(CorruptCheckpointError) as e:
         ck.resume(cfg.to_dict(), params, opt_state, fallback=False)
     msg = str(e.value)
-    assert f"checkpoint {d / '5'}: {what}" in msg and f"newest intact checkpoint is {d / '3'} (step 3)" in msg
+    assert re.search(f"checkpoint {re.escape(str(d / '5'))}: {what}", msg), msg
+    assert f"newest intact checkpoint is {d / '3'} (step 3)" in msg
     assert "tensorstore_spec" not in msg and "pybind" not in msg and "\n" not in msg and len(msg) < 1200
     assert ck.steps() == [3, 5]  # refused: nothing renamed or deleted
     step, p, _, meta, _, warnings = ck.resume(cfg.to_dict(), params, opt_state)
     assert step == 3 and meta["step"] == 3
     np.testing.assert_array_equal(np.asarray(p["wte"]["embedding"]), params3["wte"]["embedding"])
-    assert len(warnings) == 1 and f"checkpoint {d / '5'}: {what}" in warnings[0]
+    assert len(warnings) == 1 and re.search(f"checkpoint {re.escape(str(d / '5'))}: {what}", warnings[0])
     assert f"renamed to {d / '5.corrupt'}" in warnings[0]
     assert ck.steps() == [3]
     assert sorted(str(f.relative_to(d / "5.corrupt")) for f in (d / "5.corrupt").rglob("*")) == files
@@ -342,10 +347,11 @@ def test_x64_changes_no_dtype_and_no_wire_byte(cache):
     collectives (FP8 codes as u8 + float32 scales) and its outputs have the dtypes of an x64-off run,
     and the wire bytes per axis are identical (before: 17 float64 leaves, f64 collective operands)."""
     import json
-    import os
 
     code = "import json; import test_resume_faults as t; print('RESULT ' + json.dumps(t._dtypes_and_wire()))"
-    path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    import os
+
+    path = os.pathsep.join((str(ROOT / "tests"), str(ROOT)))
     r = run([sys.executable, "-c", code], cache, timeout=300, JAX_ENABLE_X64="1", PYTHONPATH=path,
             XLA_FLAGS="--xla_force_host_platform_device_count=8")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -414,7 +420,7 @@ def saved_by_two(tmp_path_factory, cache):
     return out
 
 
-@pytest.mark.parametrize("processes", [1, pytest.param(4, marks=pytest.mark.slow)])  # 4: make test-slow
+@pytest.mark.parametrize("processes", [1, 4])
 def test_resume_with_another_process_count(tmp_path, cache, saved_by_two, processes):
     """Checkpoint 2 of the 2-process run resumed by 1 process × 4 devices and by 4 processes × 1 device:
     steps 3-4 equal the 2-process run's (= its own resume: bit-exact, test_checkpoint.py) bit for bit
