@@ -129,11 +129,11 @@ class SeedRunner:
     def run(self, seed: int, keep_at=()) -> dict:
         import jax
 
-        from taco_jax.train import distributed as dist
+        from taco_jax.data import TokenStream
 
         t0 = time.perf_counter()
         params, opt_state = self.init(seed)
-        batches = dist.TrainBatches(self.ds.train, self.cfg.batch_size, self.cfg.seq_len, seed=seed)
+        batches = TokenStream(self.ds.train, self.cfg.batch_size, self.cfg.seq_len, seed=seed)
         host = functools.partial(np.array, copy=True)  # a copy: the next step donates the buffers
         kept = {0: jax.tree.map(host, params)} if 0 in keep_at else {}
         loss = float("nan")

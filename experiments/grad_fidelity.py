@@ -145,7 +145,7 @@ def measure(cfg, ds, devices, checkpoints, codec_map: dict, site_sets: dict, *, 
     from jax.sharding import NamedSharding
 
     from taco_jax.collectives.policy import CommPolicy
-    from taco_jax.train import distributed as dist
+    from taco_jax.data import TokenStream
 
     if max(checkpoints) > cfg.steps:
         raise ValueError(f"checkpoints={checkpoints} go beyond the run's steps={cfg.steps}")
@@ -154,7 +154,7 @@ def measure(cfg, ds, devices, checkpoints, codec_map: dict, site_sets: dict, *, 
     mesh, model_cfg = runner.trainer.mesh, cfg.model_config
     shard = jax.tree.map(lambda s: NamedSharding(mesh, s), runner.trainer.specs)
     params = {c: jax.device_put(kept[c], shard) for c in checkpoints}
-    batches = {c: dist.TrainBatches(ds.train, cfg.batch_size, cfg.seq_len, seed=10_000 + c).next(runner.batch_sharding)
+    batches = {c: TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=10_000 + c).next(runner.batch_sharding)
                for c in checkpoints}
     rows, refs = [], {}
     for sp in sorted({sp for _, sp in site_sets.values()} | ({False} if floor else set())):

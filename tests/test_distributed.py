@@ -24,10 +24,10 @@ from _procs import TINY, cli, losses, metrics, run, start, wait_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.data import batch_iterator
+from taco_jax.data import TokenStream, batch_iterator
 from taco_jax.launch import MALLOC_KEEP, free_port, launch, malloc_env, run_local
 from taco_jax.train import distributed
-from taco_jax.train.distributed import DistConfig, TrainBatches
+from taco_jax.train.distributed import DistConfig
 
 
 @pytest.fixture(scope="module")
@@ -220,13 +220,14 @@ def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
     assert values_ok == "True" and grad_ok == "True" and jvp_ok == "True"
 
 
-def test_train_batches_match_batch_iterator_and_resume(mesh):
-    """The process-local stream draws the windows of `batch_iterator` (same seed), and its saved
-    state continues it exactly."""
+def test_token_stream_sharded_rows_match_host_windows_and_resume(mesh):
+    """The one training stream (`data.TokenStream`) gives the same windows built as global arrays on a
+    sharding (each process reads its own rows) as iterated on the host (`batch_iterator`, same seed),
+    and its saved state continues it exactly."""
     tokens = np.arange(1000, dtype=np.int32) * 7 % 503
     sharding = NamedSharding(mesh, P("data"))
     ref = batch_iterator(tokens, 8, 16, seed=3)
-    stream = TrainBatches(tokens, 8, 16, seed=3)
+    stream = TokenStream(tokens, 8, 16, seed=3)
     for _ in range(2):
         x, y = stream.next(sharding)
         rx, ry = next(ref)
@@ -235,7 +236,7 @@ def test_train_batches_match_batch_iterator_and_resume(mesh):
         assert x.sharding == sharding
     state = stream.state()
     assert state["position"] == 2
-    again = TrainBatches(tokens, 8, 16, seed=99)
+    again = TokenStream(tokens, 8, 16, seed=99)
     again.restore(state)
     np.testing.assert_array_equal(np.asarray(again.next(sharding)[0]), next(ref)[0])
     with pytest.raises(ValueError, match="'MT19937'"):

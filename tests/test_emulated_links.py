@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -191,7 +192,8 @@ def _dead_cluster(tmp_path) -> int:
     child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE,
                              text=True, start_new_session=True)
     try:
-        assert child.stdout.readline().strip() == "ready"
+        ready, _, _ = select.select([child.stdout], [], [], 120)  # bounded: a stuck child fails the test
+        assert ready and child.stdout.readline().strip() == "ready"
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=10)

@@ -17,7 +17,6 @@ import time
 
 import numpy as np
 
-from taco_jax.data.stream import TokenStream, global_batch  # noqa: F401 (global_batch: re-export)
 from taco_jax.train.console import write_line
 
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
@@ -151,11 +150,6 @@ def _client():
 
 # -----------------------------------------------------------------------------
 # data: each process builds only its own rows of the global batch
-
-
-#: The training stream (`data.TokenStream`: same windows as `data.batch_iterator` for the same seed);
-#: `TrainBatches(tokens, batch_size, seq_len, seed=...).next(sharding)` -> global (inputs, targets).
-TrainBatches = TokenStream
 
 
 def global_arrays(sharding, *arrays):
