@@ -70,9 +70,13 @@ FIDELITY_ARGS ?= --models gpt2-tiny qwen3-tiny --variants none taco int8 --seeds
 fidelity: install
 	$(PY) -m experiments.fidelity_runs --out $(FIDELITY_OUT) $(FIDELITY_ARGS)
 
-## Exact vs TACO tokens/s on emulated links (network namespaces: root); docs/distributed.md.
+## Where compression pays: exact vs TACO end to end on emulated links (network namespaces: root), the
+## link sweep, TP 2/4, SP on/off, bf16/f32, chunks, the collective matmul, two tiers, and the cost model
+## against it (docs/emulated.md; ~70 min on 2 cores). One configuration: E2E_ARGS="--only gpt2_tp2_sp_bf16".
+E2E_OUT  ?= runs/e2e_study
+E2E_ARGS ?=
 bench-e2e: install
-	$(PY) -m experiments.bench_e2e $(ARGS)
+	$(PY) -m experiments.e2e_study --out $(E2E_OUT) $(E2E_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check taco_jax tests experiments

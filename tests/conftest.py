@@ -12,6 +12,14 @@ from jax.sharding import Mesh  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    """One persistent compilation cache for every child process of the session (tests/_procs.py): a
+    configuration that several tests run (the TINY runs of the multi-process, checkpoint and
+    emulated-link tests) compiles once."""
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+@pytest.fixture(scope="session")
 def mesh():
     """data=2 × tensor=4 over the 8 simulated CPU devices."""
     assert len(jax.devices()) == 8, "tests need XLA_FLAGS=--xla_force_host_platform_device_count=8"

@@ -133,11 +133,6 @@ def test_unfinished_and_failed_saves_keep_the_good_checkpoint(saved, tmp_path):
 # real processes: kill and resume
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax-cache")
-
-
 ARGS = ["train", *TINY, "--steps", "6", "--checkpoint-every", "2", "--comm", "taco"]
 
 

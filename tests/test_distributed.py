@@ -29,12 +29,6 @@ from taco_jax.launch import MALLOC_KEEP, free_port, launch, malloc_env, run_loca
 from taco_jax.train import distributed
 from taco_jax.train.distributed import DistConfig
 
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax-cache")
-
-
 # -----------------------------------------------------------------------------
 # in-process: flags, environment, batches
 

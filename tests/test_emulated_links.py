@@ -38,11 +38,6 @@ SHORT = ["train", *TINY, "--steps", "3", "--mesh", "data=1,tensor=2", "--no-prog
 ARGS = [*SHORT, "--steps", "6", "--checkpoint-every", "2"]  # with checkpoints (the later --steps wins)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax-cache")
-
-
 def _launch(link: str, *args) -> list[str]:
     """`taco-jax launch --processes 2 --link LINK -- args`."""
     return [sys.executable, "-m", "taco_jax.cli", "launch", "--processes", "2", "--link", link, "--", *map(str, args)]

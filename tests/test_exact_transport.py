@@ -82,11 +82,6 @@ def test_f32_messages_and_other_transports_are_unchanged():
         assert "u16" not in _collective_types(hlo(lambda v, f=f: f(v.astype(jnp.bfloat16), xla))), name
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache")
-
-
 @pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp", "tp-sp"])
 def test_two_gloo_processes_move_bf16_and_match_one(tmp_path, cache, extra):
     """2 processes x 1 device (gloo), mesh tensor=2, exact bf16 step: its compiled collectives move

@@ -12,12 +12,6 @@ from _procs import ROOT, TINY, cli, run
 
 from taco_jax.cli import _parser, main
 
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax-cache")
-
-
 # -----------------------------------------------------------------------------
 # flags: no abbreviations; --policy FILE is the flag (--policy-file its other name)
 

@@ -150,6 +150,10 @@ PRESETS: dict[str, QwenConfig] = {
                                block_size=256),
     "qwen3-tiny": QwenConfig(vocab_size=2048, emb_dim=128, mlp_dim=384, num_layers=4, num_heads=4,
                              num_kv_heads=2, head_dim=32, rope_theta=10_000.0, block_size=256),
+    # narrow: compute per token is small beside the TP traffic (as gpt2-narrow), for the emulated-link
+    # study (docs/emulated.md); 4 heads, so it runs at tensor=4 too.
+    "qwen3-narrow": QwenConfig(vocab_size=2048, emb_dim=32, mlp_dim=96, num_layers=4, num_heads=4,
+                               num_kv_heads=2, head_dim=8, rope_theta=10_000.0, block_size=256),
     "qwen2.5-0.5b": QwenConfig.qwen2_5_0_5b(),
     "qwen2.5-1.5b": QwenConfig.qwen2_5_1_5b(),
     "qwen2.5-7b": QwenConfig.qwen2_5_7b(),

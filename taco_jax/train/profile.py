@@ -2,7 +2,9 @@
 
 The trace goes to `--profile-dir` (default `<out>/profile`; process i of a multi-process run:
 `<dir>/process<i>`) in the layout TensorBoard's profile plugin and XProf read:
-`plugins/profile/<time>/<host>.xplane.pb` (and `<host>.trace.json.gz`). Each traced step is a
+`plugins/profile/<time>/<host>.xplane.pb` (and `<host>.trace.json.gz`), plus
+`perfetto_trace.json.gz` (ui.perfetto.dev; `python -m experiments.tp_overlap_trace --from-trace DIR`
+reads its thunks' concurrency). Each traced step is a
 `StepTraceAnnotation` ("train_step", its number); the compiled program's ops carry the named scopes
 of the compressed collectives (`taco_encode`, `taco_decode`, `taco_reduce`, `taco_psum`,
 `taco_all_gather`, ...) in their op names, which the profiler's views group by.
@@ -33,7 +35,7 @@ class ProfileSteps(Hook):
     def before_step(self, state, step):
         if not self.tracing and self.first <= step <= self.last:
             self.directory.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.directory))
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
             self.tracing = True
         if self.tracing:
             self.step_annotation = jax.profiler.StepTraceAnnotation("train_step", step_num=step)

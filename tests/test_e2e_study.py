@@ -1,0 +1,109 @@
+"""The emulated-link study's bookkeeping (experiments/bench_e2e.py, experiments/e2e_study.py): argument
+parsing, the α fit and the step-time model of docs/emulated.md, and the GPU predictions table. The
+runs themselves need network namespaces and a quiet machine (`make bench-e2e`); the emulated cluster
+is tested in tests/test_emulated_links.py."""
+
+import json
+
+import pytest
+
+from experiments import bench_e2e, e2e_study
+
+
+def test_links_split_rates_but_keep_a_two_tier_link_whole():
+    assert bench_e2e._links(["250mbit,1gbit", "none"]) == ["250mbit", "1gbit", "none"]
+    assert bench_e2e._links(["intra=1gbit,inter=100mbit"]) == ["intra=1gbit,inter=100mbit"]
+
+
+@pytest.mark.parametrize("specs", [["taco=--comm taco"], ["exact", "taco=--comm taco"],
+                                   ["a=--comm none", "a=--comm taco"], ["1x=--comm none", "b=--comm taco"]])
+def test_bad_variants_are_refused_naming_them(specs, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_e2e.main(["--links", "none", *[a for s in specs for a in ("--variant", s)]])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "variant" in err
+
+
+def _row(link_bits, local, msgs, tensor_bytes, alpha, variant="exact", data_bytes=0, kappa=1.0, kappa1=0.0):
+    row = {"config": "c", "link": "x", "variant": variant, "local_s_per_step": local,
+           "measured_bit_per_s": None if link_bits is None else {"link": link_bits},
+           "tensor_messages_per_step": msgs, "wire_bytes_per_step": {"tensor": tensor_bytes}}
+    if data_bytes:
+        row["wire_bytes_per_step"]["data"] = data_bytes
+    nbytes = sum(row["wire_bytes_per_step"].values())
+    row["s_per_step"] = local + msgs * alpha + (kappa + kappa1 * nbytes / msgs / 1e6) * nbytes * 8 / (link_bits or 8e9)
+    return row
+
+
+LOOPBACK = (1.5e-4, 1e-9)  # (α s, β s/B) of the gloo calibration
+
+
+@pytest.mark.parametrize("kappa,kappa1", [(1.0, 0.0), (1.5, 0.0), (1.3, 0.5)])
+def test_link_fit_recovers_latency_and_efficiency_and_the_model_reproduces_the_steps(kappa, kappa1):
+    alpha = 3e-4
+    rows = [_row(bits, 0.3, n, b, alpha, kappa=kappa, kappa1=kappa1) for bits in (50e6, 250e6, 1e9, 4e9)
+            for n in (100, 200) for b in (9.5e6, 19e6)]
+    got = e2e_study._fit_link(rows)
+    assert got == pytest.approx((alpha, kappa, kappa1), rel=1e-6, abs=1e-9)
+    for r in rows:
+        assert e2e_study._predict(r, r["local_s_per_step"], got, LOOPBACK) == pytest.approx(r["s_per_step"], rel=1e-9)
+
+
+def test_loopback_rows_use_the_calibration_not_the_fit():
+    row = _row(None, 0.3, 200, 9.5e6, 0.0)
+    assert e2e_study._predict(row, 0.3, (1.0, 5.0, 1.0), LOOPBACK) == pytest.approx(0.3 + 200 * 1.5e-4 + 9.5e6 * 1e-9)
+
+
+def test_a_negative_latency_fit_is_refitted_with_zero_latency():
+    rows = [_row(bits, 0.3, n, 9.5e6, 0.0, kappa=1.2) for bits, n in ((50e6, 100), (1e9, 200))]
+    rows[1]["s_per_step"] -= 0.01  # more messages, less time: α would come out negative
+    alpha, kappa, kappa1 = e2e_study._fit_link(rows)  # one message size per row count: κ1 fitted too
+    assert alpha == 0.0 and kappa1 >= 0.0 and 1.0 < kappa + kappa1 * 9.5e6 / 150 / 1e6 < 1.4
+
+
+def test_two_tier_rows_send_data_axis_bytes_at_the_inter_node_rate():
+    row = {"measured_bit_per_s": {"intra": 8e8, "inter": 8e7}, "tensor_messages_per_step": 0,
+           "wire_bytes_per_step": {"tensor": 1e6, "data": 1e6}}
+    assert e2e_study._predict(row, 0.5, (1.0, 1.0, 0.0), LOOPBACK) == pytest.approx(0.5 + 1e6 / 1e8 + 1e6 / 1e7)
+
+
+def test_emulated_rate_of_a_transfer_fraction_inverts_the_model():
+    ref = _row(250e6, 0.3, 200, 9.5e6, 0.0)
+    link = (1e-4, 1.3, 0.4)
+    for f in (0.05, 0.5, 0.9):
+        bits = e2e_study._emulated_rate_for(f, ref, link)
+        row = dict(ref, measured_bit_per_s={"link": bits})
+        t = e2e_study._predict(row, 0.3, link, LOOPBACK)
+        assert e2e_study._comm_s(row, link, LOOPBACK)[1] / t == pytest.approx(f)
+
+
+def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch):
+    """A study folder with one configuration (rows built from the model with a known α) gives study.json,
+    study.md (every row, the model's error, the GPU table) and the plot."""
+    monkeypatch.setattr(e2e_study, "CONFIGS", {"gpt2_tp2_sp_bf16": []})
+    alpha, rows = 2e-4, []
+    for bits, n in ((50e6, 200), (1e9, 100), (250e6, 150), (500e6, 120)):
+        ex = _row(bits, 0.30, n, 9.5e6 * (1 + (n == 120)), alpha, kappa=1.4, kappa1=0.3)
+        tc = _row(bits, 0.34, n + 20, 5.1e6, alpha, variant="taco", kappa=1.4, kappa1=0.3)
+        for r in (ex, tc):
+            r.update(link=f"{bits:.0f}", speedup_median=ex["s_per_step"] / r["s_per_step"], tokens_per_s=1.0,
+                     comm_fraction=0.5, byte_ratio=0.536, byte_bound=1.3)
+            r["speedup_min"] = r["speedup_max"] = r["speedup_median"]
+            r.pop("config")
+        rows += [ex, tc]
+    d = tmp_path / "gpt2_tp2_sp_bf16"
+    d.mkdir()
+    (d / "bench_e2e.json").write_text(json.dumps({"command": "python -m experiments.bench_e2e ...", "rows": rows}))
+    res = e2e_study.analyze(tmp_path)
+    assert (res["alpha_s"], res["kappa0"], res["kappa1_per_mb"]) == pytest.approx((alpha, 1.4, 0.3), rel=1e-6)
+    assert all(abs(r["model_error"]) < 1e-6 for r in res["rows"])
+    taco = [r for r in res["rows"] if r["variant"] == "taco"]
+    assert all(r["model_speedup"] == pytest.approx(r["speedup_median"]) for r in taco)
+    assert all(r["codec_s_per_step"] == pytest.approx(0.04) for r in taco)
+    assert all(1.0 < r["bandwidth_bound"] < 1 / 0.536 for r in taco)
+    links = {g["tp_link"] for g in res["gpu_predictions"]}
+    assert len(links) == 4 and all(g["taco_tp"] > 0.5 for g in res["gpu_predictions"])
+    md = (tmp_path / "study.md").read_text()
+    assert md.count("| taco |") == 4 and "Predicted on GPU clusters" in md
+    assert (tmp_path / "speedup_vs_link.png").stat().st_size > 10_000
