@@ -44,6 +44,8 @@ import subprocess
 import sys
 import time
 
+from taco_jax.emulate import LinkSpec
+from taco_jax.models import PRESETS
 from taco_jax.train import jsonio
 
 DEFAULT_VARIANTS = ("exact=--comm none", "taco=--comm taco")
@@ -104,31 +106,44 @@ def main(argv=None) -> dict:
                                 allow_abbrev=False)
     p.add_argument("--links", nargs="+", default=["250mbit", "1gbit", "none"],
                    help="link rates (none = loopback) or one two-tier intra=RATE,inter=RATE per argument")
-    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--processes", type=int, default=2, help="processes (default: 2)")
     p.add_argument("--launch-args", default="", help="more `taco-jax launch` flags, e.g. \"--nodes 2\"")
-    p.add_argument("--mesh", default="data=1,tensor=2")
-    p.add_argument("--model", default="gpt2-narrow")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--mesh", default="data=1,tensor=2", help="mesh (default: data=1,tensor=2)")
+    p.add_argument("--model", default="gpt2-narrow", choices=sorted(PRESETS), metavar="PRESET",
+                   help="model preset (default: gpt2-narrow)")
+    p.add_argument("--batch-size", type=int, default=256, help="sequences per step (default: 256)")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default: 32)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(default: bfloat16)")
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (default: off)")
     p.add_argument("--train-args", default="", help="more `train` flags for every run (e.g. \"--vocab-size 512\")")
     p.add_argument("--variant", action="append", metavar="NAME=FLAGS",
                    help=f"a compared configuration, repeatable; the first is the baseline "
                    f"(default: {DEFAULT_VARIANTS})")
     p.add_argument("--no-local", action="store_true", help="skip the one-process (transport-free) steps")
-    p.add_argument("--steps", type=int, default=8, help="steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="first steps of a run left out of its median")
-    p.add_argument("--rounds", type=int, default=2, help="rounds per link (variant order rotated each round)")
+    p.add_argument("--steps", type=int, default=8, help="steps per run (default: 8)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of a run left out of its median (default: 2)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds per link, variant order rotated each round (default: 2)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run, then it fails")
     p.add_argument("--out", default="runs/bench_e2e")
     a = p.parse_args(argv)
-    if a.rounds < 1 or a.steps <= a.warmup or a.processes < 2:
-        p.error(f"need --rounds >= 1 (got {a.rounds}), --steps > --warmup (got {a.steps}, {a.warmup}) and "
-                f"--processes >= 2 (got {a.processes})")
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds} must be >= 1")
+    if a.warmup < 0 or a.steps <= a.warmup:
+        p.error(f"--steps {a.steps} must be > --warmup {a.warmup} >= 0")
+    if a.processes < 2:
+        p.error(f"--processes {a.processes} must be >= 2")
     links = _links(a.links)
     if not links:
         p.error(f"--links {a.links!r} names no link")
+    nodes = next((int(x) for f, x in zip(shlex.split(a.launch_args), shlex.split(a.launch_args)[1:])
+                  if f == "--nodes" and x.isdigit()), 0)
+    for link in links:  # before any run: a bad rate fails now, not after the one-process steps
+        if link != "none":
+            try:
+                LinkSpec.parse(link, nodes if "=" in link else 0)
+            except ValueError as e:
+                p.error(str(e))
     variants = _variants(a.variant or list(DEFAULT_VARIANTS), p)
     names = list(variants)
     out = pathlib.Path(a.out)
@@ -194,7 +209,8 @@ def main(argv=None) -> dict:
         bound = "-" if r["byte_bound"] is None else f"{r['byte_bound']:.2f}×"
         lines.append(f"| {r['link']} | {m} | {r['variant']} | {r['s_per_step']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['speedup_median']:.2f}× [{r['speedup_min']:.2f}, {r['speedup_max']:.2f}] | "
-                     f"{r['comm_fraction']:.2f} | {r['byte_ratio']:.3f} | {bound} |")
+                     f"{'-' if r['local_s_per_step'] is None else format(r['comm_fraction'], '.2f')} | "
+                     f"{r['byte_ratio']:.3f} | {bound} |")
     (out / "bench_e2e.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result

@@ -26,7 +26,7 @@ bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP
 3. Writes `<out>/study.json`, `<out>/study.md` (the tables, each with its command) and
    `<out>/speedup_vs_link.png` (measured, byte bound, model).
 
-  python -m experiments.e2e_study --out runs/e2e_study              # everything (~60 min on 2 cores)
+  python -m experiments.e2e_study --out runs/e2e_study              # everything (~70 min on 2 cores)
   python -m experiments.e2e_study --out runs/e2e_study --only gpt2_tp2_sp_bf16
   python -m experiments.e2e_study --out runs/e2e_study --analyze    # tables and plot only
 
@@ -150,8 +150,12 @@ def analyze(out: pathlib.Path) -> dict:
     # shaped links (FIT_CONFIGS); every other row is a prediction
     rows = [dict(r, config=n) for n, s in studies.items() for r in s["rows"]]
     modelled = [r for r in rows if r["local_s_per_step"] is not None]
-    link = _fit_link([r for r in modelled if r["variant"] == "exact" and r["measured_bit_per_s"]
-                      and r["config"] in FIT_CONFIGS])
+    fit_rows = [r for r in modelled
+                if r["variant"] == "exact" and r["measured_bit_per_s"] and r["config"] in FIT_CONFIGS]
+    if len(fit_rows) < 3:
+        raise ValueError(f"the cost model is fitted on the link sweep ({', '.join(FIT_CONFIGS)}): {len(fit_rows)} "
+                         f"exact rows on shaped links under {out}, need >= 3; run `--only {' '.join(FIT_CONFIGS)}`")
+    link = _fit_link(fit_rows)
     for r in modelled:
         r["model_s_per_step"] = _predict(r, r["local_s_per_step"], link, loopback)
         r["model_error"] = r["model_s_per_step"] / r["s_per_step"] - 1.0
@@ -315,16 +319,23 @@ def main(argv=None) -> dict:
     p.add_argument("--analyze", action="store_true", help="only tables and plot from existing results")
     p.add_argument("--rounds", type=int, help="override every configuration's rounds")
     a = p.parse_args(argv)
+    if a.rounds is not None and a.rounds < 1:
+        p.error(f"--rounds {a.rounds} must be >= 1")
     out = pathlib.Path(a.out)
+    if a.analyze and not any((out / n / "bench_e2e.json").exists() for n in CONFIGS):
+        p.error(f"no results under {out} (no <configuration>/bench_e2e.json); run without --analyze first")
     if not a.analyze:
         for name in a.only or CONFIGS:
             if (out / name / "bench_e2e.json").exists() and not a.force:
                 print(f"[e2e_study] {name}: results exist, skipped (--force reruns)", flush=True)
                 continue
-            args = CONFIGS[name] + (["--rounds", str(a.rounds)] if a.rounds else [])
+            args = CONFIGS[name] + (["--rounds", str(a.rounds)] if a.rounds is not None else [])
             print(f"[e2e_study] {name}: python -m experiments.bench_e2e {shlex.join(args)}", flush=True)
             bench_e2e.main([*args, "--out", str(out / name)])
-    return analyze(out)
+    try:
+        return analyze(out)
+    except ValueError as e:
+        p.error(str(e))
 
 
 if __name__ == "__main__":

@@ -107,3 +107,22 @@ def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch):
     md = (tmp_path / "study.md").read_text()
     assert md.count("| taco |") == 4 and "Predicted on GPU clusters" in md
     assert (tmp_path / "speedup_vs_link.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--links", "fast"], "link rate 'fast'"), (["--links", "intra=1gbit"], "must be RATE or intra=RATE,inter=RATE"),
+    (["--rounds", "0"], "--rounds 0 must be >= 1"), (["--steps", "2", "--warmup", "2"], "--steps 2 must be >"),
+    (["--processes", "1"], "--processes 1 must be >= 2"), (["--dtype", "foo"], "invalid choice: 'foo'")])
+def test_bad_arguments_fail_before_any_run(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_e2e.main([*args, "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args,message", [(["--rounds", "0"], "--rounds 0 must be >= 1"),
+                                          (["--analyze"], "no results under")])
+def test_study_refuses_bad_rounds_and_an_empty_results_folder(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        e2e_study.main([*args, "--out", str(tmp_path)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
