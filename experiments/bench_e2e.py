@@ -136,8 +136,8 @@ def main(argv=None) -> dict:
     links = _links(a.links)
     if not links:
         p.error(f"--links {a.links!r} names no link")
-    nodes = next((int(x) for f, x in zip(shlex.split(a.launch_args), shlex.split(a.launch_args)[1:])
-                  if f == "--nodes" and x.isdigit()), 0)
+    words = " ".join(shlex.split(a.launch_args)).replace("--nodes=", "--nodes ").split()
+    nodes = next((int(x) for f, x in zip(words, words[1:]) if f == "--nodes" and x.isdigit()), 0)
     for link in links:  # before any run: a bad rate fails now, not after the one-process steps
         if link != "none":
             try:
