@@ -97,6 +97,11 @@ def _links(specs: list[str]) -> list[str]:
     return out
 
 
+def byte_bound(f: float, r: float) -> float:
+    """1 / ((1 − f) + f·r): the speedup if a fraction f of the step scaled with bytes and they shrank to r."""
+    return 1.0 / ((1.0 - f) + f * r)
+
+
 def _bytes(run: dict) -> float:
     return float(sum(run["wire_bytes_per_step"].values()))
 
@@ -189,7 +194,7 @@ def main(argv=None) -> dict:
                 "speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "local_s_per_step": local[v]["step_s"] if local else None,
                 "comm_fraction": f, "comm_fraction_raw": f_raw, "byte_ratio": r_bytes,
-                "byte_bound": 1.0 / ((1.0 - f) + f * r_bytes) if local else None,
+                "byte_bound": byte_bound(f, r_bytes) if local else None,
                 "wire_bytes_per_step": runs[v][0]["wire_bytes_per_step"],
                 "tensor_messages_per_step": runs[v][0]["tensor_messages_per_step"],
                 "runs": [{k: x for k, x in r.items() if k != "emulated_link"} for r in runs[v]],

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import platform
 import shlex
@@ -168,23 +169,18 @@ def analyze(out: pathlib.Path) -> dict:
                 r["codec_s_per_step"] = r["local_s_per_step"] - b["local_s_per_step"]
                 f_bw = min(_comm_s(b, link, loopback)[1] / b["s_per_step"], 1.0)  # the byte-proportional share
                 r["bandwidth_fraction"] = f_bw
-                r["bandwidth_bound"] = 1.0 / ((1.0 - f_bw) + f_bw * r["byte_ratio"])
+                r["bandwidth_bound"] = bench_e2e.byte_bound(f_bw, r["byte_ratio"])
     gpu = gpu_predictions(rows, link)
     result = {"format": "taco_jax.e2e_study/1", "alpha_s": link[0], "kappa0": link[1], "kappa1_per_mb": link[2],
               "loopback_alpha_s": loopback[0], "loopback_bytes_per_s": 1.0 / loopback[1],
               "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
-                         f"{_cpus()} CPUs, Linux {platform.release()}",
+                         f"{os.cpu_count()} CPUs, Linux {platform.release()}",
               "commands": {n: s["command"] for n, s in studies.items()}, "rows": rows, "gpu_predictions": gpu}
     jsonio.write(out / "study.json", result)
     (out / "study.md").write_text(markdown(result))
     plot(result, out / "speedup_vs_link.png")
     print(markdown(result))
     return result
-
-
-def _cpus() -> int:
-    import os
-    return os.cpu_count() or 0
 
 
 def _emulated_rate_for(f_target: float, row_exact: dict, link: tuple[float, float, float]) -> float:
@@ -202,11 +198,9 @@ def gpu_predictions(rows: list[dict], link: tuple[float, float, float]) -> list[
     with its TP link set to every declared GPU link; plus the emulated rate of the same comm fraction."""
     from taco_jax.perf import model, paper
 
-    pcie = model.Link.from_bandwidth("pcie-gen5-x16", 5e-6, 0.8 * 64e9, "PCIe Gen5 x16 64 GB/s per direction, "
-                                     "80% achieved; alpha 5 us assumed")
     tp_links = [("H100/H200 NVLink 4 (450 GB/s)", model.H200, model.NVLINK4),
                 ("H800 NVLink (200 GB/s)", model.H800, model.NVLINK_H800),
-                ("PCIe Gen5 x16 (64 GB/s)", model.H200, pcie),
+                ("PCIe Gen5 x16 (64 GB/s)", model.H200, model.PCIE_GEN5),
                 ("InfiniBand NDR (50 GB/s per GPU)", model.H200, model.IB_NDR)]
     ref = next((r for r in rows if r["config"] == "gpt2_tp2_sp_bf16" and r["variant"] == "exact"
                 and r["local_s_per_step"] is not None and r["measured_bit_per_s"]), None)

@@ -126,6 +126,9 @@ NVLINK_H800 = Link.from_bandwidth("nvlink-h800", 3e-6, 0.8 * 200e9, "H800 datash
 #: InfiniBand NDR, one 400 Gb/s ConnectX-7 per GPU (DGX H100/H200 reference design) = 50 GB/s per
 #: direction; 80 % achieved; α = 10 µs per step (assumption).
 IB_NDR = Link.from_bandwidth("ib-ndr400", 10e-6, 0.8 * 50e9, "ConnectX-7 400 Gb/s per GPU, 80% achieved")
+#: PCIe Gen5 x16: 64 GB/s per direction (PCI-SIG 5.0 spec, 32 GT/s × 16 lanes), 80 % achieved; α = 5 µs
+#: per step (assumption). TP over PCIe: GPUs without NVLink in one node (docs/emulated.md).
+PCIE_GEN5 = Link.from_bandwidth("pcie-gen5-x16", 5e-6, 0.8 * 64e9, "PCIe Gen5 x16 64 GB/s per direction, 80% achieved")
 #: TACO codec on an H200, MEASURED (CUDA FFI backend, E4M3, G = 128, f32 input, 256 MB message:
 #: encode 1,386 GB/s = 0.78x and decode 1,962 GB/s = 1.10x a device copy of the same message;
 #: docs/gpu/h200_gpu_check_2026-11-30.json, docs/results.md "GPU path"). Per-call overhead inside a compiled
