@@ -121,3 +121,26 @@ def test_peer_stopped_during_evaluation_is_named_within_the_auto_limit(tmp_path,
     assert "[0] [taco-jax] gpt2-tiny on mesh data=1,tensor=2" in text
     assert "[Gloo]" not in text and "Fatal Python error" not in text
     print(f"SIGSTOP at evaluation -> launcher exit: {elapsed:.1f} s (auto limit {limit} s)")
+
+
+def test_watchdog_guard_limits():
+    """`StepWatchdog.guard`: the step limit; the first work of a kind (it compiles, or opens files) and
+    work before any step get the first step's; file work adds its bytes at `IO_FLOOR_BYTES_PER_S`."""
+    from taco_jax.train.distributed import IO_FLOOR_BYTES_PER_S, StepWatchdog
+
+    w = StepWatchdog(2.0)  # first step: 10 × 2 s
+    try:
+        with w.guard("export to x", 0, kind="export"):
+            assert (w._limit, w._what) == (20.0, "export to x")  # before any step
+        w.start(1)
+        w.done()
+        for first in (True, False):
+            with w.guard("evaluation after step 1 (batch 1 of 2)", 1, kind="eval"):
+                assert w._limit == (20.0 if first else 2.0) and w._step == 1
+            assert w._step is None  # disarmed after it
+        with w.guard("checkpoint of step 1", 1, kind="checkpoint", nbytes=IO_FLOOR_BYTES_PER_S):
+            assert w._limit == 21.0
+        with w.guard("checkpoint of step 1 (completing)", 1, kind="checkpoint", nbytes=IO_FLOOR_BYTES_PER_S):
+            assert w._limit == 3.0
+    finally:
+        w.close()

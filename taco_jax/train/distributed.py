@@ -175,10 +175,11 @@ class StepWatchdog:
     """Ends the run when a step, or other work of the run between steps, does not finish within its
     time limit.
 
-    `start(step)` before the step's work, `done()` after its result arrived; `with guard(what, step)`
-    around the work beside the steps that waits on the other processes too (each evaluation batch,
-    a checkpoint save, the export), with the step limit plus `nbytes` at `IO_FLOOR_BYTES_PER_S`
-    (a guard adapts no limit). When the time passes,
+    `start(step)` before the step's work, `done()` after its result arrived; `with guard(what, step,
+    kind=...)` around the work beside the steps that waits on the other processes too (each
+    evaluation batch, a checkpoint save, the export), with the step limit plus `nbytes` at
+    `IO_FLOOR_BYTES_PER_S` (the first of each kind: the first step's; a guard adapts no limit).
+    When the time passes,
     a thread prints an error naming the step (and, multi-process, which processes had not started
     it: each process records the last step it started in the coordinator's key-value store; and
     which stopped answering: each advances a heartbeat counter there every `HEARTBEAT_S`) to
@@ -205,7 +206,7 @@ class StepWatchdog:
         self.timeout_s, self.exit_status = float(timeout_s), exit_status
         self._first, self._done_steps, self._first_dt, self._slowest = True, 0, 0.0, 0.0
         self.process, self.processes = jax.process_index(), jax.process_count()
-        self._step, self._since, self._closed, self._what = None, 0.0, False, ""
+        self._step, self._since, self._closed, self._what, self._kinds = None, 0.0, False, "", set()
         self._cond = threading.Condition()
         if self.timeout_s > 0:
             threading.Thread(target=self._watch, name="taco-jax-step-watchdog", daemon=True).start()
@@ -224,15 +225,17 @@ class StepWatchdog:
             _client().key_value_set(f"{_STEP_KEY}{self.process}", str(step), allow_overwrite=True)
 
     @contextlib.contextmanager
-    def guard(self, what: str, step: int, *, nbytes: float = 0.0, stall: str = ""):
+    def guard(self, what: str, step: int, *, kind: str, nbytes: float = 0.0, stall: str = ""):
         """Arms the watchdog around `what` (e.g. "evaluation after step 5 (batch 2 of 8)"), done after
-        step `step`: the current step limit (the first step's while none finished) plus `nbytes` at
-        `IO_FLOOR_BYTES_PER_S`. `stall`: the `ENV_STALL` point this work is (e.g. "eval@5")."""
+        step `step`: the current step limit plus `nbytes` at `IO_FLOOR_BYTES_PER_S`; the first work of
+        its `kind` (e.g. "eval": it compiles, or opens files) gets the first step's limit instead of the
+        step limit. `stall`: the `ENV_STALL` point this work is (e.g. "eval@5")."""
         if self.timeout_s > 0:
             with self._cond:
-                limit = self._first_limit if self._first else self.timeout_s
+                first = self._first or kind not in self._kinds
+                self._kinds.add(kind)
                 self._step, self._since, self._what = step, time.monotonic(), what
-                self._limit = limit + nbytes / IO_FLOOR_BYTES_PER_S
+                self._limit = (self._first_limit if first else self.timeout_s) + nbytes / IO_FLOOR_BYTES_PER_S
                 self._cond.notify()
         if stall:
             self._stall(stall, f"at the {what}")

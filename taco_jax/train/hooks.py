@@ -100,7 +100,7 @@ class Hooks(contextlib.AbstractContextManager):
 
 
 @contextlib.contextmanager
-def _no_guard(what: str, step: int, **_):
+def _no_guard(what: str, step: int, *, kind: str, **_):
     yield
 
 
@@ -287,7 +287,7 @@ class Checkpoint(Hook):
     def on_step(self, state, step, rec):
         if state.preempted or (self.every and step % self.every == 0) or (self.final and step == self.steps):
             nbytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
-            with self.guard(f"checkpoint of step {step}", step, nbytes=nbytes):
+            with self.guard(f"checkpoint of step {step}", step, kind="checkpoint", nbytes=nbytes):
                 self.ckpt.save(step, state.params, state.opt_state, {"data": self.batches.state(),
                                                                      "config": self.config},
                                wait=bool(state.preempted))
@@ -300,7 +300,7 @@ class Checkpoint(Hook):
         if self.last is None:
             return
         step, nbytes = self.last
-        with self.guard(f"checkpoint of step {step} (completing)", step, nbytes=nbytes):
+        with self.guard(f"checkpoint of step {step} (completing)", step, kind="checkpoint", nbytes=nbytes):
             self.ckpt.wait()  # the last save complete (raises its error)
 
     def close(self):

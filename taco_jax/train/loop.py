@@ -90,7 +90,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py); multi-process: gathered
             nbytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
             with run_hooks.guard(f"export to {cfg.export_hf}", state.history[-1]["step"] if state.history else 0,
-                                 nbytes=nbytes):
+                                 kind="export", nbytes=nbytes):
                 save_hf(cfg.export_hf, cfg.model_config, run.trainer.staged.unstack_layers(state.params)
                         if run.trainer.staged else state.params,
                         base_config=read_config(cfg.init_from) if cfg.init_from else None,
@@ -224,7 +224,7 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
     def evaluate(params, step):
         losses = []
         for k, (vx, vy) in enumerate(val):  # each batch's collectives under the watchdog, as a step's
-            with watchdog.guard(f"evaluation after step {step} (batch {k + 1} of {len(val)})", step,
+            with watchdog.guard(f"evaluation after step {step} (batch {k + 1} of {len(val)})", step, kind="eval",
                                 stall=f"eval@{step}" if k == 0 else ""):
                 losses.append(float(trainer.eval_step(params, vx, vy)))
         return float(np.mean(losses))
