@@ -76,8 +76,8 @@ def parse_rate(text: str) -> float:
 def _check_min(rate_bps: float, text: str) -> float:
     """`rate_bps`; raises ValueError naming `text` and `MIN_RATE_BPS` when it is slower."""
     if rate_bps < MIN_RATE_BPS:
-        raise ValueError(f"link rate {text!r} is below the slowest accepted, {MIN_RATE_BPS / 1e3:g}kbit: a "
-                         "tensor-parallel step of even the tiny model would take minutes")
+        raise ValueError(f"link rate {text!r} is below the slowest accepted, {MIN_RATE_BPS / 1e3:g}kbit (a "
+                         "tensor-parallel step of even the tiny model, ~0.6 MB, would take over a minute)")
     return rate_bps
 
 
