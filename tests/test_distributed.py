@@ -285,7 +285,7 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra, capsys):
     """2 processes × 4 devices give the 1 process × 8 devices per-step losses and gradient norms bit
     for bit (both on gloo collectives); the files are written once (process 0). The finished run keeps
     its weights: a final checkpoint (each process its shards) that `sample --from` reads."""
-    args = ["train", *TINY, "--steps", "3", "--mesh", mesh_spec, *extra]  # progress lines: stderr is a file
+    args = ["train", *TINY, "--steps", "3", "--final-checkpoint", "--mesh", mesh_spec, *extra]  # progress: a file
     procs = {n: start(cli(*args, "--out", tmp_path / f"p{n}", processes=n), cache, tmp_path / f"p{n}.log")
              for n in (1, 2)}
     for n, p in procs.items():
