@@ -321,7 +321,7 @@ class PreparedData:
     """A prepared folder (`prepare_data`), memory-mapped: the token files are never read whole.
 
     train, val: read-only np.memmap [n] of uint16 / uint32 token ids
-    vocab_size: the tokenizer's vocabulary size (ids are in [0, vocab_size))
+    vocab_size: the tokenizer's largest id + 1 (`vocab_size_of`; ids are in [0, vocab_size))
     eot_id: id of the end-of-text token between documents
     tokenizer_path: the folder's tokenizer.json
     meta: the folder's meta.json
