@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES, CommPolicy
-from taco_jax.data import TokenStream, check_data, eval_batches, training_data
+from taco_jax.data import TokenStream, check_data, check_resumed_data, eval_batches, training_data
 from taco_jax.models import count_params
 from taco_jax.models.hf import read_config, save_hf
 from taco_jax.parallel.mesh import DATA, MESH_AXES, STAGE
@@ -138,9 +138,11 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
     source = f" from {cfg.init_from}" if cfg.init_from else ""
     say(f"[taco-jax] {cfg.model}{source} on mesh {cfg.mesh}: {describe_policy(trainer.policy)}"
         + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""))
-    ds = dataset or training_data(cfg.data, cfg.vocab_size)  # --data DIR (memory-mapped) or Shakespeare
+    if note := cfg.vocab_note():  # a published preset's own vocabulary, or --data's
+        say(f"[taco-jax] {note}")
+    ds = dataset or training_data(cfg.data, cfg.bpe_vocab_size)  # --data DIR (memory-mapped) or Shakespeare
     check_data(ds, cfg.model_config.vocab_size if cfg.data else min(cfg.vocab_size, cfg.model_config.vocab_size),
-               cfg.init_from)  # vocabulary and tokenizer fit the model
+               cfg.init_from, batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # vocabulary, tokenizer, split sizes
     ckpt = Checkpoints(out / "checkpoints", keep=cfg.keep_checkpoints)
     saved = ckpt.steps()
     if saved and not cfg.resume:
@@ -148,6 +150,8 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
                          "that run, or another --out")
     if cfg.resume and not saved:
         say(f"[taco-jax] --resume: no checkpoint in {rel(ckpt.directory, out)}; starting from step 0")
+    if cfg.resume and saved and (note := check_resumed_data(ds, out, cfg.data)):  # the run's tokenizer
+        say(f"[taco-jax] {note}")
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
     batches = TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # the training batch stream
     return Run(cfg, out, dist.is_writer(), trainer, ds, batches, batch_sharding, ckpt, bool(cfg.resume and saved))

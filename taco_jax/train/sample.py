@@ -5,7 +5,8 @@
 A run folder (`train --out`) holds its tokenizer (`tokenizer.json`: the Shakespeare BPE, or the
 `--data` folder's); its weights are read from its `--export-hf` folder when that exists, else from
 its latest complete checkpoint (`<out>/checkpoints`, parameters only, onto one device). An HF
-checkpoint folder needs a `tokenizer.json`. Generation: `models.generate` (one device).
+checkpoint folder needs a `tokenizer.json`. Generation: `models.generate` (one device), drawing only
+ids the tokenizer has (`tokenizer_ids`).
 """
 
 from __future__ import annotations
@@ -84,9 +85,20 @@ def load_for_sampling(source):
     return model, params, tokenizer
 
 
-def sample(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-           seed: int = 0) -> str:
-    """The prompt and its continuation, decoded (see the module docstring). Raises ValueError as
+def tokenizer_ids(tok, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size]: the ids of `vocab_size` that the tokenizer `tok` has a token for (added tokens
+    included). A model's vocabulary can be larger (a published preset's own, `--vocab-size`,
+    padding) or the tokenizer's can have holes; ids without a token would vanish from the text."""
+    allowed = np.zeros(vocab_size, bool)
+    ids = np.fromiter(tok.get_vocab(with_added_tokens=True).values(), np.int64)
+    allowed[ids[ids < vocab_size]] = True
+    return allowed
+
+
+def sample_ids(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+               seed: int = 0):
+    """(ids int32 [T0 + max_new_tokens], the `tokenizers.Tokenizer`): the prompt's ids and the
+    generated ones, each an id of the tokenizer (`tokenizer_ids`). Raises ValueError as
     `load_for_sampling` and `models.generate` (e.g. a prompt + count beyond the model's context)."""
     from tokenizers import Tokenizer
 
@@ -97,5 +109,14 @@ def sample(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0
     ids = np.asarray(tok.encode(prompt, add_special_tokens=False).ids, np.int32)
     if ids.size == 0:
         raise ValueError(f"prompt={prompt!r} encodes to no tokens")
-    out = generate(model, params, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    out = generate(model, params, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                   allowed=tokenizer_ids(tok, model.vocab_size))
+    return out, tok
+
+
+def sample(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+           seed: int = 0) -> str:
+    """The prompt and its continuation, decoded (`sample_ids`; see the module docstring). Raises
+    ValueError as `sample_ids`."""
+    out, tok = sample_ids(source, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
     return tok.decode([int(i) for i in out], skip_special_tokens=False)
