@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
 from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
@@ -20,6 +21,9 @@ from taco_jax.parallel.pipeline import check_pipeline
 DEFAULT_MODEL = "gpt2-tiny"
 #: Entries of the Shakespeare BPE (and the vocabulary of a CPU-sized preset on it) without `--vocab-size`.
 DEFAULT_VOCAB = 2048
+#: Fields naming folders, recorded absolute (against the current folder) by `TrainConfig.to_dict`: a
+#: run's config.json names the same folders wherever it is read from (`taco-jax sample --from`, `--config`).
+PATH_FIELDS = ("init_from", "data", "export_hf")
 #: Mesh axis -> the policy sites whose messages travel on it.
 AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
 
@@ -338,8 +342,10 @@ class TrainConfig:
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        """JSON-ready fields, `policy` as `CommPolicy.to_dict()` (the `config.json` of a run)."""
+        """JSON-ready fields, `policy` as `CommPolicy.to_dict()` (the `config.json` of a run); the
+        folders of `PATH_FIELDS` absolute (resolved against the current folder; "" stays "")."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy"}
+        out.update({f: os.path.abspath(out[f]) for f in PATH_FIELDS if out[f]})
         return {**out, "policy": self.policy.to_dict()}
 
     @property

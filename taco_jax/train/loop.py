@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         save_hf(cfg.export_hf, cfg.model_config, run.trainer.staged.unstack_layers(state.params)
                 if run.trainer.staged else state.params,
                 base_config=read_config(cfg.init_from) if cfg.init_from else None,  # multi-process: gathered
-                source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path)
+                source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path, eos_token_id=run.dataset.eot_id)
     return summarize(run, acct, state, wall, ends)  # 4.
 
 
@@ -224,8 +224,8 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
         hooks.Checkpoint(run.ckpt, run.batches, cfg.checkpoint_every, cfg.steps, cfg.to_dict(), run.out),
         hooks.Preemption(),
         hooks.Progress(cfg.comm, state.start, cfg.steps, cfg.log_every, progress and run.writer),
-        tensorboard.TensorBoard(run.out / "tensorboard", acct.wire["by_axis"]) if cfg.tensorboard and run.writer
-        else None,
+        tensorboard.TensorBoard(run.out / "tensorboard", acct.wire["by_axis"], start=state.start)
+        if cfg.tensorboard and run.writer else None,
         hooks.MonitorCheck(monitor, rel(metrics, run.out)) if monitor else None,
         hooks.MetricsLog(metrics, run.out, state.history, run.writer, cfg.allow_nonfinite),
         hooks.Evaluate(evaluate, cfg.eval_every, cfg.steps, cfg.allow_nonfinite),
@@ -249,7 +249,7 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         "policy": policy.to_dict(),
         "model": cfg.model,
         "n_params": count_params(cfg.model_config),  # without vocabulary padding (published counts)
-        "init_from": cfg.init_from or None,
+        "init_from": cfg.to_dict()["init_from"] or None,  # absolute, as config.json records it
         "mesh": cfg.mesh,
         "steps": cfg.steps,
         "final_train_loss": float(np.mean([r["loss"] for r in history[-10:]])),

@@ -61,6 +61,21 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
     return InferenceModel.from_config(model_cfg), params
 
 
+def _recorded_folder(run: pathlib.Path, conf: dict, key: str) -> pathlib.Path | None:
+    """Folder `key` of run `run`'s config.json `conf` (recorded absolute). A relative one (recorded
+    by an older run, against the folder the run was started from) is resolved against that folder,
+    told by the recorded relative `out` that ends `run`'s path; None when not recorded or not told."""
+    if not conf.get(key):
+        return None
+    path, out = pathlib.Path(conf[key]), pathlib.Path(conf.get("out") or "")
+    if path.is_absolute():
+        return path
+    root, n = run.resolve().parts, len(out.parts)
+    if out.is_absolute() or not n or ".." in out.parts or root[-n:] != out.parts:
+        return None
+    return pathlib.Path(*root[:-n]) / path
+
+
 def load_for_sampling(source):
     """(InferenceModel, params, tokenizer path) of a run folder or an HF checkpoint folder `source`.
     Raises ValueError naming the folder when it is neither, or lacks its tokenizer or weights."""
@@ -77,11 +92,12 @@ def load_for_sampling(source):
     if "architectures" in conf:  # an HF checkpoint
         model, params = load_hf(src)
         return model, params, tokenizer
-    export = pathlib.Path(conf.get("export_hf") or "")
-    if conf.get("export_hf") and (export / "config.json").is_file():
+    export = _recorded_folder(src, conf, "export_hf")
+    if export is not None and (export / "config.json").is_file():
         model, params = load_hf(export)
         return model, params, tokenizer
-    model, params = _checkpoint_params(src, conf)
+    init_from = _recorded_folder(src, conf, "init_from")  # the architecture of a run started from a checkpoint
+    model, params = _checkpoint_params(src, {**conf, "init_from": str(init_from or conf.get("init_from") or "")})
     return model, params, tokenizer
 
 
