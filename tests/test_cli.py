@@ -11,6 +11,7 @@ from taco_jax.codec import CodecConfig
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.train import jsonio
 from taco_jax.train.config import TrainConfig
+from taco_jax.train.console import summary_block
 
 #: Smallest useful run of the CLI (gpt2-tiny; vocabulary 512 keeps the tokenizer quick).
 TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
@@ -101,6 +102,16 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
     ratio = summary["wire_ratio_taco_over_none"]
     assert set(ratio) == {"data", "tensor"} and ratio["data"] < 0.5 and ratio["tensor"] < 0.5
     assert summary["tensor_wire_ratio_taco_over_none"] == ratio["tensor"]
+    # the printed ratios say what they are measured against: the compiled exact step (XLA:CPU widens
+    # its bf16 all-reduces to f32), and its bf16 messages as issued (twice the ratio then)
+    issued = summary["tensor_wire_ratio_vs_exact_issued"]
+    assert issued == pytest.approx(2 * ratio["tensor"], rel=0.05)
+    shown = {k.strip(): v.strip() for k, v in (line.split(": ", 1) for line in
+                                               summary_block(summary, tmp_path).splitlines()[1:])}
+    assert shown["wire ratio compiled"].startswith(f"data {ratio['data']:.5g}, tensor {ratio['tensor']:.5g} "
+                                                   "(taco / exact bytes per step as compiled; XLA:CPU widens")
+    assert shown["wire ratio issued"] == f"{issued:.5g} (tensor axis: taco / the exact step's bfloat16 messages " \
+                                         "as issued)"
     info = Image.open(tmp_path / "loss.png").info
     assert info["Title"].startswith("gpt2-tiny on Shakespeare")
     assert "compressed (data: int8-G128-had, tensor: taco-e4m3-G128-dual)" in info["Description"]

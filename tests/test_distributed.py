@@ -252,11 +252,11 @@ def _summaries(stdout: str) -> int:
     return len(re.findall(r"^\[\d+\] summary$", stdout, flags=re.M))
 
 
-def _check_quiet(log: str, steps: int) -> None:
-    """The output of `launch --processes 2 -- train` (every line prefixed "[I] " by the launcher):
-    process 0 prints the start line, one progress line per step and the summary block, each line
-    whole; process 1 prints no progress, information or summary (warnings and errors only). Gloo's
-    "[Gloo] Rank I is connected to ..." lines are left out (every peer connected)."""
+def _check_quiet(log: str, steps: int, model: str) -> None:
+    """The output of `launch --processes 2 -- train` of `model` (every line prefixed "[I] " by the
+    launcher): process 0 prints the start line, one progress line per step and the summary block,
+    each line whole; process 1 prints no progress, information or summary (warnings and errors only).
+    Gloo's "[Gloo] Rank I is connected to ..." lines are left out (every peer connected)."""
     lines = [line for line in log.splitlines() if line.strip()]
     assert all(re.match(r"\[[01]\] ", line) for line in lines), lines
     assert not [line for line in lines if "[Gloo]" in line], lines
@@ -265,7 +265,7 @@ def _check_quiet(log: str, steps: int) -> None:
     progress = [line for line in first if line.startswith("[train ")]
     assert [re.fullmatch(r"\[train [\w-]+\] step (\d+)/3 loss \d+\.\d{4} val (-|\d+\.\d{4}) \d+ tokens/s", line)[1]
             for line in progress] == [str(k) for k in range(1, steps + 1)], first
-    assert sum(line.startswith("[taco-jax] gpt2-tiny on mesh") for line in first) == 1
+    assert sum(line.startswith(f"[taco-jax] {model} on mesh") for line in first) == 1, first
     block = first[first.index("summary") + 1:]
     assert block and all(re.fullmatch(r"  [a-z/ ]+: +\S.*", line) for line in block), block
     assert not [line for line in others if re.search(r"step \d|summary|\[taco-jax\]|tokens/s", line)], others
@@ -297,7 +297,7 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra, capsys):
     assert two[-1][1] < two[0][1]  # it learns
     log = (tmp_path / "p2.log").read_text()
     assert _summaries(log) == 1, log[-2000:]  # one summary, from process 0
-    _check_quiet(log, steps=3)
+    _check_quiet(log, steps=3, model=dict(zip(args, args[1:]))["--model"])  # the last --model given
     assert json.loads((tmp_path / "p2" / "summary.json").read_text())["processes"] == 2
     assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["checkpoints", "config.json", "loss.png",
                                                                    "metrics.jsonl", "summary.json", "tokenizer.json"]

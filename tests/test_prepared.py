@@ -1,6 +1,7 @@
 """Your own corpus: `prepare-data` (text, folders, JSONL; a given tokenizer or a BPE trained on the data),
 the memory-mapped token files, the one training stream over them, and the checks against the model."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -17,7 +18,7 @@ from taco_jax.data import (
     tokenizer_hash,
 )
 from taco_jax.data import prepared as prep
-from taco_jax.data.shakespeare import play_text
+from taco_jax.data.shakespeare import EOT, play_text
 
 QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
 
@@ -200,3 +201,155 @@ def test_each_device_reads_only_its_own_rows():
     halves = [set(starts[:4].tolist()), set(starts[4:].tolist())]
     halves += [{s + 1 for s in h} for h in halves]  # targets start one later
     assert tokens.reads and all(r in halves for r in tokens.reads), tokens.reads
+
+
+def _holed_tokenizer(path: pathlib.Path, eot_id: int) -> pathlib.Path:
+    """A 300-entry byte-level BPE whose end-of-text token sits at `eot_id` (ids 1..299 and eot_id)."""
+    spec = json.loads(prep._train_tokenizer([play_text("hamlet")[:20000]], 300).to_str())
+    spec["model"]["vocab"][EOT] = eot_id
+    for t in spec["added_tokens"]:
+        if t["content"] == EOT:
+            t["id"] = eot_id
+    path.write_text(json.dumps(spec))
+    return path
+
+
+@pytest.mark.parametrize("eot_id, dtype", [(70_000, "uint32"), (60_000, "uint16")])
+def test_vocabulary_with_holes_counts_to_its_largest_id(tmp_path, capsys, eot_id, dtype):
+    """A 300-entry tokenizer with its end-of-text token at a large id: the vocabulary is that id + 1,
+    the token dtype holds it, `--data` sizes the model from it, and a smaller model is refused
+    before compiling, naming both sizes."""
+    from taco_jax.cli import main
+    from taco_jax.train.config import TrainConfig
+
+    tok = _holed_tokenizer(tmp_path / "holed.json", eot_id)
+    assert Tokenizer.from_file(str(tok)).get_vocab_size(with_added_tokens=True) == 300
+    (tmp_path / "t.txt").write_text(play_text("macbeth")[:8000])
+    meta = prepare_data([str(tmp_path / "t.txt")], tmp_path / "d", tokenizer=str(tok), progress=False)
+    ids, ds = _stream(tmp_path / "d")
+    assert (meta["vocab_size"], meta["dtype"], ds.vocab_size, ds.train.dtype) == (eot_id + 1, dtype, eot_id + 1, dtype)
+    assert ids[-1] == eot_id and int((ids == eot_id).sum()) == 1 and ids[:-1].max() < 300
+    cfg = TrainConfig(data=str(tmp_path / "d"), mesh="data=2,tensor=4", batch_size=8, seq_len=16)
+    assert cfg.vocab_size == cfg.model_config.vocab_size == eot_id + 1
+    with pytest.raises(ValueError, match=rf"tokenizer vocab {eot_id + 1} exceeds the model's vocab_size=2048"):
+        check_data(ds, 2048)
+    if eot_id < 1 << 16:  # the command: refused (exit 2) before compiling
+        assert main(["train", "--data", str(tmp_path / "d"), "--vocab-size", "2048", "--mesh", "data=2,tensor=4",
+                     "--batch-size", "8", "--seq-len", "16", "--steps", "1", "--out", str(tmp_path / "run"),
+                     "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"taco-jax: error: tokenizer vocab {eot_id + 1} exceeds the model's vocab_size=2048" in err, err
+
+
+def test_special_token_text_inside_a_document_is_text(tmp_path):
+    """A document holding the end-of-text token's text is encoded as text: one separator per
+    document (a trained BPE, which decodes back to the documents; the checkpoint's tokenizer). An
+    end-of-text token that is not special, and so matches inside text, is refused naming the document."""
+    docs = ["ROMEO: " + " and ".join(["<|endoftext|>"] * 6) + " end", "JULIET: no separator here"]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    for name, args in (("bpe", dict(vocab_size=300)), ("qwen3", dict(init_from=str(QWEN3)))):
+        prepare_data([str(src)], tmp_path / name, progress=False, **args)
+        ids, ds = _stream(tmp_path / name)
+        assert int((ids == ds.eot_id).sum()) == 2 and ids[-1] == ds.eot_id, name
+    ids, ds = _stream(tmp_path / "bpe")
+    assert ds.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False) == EOT.join(docs) + EOT
+    spec = json.loads((tmp_path / "bpe" / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:
+        t["special"] = False
+    (tmp_path / "plain.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"docs.jsonl: document 1 encodes to the end-of-text id"):
+        prepare_data([str(src)], tmp_path / "plain", tokenizer=str(tmp_path / "plain.json"), progress=False)
+
+
+def _files(folder: pathlib.Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_refused_inputs_write_nothing(corpus, tmp_path):
+    """An input refused while encoding (a bad JSONL line, too few tokens, a non-special end-of-text
+    in the text) leaves an existing prepared folder byte for byte as it was, with no temporary
+    file, and creates no new folder."""
+    good = tmp_path / "good"
+    prepare_data([str(corpus / "a.txt")], good, init_from=str(QWEN3), progress=False)
+    before = _files(good)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": play_text("hamlet")[:5000]}) + "\n" + '{"txt": "b"}\n')
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("a")
+    for inputs, match in (([bad], "bad.jsonl:2 has no string field"), ([tiny], "too few to split")):
+        for out in (good, tmp_path / "new" / "sub"):
+            with pytest.raises(ValueError, match=match):
+                prepare_data([str(p) for p in inputs], out, init_from=str(QWEN3), progress=False)
+            assert _files(good) == before, match
+            assert not (tmp_path / "new").exists(), match
+
+
+_READER = """
+import pathlib, sys, time
+import numpy as np
+from taco_jax.data.prepared import load_prepared
+ds = load_prepared(sys.argv[1])  # as `train --data`: memory-mapped, never read whole
+first = int(np.asarray(ds.train, np.int64).sum())
+pathlib.Path(sys.argv[2]).write_text(str(first))
+while not pathlib.Path(sys.argv[3]).exists():
+    time.sleep(0.02)
+print(first, int(np.asarray(ds.train, np.int64).sum()), int(np.asarray(ds.val, np.int64).sum()))
+"""
+
+
+def test_rewrite_under_a_running_reader(corpus, tmp_path):
+    """`prepare-data` into the folder a running process memory-maps (a `train --data`): the files
+    are replaced, not truncated, so the reader keeps reading the old tokens (no SIGBUS), and a new
+    load reads the new ones."""
+    import subprocess
+    import sys
+    import time
+
+    from _procs import ROOT
+
+    from taco_jax.cli import main
+
+    d = tmp_path / "d"
+    prepare_data([str(corpus)], d, init_from=str(QWEN3), progress=False)
+    old = load_prepared(d)
+    want = (int(np.asarray(old.train, np.int64).sum()), int(np.asarray(old.val, np.int64).sum()))
+    reader = subprocess.Popen([sys.executable, "-c", _READER, str(d), str(tmp_path / "ready"), str(tmp_path / "go")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):
+            if (tmp_path / "ready").exists() or reader.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert (tmp_path / "ready").read_text() == str(want[0])
+        (tmp_path / "small.txt").write_text(play_text("hamlet")[:3000])  # fewer tokens: truncation would SIGBUS
+        assert main(["prepare-data", str(tmp_path / "small.txt"), "--tokenizer", str(d / "tokenizer.json"),
+                     "--out", str(d), "--no-progress"]) == 0
+        (tmp_path / "go").write_text("")
+        out, err = reader.communicate(timeout=60)
+    finally:
+        reader.kill()
+    assert reader.returncode == 0, (reader.returncode, err[-2000:])
+    assert out.split() == [str(want[0]), str(want[0]), str(want[1])]
+    new = load_prepared(d)
+    assert len(new.train) < len(old.train) and [p.name for p in d.iterdir() if ".tmp" in p.name] == []
+
+
+def test_short_validation_split_is_refused_before_compiling(corpus, tmp_path):
+    """A validation split shorter than one validation batch is refused while the run is prepared
+    (nothing compiled yet), naming val.bin, the tokens it holds and those a batch needs."""
+    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.loop import prepare
+
+    meta = prepare_data([str(corpus / "a.txt")], tmp_path / "d", init_from=str(QWEN3), val_fraction=0.01,
+                        progress=False)
+    n_val = meta["val_tokens"]
+    assert 2 <= n_val < 32 * 64 + 1
+    cfg = TrainConfig(data=str(tmp_path / "d"), mesh="data=2,tensor=4", batch_size=32, seq_len=64,
+                      out=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'd' / 'val.bin'} holds {n_val} tokens; one validation "
+                                         rf"batch of batch_size=32 × seq_len=64 needs 2049"):
+        prepare(cfg)
+    with pytest.raises(ValueError, match=r"train.bin holds \d+ tokens; one training window of seq_len=64 needs 65"):
+        check_data(dataclasses.replace(load_prepared(tmp_path / "d"), train=np.zeros(64, np.uint16)), 99,
+                   batch_size=1, seq_len=64)

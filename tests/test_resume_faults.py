@@ -176,6 +176,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(two_check
     np.testing.assert_array_equal(np.asarray(p["wte"]["embedding"]), params3["wte"]["embedding"])
     assert len(warnings) == 1 and re.search(f"checkpoint {re.escape(str(d / '5'))}: {what}", warnings[0])
     assert f"renamed to {d / '5.corrupt'}" in warnings[0]
+    # one short line: the two paths and a few words of why (TensorStore's chain of files dropped)
+    assert "\n" not in warnings[0] and len(warnings[0].replace(str(d), "")) < 320, warnings[0]
     assert ck.steps() == [3]
     assert sorted(str(f.relative_to(d / "5.corrupt")) for f in (d / "5.corrupt").rglob("*")) == files
     ck.close()
@@ -202,14 +204,23 @@ def test_every_checkpoint_corrupt_is_refused_naming_each(two_checkpoints, tmp_pa
 
 def test_cli_resume_with_a_corrupt_newest_checkpoint(two_checkpoints, tmp_path, capsys):
     """`train --resume`: --no-resume-fallback exits 2 before compiling, naming the corrupt checkpoint
-    and the intact one; by default the run continues from the intact one with a warning."""
+    and the intact one; by default the run continues from the intact one with a warning. With
+    --tensorboard, the events the abandoned run wrote past step 3 are purged: each step once."""
     import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboardX import SummaryWriter
+
+    from taco_jax.train import jsonio
 
     src, _, _ = two_checkpoints
     shutil.copytree(src, tmp_path / "checkpoints")
     _no_meta(tmp_path / "checkpoints" / "5")
+    with SummaryWriter(logdir=str(tmp_path / "tensorboard")) as abandoned:  # the run that saved 3 and 5
+        for step in range(1, 6):
+            abandoned.add_scalar("train/loss", 10.0 + step, step)
     args = ["train", "--batch-size", "8", "--seq-len", "32", "--steps", "4", "--comm", "none", "--no-progress",
-            "--eval-batches", "1", "--mesh", "data=2,tensor=4", "--out", str(tmp_path), "--resume"]
+            "--eval-batches", "1", "--mesh", "data=2,tensor=4", "--out", str(tmp_path), "--resume", "--tensorboard"]
     t = time.monotonic()
     assert main([*args, "--no-resume-fallback"]) == 2
     took = time.monotonic() - t
@@ -222,6 +233,11 @@ def test_cli_resume_with_a_corrupt_newest_checkpoint(two_checkpoints, tmp_path, 
     assert f"[taco-jax] warning: checkpoint {tmp_path / 'checkpoints' / '5'}: its meta cannot be read" in err
     assert "resumed from" in err and "(step 3)" in err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "5.corrupt"]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    (rec,) = jsonio.read_metrics(tmp_path / "metrics.jsonl")
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == \
+        [(1, 11.0), (2, 12.0), (3, 13.0), (4, pytest.approx(rec["loss"]))]
 
 
 # -----------------------------------------------------------------------------

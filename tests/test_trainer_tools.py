@@ -4,13 +4,22 @@ config.json; the command line wins; errors name the key)."""
 
 import glob
 import json
+import pathlib
 import re
+import shutil
 
+import jax
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from taco_jax.cli import config_from_argv, main
+from taco_jax.data.shakespeare import EOT
+from taco_jax.models import load_hf
 from taco_jax.train import jsonio
+from taco_jax.train.sample import load_for_sampling
+
+QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
 
 TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
 
@@ -93,18 +102,23 @@ def _executed_scopes(xplane_path) -> tuple[dict[str, set], list[int]]:
     return scopes, sorted(set(steps))
 
 
-def test_toml_config_profile_and_tensorboard(tmp_path, capsys):
+def test_toml_config_profile_tensorboard_and_export(tmp_path, capsys, monkeypatch):
     """One run set up by a TOML file (the command line's --out wins over the file's): the profile of
     steps 2:3 holds the train step's executed ops under the codec's named scopes; the TensorBoard
     events hold metrics.jsonl's loss, gradient norm and validation loss, the wire bytes and the
-    monitor's SQNR; the run's config.json, passed back as --config, gives the same configuration."""
+    monitor's SQNR; the run's config.json, passed back as --config, gives the same configuration
+    and records the relative --export-hf absolute: `sample --from` the run, from another folder
+    holding a decoy export of the same relative name, loads the run's export; the export's
+    end-of-text id (the tokenizer's) is its eos / bos in config.json and generation_config.json,
+    and `transformers` generate stops there."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
     toml = tmp_path / "run.toml"
     toml.write_text('steps = 3\neval-every = 2\nmonitor_every = 2\nprofile_steps = "2:3"\ntensorboard = true\n'
                     f'out = "{tmp_path / "not-this"}"\nsite = ["ar_bwd:fmt=e5m2"]\n')
-    assert main(["train", "--config", str(toml), *TINY, "--out", str(out)]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", str(toml), *TINY, "--out", str(out), "--export-hf", "hf"]) == 0
     assert not (tmp_path / "not-this").exists()
     recs = jsonio.read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3]
@@ -131,6 +145,32 @@ def test_toml_config_profile_and_tensorboard(tmp_path, capsys):
     assert written["policy"]["sites"]["ar_bwd"]["fmt"] == "e5m2"
     again = config_from_argv(["train", "--config", str(out / "config.json")])
     assert jsonio.strict(again.to_dict()) == written  # the same run, policy included
+    assert (written["export_hf"], written["data"], written["init_from"]) == (str(tmp_path / "hf"), "", "")
+
+    # sample --from the run, from another folder that has a model folder "hf" of its own
+    export, params = load_hf(tmp_path / "hf")
+    shutil.copytree(QWEN3, tmp_path / "elsewhere" / "hf")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for conf in (written, {**written, "export_hf": "hf", "out": "run"}):  # as recorded; relative (older runs)
+        (out / "config.json").write_text(json.dumps(conf))
+        model, got, _ = load_for_sampling(out)
+        assert model.config == export.config
+        jax.tree.map(np.testing.assert_array_equal, got, params)
+
+    # the export's end-of-text: the run's tokenizer's, as transformers reads it
+    eot = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(EOT)
+    hf_conf, gen = (json.loads((tmp_path / "hf" / f).read_text()) for f in ("config.json", "generation_config.json"))
+    assert hf_conf["eos_token_id"] == hf_conf["bos_token_id"] == gen["eos_token_id"] == gen["bos_token_id"] == eot
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    lm = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert tok.eos_token_id == tok.bos_token_id == lm.generation_config.eos_token_id == lm.config.eos_token_id == eot
+    prompt = torch.tensor([tok.encode("ROMEO:")])
+    with torch.no_grad():  # end-of-text made the likeliest next token: generation stops after it
+        ids = lm.generate(prompt, max_new_tokens=8, do_sample=False, sequence_bias={(eot,): 100.0},
+                          pad_token_id=eot)
+    assert ids[0, prompt.shape[1]:].tolist() == [eot]
 
 
 def test_command_line_wins_over_the_config_file(tmp_path, capsys):

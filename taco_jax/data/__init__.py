@@ -5,10 +5,12 @@ over either (`stream.py`)."""
 from taco_jax.data.prepared import (
     PreparedData,
     check_data,
+    check_resumed_data,
     load_prepared,
     prepare_data,
     tokenizer_hash,
     training_data,
+    vocab_size_of,
 )
 from taco_jax.data.shakespeare import (
     DEFAULT_VAL_PLAYS,
@@ -28,6 +30,7 @@ __all__ = [
     "available_plays",
     "batch_iterator",
     "check_data",
+    "check_resumed_data",
     "eval_batches",
     "global_batch",
     "load_prepared",
@@ -35,4 +38,5 @@ __all__ = [
     "prepare_data",
     "tokenizer_hash",
     "training_data",
+    "vocab_size_of",
 ]

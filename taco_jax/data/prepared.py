@@ -2,12 +2,13 @@
 train --data DIR` memory-maps them.
 
 A prepared folder holds
-    train.bin, val.bin   token ids, raw little-endian uint16 (uint32 when the vocabulary has more
-                         than 65536 entries), documents separated by the end-of-text id
+    train.bin, val.bin   token ids, raw little-endian uint16 (uint32 when an id exceeds 65535),
+                         documents separated by the end-of-text id
     tokenizer.json       the tokenizer that made them (`tokenizers` JSON; copied, or trained here)
-    meta.json            format, tokenizer sha256 (of its canonical JSON), vocab_size, dtype, eot_id /
-                         eot_token, the source files with their sizes in bytes and documents,
-                         val_fraction and the token counts of both splits
+    meta.json            format, tokenizer sha256 (of its canonical JSON), vocab_size (the tokenizer's
+                         largest id + 1: a vocabulary with holes counts up to its largest id),
+                         dtype, eot_id / eot_token, the source files with their sizes in bytes and
+                         documents, val_fraction and the token counts of both splits
 
 Documents: each text file is one document; each line of a `.jsonl` file is one, its `text_field`.
 The token stream is every document's ids followed by the end-of-text id, in the order of the
@@ -16,6 +17,13 @@ tokens; training needs more than one window) is the validation split (nanoGPT's 
 stream; a document may straddle it). Encoding runs in parallel (the `tokenizers` library's batch
 encode on documents, long documents cut into pieces at line starts where the pre-tokenizer splits
 anyway, so the ids equal whole-document encoding; `_splits_at_line_starts`).
+
+Documents are encoded as text: a special token's text inside a document (e.g. "<|endoftext|>") is
+encoded as the characters it is made of (`Tokenizer.encode_special_tokens`), so the stream holds
+exactly one end-of-text id per document. The files are written to temporary files in the folder and
+renamed over the old ones (`os.replace`) only when all of them are complete: a refused input
+leaves the folder as it was, and a process that memory-maps the old files (a running `train
+--data`) keeps reading them.
 """
 
 from __future__ import annotations
@@ -171,8 +179,10 @@ def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: 
     entries (default 2048) trained on these documents with the Shakespeare recipe.
     `eot_token`: the token that separates documents (must be in the vocabulary).
     `progress`: a tqdm bar over the input bytes (on a terminal).
-    Returns the meta.json dict. Raises ValueError naming a bad input, tokenizer, field or fraction
-    (before anything is written), or a corpus too small for a validation split.
+    Returns the meta.json dict. Raises ValueError naming a bad input, tokenizer, field or fraction,
+    a corpus too small for a validation split, or an `eot_token` that is not a special token and
+    occurs in a document's text. A refused input writes nothing: the temporary files are removed,
+    and so are the folders made for `out`; `out`'s files stay as they were.
     """
     from tqdm.auto import tqdm
 
@@ -213,14 +223,63 @@ def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: 
     if eot_id is None:
         raise ValueError(f"eot_token={eot_token!r} is not in the tokenizer's vocabulary ({source}); "
                          "give --eot-token with its end-of-text token")
-    n_vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = np.uint16 if n_vocab <= 1 << 16 else np.uint32
-    cut = _splits_at_line_starts(tok)
+    n_vocab = vocab_size_of(tok)
+    dtype = np.dtype(np.uint16 if n_vocab <= 1 << 16 else np.uint32)
+    tmp = {name: out / f".{name}.tmp{os.getpid()}" for name in ("train.bin", "val.bin", "tokenizer.json", "meta.json")}
+    created = [d for d in (out, *out.parents) if not d.exists()]  # removed again when refused
     out.mkdir(parents=True, exist_ok=True)
-    stream = out / f"tokens.tmp{os.getpid()}"
+    try:
+        counts = _write_stream(tok, docs("tokenize"), tmp["train.bin"], eot_id, eot_token, dtype)
+        n = tmp["train.bin"].stat().st_size // dtype.itemsize
+        n_val = int(round(n * val_fraction))
+        if n_val < 2 or n - n_val < 2:
+            raise ValueError(f"{n} tokens are too few to split with val_fraction={val_fraction}")
+        with open(tmp["train.bin"], "rb") as src, open(tmp["val.bin"], "wb") as dst:  # the stream's tail
+            src.seek((n - n_val) * dtype.itemsize)
+            shutil.copyfileobj(src, dst, 64 << 20)
+        os.truncate(tmp["train.bin"], (n - n_val) * dtype.itemsize)  # the stream's head, not copied
+        if tokenizer:
+            shutil.copyfile(tokenizer, tmp["tokenizer.json"])
+        else:
+            tok.save(str(tmp["tokenizer.json"]))
+        meta = {"format": FORMAT, "tokenizer": {"sha256": tokenizer_hash(tmp["tokenizer.json"]), "source": source},
+                "vocab_size": n_vocab, "dtype": dtype.name, "eot_id": eot_id, "eot_token": eot_token,
+                "sources": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "documents": counts.get(p, 0)}
+                            for p in files],
+                "text_field": text_field, "val_fraction": val_fraction, "train_tokens": n - n_val,
+                "val_tokens": n_val}
+        tmp["meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
+        for name, path in tmp.items():  # meta.json last: it describes the files before it
+            os.replace(path, out / name)
+    except BaseException:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+        for d in created:  # innermost first; only the empty folders made here
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    return meta
+
+
+def vocab_size_of(tok: Tokenizer) -> int:
+    """Vocabulary size of a tokenizer as a model must see it: its largest id + 1 (added tokens
+    included), so a vocabulary with holes (e.g. 300 entries with the end-of-text token at id 60000)
+    counts up to its largest id. `Tokenizer.get_vocab_size` counts entries instead."""
+    return max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def _write_stream(tok: Tokenizer, docs, path: pathlib.Path, eot_id: int, eot_token: str, dtype) -> dict:
+    """Writes the token stream of `docs` ((source path, text) pairs) to `path`: each document's ids as
+    text, then `eot_id`. Returns {source path: documents}. Raises ValueError naming the document
+    whose text encodes to `eot_id` (an end-of-text token that is not a special token)."""
+    cut = _splits_at_line_starts(tok)
+    enc_tok = Tokenizer.from_str(tok.to_str())
+    enc_tok.encode_special_tokens = True  # special tokens' text in a document is text, not a token
+    encode = getattr(enc_tok, "encode_batch_fast", enc_tok.encode_batch)
     counts = {}
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    with open(stream, "wb") as f:
+    with open(path, "wb") as f:
         def flush(batch, ends):
             encs = encode(batch, add_special_tokens=False)
             ids = []
@@ -228,48 +287,29 @@ def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: 
                 ids.extend(enc.ids)
                 if end:
                     ids.append(eot_id)
-            np.asarray(ids, dtype=dtype).tofile(f)
+            ids = np.asarray(ids, dtype=dtype)
+            if np.count_nonzero(ids == eot_id) != sum(e is not None for e in ends):
+                k = next(k for k, enc in enumerate(encs) if eot_id in enc.ids)
+                src, doc = next(e for e in ends[k:] if e)  # the document of that piece
+                raise ValueError(f"{src}: document {doc} encodes to the end-of-text id {eot_id} "
+                                 f"(eot_token={eot_token!r} is not a special token of the tokenizer, so its "
+                                 "text cannot be told from the separator); give --eot-token with a special token")
+            ids.tofile(f)
 
         batch, ends, chars = [], [], 0
-        for path, doc in docs("tokenize"):
-            counts[path] = counts.get(path, 0) + 1
+        for src, doc in docs:
+            counts[src] = counts.get(src, 0) + 1
             parts = (list(_pieces(doc, PIECE_CHARS)) if cut else [doc]) or [""]  # an empty document: its eot
             for i, part in enumerate(parts):
                 batch.append(part)
-                ends.append(i == len(parts) - 1)
+                ends.append((src, counts[src]) if i == len(parts) - 1 else None)
                 chars += len(part)
                 if chars >= BATCH_CHARS:
                     flush(batch, ends)
                     batch, ends, chars = [], [], 0
         if batch:
             flush(batch, ends)
-    itemsize = np.dtype(dtype).itemsize
-    n = stream.stat().st_size // itemsize
-    n_val = int(round(n * val_fraction))
-    if n_val < 2 or n - n_val < 2:
-        stream.unlink()
-        raise ValueError(f"{n} tokens are too few to split with val_fraction={val_fraction}")
-    with open(stream, "rb") as src:
-        for name, count in (("train.bin", n - n_val), ("val.bin", n_val)):
-            with open(out / name, "wb") as dst:
-                left = count * itemsize
-                while left:
-                    chunk = src.read(min(left, 64 << 20))
-                    dst.write(chunk)
-                    left -= len(chunk)
-    stream.unlink()
-    if tokenizer:
-        if pathlib.Path(tokenizer).resolve() != (out / "tokenizer.json").resolve():
-            shutil.copyfile(tokenizer, out / "tokenizer.json")
-    else:
-        tok.save(str(out / "tokenizer.json"))
-    meta = {"format": FORMAT, "tokenizer": {"sha256": tokenizer_hash(out / "tokenizer.json"), "source": source},
-            "vocab_size": n_vocab, "dtype": np.dtype(dtype).name, "eot_id": eot_id, "eot_token": eot_token,
-            "sources": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "documents": counts.get(p, 0)}
-                        for p in files],
-            "text_field": text_field, "val_fraction": val_fraction, "train_tokens": n - n_val, "val_tokens": n_val}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return counts
 
 
 # -----------------------------------------------------------------------------
@@ -281,7 +321,7 @@ class PreparedData:
     """A prepared folder (`prepare_data`), memory-mapped: the token files are never read whole.
 
     train, val: read-only np.memmap [n] of uint16 / uint32 token ids
-    vocab_size: the tokenizer's vocabulary size (ids are in [0, vocab_size))
+    vocab_size: the tokenizer's largest id + 1 (`vocab_size_of`; ids are in [0, vocab_size))
     eot_id: id of the end-of-text token between documents
     tokenizer_path: the folder's tokenizer.json
     meta: the folder's meta.json
@@ -299,17 +339,24 @@ class PreparedData:
         return Tokenizer.from_file(self.tokenizer_path)
 
 
-def load_prepared(path) -> PreparedData:
-    """The prepared folder `path` (`taco-jax prepare-data`). Raises ValueError naming the folder when
-    meta.json, tokenizer.json or a token file is missing, or a token file's size disagrees with meta.json."""
-    path = pathlib.Path(path)
-    meta_file = path / "meta.json"
+def read_meta(path) -> dict:
+    """The meta.json of the prepared folder `path`. Raises ValueError naming the folder when it has
+    none, or one of another format."""
+    meta_file = pathlib.Path(path) / "meta.json"
     if not meta_file.is_file():
         raise ValueError(f"data={str(path)!r} is not a prepared folder (no meta.json); make one with "
                          "`taco-jax prepare-data`")
     meta = json.loads(meta_file.read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{meta_file}: format {meta.get('format')!r}, expected {FORMAT}")
+    return meta
+
+
+def load_prepared(path) -> PreparedData:
+    """The prepared folder `path` (`taco-jax prepare-data`). Raises ValueError naming the folder when
+    meta.json, tokenizer.json or a token file is missing, or a token file's size disagrees with meta.json."""
+    path = pathlib.Path(path)
+    meta = read_meta(path)
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"data={str(path)!r} has no tokenizer.json")
     dtype = np.dtype(meta["dtype"])
@@ -326,18 +373,72 @@ def load_prepared(path) -> PreparedData:
                         eot_id=int(meta["eot_id"]), tokenizer_path=str(path / "tokenizer.json"), meta=meta)
 
 
-def check_data(ds, model_vocab: int, init_from: str = "") -> None:
+def check_data(ds, model_vocab: int, init_from: str = "", *, batch_size: int = 0, seq_len: int = 0) -> None:
     """Refuses training data the model cannot read: a tokenizer vocabulary larger than `model_vocab`,
-    or a tokenizer other than the `init_from` checkpoint's own `tokenizer.json` (when it has one).
-    `ds`: a `TextDataset` or `PreparedData`. Raises ValueError naming both sides."""
+    or a tokenizer other than the `init_from` checkpoint's own `tokenizer.json` (when it has one);
+    with `batch_size` and `seq_len`, a training split of at most `seq_len` tokens (no window) and a
+    validation split shorter than one validation batch (batch_size × seq_len + 1 tokens).
+    `ds`: a `TextDataset` or `PreparedData`. Raises ValueError naming both sides (the split's file,
+    the tokens it has and those needed)."""
     if ds.vocab_size > model_vocab:
         raise ValueError(f"tokenizer vocab {ds.vocab_size} exceeds the model's vocab_size={model_vocab} "
-                         f"(tokenizer {ds.tokenizer_path}{f'; model {init_from}' if init_from else ''})")
+                         f"(tokenizer {ds.tokenizer_path}{f'; model {init_from}' if init_from else ''}); "
+                         + ("prepare the data with the checkpoint's tokenizer" if init_from else
+                            "leave --vocab-size out (the data sets it) or give one at least as large"))
     theirs = pathlib.Path(init_from) / "tokenizer.json" if init_from else None
     if theirs is not None and theirs.is_file() and tokenizer_hash(theirs) != tokenizer_hash(ds.tokenizer_path):
         raise ValueError(f"the data's tokenizer {ds.tokenizer_path} differs from the tokenizer of "
                          f"init_from={init_from!r} ({theirs}); prepare the data with it: "
                          f"`taco-jax prepare-data ... --init-from {init_from}`")
+    if batch_size and seq_len:
+        for split, need, what in (("train", seq_len + 1, f"one training window of seq_len={seq_len}"),
+                                  ("val", batch_size * seq_len + 1,
+                                   f"one validation batch of batch_size={batch_size} × seq_len={seq_len}")):
+            have = len(getattr(ds, split))
+            if have < need:
+                raise ValueError(f"{_split_name(ds, split)} holds {have} tokens; {what} needs {need}"
+                                 + ("; prepare the data with a larger --val-fraction, or lower --batch-size / "
+                                    "--seq-len" if split == "val" else ""))
+
+
+def _split_name(ds, split: str) -> str:
+    """The file of a prepared folder's split (`.../val.bin`), or the plays of a Shakespeare split."""
+    if isinstance(ds, PreparedData):
+        return str(pathlib.Path(ds.tokenizer_path).parent / f"{split}.bin")
+    if split == "val" and getattr(ds, "val_plays", None):
+        return f"the validation plays ({', '.join(ds.val_plays)})"
+    return f"the {split} split"
+
+
+def check_resumed_data(ds, run_dir, data: str) -> str:
+    """Checks the data of a run resumed in `run_dir` against the data it trained on: the run's
+    `tokenizer.json` (written at its start) and the `data` folder of its `config.json`.
+    `ds`: the data given now (`PreparedData`, `TextDataset`); `data`: its folder ("" = Shakespeare).
+    Returns a note (the same tokenizer, other data) or "". Raises ValueError naming both tokenizers
+    when the data's tokenizer is not the run's. A run folder without these files passes."""
+    run_dir = pathlib.Path(run_dir)
+    theirs = run_dir / "tokenizer.json"
+    if not ds.tokenizer_path or not theirs.is_file():
+        return ""
+    try:
+        before = json.loads((run_dir / "config.json").read_text()).get("data", "")
+    except (OSError, ValueError):
+        before = None  # the run's data is not recorded: only its tokenizer is compared
+    name = lambda d: f"data={d!r}" if d else "Shakespeare"  # noqa: E731
+    if tokenizer_hash(theirs) != tokenizer_hash(ds.tokenizer_path):
+        raise ValueError(f"--resume: the data's tokenizer {ds.tokenizer_path} ({name(data)}) differs from the run's "
+                         f"tokenizer {theirs}" + (f" ({name(before)})" if before is not None else "")
+                         + "; resume with data prepared with the run's tokenizer (`taco-jax prepare-data ... "
+                         f"--tokenizer {theirs}`), or start a new run in another --out")
+    if before is None or _same_folder(before, data):
+        return ""
+    return f"--resume with {name(data)}: the run trained on {name(before)} (the same tokenizer); it continues on it"
+
+
+def _same_folder(a: str, b: str) -> bool:
+    if not a or not b:
+        return a == b
+    return pathlib.Path(a).resolve() == pathlib.Path(b).resolve()
 
 
 def training_data(data: str, vocab_size: int):

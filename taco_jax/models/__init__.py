@@ -8,13 +8,14 @@ from taco_jax.models.gpt2 import GPT, GPTConfig
 from taco_jax.models.gpt2 import PRESETS as GPT_PRESETS
 from taco_jax.models.qwen import PRESETS as QWEN_PRESETS
 from taco_jax.models.qwen import Qwen, QwenConfig
-from taco_jax.models.registry import MODELS, make_model
+from taco_jax.models.registry import MODELS, PUBLISHED, make_model
 
 #: Every named preset, GPT and Qwen.
 PRESETS = {**GPT_PRESETS, **QWEN_PRESETS}
 
-__all__ = ["DECAY_BY_NAME", "GPT", "MODELS", "PRESETS", "CausalLM", "CausalLMConfig", "GPTConfig", "InferenceModel",
-           "Qwen", "QwenConfig", "count_params", "decays", "generate", "get_config", "load_hf", "make_model"]
+__all__ = ["DECAY_BY_NAME", "GPT", "MODELS", "PRESETS", "PUBLISHED", "CausalLM", "CausalLMConfig", "GPTConfig",
+           "InferenceModel", "Qwen", "QwenConfig", "count_params", "decays", "generate", "get_config", "load_hf",
+           "make_model"]
 
 #: Weight decay by what a parameter is (the last key of its path): kernels of every dense layer and
 #: the embedding tables (token `embedding`, GPT-2's position table `wpe`) are decayed; biases and

@@ -77,14 +77,18 @@ def load_hf(path, *, dtype: str = "float32") -> tuple[InferenceModel, dict]:
 
 
 def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0) -> np.ndarray:
+             top_k: int = 0, seed: int = 0, allowed=None) -> np.ndarray:
     """`prompt` (int token ids [B, T0] or [T0]) followed by `max_new_tokens` generated ones: int32
     [B, T0 + max_new_tokens] (or [T0 + N] for a 1-D prompt).
 
     temperature 0: greedy (argmax); > 0: sample from softmax(logits / temperature), restricted to
     the `top_k` most likely tokens when top_k > 0; `seed` fixes the samples (jax.random key).
+    `allowed`: bool [vocab_size], the ids that may be generated (e.g. those the tokenizer has: a
+    model's vocabulary may be larger than its tokenizer's, or have holes); the others' logits are
+    -inf before the choice. None: every id.
     Raises ValueError for an empty prompt, a negative count / temperature / top_k, ids outside the
-    vocabulary, or a total length over the model's block_size.
+    vocabulary, a total length over the model's block_size, or an `allowed` of another shape or
+    with no id.
     """
     ids = np.asarray(prompt)
     one = ids.ndim == 1
@@ -100,18 +104,23 @@ def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temp
     if total > model.block_size:
         raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens={max_new_tokens} = {total} exceeds "
                          f"the model's block_size={model.block_size}")
+    allowed = np.ones(model.vocab_size, bool) if allowed is None else np.asarray(allowed, bool)
+    if allowed.shape != (model.vocab_size,) or not allowed.any():
+        raise ValueError(f"allowed must be bool [{model.vocab_size}] with at least one id, got shape "
+                         f"{allowed.shape} with {int(allowed.sum())} ids")
     buf = jnp.zeros((ids.shape[0], total), jnp.int32).at[:, :ids.shape[1]].set(jnp.asarray(ids, jnp.int32))
-    out = _generate(model, params, buf, ids.shape[1], jnp.float32(temperature), min(top_k, model.vocab_size),
-                    jax.random.key(seed))
+    out = _generate(model, params, buf, ids.shape[1], jnp.float32(temperature), min(top_k, int(allowed.sum())),
+                    jax.random.key(seed), jnp.asarray(allowed))
     out = np.asarray(out)
     return out[0] if one else out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 5))
-def _generate(model: InferenceModel, params, buf, start: int, temperature, top_k: int, key):
+def _generate(model: InferenceModel, params, buf, start: int, temperature, top_k: int, key, allowed):
     def step(pos, carry):
         buf, key = carry
         logits = jax.lax.dynamic_index_in_dim(_logits(model, params, buf), pos - 1, axis=1, keepdims=False)
+        logits = jnp.where(allowed, logits, -jnp.inf)  # [B, V]: ids outside the tokenizer are never chosen
         key, sub = jax.random.split(key)
         if top_k:
             kth = jax.lax.top_k(logits, top_k)[0][:, -1:]

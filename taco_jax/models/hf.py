@@ -394,6 +394,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
+#: The end-of-text token of this package's tokenizers (`data.shakespeare.EOT`): the default
+#: `eos_token_id` of `save_hf` with a `tokenizer`.
+END_OF_TEXT = "<|endoftext|>"
+
+
 def _to_host(a) -> np.ndarray:
     """A parameter as a float32 numpy array; a global array spread over processes is gathered
     (`multihost_utils.process_allgather`: a collective, every process must call it in the same order)."""
@@ -407,7 +412,7 @@ def _to_host(a) -> np.ndarray:
 
 
 def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None = None,
-            source=None, tokenizer=None) -> pathlib.Path:
+            source=None, tokenizer=None, eos_token_id: int | None = None) -> pathlib.Path:
     """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`,
     with the tokenizer: `source`'s tokenizer files and `generation_config.json` (`TOKENIZER_FILES`)
     when `source` (an HF checkpoint folder, e.g. `--init-from`) has a `tokenizer.json`, else
@@ -420,6 +425,12 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
     writes: the folder equals a one-process export byte for byte.
     base_config: a source `config.json` dict (e.g. of the `--init-from` checkpoint) whose other keys
       (token ids, generation settings) are kept; the architecture keys come from `cfg`.
+    eos_token_id: the end-of-text id of the tokenizer written (the training data's document
+      separator; default: `tokenizer`'s `END_OF_TEXT` id): config.json's `bos_token_id` and
+      `eos_token_id` where `base_config` gives none (as GPT-2's, whose one end-of-text token also
+      opens a document), the tokenizer_config.json's `bos_token` / `eos_token`, and a
+      `generation_config.json` with them unless `source` has its own: `generate` stops at a
+      document's end.
     `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
     Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
     """
@@ -450,15 +461,23 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
             if k not in ("rope_scaling", "torch_dtype", "quantization_config")}
     merged = {**keep, **hf_config(cfg)}
     merged.update({k: keep[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in keep})
+    src = pathlib.Path(source) if source else None
+    if eos_token_id is None and tokenizer and not (src and (src / "tokenizer.json").is_file()):
+        from tokenizers import Tokenizer
+
+        eos_token_id = Tokenizer.from_file(str(tokenizer)).token_to_id(END_OF_TEXT)
+    ids = {k: eos_token_id if merged.get(k) is None else merged[k] for k in ("bos_token_id", "eos_token_id")}
+    merged.update(ids)
     (out / "config.json").write_text(json.dumps(merged, indent=2))
-    _write_tokenizer(out, source, tokenizer)
+    _write_tokenizer(out, src, tokenizer, eos_token_id)
+    if not (src and (src / "generation_config.json").is_file()) and ids["eos_token_id"] is not None:
+        (out / "generation_config.json").write_text(json.dumps(ids, indent=2))
     return out
 
 
-def _write_tokenizer(out: pathlib.Path, source, tokenizer) -> None:
+def _write_tokenizer(out: pathlib.Path, src: pathlib.Path | None, tokenizer, eos_token_id: int | None) -> None:
     import shutil
 
-    src = pathlib.Path(source) if source else None
     if src is not None and (src / "tokenizer.json").is_file():
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
@@ -467,8 +486,9 @@ def _write_tokenizer(out: pathlib.Path, source, tokenizer) -> None:
     if src is not None and (src / "generation_config.json").is_file():
         shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
     if tokenizer:
+        from tokenizers import Tokenizer
+
         shutil.copyfile(tokenizer, out / "tokenizer.json")
-        vocab = json.loads(pathlib.Path(tokenizer).read_text()).get("added_tokens", [])
-        eot = next((t["content"] for t in vocab if t.get("content") == "<|endoftext|>"), None)
-        conf = {"tokenizer_class": "PreTrainedTokenizerFast", **({"eos_token": eot} if eot else {})}
+        eot = Tokenizer.from_file(str(tokenizer)).id_to_token(eos_token_id) if eos_token_id is not None else None
+        conf = {"tokenizer_class": "PreTrainedTokenizerFast", **({"bos_token": eot, "eos_token": eot} if eot else {})}
         (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))

@@ -75,14 +75,16 @@ class CorruptCheckpointError(CheckpointError):
 
 
 def _why(e: Exception) -> str:
-    """One readable line of a restore error: TensorStore's JSON specs, status codes and driver chain
-    dropped (e.g. 'Error reading Byte range [0, 2443) of local file ".../d/5ee4": Requested byte range
-    [0, 2443) is not valid for value of size 1221')."""
+    """A short line of a restore error: the array TensorStore names and the innermost reason of its
+    chain (e.g. 'params.h.1.mlp.fc.bias: Requested byte range [0, 85422) is not valid for value of
+    size 42711'); JSON specs, status codes, file paths and the driver chain dropped."""
     text = " ".join(str(e).split())
     text = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text)
     text = re.sub(r"^[A-Z_]+: ", "", text)
-    text = re.sub(r'(Error opening "\w+" driver: )+', "", text)
-    return f"{type(e).__name__}: {text[:500]}"
+    array = re.search(r'Error reading "([^"/]+)/\.z\w+"', text)
+    reason = text.rsplit('": ', 1)[-1]  # after the last quoted name (a file, a driver): the cause
+    reason = reason if len(reason) <= 200 else reason[:197] + "..."
+    return f"{array[1]}: {reason}" if array else reason
 
 
 #: Test hook (tests only): seconds to sleep inside every background save, before its arrays are
@@ -189,7 +191,7 @@ class Checkpoints:
             if saved.get(f) != config.get(f):
                 began = saved.get("init_from") or ""
                 source = (f" (the run started from init_from={began!r}; give --init-from {began})"
-                          if began and f == "model" and config.get("init_from") != began else "")
+                          if began and f == "model" and not _same_folder(config.get("init_from"), began) else "")
                 raise CheckpointError(f"checkpoint {where} is of {f}={saved.get(f)!r}, this run has "
                                       f"{f}={config.get(f)!r}{source}; resume with the same {f} or another --out")
         state = {"params": params, "opt_state": opt_state}
@@ -245,7 +247,7 @@ class Checkpoints:
                                          "corrupt")
         notes = [f"{f}: checkpoint {saved.get(f)!r}, now {config.get(f)!r}" for f in NUMERIC
                  if f in saved and saved.get(f) != config.get(f)]
-        if saved.get("init_from", "") != config.get("init_from", ""):  # same architecture (checked), other folder
+        if not _same_folder(saved.get("init_from"), config.get("init_from")):  # same architecture, other folder
             notes.append(f"init_from: checkpoint {saved.get('init_from')!r}, now {config.get('init_from')!r}")
         if saved.get("mesh") != config.get("mesh"):
             notes.append(f"mesh: checkpoint {saved.get('mesh')!r}, now {config.get('mesh')!r} (resharded)")
@@ -372,6 +374,12 @@ def _repad(a, axis: int, vocab: tuple[int, int], *, target, name: str, where):
     else:
         a = jnp.pad(a, [(0, vocab[1] - rows if i == axis else 0) for i in range(a.ndim)])
     return jax.device_put(a, target)
+
+
+def _same_folder(a: str | None, b: str | None) -> bool:
+    """Whether two recorded folders are the same: config.json records them absolute; a relative
+    one (recorded by an older run) is taken against the current folder."""
+    return (a or "") == (b or "") or bool(a and b and os.path.abspath(a) == os.path.abspath(b))
 
 
 def _same(a: float, b: float) -> bool:

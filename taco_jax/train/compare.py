@@ -32,7 +32,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     Raises: as `train`; ValueError before any training when `<out>` cannot be written.
     """
     out = check_out_dir(cfg.out)
-    ds = training_data(cfg.data, cfg.vocab_size)
+    ds = training_data(cfg.data, cfg.bpe_vocab_size)
     configs = {"none": dataclasses.replace(cfg, policy=CommPolicy.none(), out=str(out / "none")),
                "taco": dataclasses.replace(cfg, out=str(out / "taco"))}
     for c in configs.values():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
 from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
@@ -18,6 +19,11 @@ from taco_jax.parallel.pipeline import check_pipeline
 
 #: The model of a run without `--model` and `--init-from`.
 DEFAULT_MODEL = "gpt2-tiny"
+#: Entries of the Shakespeare BPE (and the vocabulary of a CPU-sized preset on it) without `--vocab-size`.
+DEFAULT_VOCAB = 2048
+#: Fields naming folders, recorded absolute (against the current folder) by `TrainConfig.to_dict`: a
+#: run's config.json names the same folders wherever it is read from (`taco-jax sample --from`, `--config`).
+PATH_FIELDS = ("init_from", "data", "export_hf")
 #: Mesh axis -> the policy sites whose messages travel on it.
 AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
 
@@ -147,7 +153,7 @@ class TrainConfig:
     steps: int = 300  # optimizer steps
     batch_size: int = 16  # global batch (sequences); divided over the data axis
     seq_len: int = 128  # tokens per sequence
-    vocab_size: int = 2048  # BPE vocabulary trained on the training plays
+    vocab_size: int = 0  # model vocabulary (and Shakespeare's BPE); 0: --data's, a published preset's own, else 2048
     lr: float = 3e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = -1  # linear warmup steps; -1 = 10% of --steps
@@ -182,6 +188,7 @@ class TrainConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "model", self._resolve_model())  # what the run records as its model
+        object.__setattr__(self, "vocab_size", self._resolve_vocab())  # and as its vocabulary
         if not isinstance(self.policy, CommPolicy):
             raise ValueError(f"policy={self.policy!r} must be a CommPolicy (use TrainConfig.from_flags for flags)")
         if self.capture < 0:
@@ -254,6 +261,69 @@ class TrainConfig:
         raise ValueError(f"model={self.model!r} disagrees with init_from={self.init_from!r}, a {label}; "
                          "leave --model out (the checkpoint sets the model)")
 
+    def _resolve_vocab(self) -> int:
+        """`vocab_size` as recorded: the given one; else with `init_from` 2048 (the Shakespeare BPE's:
+        the model's vocabulary is the checkpoint's), with a published preset (`models.PUBLISHED`)
+        its own, with `data` the prepared folder's (meta.json: its tokenizer's largest id + 1),
+        else 2048. Raises ValueError for a negative value, a `data` folder without meta.json, or a
+        published preset's own vocabulary smaller than `data`'s (naming both)."""
+        from taco_jax.models import PRESETS, PUBLISHED
+
+        if self.vocab_size < 0:
+            raise ValueError(f"vocab_size={self.vocab_size} must be >= 0 (0: from the data or the preset)")
+        if self.vocab_size:
+            return self.vocab_size
+        if self.init_from:
+            return DEFAULT_VOCAB
+        from taco_jax.data.prepared import read_meta
+
+        if self.model in PUBLISHED:
+            own = PRESETS[self.model].vocab_size
+            theirs = int(read_meta(self.data)["vocab_size"]) if self.data else 0
+            if theirs > own:
+                raise ValueError(f"data={self.data!r} has a vocabulary of {theirs:,} ids (meta.json) and {self.model} "
+                                 f"(a published model) has {own:,}; prepare the data with the model's tokenizer, "
+                                 f"or give --vocab-size {theirs} (then the model is not the published one)")
+            return own
+        if self.data:
+            return int(read_meta(self.data)["vocab_size"])
+        return DEFAULT_VOCAB
+
+    @property
+    def own_vocab(self) -> bool:
+        """Whether the model runs with a published preset's own vocabulary (`models.PUBLISHED`)."""
+        from taco_jax.models import PRESETS, PUBLISHED
+
+        return not self.init_from and self.model in PUBLISHED and self.vocab_size == PRESETS[self.model].vocab_size
+
+    @property
+    def bpe_vocab_size(self) -> int:
+        """Entries of the Shakespeare BPE of a run without `data`: `vocab_size`, or 2048 when that is a
+        published preset's own vocabulary (no BPE of that size can be trained on the plays; the
+        model keeps its vocabulary, of which the BPE's ids are the first 2048)."""
+        return DEFAULT_VOCAB if self.own_vocab else self.vocab_size
+
+    def vocab_note(self) -> str:
+        """The line a run prints about its vocabulary when the tokenizer does not plainly set it (a
+        published preset's own; `data`'s); "" otherwise (Shakespeare on a CPU-sized preset, `init_from`)."""
+        if self.init_from or not (self.own_vocab or self.data):
+            return ""
+        from taco_jax.data.prepared import read_meta
+
+        cfg = self.model_config
+        rows = f" ({cfg.padded_vocab_size:,} rows)" if cfg.padded_vocab_size != cfg.vocab_size else ""
+        if self.data:
+            theirs = int(read_meta(self.data)["vocab_size"])
+            tokens = f"the tokenizer of data={self.data!r} ({theirs:,} ids)"
+        else:
+            theirs, tokens = self.bpe_vocab_size, f"the Shakespeare BPE ({self.bpe_vocab_size:,} ids)"
+        if self.own_vocab:
+            return (f"vocabulary {cfg.vocab_size:,}{rows} and context {cfg.block_size:,}: {self.model}'s own "
+                    f"(a published model); {tokens} uses a part of it; `sample` draws only the tokenizer's ids")
+        if cfg.vocab_size == theirs:
+            return f"vocabulary {cfg.vocab_size:,}{rows}: {tokens}"
+        return f"vocabulary {cfg.vocab_size:,}{rows} (--vocab-size); {tokens} uses a part of it"
+
     @classmethod
     def from_flags(cls, **kwargs) -> TrainConfig:
         """A config from flag values: `TrainConfig`'s fields plus `CommFlags`'s (mapped to `policy` by
@@ -273,8 +343,10 @@ class TrainConfig:
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        """JSON-ready fields, `policy` as `CommPolicy.to_dict()` (the `config.json` of a run)."""
+        """JSON-ready fields, `policy` as `CommPolicy.to_dict()` (the `config.json` of a run); the
+        folders of `PATH_FIELDS` absolute (resolved against the current folder; "" stays "")."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy"}
+        out.update({f: os.path.abspath(out[f]) for f in PATH_FIELDS if out[f]})
         return {**out, "policy": self.policy.to_dict()}
 
     @property

@@ -44,15 +44,23 @@ TRAIN_KEYS = (("comm", "comm"), ("mesh", "mesh"), ("steps", "steps"), ("train lo
               ("preempted at step", "preempted_at_step"))
 #: The same for a `compare` summary.
 COMPARE_KEYS = (("mesh", "mesh"), ("val loss none", "val_loss_none"), ("val loss taco", "val_loss_taco"),
-                ("relative diff", "val_loss_rel_diff"), ("wire ratio taco/none", "wire_ratio_taco_over_none"),
-                ("tokens/s", "tokens_per_s"))
+                ("relative diff", "val_loss_rel_diff"), ("wire ratio compiled", "wire_ratio_taco_over_none"),
+                ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("tokens/s", "tokens_per_s"))
+#: What a shown number is measured against (summary key -> note after it; `{dtype}`: the summary's).
+NOTES = {"wire_ratio_taco_over_none": "(taco / exact bytes per step as compiled; XLA:CPU widens the exact "
+                                      "step's bf16 all-reduces to f32)",
+         "tensor_wire_ratio_vs_exact_issued": "(tensor axis: taco / the exact step's {dtype} messages as issued)"}
 
 
 def summary_block(summary: dict, out_dir) -> str:
     """A few lines of a run's key numbers (`train` or `compare` summary), ending with where the full
     summary is: `<out_dir>/summary.json`."""
     keys = COMPARE_KEYS if "val_loss_taco" in summary else TRAIN_KEYS
-    lines = [f"  {label + ':':<20} {_fmt(summary[key])}" for label, key in keys if summary.get(key) is not None]
+    lines = []
+    for label, key in keys:
+        if summary.get(key) is not None:
+            note = " " + NOTES[key].format_map(summary) if key in NOTES else ""
+            lines.append(f"  {label + ':':<20} {_fmt(summary[key])}{note}")
     return "\n".join(["summary", *lines, f"  {'full summary:':<20} {pathlib.Path(out_dir) / 'summary.json'}"])
 
 

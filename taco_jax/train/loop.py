@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES, CommPolicy
-from taco_jax.data import TokenStream, check_data, eval_batches, training_data
+from taco_jax.data import TokenStream, check_data, check_resumed_data, eval_batches, training_data
 from taco_jax.models import count_params
 from taco_jax.models.hf import read_config, save_hf
 from taco_jax.parallel.mesh import DATA, MESH_AXES, STAGE
@@ -94,7 +94,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 save_hf(cfg.export_hf, cfg.model_config, run.trainer.staged.unstack_layers(state.params)
                         if run.trainer.staged else state.params,
                         base_config=read_config(cfg.init_from) if cfg.init_from else None,
-                        source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path or None)
+                        source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path or None,
+                        eos_token_id=run.dataset.eot_id)
     return summarize(run, acct, state, wall, ends)  # 4.
 
 
@@ -145,9 +146,11 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
     source = f" from {cfg.init_from}" if cfg.init_from else ""
     say(f"[taco-jax] {cfg.model}{source} on mesh {cfg.mesh}: {describe_policy(trainer.policy)}"
         + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""))
-    ds = dataset or training_data(cfg.data, cfg.vocab_size)  # --data DIR (memory-mapped) or Shakespeare
+    if note := cfg.vocab_note():  # a published preset's own vocabulary, or --data's
+        say(f"[taco-jax] {note}")
+    ds = dataset or training_data(cfg.data, cfg.bpe_vocab_size)  # --data DIR (memory-mapped) or Shakespeare
     check_data(ds, cfg.model_config.vocab_size if cfg.data else min(cfg.vocab_size, cfg.model_config.vocab_size),
-               cfg.init_from)  # vocabulary and tokenizer fit the model
+               cfg.init_from, batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # vocabulary, tokenizer, split sizes
     ckpt = Checkpoints(out / "checkpoints", keep=cfg.keep_checkpoints)
     saved = ckpt.steps()
     if saved and not cfg.resume:
@@ -155,6 +158,8 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
                          "that run, or another --out")
     if cfg.resume and not saved:
         say(f"[taco-jax] --resume: no checkpoint in {rel(ckpt.directory, out)}; starting from step 0")
+    if cfg.resume and saved and (note := check_resumed_data(ds, out, cfg.data)):  # the run's tokenizer
+        say(f"[taco-jax] {note}")
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
     batches = TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # the training batch stream
     return Run(cfg, out, dist.is_writer(), trainer, ds, batches, batch_sharding, ckpt, bool(cfg.resume and saved))
@@ -235,8 +240,8 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
                          final=cfg.final_checkpoint, guard=watchdog.guard),
         hooks.Preemption(),
         hooks.Progress(cfg.comm, state.start, cfg.steps, cfg.log_every, progress and run.writer),
-        tensorboard.TensorBoard(run.out / "tensorboard", acct.wire["by_axis"]) if cfg.tensorboard and run.writer
-        else None,
+        tensorboard.TensorBoard(run.out / "tensorboard", acct.wire["by_axis"], start=state.start)
+        if cfg.tensorboard and run.writer else None,
         hooks.MonitorCheck(monitor, rel(metrics, run.out)) if monitor else None,
         hooks.MetricsLog(metrics, run.out, state.history, run.writer, cfg.allow_nonfinite),
         hooks.Evaluate(evaluate, cfg.eval_every, cfg.steps, cfg.allow_nonfinite),
@@ -260,7 +265,7 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         "policy": policy.to_dict(),
         "model": cfg.model,
         "n_params": count_params(cfg.model_config),  # without vocabulary padding (published counts)
-        "init_from": cfg.init_from or None,
+        "init_from": cfg.to_dict()["init_from"] or None,  # absolute, as config.json records it
         "mesh": cfg.mesh,
         "steps": cfg.steps,
         "final_train_loss": float(np.mean([r["loss"] for r in history[-10:]])),

@@ -5,7 +5,8 @@
 A run folder (`train --out`) holds its tokenizer (`tokenizer.json`: the Shakespeare BPE, or the
 `--data` folder's); its weights are read from its `--export-hf` folder when that exists, else from
 its latest complete checkpoint (`<out>/checkpoints`, parameters only, onto one device). An HF
-checkpoint folder needs a `tokenizer.json`. Generation: `models.generate` (one device).
+checkpoint folder needs a `tokenizer.json`. Generation: `models.generate` (one device), drawing only
+ids the tokenizer has (`tokenizer_ids`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,21 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
     return InferenceModel.from_config(model_cfg), params
 
 
+def _recorded_folder(run: pathlib.Path, conf: dict, key: str) -> pathlib.Path | None:
+    """Folder `key` of run `run`'s config.json `conf` (recorded absolute). A relative one (recorded
+    by an older run, against the folder the run was started from) is resolved against that folder,
+    told by the recorded relative `out` that ends `run`'s path; None when not recorded or not told."""
+    if not conf.get(key):
+        return None
+    path, out = pathlib.Path(conf[key]), pathlib.Path(conf.get("out") or "")
+    if path.is_absolute():
+        return path
+    root, n = run.resolve().parts, len(out.parts)
+    if out.is_absolute() or not n or ".." in out.parts or root[-n:] != out.parts:
+        return None
+    return pathlib.Path(*root[:-n]) / path
+
+
 def load_for_sampling(source):
     """(InferenceModel, params, tokenizer path) of a run folder or an HF checkpoint folder `source`.
     Raises ValueError naming the folder when it is neither, or lacks its tokenizer or weights."""
@@ -76,17 +92,29 @@ def load_for_sampling(source):
     if "architectures" in conf:  # an HF checkpoint
         model, params = load_hf(src)
         return model, params, tokenizer
-    export = pathlib.Path(conf.get("export_hf") or "")
-    if conf.get("export_hf") and (export / "config.json").is_file():
+    export = _recorded_folder(src, conf, "export_hf")
+    if export is not None and (export / "config.json").is_file():
         model, params = load_hf(export)
         return model, params, tokenizer
-    model, params = _checkpoint_params(src, conf)
+    init_from = _recorded_folder(src, conf, "init_from")  # the architecture of a run started from a checkpoint
+    model, params = _checkpoint_params(src, {**conf, "init_from": str(init_from or conf.get("init_from") or "")})
     return model, params, tokenizer
 
 
-def sample(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-           seed: int = 0) -> str:
-    """The prompt and its continuation, decoded (see the module docstring). Raises ValueError as
+def tokenizer_ids(tok, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size]: the ids of `vocab_size` that the tokenizer `tok` has a token for (added tokens
+    included). A model's vocabulary can be larger (a published preset's own, `--vocab-size`,
+    padding) or the tokenizer's can have holes; ids without a token would vanish from the text."""
+    allowed = np.zeros(vocab_size, bool)
+    ids = np.fromiter(tok.get_vocab(with_added_tokens=True).values(), np.int64)
+    allowed[ids[ids < vocab_size]] = True
+    return allowed
+
+
+def sample_ids(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+               seed: int = 0):
+    """(ids int32 [T0 + max_new_tokens], the `tokenizers.Tokenizer`): the prompt's ids and the
+    generated ones, each an id of the tokenizer (`tokenizer_ids`). Raises ValueError as
     `load_for_sampling` and `models.generate` (e.g. a prompt + count beyond the model's context)."""
     from tokenizers import Tokenizer
 
@@ -97,5 +125,14 @@ def sample(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0
     ids = np.asarray(tok.encode(prompt, add_special_tokens=False).ids, np.int32)
     if ids.size == 0:
         raise ValueError(f"prompt={prompt!r} encodes to no tokens")
-    out = generate(model, params, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    out = generate(model, params, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                   allowed=tokenizer_ids(tok, model.vocab_size))
+    return out, tok
+
+
+def sample(source, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+           seed: int = 0) -> str:
+    """The prompt and its continuation, decoded (`sample_ids`; see the module docstring). Raises
+    ValueError as `sample_ids`."""
+    out, tok = sample_ids(source, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
     return tok.decode([int(i) for i in out], skip_special_tokens=False)

@@ -29,13 +29,19 @@ def check_available() -> None:
 
 
 class TensorBoard(Hook):
-    """Writes each step's record (and the run's wire bytes per step by mesh axis) to `directory`."""
+    """Writes each step's record (and the run's wire bytes per step by mesh axis) to `directory`.
 
-    def __init__(self, directory, wire_bytes: dict[str, int]):
+    start: the step the run starts after (a resumed run: its checkpoint's step). Events of later
+    steps already in `directory` (an earlier run's steps past the checkpoint resumed from, e.g. one
+    that fell back from a corrupt checkpoint) are purged: TensorBoard shows each step once, as
+    metrics.jsonl holds it (tensorboardX `purge_step`).
+    """
+
+    def __init__(self, directory, wire_bytes: dict[str, int], *, start: int = 0):
         from tensorboardX import SummaryWriter
 
         self.directory = pathlib.Path(directory)
-        self.writer = SummaryWriter(logdir=str(self.directory), flush_secs=10)
+        self.writer = SummaryWriter(logdir=str(self.directory), flush_secs=10, purge_step=start + 1)
         self.wire = wire_bytes
 
     def on_step(self, state, step, rec):
