@@ -122,7 +122,7 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         sp.add_argument("--process-id", type=int, default=-1, help="this process, 0..N-1 (default $JAX_PROCESS_ID)")
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
                         usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
-                              "-- train [flags ...]\n       taco-jax launch --cleanup", allow_abbrev=False)
+                              "[--verbose] -- train [flags ...]\n       taco-jax launch --cleanup", allow_abbrev=False)
     lp.add_argument("--processes", type=int, default=0, help="number of local processes")
     lp.add_argument("--link", default="", metavar="RATE|intra=RATE,inter=RATE",
                     help="emulated cluster: each process in its own network namespace, links shaped to RATE "
@@ -130,6 +130,8 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     lp.add_argument("--nodes", type=int, default=0, help="with --link intra=...,inter=...: processes in K nodes")
     lp.add_argument("--cleanup", action="store_true",
                     help="remove the namespaces and hosts files of emulated clusters whose launcher is gone")
+    lp.add_argument("--verbose", action="store_true",
+                    help="show every line of the processes (also gloo's \"[Gloo] Rank I is connected\" lines)")
     lp.add_argument("--malloc", choices=("keep", "default"), default="keep",
                     help="keep: the processes' glibc keeps freed memory for reuse instead of mapping large "
                          "buffers anew (GLIBC_TUNABLES, unless already set); default: leave the allocator alone")
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
             if args.processes < 1:
                 raise ValueError(f"--processes {args.processes} must be >= 1")
             return launch(args.processes, args.argv[1:] if args.argv[:1] == ["--"] else args.argv,
-                          malloc=args.malloc, link=args.link, nodes=args.nodes)
+                          malloc=args.malloc, link=args.link, nodes=args.nodes, verbose=args.verbose)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)
     try:

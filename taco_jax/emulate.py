@@ -20,7 +20,9 @@ takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nod
 one-device processes puts each tensor pair inside a node (`check_tensor_in_node`).
 
 Each link is measured before the run by a bulk TCP transfer between the namespaces (bounded in
-bytes and time; payload bits/s, i.e. without Ethernet/IP/TCP headers: ~95 % of the tbf rate).
+bytes and time; payload bits/s, i.e. without Ethernet/IP/TCP headers: ~95 % of the tbf rate): the
+bucket's burst, which passes at once, and then at least `MIN_PROBE_BYTES` timed at the receiver, so
+slow links (down to `MIN_RATE_BPS`, the slowest accepted) are measured too.
 Cleanup: `Cluster.close()` (run end, failure, SIGTERM), a reaper process that cleans up when the
 launcher dies by any signal (it waits for the end of a pipe), and `cleanup_stale()` at the next
 start or `taco-jax launch --cleanup` (namespaces whose launcher is gone).
@@ -71,10 +73,18 @@ def parse_rate(text: str) -> float:
     return float(m[1]) * _UNITS[m[2]]
 
 
+def _check_min(rate_bps: float, text: str) -> float:
+    """`rate_bps`; raises ValueError naming `text` and `MIN_RATE_BPS` when it is slower."""
+    if rate_bps < MIN_RATE_BPS:
+        raise ValueError(f"link rate {text!r} is below the slowest accepted, {MIN_RATE_BPS / 1e3:g}kbit (a "
+                         "tensor-parallel step of even the tiny model, ~0.6 MB, would take over a minute)")
+    return rate_bps
+
+
 @dataclasses.dataclass(frozen=True)
 class LinkSpec:
     """`--link RATE` (one tier: every process on one switch) or `--link intra=RATE,inter=RATE` with
-    `--nodes K` (two tiers). Rates in bits/s; `intra` is None for one tier."""
+    `--nodes K` (two tiers). Rates in bits/s (at least `MIN_RATE_BPS`); `intra` is None for one tier."""
 
     inter: float
     intra: float | None = None
@@ -83,19 +93,20 @@ class LinkSpec:
 
     @classmethod
     def parse(cls, text: str, nodes: int = 0) -> LinkSpec:
-        """Raises ValueError naming a malformed `text`, a two-tier form without `nodes` >= 1, or `nodes`
-        with the one-tier form."""
+        """Raises ValueError naming a malformed `text`, a rate below `MIN_RATE_BPS`, a two-tier form
+        without `nodes` >= 1, or `nodes` with the one-tier form."""
         if "=" not in text:
             if nodes:
                 raise ValueError(f"--nodes {nodes} needs the two-tier form --link intra=RATE,inter=RATE "
                                  f"(got --link {text!r})")
-            return cls(parse_rate(text), None, 0, text)
+            return cls(_check_min(parse_rate(text), text), None, 0, text)
         parts = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
         if sorted(parts) != ["inter", "intra"] or text.count("=") != 2:
             raise ValueError(f"--link {text!r} must be RATE or intra=RATE,inter=RATE (e.g. intra=8gbit,inter=1gbit)")
         if nodes < 1:
             raise ValueError(f"--link {text!r} (two tiers) needs --nodes K >= 1")
-        return cls(parse_rate(parts["inter"]), parse_rate(parts["intra"]), nodes, text)
+        return cls(_check_min(parse_rate(parts["inter"]), parts["inter"]),
+                   _check_min(parse_rate(parts["intra"]), parts["intra"]), nodes, text)
 
     def node_of(self, processes: int) -> list[int]:
         """Node index of each process (contiguous blocks of processes / nodes). Raises ValueError when
@@ -222,47 +233,71 @@ def _in_netns(ns: str, fn):
         os.close(here)
 
 
+#: Fewest payload bytes a link test times after the bucket's burst: 16 full TCP segments, so the
+#: rate of a slow link is read over more than a few packets (±1 segment: ~6 %).
+MIN_PROBE_BYTES = 16 * 1448
+#: Slowest `--link` rate accepted (bits/s): below it even the tiny model's tensor-parallel step
+#: (~0.6 MB per step) takes over a minute, and the link test alone takes seconds per link.
+MIN_RATE_BPS = 100e3
+
+
+def probe_bytes(rate_bps: float, seconds: float = 0.5, max_bytes: int = 256 << 20) -> tuple[int, int]:
+    """(burst, timed) bytes of the link test at `rate_bps`: the tbf bucket's burst (`_burst`; it passes at
+    once, so it is sent but not timed), then min(max(rate × `seconds`, `MIN_PROBE_BYTES`), `max_bytes`)."""
+    return _burst(rate_bps), int(min(max(rate_bps / 8 * seconds, MIN_PROBE_BYTES), max_bytes))
+
+
 def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds: float = 0.5,
             max_bytes: int = 256 << 20) -> float:
-    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`: at most
-    min(rate × `seconds`, `max_bytes`) bytes and 4 × `seconds` + 5 s, timed at the receiver from its
-    first byte to its last. Raises EmulationUnavailable if nothing arrived."""
-    total = int(min(rate_bps / 8 * seconds, max_bytes))
+    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`
+    (`probe_bytes`: the bucket's burst, then the timed bytes), timed at the receiver from the end
+    of the burst to the last byte; bounded by 4 × the timed bytes' time at `rate_bps` + 5 s.
+    Raises EmulationUnavailable naming what arrived (or the socket error) when too little did."""
+    burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
+    limit = 4 * timed * 8 / rate_bps + 5
     srv = _in_netns(dst_ns, lambda: socket.create_server((dst_addr, 0)))
-    got = {}
+    got = {"n": 0}
 
     def receive():
-        srv.settimeout(4 * seconds + 5)
+        srv.settimeout(limit)
         try:
             conn, _ = srv.accept()
-            conn.settimeout(4 * seconds + 5)
-            n, t0, t1 = 0, None, None
+            conn.settimeout(limit)
+            n, t0, n0, t1 = 0, None, 0, None
             while b := conn.recv(1 << 20):
-                t1 = time.perf_counter()
-                if t0 is None:
-                    t0, first = t1, len(b)
                 n += len(b)
-            got.update(n=n - first if t0 is not None else 0, dt=(t1 - t0) if t0 is not None else 0.0)
+                t1 = time.perf_counter()
+                if t0 is None and n >= burst:  # the bucket's burst passed at once: time what follows
+                    t0, n0 = t1, n
+                got["n"] = n
+            got.update(timed=n - n0 if t0 is not None else 0, dt=(t1 - t0) if t0 is not None else 0.0)
             conn.close()
         except OSError as e:
             got["error"] = e
 
     th = threading.Thread(target=receive, daemon=True)
     th.start()
-    deadline = time.monotonic() + 4 * seconds + 5
+    deadline = time.monotonic() + limit
+    total = burst + timed
     try:
         with _in_netns(src_ns, socket.socket) as c:
-            c.settimeout(4 * seconds + 5)
+            c.settimeout(limit)
             c.connect((dst_addr, srv.getsockname()[1]))
             buf, sent = b"\0" * (1 << 16), 0
             while sent < total and time.monotonic() < deadline:
                 sent += c.send(buf[:total - sent])
+    except OSError as e:
+        got.setdefault("error", e)
     finally:
         th.join(timeout=max(0.1, deadline - time.monotonic() + 1))
         srv.close()
-    if not got.get("dt"):
-        raise EmulationUnavailable(f"link test {src_ns} -> {dst_ns} ({dst_addr}) moved no data: {got.get('error', '')}")
-    return got["n"] * 8 / got["dt"]
+    if not got.get("dt") or not got.get("timed"):
+        why = (f"{type(got['error']).__name__}: {got['error']}" if "error" in got else
+               f"{got['n']} of {total} bytes arrived within {limit:.3g} s (a {burst}-byte burst, then {timed} "
+               f"timed bytes at {rate_bps / 1e6:g} Mbit/s)")
+        raise EmulationUnavailable(f"link test {src_ns} -> {dst_ns} ({dst_addr}) moved too little data to time: "
+                                   f"{why}")
+    return got["timed"] * 8 / got["dt"]
 
 
 class Cluster:
@@ -283,10 +318,12 @@ class Cluster:
         try:
             cleanup_stale()
             if reaper:  # removes the namespaces when this process dies, however it dies
-                self._reaper = subprocess.Popen(
-                    [sys.executable, "-c", "import sys; from taco_jax.emulate import _reap; _reap(sys.argv[1:])",
+                from taco_jax.launch import child_env
+
+                self._reaper = subprocess.Popen(  # -P: this taco_jax, whatever the working directory holds
+                    [sys.executable, "-P", "-c", "import sys; from taco_jax.emulate import _reap; _reap(sys.argv[1:])",
                      *self.names], stdin=subprocess.PIPE, start_new_session=True,
-                    env={**os.environ, ENV_PREFIX: prefix()})
+                    env=child_env({**os.environ, ENV_PREFIX: prefix()}))
             self._build()
         except BaseException:
             self.close()

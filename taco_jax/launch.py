@@ -1,13 +1,20 @@
 """`taco-jax launch --processes N -- train ...`: N local processes of one multi-process run (development
 and tests, in the manner of `torchrun --standalone`).
 
-Each process runs `python -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
+Each process runs `python -P -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
 --process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on
-CPU. When process 0 finds the port taken (another program bound it in between), the processes are
-started again on another free port (up to `PORT_ATTEMPTS` tries). Every output line is prefixed
-with "[I] "; when one process fails (exit status != 0) the others are stopped (SIGTERM, then SIGKILL
-after `grace_s`) and the launcher returns that status. SIGTERM / SIGINT to the launcher is forwarded
-to every process (a preemption: they checkpoint and exit).
+CPU. The mesh is the one the command resolves (its `--mesh`, else its `--config` file's, else the
+default), read before any process starts; a mesh size not divisible by N is refused then. `-P`: the
+processes import the launcher's own taco_jax whatever the working directory holds (a folder named
+`taco_jax`, e.g. the clone, would otherwise come first on the path); the folder holding the package
+goes first on their PYTHONPATH unless it is a site-packages folder. When process 0 finds the port
+taken (another program bound it in between), the processes are started again on another free port
+(up to `PORT_ATTEMPTS` tries). Every output line is prefixed with "[I] " (gloo's "[Gloo] Rank I is
+connected to K peer ranks" lines, printed to stdout by its TCP transport with no setting to turn
+them off, are left out when every peer connected, unless `verbose`); when one process fails (exit
+status != 0) the others are stopped (SIGTERM, then SIGKILL after `grace_s`) and the launcher returns
+that status. SIGTERM / SIGINT to the launcher is forwarded to every process (a preemption: they
+checkpoint and exit).
 
 Allocator (`malloc="keep"`, the default): the processes get `GLIBC_TUNABLES` = `MALLOC_KEEP`, so
 glibc serves large buffers from its heap and keeps freed memory for reuse instead of mapping
@@ -36,7 +43,10 @@ import ctypes
 import json
 import math
 import os
+import pathlib
+import re
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -63,20 +73,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _mesh_axes(argv: list[str]) -> dict[str, int] | None:
-    from taco_jax.parallel.mesh import parse_mesh
-    from taco_jax.train.config import TrainConfig
+def run_config(argv: list[str]):
+    """The `TrainConfig` that `taco-jax ARGV` runs (`cli.config_from_argv`: its flags and `--config` file,
+    resolved as `train` resolves them), or None when ARGV is not a `train` / `compare` command. Raises
+    ValueError naming a bad value; SystemExit for a malformed command line (argparse's message)."""
+    if not argv or argv[0] not in ("train", "compare"):
+        return None
+    from taco_jax.cli import config_from_argv
 
-    spec = TrainConfig.mesh
-    for i, a in enumerate(argv):
-        if a == "--mesh" and i + 1 < len(argv):
-            spec = argv[i + 1]
-        elif a.startswith("--mesh="):
-            spec = a.split("=", 1)[1]
-    try:
-        return parse_mesh(spec)
-    except ValueError:
-        return None  # the processes report the bad --mesh
+    return config_from_argv(argv)
+
+
+def check_mesh_fits(mesh: dict[str, int], processes: int) -> None:
+    """Raises ValueError when the `mesh` size does not divide over `processes` (each process holds
+    mesh size / processes of its devices)."""
+    n = math.prod(mesh.values())
+    if n % processes:
+        spec = ",".join(f"{k}={v}" for k, v in mesh.items())
+        raise ValueError(f"mesh {spec} has {n} devices, not divisible by --processes {processes}: each process "
+                         f"holds an equal share of the mesh; give a process count that divides {n}, or another "
+                         "--mesh")
+
+
+def child_env(env: dict) -> dict:
+    """A copy of `env` for a `python -P` child that imports this taco_jax: the folder holding the package
+    first on PYTHONPATH, unless it is a site-packages folder (where the child finds it anyway) or
+    already on PYTHONPATH."""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(env)
+    sites = {str(pathlib.Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in sites and root not in {str(pathlib.Path(p).resolve()) for p in paths}:
+        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return env
 
 
 #: glibc tunables of `malloc="keep"`: no mmap below 4 GiB, no trimming of the heap below 4 GiB free.
@@ -97,14 +126,16 @@ def malloc_env(env: dict, malloc: str = "keep") -> dict:
 
 
 def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, out=None,
-           malloc: str = "keep", link: str = "", nodes: int = 0) -> int:
+           malloc: str = "keep", link: str = "", nodes: int = 0, verbose: bool = False) -> int:
     """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
     the first failure's; the others then get `FAILED_GRACE_S` after SIGTERM). `out`: stream for the
     prefixed lines (default stdout). `malloc`: the processes' allocator setting ("keep" or
     "default", see the module docstring). `link`, `nodes`: an emulated cluster (module docstring;
-    "" = plain local processes on 127.0.0.1).
-    Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, an
-    unknown `malloc`, a malformed `link` / `nodes` or a tensor axis spanning nodes;
+    "" = plain local processes on 127.0.0.1). `verbose`: every line of the processes, gloo's
+    connection lines included.
+    Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, a
+    configuration `train` would refuse, a mesh size not divisible by `processes`, an unknown
+    `malloc`, a malformed `link` / `nodes` or a tensor axis spanning nodes;
     emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
     if malloc not in MALLOC_MODES:
         raise ValueError(f"malloc={malloc!r} must be one of {MALLOC_MODES}")
@@ -116,7 +147,10 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise ValueError(f"{flag} is set by the launcher; remove it from the command")
     out = out or sys.stdout
-    axes = _mesh_axes(argv)
+    cfg = run_config(argv)  # the mesh of the command as `train` resolves it (--mesh, --config, default)
+    axes = cfg.mesh_axes if cfg is not None else None
+    if axes:
+        check_mesh_fits(axes, processes)
     spec = emulate.LinkSpec.parse(link, nodes) if link else None
     if nodes and not link:
         raise ValueError(f"--nodes {nodes} needs --link intra=RATE,inter=RATE")
@@ -125,15 +159,15 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         if axes and spec.intra is not None:  # two tiers: tensor parallelism inside a node
             emulate.check_tensor_in_node(axes, processes, node_of)
         emulate.check_available()
-    base = malloc_env(os.environ if env is None else env, malloc)
+    base = child_env(malloc_env(os.environ if env is None else env, malloc))
     n_mesh = math.prod(axes.values()) if axes else None
-    if n_mesh and n_mesh % processes == 0 and "xla_force_host_platform_device_count" not in base.get("XLA_FLAGS", ""):
+    if n_mesh and "xla_force_host_platform_device_count" not in base.get("XLA_FLAGS", ""):
         base["XLA_FLAGS"] = (base.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={n_mesh // processes}").strip()
     base["PYTHONUNBUFFERED"] = "1"
     if spec is None:
         return _retry_ports(lambda port, busy: _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [],
-                                                    grace_s, out, busy), out)
+                                                    grace_s, out, busy, verbose), out)
     if processes < 2:
         print(f"[launch] warning: --link {spec.text} with {processes} process shapes no link (nothing to connect)",
               file=sys.stderr, flush=True)
@@ -148,7 +182,7 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
                   f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
         base[ENV_LINK] = json.dumps(description)
         return _retry_ports(lambda port, busy: _run(processes, argv, base, f"{cluster.addrs[0]}:{port}",
-                                                    cluster.exec_prefix, grace_s, out, busy), out)
+                                                    cluster.exec_prefix, grace_s, out, busy, verbose), out)
 
 
 #: Tries of `launch` with a fresh port when the chosen one turned out to be in use (another program
@@ -174,16 +208,22 @@ def _retry_ports(run_on, out) -> int:
 FAILED_GRACE_S = 2.0
 
 
+#: A line of gloo's TCP transport once its connections are made (stdout; no setting silences it).
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected "
+                            r"peer ranks is : (\d+)\s*")
+
+
 def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out,
-         busy: threading.Event | None = None) -> int:
-    """Starts the processes (`wrap(i) + python -m taco_jax.cli ...`) and waits (see `launch`). `busy`
-    is set when process 0 reports `coordinator` in use."""
+         busy: threading.Event | None = None, verbose: bool = False) -> int:
+    """Starts the processes (`wrap(i) + python -P -m taco_jax.cli ...`) and waits (see `launch`). `busy`
+    is set when process 0 reports `coordinator` in use. Without `verbose`, gloo's connection lines
+    are left out when every peer connected (`GLOO_CONNECTED`)."""
     from taco_jax.train.distributed import PORT_IN_USE
 
     busy_line = f"coordinator {coordinator} {PORT_IN_USE}"
     procs = []
     for i in range(processes):
-        cmd = [*wrap(i), sys.executable, "-m", "taco_jax.cli", *argv, "--coordinator", coordinator,
+        cmd = [*wrap(i), sys.executable, "-P", "-m", "taco_jax.cli", *argv, "--coordinator", coordinator,
                "--num-processes", str(processes), "--process-id", str(i)]
         procs.append(subprocess.Popen(cmd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       start_new_session=True, preexec_fn=_die_with_parent))
@@ -194,6 +234,8 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
             text = line.decode(errors="replace")
             if i == 0 and busy is not None and busy_line in text:
                 busy.set()
+            if not verbose and (m := GLOO_CONNECTED.fullmatch(text)) and m[1] == m[2]:
+                continue
             with lock:
                 out.write(f"[{i}] {text}")
                 out.flush()

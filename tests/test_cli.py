@@ -65,7 +65,8 @@ def test_run_asked_to_continue_writes_strict_json_resolved_policy_and_progress_l
     out = tmp_path / "run"
     assert main(["train", "--lr", "1e6", "--warmup-steps", "0", "--steps", "4", "--allow-nonfinite",
                  "--log-every", "2", "--backend", "auto", "--comm", "int8", "--dp-comm", "taco",
-                 "--site", "ar_bwd:kind=taco,fmt=e5m2,group_size=64", "--out", str(out), *TINY[:-1]]) == 0
+                 "--site", "ar_bwd:kind=taco,fmt=e5m2,group_size=64", "--no-final-checkpoint", "--out", str(out),
+                 *TINY[:-1]]) == 0
     captured = capsys.readouterr()
     err = captured.err
     summary = _strict_loads((out / "summary.json").read_text())
@@ -75,7 +76,7 @@ def test_run_asked_to_continue_writes_strict_json_resolved_policy_and_progress_l
     assert not math.isfinite(float(shown["val loss"]))  # as in summary.json
     assert shown["full summary"].strip() == str(out / "summary.json")
     assert (out / "loss.png").exists()  # `train` writes its loss plot
-    assert not (out / "checkpoints").exists()  # checkpointing off: no empty checkpoints/ folder (issue 25)
+    assert not (out / "checkpoints").exists()  # --no-final-checkpoint: no (empty) checkpoints/ folder
 
     concrete = kernels.resolve("auto")
     assert summary["backend"] == concrete != "auto"

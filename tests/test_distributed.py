@@ -255,9 +255,11 @@ def _summaries(stdout: str) -> int:
 def _check_quiet(log: str, steps: int, model: str) -> None:
     """The output of `launch --processes 2 -- train` of `model` (every line prefixed "[I] " by the
     launcher): process 0 prints the start line, one progress line per step and the summary block,
-    each line whole; process 1 prints no progress, information or summary (warnings and errors only)."""
+    each line whole; process 1 prints no progress, information or summary (warnings and errors only).
+    Gloo's "[Gloo] Rank I is connected to ..." lines are left out (every peer connected)."""
     lines = [line for line in log.splitlines() if line.strip()]
     assert all(re.match(r"\[[01]\] ", line) for line in lines), lines
+    assert not [line for line in lines if "[Gloo]" in line], lines
     first = [line[4:] for line in lines if line.startswith("[0] ")]
     others = [line[4:] for line in lines if line.startswith("[1] ")]
     progress = [line for line in first if line.startswith("[train ")]
@@ -279,10 +281,11 @@ def _check_quiet(log: str, steps: int, model: str) -> None:
                  marks=pytest.mark.slow),  # pipeline: stage 0 on process 0, stage 1 on process 1
 ], ids=["tensor-in-process-taco", "tensor-spans-processes-none", "tensor-spans-processes-sp-none",
         "qwen3-tensor-spans-taco", "stage-spans-taco"])
-def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
+def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra, capsys):
     """2 processes × 4 devices give the 1 process × 8 devices per-step losses and gradient norms bit
-    for bit (both on gloo collectives); the files are written once (process 0)."""
-    args = ["train", *TINY, "--steps", "3", "--mesh", mesh_spec, *extra]  # progress lines: stderr is a file
+    for bit (both on gloo collectives); the files are written once (process 0). The finished run keeps
+    its weights: a final checkpoint (each process its shards) that `sample --from` reads."""
+    args = ["train", *TINY, "--steps", "3", "--final-checkpoint", "--mesh", mesh_spec, *extra]  # progress: a file
     procs = {n: start(cli(*args, "--out", tmp_path / f"p{n}", processes=n), cache, tmp_path / f"p{n}.log")
              for n in (1, 2)}
     for n, p in procs.items():
@@ -296,9 +299,19 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra):
     assert _summaries(log) == 1, log[-2000:]  # one summary, from process 0
     _check_quiet(log, steps=3, model=dict(zip(args, args[1:]))["--model"])  # the last --model given
     assert json.loads((tmp_path / "p2" / "summary.json").read_text())["processes"] == 2
-    # no checkpoints/ folder: no --checkpoint-every, no SIGTERM
-    assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["config.json", "loss.png", "metrics.jsonl",
-                                                                   "summary.json", "tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["checkpoints", "config.json", "loss.png",
+                                                                   "metrics.jsonl", "summary.json", "tokenizer.json"]
+    # no --checkpoint-every: the final checkpoint only, written by both processes
+    assert [p.name for p in (tmp_path / "p2" / "checkpoints").iterdir()] == ["3"]
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in (tmp_path / "p2" / "checkpoints" / "3" /
+                                                                       "state").iterdir()}
+    from taco_jax.cli import main
+
+    capsys.readouterr()
+    assert main(["sample", "--from", str(tmp_path / "p2"), "--prompt", "ROMEO:", "--max-new-tokens", "4",
+                 "--temperature", "1.0"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ROMEO:") and len(text.strip()) > len("ROMEO:"), text
 
 
 @pytest.mark.slow  # make test-slow (~40 s); the default suite keeps the gloo 2-vs-1 process test

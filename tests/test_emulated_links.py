@@ -163,6 +163,26 @@ def test_measured_rates_within_15_percent_and_nothing_left():
         assert not _leftovers(os.getpid())
 
 
+def test_slow_links_are_measured_and_slower_ones_refused():
+    """A rate below `emulate.MIN_RATE_BPS` is refused before anything runs, naming it and the minimum.
+    At 100 and 400 kbit/s the link test times at least `MIN_PROBE_BYTES` beyond the tbf bucket's
+    burst (which passes at once): each link measures within 15 % of its rate (namespaces: root)."""
+    with pytest.raises(ValueError, match=r"link rate '50kbit' is below the slowest accepted, 100kbit"):
+        launch(2, ["train"], link="50kbit")
+    with pytest.raises(ValueError, match=r"link rate '10kbit' is below the slowest accepted, 100kbit"):
+        emulate.LinkSpec.parse("intra=8gbit,inter=10kbit", nodes=2)
+    assert emulate.probe_bytes(1e5) == (32 * 1024, emulate.MIN_PROBE_BYTES)
+    if NO_NETNS:
+        pytest.skip(NO_NETNS)
+    for text in ("100kbit", "400kbit"):
+        with emulate.Cluster(2, emulate.LinkSpec.parse(text)) as c:
+            d = c.measure_links()
+        for link in d["links"]:
+            want = emulate.parse_rate(text)
+            assert 0.85 * want <= link["measured_bit_per_s"] <= 1.15 * want, (text, link)
+    assert not _leftovers(os.getpid())
+
+
 @needs_netns
 def test_sigkilled_launcher_leaves_no_namespace(tmp_path, cache):
     """SIGKILL to the launcher once its processes run in their namespaces: the processes die with it,

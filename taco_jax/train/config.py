@@ -175,7 +175,8 @@ class TrainConfig:
     monitor_warn_sqnr: float = 15.0  # monitor: warn on stderr when a site's worst call is below this SQNR (dB)
     monitor_min_sqnr: float = float("-inf")  # monitor: stop the run (exit 1) when a site's worst call is below this dB
     out: str = "runs/default"  # output folder (created; must not be a file)
-    checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps and at the end (0: only on SIGTERM)
+    checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps (0: the final one, SIGTERM's)
+    final_checkpoint: bool = True  # checkpoint at the end of a run that ends normally (--no-final-checkpoint: none)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
     resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse

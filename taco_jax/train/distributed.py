@@ -9,9 +9,11 @@ CPU. Launch on a cluster: docs/distributed.md; locally: `taco-jax launch --proce
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import threading
 import time
 
@@ -21,7 +23,8 @@ from taco_jax.train.console import write_line
 
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
-#: Test hook: "PROCESS:STEP:SECONDS" makes that process sleep before that step (watchdog tests).
+#: Test hook: "PROCESS:WHEN:WHAT" makes that process sleep WHAT seconds, or stop itself (SIGSTOP) when WHAT
+#: is "stop", at WHEN: before step N ("N") or at the start of the evaluation after step N ("eval@N").
 ENV_STALL = "TACO_JAX_TEST_STALL"
 _STEP_KEY = "taco_jax/step/"  # coordinator key-value store: the last step each process started
 _BEAT_KEY = "taco_jax/alive/"  # ... and a counter each process advances every HEARTBEAT_S (watchdog on)
@@ -32,6 +35,9 @@ ENV_LINK = "TACO_JAX_EMULATED_LINK"
 #: until a second one finished), at least AUTO_FLOOR_S; the first step (gloo connections, caches):
 #: AUTO_FIRST_S, or AUTO_FACTOR × its wire bytes at the measured link rate where that is longer.
 AUTO_FACTOR, AUTO_FLOOR_S, AUTO_FIRST_S = 10.0, 10.0, 300.0
+#: Work beside the steps that writes files (checkpoint, export) gets the step limit plus its bytes at this
+#: rate (bytes/s): a slow disk is not a hang.
+IO_FLOOR_BYTES_PER_S = 50e6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,9 +172,14 @@ def global_arrays(sharding, *arrays):
 
 
 class StepWatchdog:
-    """Ends the run when a step does not finish within its time limit.
+    """Ends the run when a step, or other work of the run between steps, does not finish within its
+    time limit.
 
-    `start(step)` before the step's work, `done()` after its result arrived. When the time passes,
+    `start(step)` before the step's work, `done()` after its result arrived; `with guard(what, step,
+    kind=...)` around the work beside the steps that waits on the other processes too (each
+    evaluation batch, a checkpoint save, the export), with the step limit plus `nbytes` at
+    `IO_FLOOR_BYTES_PER_S` (the first of each kind: the first step's; a guard adapts no limit).
+    When the time passes,
     a thread prints an error naming the step (and, multi-process, which processes had not started
     it: each process records the last step it started in the coordinator's key-value store; and
     which stopped answering: each advances a heartbeat counter there every `HEARTBEAT_S`) to
@@ -195,7 +206,7 @@ class StepWatchdog:
         self.timeout_s, self.exit_status = float(timeout_s), exit_status
         self._first, self._done_steps, self._first_dt, self._slowest = True, 0, 0.0, 0.0
         self.process, self.processes = jax.process_index(), jax.process_count()
-        self._step, self._since, self._closed = None, 0.0, False
+        self._step, self._since, self._closed, self._what, self._kinds = None, 0.0, False, "", set()
         self._cond = threading.Condition()
         if self.timeout_s > 0:
             threading.Thread(target=self._watch, name="taco-jax-step-watchdog", daemon=True).start()
@@ -203,20 +214,53 @@ class StepWatchdog:
                 threading.Thread(target=self._heartbeat, name="taco-jax-heartbeat", daemon=True).start()
 
     def start(self, step: int) -> None:
-        stall = os.environ.get(ENV_STALL)
         if self.timeout_s > 0:
             with self._cond:
-                self._step, self._since = step, time.monotonic()
+                self._step, self._since, self._what = step, time.monotonic(), f"step {step}"
                 self._limit = self._first_limit if self._first else self.timeout_s
                 self._first = False
                 self._cond.notify()
-        if stall:  # test hook: "PROCESS:STEP:SECONDS"
-            proc, at, secs = stall.split(":")
-            if int(proc) == self.process and int(at) == step:
-                write_line(f"[taco-jax] {ENV_STALL}: process {proc} sleeps {secs} s before step {step}")
-                time.sleep(float(secs))
+        self._stall(str(step), f"before step {step}")
         if self.timeout_s > 0 and self.processes > 1:
             _client().key_value_set(f"{_STEP_KEY}{self.process}", str(step), allow_overwrite=True)
+
+    @contextlib.contextmanager
+    def guard(self, what: str, step: int, *, kind: str, nbytes: float = 0.0, stall: str = ""):
+        """Arms the watchdog around `what` (e.g. "evaluation after step 5 (batch 2 of 8)"), done after
+        step `step`: the current step limit plus `nbytes` at `IO_FLOOR_BYTES_PER_S`; the first work of
+        its `kind` (e.g. "eval": it compiles, or opens files) gets the first step's limit instead of the
+        step limit. `stall`: the `ENV_STALL` point this work is (e.g. "eval@5")."""
+        if self.timeout_s > 0:
+            with self._cond:
+                first = self._first or kind not in self._kinds
+                self._kinds.add(kind)
+                self._step, self._since, self._what = step, time.monotonic(), what
+                self._limit = (self._first_limit if first else self.timeout_s) + nbytes / IO_FLOOR_BYTES_PER_S
+                self._cond.notify()
+        if stall:
+            self._stall(stall, f"at the {what}")
+        try:
+            yield
+        finally:
+            if self.timeout_s > 0:
+                with self._cond:
+                    self._step = None
+                    self._cond.notify()
+
+    def _stall(self, when: str, where: str) -> None:
+        """The `ENV_STALL` test hook at point `when` ("N" or "eval@N")."""
+        stall = os.environ.get(ENV_STALL)
+        if not stall:
+            return
+        proc, at, what = stall.split(":")
+        if int(proc) != self.process or at != when:
+            return
+        if what == "stop":
+            write_line(f"[taco-jax] {ENV_STALL}: process {proc} stops itself (SIGSTOP) {where}")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            write_line(f"[taco-jax] {ENV_STALL}: process {proc} sleeps {what} s {where}")
+            time.sleep(float(what))
 
     def done(self) -> None:
         if self.timeout_s > 0:
@@ -276,10 +320,10 @@ class StepWatchdog:
                 if left > 0:
                     self._cond.wait(left)
                     continue
-                step = self._step
+                step, what, limit_s = self._step, self._what, self._limit
                 break
-        limit = f"auto ({self._limit:.3g} s)" if self.auto else f"{self._limit:g} s"
-        msg = f"step {step} did not finish within --step-timeout {limit}"
+        limit = f"auto ({limit_s:.3g} s)" if self.auto else f"{limit_s:g} s"
+        msg = f"{what} did not finish within --step-timeout {limit}"
         if self.processes > 1:
             msg += f" (process {self.process} of {self.processes}; {self.missing(step)})"
         write_line(f"taco-jax: error: {msg}; the run stopped")

@@ -69,10 +69,12 @@ class Hook:
 class Hooks(contextlib.AbstractContextManager):
     """An ordered list of hooks, outermost first: `before_step` and `end` in list order, `on_step`
     in reverse; `with hooks:` closes all of them at the end (innermost first, each even when
-    another's close raised)."""
+    another's close raised). `guard`: the run's watchdog guard for work beside the steps
+    (`distributed.StepWatchdog.guard`), for the loop's own such work (the export)."""
 
-    def __init__(self, hooks):
+    def __init__(self, hooks, guard=None):
         self.hooks = [h for h in hooks if h is not None]
+        self.guard = guard or _no_guard
 
     def before_step(self, state, step) -> dict:
         extra = {}
@@ -97,9 +99,15 @@ class Hooks(contextlib.AbstractContextManager):
         return None
 
 
+@contextlib.contextmanager
+def _no_guard(what: str, step: int, *, kind: str, **_):
+    yield
+
+
 class Watchdog(Hook):
     """`--step-timeout S`: `distributed.StepWatchdog` armed around each step (the innermost hook, so
-    the other hooks' work is not counted)."""
+    the other hooks' work is not counted in the step; the hooks that wait on the other processes
+    arm it themselves, `StepWatchdog.guard`)."""
 
     def __init__(self, watchdog):
         self.watchdog = watchdog
@@ -173,14 +181,15 @@ class CodecErrors(Hook):
 
 class Evaluate(Hook):
     """Validation loss every `every` steps and at the last step (`rec["val_loss"]`), unless the
-    step's loss or gradient norm is not finite (and `allow_nonfinite` is off)."""
+    step's loss or gradient norm is not finite (and `allow_nonfinite` is off). `evaluate(params,
+    step)`: the loss (the loop guards each of its batches with the watchdog)."""
 
     def __init__(self, evaluate, every: int, last: int, allow_nonfinite: bool):
         self.evaluate, self.every, self.last, self.allow_nonfinite = evaluate, every, last, allow_nonfinite
 
     def on_step(self, state, step, rec):
         if (step % self.every == 0 or step == self.last) and (_finite(rec) or self.allow_nonfinite):
-            state.val_loss = rec["val_loss"] = self.evaluate(state.params)
+            state.val_loss = rec["val_loss"] = self.evaluate(state.params, step)
 
 
 class MetricsLog(Hook):
@@ -265,23 +274,34 @@ class Preemption(Hook):
 
 
 class Checkpoint(Hook):
-    """Orbax checkpoints (`train/checkpoint.py`) every `every` steps, at the last step (when `every`)
-    and on preemption (waiting for it); the batch stream's position saved with them."""
+    """Orbax checkpoints (`train/checkpoint.py`) every `every` steps (0: none), at the last step
+    unless `final` is off, and on preemption (waiting for it); the batch stream's position saved
+    with them. `guard`: the watchdog's guard (`StepWatchdog.guard`) around each save and the wait
+    for the last one (they wait on every process)."""
 
-    def __init__(self, ckpt, batches, every: int, steps: int, config: dict, run_dir):
+    def __init__(self, ckpt, batches, every: int, steps: int, config: dict, run_dir, *, final: bool = True,
+                 guard=None):
         self.ckpt, self.batches, self.every, self.steps, self.config = ckpt, batches, every, steps, config
-        self.run_dir = run_dir
+        self.run_dir, self.final, self.guard, self.last = run_dir, final, guard or _no_guard, None
 
     def on_step(self, state, step, rec):
-        if state.preempted or self.every and (step == self.steps or step % self.every == 0):
-            self.ckpt.save(step, state.params, state.opt_state, {"data": self.batches.state(), "config": self.config},
-                           wait=bool(state.preempted))
+        if state.preempted or (self.every and step % self.every == 0) or (self.final and step == self.steps):
+            nbytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+            with self.guard(f"checkpoint of step {step}", step, kind="checkpoint", nbytes=nbytes):
+                self.ckpt.save(step, state.params, state.opt_state, {"data": self.batches.state(),
+                                                                     "config": self.config},
+                               wait=bool(state.preempted))
+            self.last = (step, nbytes)
         if state.preempted:
             say(f"[taco-jax] SIGTERM: checkpoint {rel(self.ckpt.directory / str(step), self.run_dir)} written; "
                 f"the run stopped at step {step} (continue with --resume)")
 
     def end(self, state):
-        self.ckpt.wait()  # the last save complete (raises its error)
+        if self.last is None:
+            return
+        step, nbytes = self.last
+        with self.guard(f"checkpoint of step {step} (completing)", step, kind="checkpoint", nbytes=nbytes):
+            self.ckpt.wait()  # the last save complete (raises its error)
 
     def close(self):
         self.ckpt.close()

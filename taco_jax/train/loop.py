@@ -51,9 +51,13 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     `devices`: the mesh's devices (default all; `jax.devices()[:1]` for a one-device reference).
     Multi-process (`jax.distributed` initialized): every process runs this; each builds only its
     rows of the batches, process 0 writes the files and prints progress. Checkpoints
-    (`cfg.checkpoint_every`, SIGTERM, `cfg.resume`): `train/checkpoint.py`; a SIGTERM ends the run at
-    the next step boundary with a checkpoint and a summary holding "preempted_at_step".
-    `cfg.step_timeout`: `distributed.StepWatchdog`. `cfg.profile_steps`: a jax.profiler trace
+    (`cfg.checkpoint_every`, `cfg.final_checkpoint`, SIGTERM, `cfg.resume`): `train/checkpoint.py`;
+    a run that ends normally leaves one at its last step (unless `cfg.final_checkpoint` is off), so
+    `taco-jax sample --from` finds its weights; a SIGTERM ends the run at the next step boundary
+    with a checkpoint and a summary holding "preempted_at_step". `dataset`: e.g. a `TextDataset`
+    of the caller's own token arrays; with `tokenizer_path=""` the run folder gets no tokenizer.json.
+    `cfg.step_timeout`: `distributed.StepWatchdog`, around each step, evaluation batch, checkpoint
+    save and the export. `cfg.profile_steps`: a jax.profiler trace
     (`train/profile.py`); `cfg.tensorboard`: TensorBoard events (`train/tensorboard.py`).
     Raises: ValueError for a configuration that cannot run, an output folder that cannot be
     written (before anything is compiled) or a checkpoint that cannot be resumed (CheckpointError,
@@ -81,13 +85,17 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 break
             if step < cfg.steps:
                 state.inputs, state.targets = run.batches.next(run.batch_sharding)
-        ends = run_hooks.end(state)
+        ends = run_hooks.end(state)  # the final checkpoint complete
         wall = time.perf_counter() - t_start
-    if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py)
-        save_hf(cfg.export_hf, cfg.model_config, run.trainer.staged.unstack_layers(state.params)
-                if run.trainer.staged else state.params,
-                base_config=read_config(cfg.init_from) if cfg.init_from else None,  # multi-process: gathered
-                source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path, eos_token_id=run.dataset.eot_id)
+        if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py); multi-process: gathered
+            nbytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+            with run_hooks.guard(f"export to {cfg.export_hf}", state.history[-1]["step"] if state.history else 0,
+                                 kind="export", nbytes=nbytes):
+                save_hf(cfg.export_hf, cfg.model_config, run.trainer.staged.unstack_layers(state.params)
+                        if run.trainer.staged else state.params,
+                        base_config=read_config(cfg.init_from) if cfg.init_from else None,
+                        source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path or None,
+                        eos_token_id=run.dataset.eot_id)
     return summarize(run, acct, state, wall, ends)  # 4.
 
 
@@ -202,7 +210,8 @@ def resume(run: Run, acct: Accounting, state: hooks.RunState) -> None:
             + "".join(f"; {n}" for n in notes))
     if run.writer:
         jsonio.write(out / "config.json", run.cfg.to_dict())
-        shutil.copyfile(run.dataset.tokenizer_path, out / "tokenizer.json")  # the run's tokenizer (taco-jax sample)
+        if run.dataset.tokenizer_path:  # none for a library caller's own token arrays
+            shutil.copyfile(run.dataset.tokenizer_path, out / "tokenizer.json")  # the run's tokenizer (`sample`)
     state.inputs, state.targets = run.batches.next(run.batch_sharding)
 
 
@@ -215,13 +224,20 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
         say("[taco-jax] --monitor-every: no tensor site is compressed (or no tensor axis); nothing to monitor")
     val = [dist.global_arrays(run.batch_sharding, x, y) for x, y in
            eval_batches(run.dataset.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]
+    watchdog = dist.StepWatchdog(cfg.step_timeout, wire_bytes=sum(acct.wire["by_axis"].values()))
 
-    def evaluate(params):
-        return float(np.mean([float(trainer.eval_step(params, vx, vy)) for vx, vy in val]))
+    def evaluate(params, step):
+        losses = []
+        for k, (vx, vy) in enumerate(val):  # each batch's collectives under the watchdog, as a step's
+            with watchdog.guard(f"evaluation after step {step} (batch {k + 1} of {len(val)})", step, kind="eval",
+                                stall=f"eval@{step}" if k == 0 else ""):
+                losses.append(float(trainer.eval_step(params, vx, vy)))
+        return float(np.mean(losses))
 
     checked = any(getattr(trainer.policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
     return hooks.Hooks([
-        hooks.Checkpoint(run.ckpt, run.batches, cfg.checkpoint_every, cfg.steps, cfg.to_dict(), run.out),
+        hooks.Checkpoint(run.ckpt, run.batches, cfg.checkpoint_every, cfg.steps, cfg.to_dict(), run.out,
+                         final=cfg.final_checkpoint, guard=watchdog.guard),
         hooks.Preemption(),
         hooks.Progress(cfg.comm, state.start, cfg.steps, cfg.log_every, progress and run.writer),
         tensorboard.TensorBoard(run.out / "tensorboard", acct.wire["by_axis"], start=state.start)
@@ -233,8 +249,8 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
         hooks.Capture(capture.Recorder.start(cfg, run.out, trainer)) if cfg.capture else None,
         hooks.MonitorMeasure(monitor) if monitor else None,
         ProfileSteps(*cfg.profile_range, profile_dir(cfg)) if cfg.profile_steps else None,
-        hooks.Watchdog(dist.StepWatchdog(cfg.step_timeout, wire_bytes=sum(acct.wire["by_axis"].values()))),
-    ])
+        hooks.Watchdog(watchdog),
+    ], guard=watchdog.guard)
 
 
 def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, ends: dict) -> dict:

@@ -1,0 +1,146 @@
+"""What a finished run keeps and how `taco-jax launch` starts a run: the final checkpoint's opt-out
+(the checkpoint itself and `sample --from` on it: test_distributed.py), a run on a caller's own token
+arrays without a tokenizer,
+the launcher started from a folder holding another `taco_jax`, the mesh of a `--config` file, and
+`--step-timeout auto` guarding the evaluation (a peer SIGSTOPped there is named within the limit)."""
+
+import math
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from _procs import ROOT, TINY, env, metrics, wait_for
+
+from taco_jax import launch as launch_mod
+from taco_jax.cli import config_from_argv, main
+
+
+def test_final_checkpoint_is_the_default_with_an_opt_out(tmp_path, capsys):
+    """`train --help` offers --no-final-checkpoint; the flag and a config file's key turn it off. (The final
+    checkpoint of a run and `sample --from` on it: test_distributed.py::test_two_processes_match_one.)"""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--no-final-checkpoint" in capsys.readouterr().out
+    (tmp_path / "c.toml").write_text("final_checkpoint = false\n")
+    assert config_from_argv(["train"]).final_checkpoint is True
+    assert config_from_argv(["train", "--no-final-checkpoint"]).final_checkpoint is False
+    assert config_from_argv(["train", "--config", str(tmp_path / "c.toml")]).final_checkpoint is False
+
+
+def test_train_on_in_memory_tokens_without_a_tokenizer(tmp_path):
+    """`train()` on a `TextDataset` of the caller's own token arrays with `tokenizer_path=""`: the run
+    trains (nothing to copy: no tokenizer.json) and ends with its final checkpoint."""
+    from taco_jax.data import TextDataset
+    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.loop import train
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 300, size=4096).astype(np.int32)
+    ds = TextDataset(train=tokens, val=tokens[:1024], vocab_size=300, eot_id=0, tokenizer_path="", val_plays=())
+    out = tmp_path / "run"
+    cfg = TrainConfig(model="gpt2-tiny", batch_size=8, seq_len=32, steps=2, eval_every=100, eval_batches=1,
+                      out=str(out))
+    summary = train(cfg, dataset=ds, progress=False)
+    assert [r["step"] for r in metrics(out)] == [1, 2] and math.isfinite(summary["final_val_loss"])
+    assert not (out / "tokenizer.json").exists()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["2"]
+
+
+def _shadowing_folder(tmp_path) -> pathlib.Path:
+    """A working directory holding a `taco_jax` package without `__version__` (as the folder that holds
+    a clone named taco_jax does): it comes first on the path of `python -m` started there."""
+    cwd = tmp_path / "cwd"
+    (cwd / "taco_jax").mkdir(parents=True)
+    (cwd / "taco_jax" / "__init__.py").write_text("")
+    return cwd
+
+
+def test_launch_from_a_folder_holding_another_taco_jax(tmp_path):
+    """The launcher (here `python -P`, as the console script: no working directory on its path) started
+    in a folder holding another `taco_jax`: its processes import the launcher's package; the package's
+    folder goes first on their PYTHONPATH unless it is there already."""
+    cwd = _shadowing_folder(tmp_path)
+    r = subprocess.run([sys.executable, "-P", "-m", "taco_jax.cli", "launch", "--processes", "2", "--", "--version"],
+                       cwd=cwd, env=env(tmp_path / "cache"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert sorted(line for line in r.stdout.splitlines() if "taco-jax" in line) == ["[0] taco-jax 0.1.0",
+                                                                                     "[1] taco-jax 0.1.0"]
+    assert launch_mod.child_env({})["PYTHONPATH"] == str(ROOT)
+    assert launch_mod.child_env({"PYTHONPATH": f"{ROOT}/"})["PYTHONPATH"] == f"{ROOT}/"
+
+
+def test_launch_reads_the_mesh_of_a_config_file(tmp_path):
+    """The launcher resolves the command's mesh as `train` does (`--config` file, then the flags): a
+    tensor axis spanning two nodes is refused from a config file as from --mesh; a mesh whose size the
+    process count does not divide is refused naming both (not an XLA_FLAGS hint from the processes)."""
+    toml = tmp_path / "run.toml"
+    toml.write_text('mesh = "tensor=2,data=4"\n')
+    with pytest.raises(ValueError, match=r"mesh tensor=2,data=4 puts a tensor group on processes of different nodes"):
+        launch_mod.launch(4, ["train", "--config", str(toml)], link="intra=8gbit,inter=1gbit", nodes=2)
+    with pytest.raises(ValueError, match=r"mesh data=2,tensor=4 has 8 devices, not divisible by --processes 3"):
+        launch_mod.launch(3, ["train"])
+    with pytest.raises(ValueError, match=r"mesh data=1,tensor=2 has 2 devices, not divisible by --processes 4"):
+        launch_mod.launch(4, ["train", "--config", str(toml), "--mesh", "data=1,tensor=2"])  # the flag wins
+
+
+def test_peer_stopped_during_evaluation_is_named_within_the_auto_limit(tmp_path, cache):
+    """2 processes launched from a folder holding another `taco_jax`, their mesh from a `--config` file
+    (data=1,tensor=2: one device each), `--step-timeout auto`. Process 1 stops itself (SIGSTOP) at the
+    evaluation after step 2: process 0's watchdog, armed around each evaluation batch, ends the run
+    with a `taco-jax: error` line naming process 1 within the auto limit + 10 s. Gloo's connection
+    lines are left out of the launcher's output."""
+    cwd = _shadowing_folder(tmp_path)
+    (cwd / "run.toml").write_text('mesh = "data=1,tensor=2"\nstep_timeout = "auto"\nsteps = 3\n')
+    log = tmp_path / "log"
+    cmd = [sys.executable, "-P", "-m", "taco_jax.cli", "launch", "--processes", "2", "--", "train", *TINY,
+           "--config", "run.toml", "--eval-every", "1", "--eval-batches", "2", "--no-progress", "--out", "run"]
+    p = subprocess.Popen(cmd, cwd=cwd, env=env(cache, TACO_JAX_TEST_STALL="1:eval@2:stop"), stdout=open(log, "w"),
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t_stop = wait_for(lambda: "process 1 stops itself (SIGSTOP)" in log.read_text(), p, timeout=400,
+                          what="process 1 stopping itself", log=log)
+        assert p.wait(timeout=200) == 1, log.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)  # its own session: the launcher and its processes
+    elapsed = time.monotonic() - t_stop
+    text = log.read_text()
+    err = next(line for line in text.splitlines() if "taco-jax: error" in line)
+    assert err.startswith("[0] taco-jax: error: evaluation after step 2 (batch 1 of 2) did not finish within "
+                          "--step-timeout auto ("), err
+    assert re.search(r"stopped answering: process 1 \(no heartbeat", err), err
+    limit = float(re.search(r"--step-timeout auto \(([\d.]+) s\)", err)[1])
+    assert elapsed <= limit + 10, (elapsed, err)
+    assert [r["step"] for r in metrics(cwd / "run")] == [1]  # step 2's record follows its evaluation
+    assert "[0] [taco-jax] gpt2-tiny on mesh data=1,tensor=2" in text
+    assert "[Gloo]" not in text and "Fatal Python error" not in text
+    print(f"SIGSTOP at evaluation -> launcher exit: {elapsed:.1f} s (auto limit {limit} s)")
+
+
+def test_watchdog_guard_limits():
+    """`StepWatchdog.guard`: the step limit; the first work of a kind (it compiles, or opens files) and
+    work before any step get the first step's; file work adds its bytes at `IO_FLOOR_BYTES_PER_S`."""
+    from taco_jax.train.distributed import IO_FLOOR_BYTES_PER_S, StepWatchdog
+
+    w = StepWatchdog(2.0)  # first step: 10 × 2 s
+    try:
+        with w.guard("export to x", 0, kind="export"):
+            assert (w._limit, w._what) == (20.0, "export to x")  # before any step
+        w.start(1)
+        w.done()
+        for first in (True, False):
+            with w.guard("evaluation after step 1 (batch 1 of 2)", 1, kind="eval"):
+                assert w._limit == (20.0 if first else 2.0) and w._step == 1
+            assert w._step is None  # disarmed after it
+        with w.guard("checkpoint of step 1", 1, kind="checkpoint", nbytes=IO_FLOOR_BYTES_PER_S):
+            assert w._limit == 21.0
+        with w.guard("checkpoint of step 1 (completing)", 1, kind="checkpoint", nbytes=IO_FLOOR_BYTES_PER_S):
+            assert w._limit == 3.0
+    finally:
+        w.close()
