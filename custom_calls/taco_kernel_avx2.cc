@@ -383,6 +383,9 @@ TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float
           sq = _mm256_fmadd_ps(u, u, sq);
           sq2 = _mm256_fmadd_ps(w, w, sq2);
           y[j] = wht8(_mm256_add_ps(u, w));
+          // 16-bit dtypes: keep u - w in the scratch's upper half (overwritten below) rather than
+          // load and widen x a second time
+          if constexpr (DT != kF32) _mm256_store_ps(yb + 64 + 8 * j, _mm256_sub_ps(u, w));
         }
         sq = _mm256_add_ps(sq, sq2);
         wht_cross<8>(y);
@@ -392,7 +395,13 @@ TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float
           _mm256_store_ps(yb + 8 * j, y[j]);
         }
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) y[j] = wht8(_mm256_sub_ps(load8<DT>(xp + 8 * j), load8<DT>(xp + 64 + 8 * j)));
+        for (int j = 0; j < 8; ++j) {
+          if constexpr (DT == kF32) {
+            y[j] = wht8(_mm256_sub_ps(load8<DT>(xp + 8 * j), load8<DT>(xp + 64 + 8 * j)));
+          } else {
+            y[j] = wht8(_mm256_load_ps(yb + 64 + 8 * j));
+          }
+        }
         wht_cross<8>(y);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
