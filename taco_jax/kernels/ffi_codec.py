@@ -495,8 +495,9 @@ def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_A
 
 def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) -> jax.Array:
     """Elementwise float32 -> FP8 (optionally clamped to +-clamp first) or FP8 -> float32 (for tests);
-    also the kernels' own conversions: float32 -> bfloat16 / float16 (the decoder's store; clamp > 0:
-    clipped to the dtype's finite range first) and bfloat16 / float16 -> float32 (the encoder's load)."""
+    on CPU also the kernels' own conversions: float32 -> bfloat16 / float16 (the decoder's store;
+    clamp > 0: clipped to the dtype's finite range first) and bfloat16 / float16 -> float32 (the
+    encoder's load)."""
     _ensure_loaded()
     call = jax.ffi.ffi_call("taco_fp8_cast", jax.ShapeDtypeStruct(x.shape, dtype), vmap_method="broadcast_all")
     (out,) = _revary([call(x, clamp=np.float32(clamp), impl=np.int32(impl))], vma_of(x))
