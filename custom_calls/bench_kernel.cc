@@ -2,11 +2,15 @@
 // time per group on data already in cache, best of R passes, and a hash of the codes and scales
 // (unchanged by a pure speed change of the kernel).
 //
-//   make -C custom_calls bench && custom_calls/build/bench_kernel [groups=2048] [passes=2000] [G=128]
+//   make -C custom_calls bench && custom_calls/build/bench_kernel [groups=2048] [passes=2000] [G=128] [dtype=f32]
+//
+// dtype (f32, bf16, f16) is the message's: the kernel reads it as it is.
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "taco_kernel_avx2.h"
@@ -26,8 +30,14 @@ long Arg(int argc, char** argv, int i, const char* name, long dflt, long lo, lon
 
 int main(int argc, char** argv) {
   using namespace taco;
-  if (argc > 4) {
-    std::fprintf(stderr, "usage: bench_kernel [groups=2048] [passes=2000] [G=128]\n");
+  if (argc > 5) {
+    std::fprintf(stderr, "usage: bench_kernel [groups=2048] [passes=2000] [G=128] [dtype=f32|bf16|f16]\n");
+    return 2;
+  }
+  const std::string dname = argc > 4 ? argv[4] : "f32";
+  const int dt = dname == "f32" ? kF32 : dname == "bf16" ? kBF16 : dname == "f16" ? kF16 : -1;
+  if (dt < 0) {
+    std::fprintf(stderr, "bench_kernel: dtype=%s must be f32, bf16 or f16\n", dname.c_str());
     return 2;
   }
   const int64_t n = Arg(argc, argv, 1, "groups", 2048, 1, 1L << 24);
@@ -38,7 +48,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 #if TACO_X86
-  EncodeFn fn = HaveAvx2() ? EncodeAvx(kE4M3, g) : nullptr;
+  EncodeFn fn = HaveAvx2() ? EncodeAvx(kE4M3, g, dt) : nullptr;
 #else
   void* fn = nullptr;
 #endif
@@ -47,15 +57,18 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::vector<float> x(n * g), s(n), a(n);
+  std::vector<uint16_t> xh(dt == kF32 ? 0 : n * g);
   std::vector<uint8_t> q(n * g);
   std::mt19937 rng(0);
   std::normal_distribution<float> normal;
   for (float& v : x) v = normal(rng);
+  for (int64_t i = 0; i < static_cast<int64_t>(xh.size()); ++i) xh[i] = f32_to_narrow(x[i], dt, false);
+  const void* xp = dt == kF32 ? static_cast<const void*>(x.data()) : static_cast<const void*>(xh.data());
   EncodeParams p{kE4M3, g, 0.0f, E4M3_MAX, E4M3_MAX, n, static_cast<float>(g), std::sqrt(static_cast<float>(g))};
   double best = 1e30;
   for (int r = 0; r < passes; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    fn(x.data(), q.data(), s.data(), a.data(), 0, n, p, false);
+    fn(xp, q.data(), s.data(), a.data(), 0, n, p, false);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   uint64_t h = 1469598103934665603ull;  // FNV-1a over codes and scale bits
@@ -65,7 +78,7 @@ int main(int argc, char** argv) {
     std::memcpy(&b, &v, 4);
     h = (h ^ b) * 1099511628211ull;
   }
-  std::printf("G=%d, %ld groups: best %.1f us, %.1f ns/group (one thread), hash %016llx\n", g, static_cast<long>(n),
-              best * 1e6, best * 1e9 / n, static_cast<unsigned long long>(h));
+  std::printf("G=%d %s, %ld groups: best %.1f us, %.1f ns/group (one thread), hash %016llx\n", g, dname.c_str(),
+              static_cast<long>(n), best * 1e6, best * 1e9 / n, static_cast<unsigned long long>(h));
   return 0;
 }

@@ -9,12 +9,16 @@
 // for tests), so the two give bit-identical results. This file: the FFI handlers; their bound
 // signatures are in taco_ffi_bind.h, shared with the CUDA handlers.
 //
-// Targets (all take x / codes of shape [..., G] with G in {32, 64, ..., 512}):
-//   taco_encode(x f32[..., G]) -> (codes fp8[..., G], s f32[...], a f32[...])
+// Targets (all take x / codes of shape [..., G] with G in {32, 64, ..., 512}). Messages (x, and
+// the decoded output) are float32, bfloat16 or float16, read and written in their own dtype: the
+// kernels widen 16-bit inputs in registers (exact) and round decoded values to the output dtype
+// as XLA's convert does (decode: clipped to the dtype's finite range first, as
+// codec.dispatch.clip_to_dtype; decode-sum: the float32 sum rounded once), so XLA adds no convert.
+//   taco_encode(x f32|bf16|f16[..., G]) -> (codes fp8[..., G], s f32[...], a f32[...])
 //       attrs: fmt (0 = e4m3, 1 = e5m2), lam, fmax, target_range (f32), n_groups, last_count
 //       (i64: groups per message and the real size of each message's last group), impl (i32).
 //       Extra (aliased) arguments after x are ignored: they let the caller donate buffers.
-//   taco_decode(codes fp8[..., G], s f32[...], [a f32[...]], ...) -> x f32[..., G]
+//   taco_decode(codes fp8[..., G], s f32[...], [a f32[...]], ...) -> x f32|bf16|f16[..., G]
 //       attrs: has_a (i32: 1 dual layout, 0 folded), impl (i32).
 //   taco_reduce(P x codes fp8[N, G], P x s f32[N], [P x a f32[N]]) -> (codes fp8[N, G], s f32[N])
 //       transform-domain sum and requantization (two-shot all-reduce); attrs fmt, has_a,
@@ -24,20 +28,24 @@
 //   Packed wire rows (CPU only; the "ffi" wire codec, `taco_jax/kernels/ffi_wire.py`):
 //   one uint8 row per message, [codes n_groups*G][s n_groups f32][a n_groups f32] (has_a = 1) or
 //   [codes][s/a] (has_a = 0), as `codec.wire.pack_rows` lays out an `Encoded`:
-//     taco_encode_packed(x f32[..., n_groups*G]) -> K x u8[..., row_bytes] (row i -> result i % K)
+//     taco_encode_packed(x f32|bf16|f16[..., n_groups*G]) -> K x u8[..., row_bytes] (row i -> result i % K)
 //         attrs fmt, lam, fmax, target_range, g, n_groups, last_count, has_a, impl, outer (i64:
 //         > 1: x is [..., outer, P, inner], inner % G == 0, message row (v, r) = x[v, :, r, :])
-//     taco_decode_packed(u8[..., row_bytes]) -> f32[..., n_groups*G]; attrs fmt, g, has_a, impl,
+//     taco_decode_packed(u8[..., row_bytes]) -> f32|bf16|f16[..., n_groups*G]; attrs fmt, g, has_a, impl,
 //         outer (> 1: rows [..., P, row_bytes] -> f32[..., outer, P, inner], row r's element
 //         (b, j) at [..., b, r, j]: the all-gather along a non-leading axis, no transpose)
-//     taco_decode_sum_packed(ranks) -> f32[..., n_groups*G]: decode and sum in rank order (f32)
+//     taco_decode_sum_packed(ranks) -> f32|bf16|f16[..., n_groups*G]: decode and sum in rank order
+//         (f32), the sum rounded to the output dtype once
 //     taco_reduce_packed(ranks) -> u8[..., row_bytes]: encode_packed(decode_sum) with the sum's
-//         padding past last_count zeroed; encode attrs
+//         padding past last_count zeroed; encode attrs and round (i32: the message dtype the sum is
+//         rounded to before it is encoded again, 0 f32 (none), 1 bf16, 2 f16)
 //     taco_reduce_hadamard_packed(ranks) -> u8[..., n_groups*(G+4)]: taco_reduce, folded output;
 //         attrs fmt, g, has_a, target_range, impl
 //   where ranks = one u8[..., P, row_bytes] operand or P operands u8[..., row_bytes].
 //   taco_fp8_cast(f32 -> fp8 or fp8 -> f32, elementwise; attrs clamp (f32: > 0 clamps to
-//       +-clamp and uses the codec's quantizer), impl): for conformance tests.
+//       +-clamp and uses the codec's quantizer), impl): for conformance tests. Also the kernels'
+//       dtype conversions: f32 -> bf16 / f16 (the decoder's store; clamp > 0: clipped first) and
+//       bf16 / f16 -> f32 (the encoder's load).
 //
 // Build: see custom_calls/Makefile (`make -C custom_calls`).
 
@@ -74,11 +82,19 @@ int FmtOf(ffi::DataType t) {
 
 bool Aligned32(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 31u) == 0; }
 
+// The message dtype (MsgDtype) of a buffer, or -1.
+int DtOf(ffi::DataType t) {
+  if (t == ffi::DataType::F32) return kF32;
+  if (t == ffi::DataType::BF16) return kBF16;
+  if (t == ffi::DataType::F16) return kF16;
+  return -1;
+}
+
 // ------------------------------------------------------------------------------------------
 // FFI handlers.
 // ------------------------------------------------------------------------------------------
 
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs,
+ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs,
                       ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::Buffer<ffi::F32>> s,
                       ffi::Result<ffi::Buffer<ffi::F32>> a, int32_t fmt, float lam, float fmax,
                       float target_range, int64_t n_groups, int64_t last_count, int32_t impl) {
@@ -86,6 +102,8 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   if (dims.size() < 1) return ffi::Error::InvalidArgument("taco_encode: x must have rank >= 1");
   const int64_t g = dims.back();
   if (!ValidGroupSize(g)) return ffi::Error::InvalidArgument("taco_encode: G must be a power of 2 in [32, 512]");
+  const int dt = DtOf(x.element_type());
+  if (dt < 0) return ffi::Error::InvalidArgument("taco_encode: x must be float32, bfloat16 or float16");
   if (codes->element_type() != ffi::DataType::U8 && FmtOf(codes->element_type()) != fmt)
     return ffi::Error::InvalidArgument("taco_encode: codes dtype does not match fmt (nor is it uint8)");
   const int64_t total = static_cast<int64_t>(x.element_count()) / g;
@@ -105,14 +123,15 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   p.last_count = static_cast<float>(last_count);
   p.sqrt_g = static_cast<float>(std::sqrt(static_cast<double>(g)));
 
-  const float* xp = x.typed_data();
+  const char* xp = static_cast<const char*>(x.untyped_data());
+  const int64_t xb = DtypeBytes(dt);
   uint8_t* qp = static_cast<uint8_t*>(codes->untyped_data());
   float* sp = s->typed_data();
   float* ap = a->typed_data();
 
 #if TACO_X86
   if (impl == 0 && HaveAvx2()) {
-    EncodeFn fn = EncodeAvx(fmt, p.g);
+    EncodeFn fn = EncodeAvx(fmt, p.g, dt);
     const bool stream = total * g >= kStreamBytes && Aligned32(qp);
     ParallelFor(pool.num_threads(), total, GroupsPerChunk(p.g), [&](int64_t b, int64_t e) { fn(xp, qp, sp, ap, b, e, p, stream); });
     return ffi::Error::Success();
@@ -121,14 +140,14 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   ParallelFor(pool.num_threads(), total, GroupsPerChunk(p.g), [&](int64_t b, int64_t e) {
     for (int64_t gi = b; gi < e; ++gi) {
       const float count = (gi % n_groups == n_groups - 1) ? p.last_count : static_cast<float>(g);
-      encode_group_scalar(xp + gi * g, qp + gi * g, sp + gi, ap + gi, count, p);
+      encode_group_scalar_dt(xp + gi * g * xb, dt, qp + gi * g, sp + gi, ap + gi, count, p);
     }
   });
   return ffi::Error::Success();
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::Buffer<ffi::F32> s, ffi::RemainingArgs rest,
-                      ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t has_a, int32_t impl) {
+                      ffi::Result<ffi::AnyBuffer> out, int32_t has_a, int32_t impl) {
   const auto dims = codes.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("taco_decode: codes must have rank >= 1");
   const int64_t g = dims.back();
@@ -141,6 +160,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::Buffer<ff
   const int64_t total = static_cast<int64_t>(codes.element_count()) / g;
   if (static_cast<int64_t>(s.element_count()) != total || static_cast<int64_t>(out->element_count()) != total * g)
     return ffi::Error::InvalidArgument("taco_decode: shapes of s / output do not match codes");
+  const int dt = DtOf(out->element_type());
+  if (dt < 0) return ffi::Error::InvalidArgument("taco_decode: the output must be float32, bfloat16 or float16");
   const float* ap = nullptr;
   if (has_a) {
     auto a = rest.get<ffi::Buffer<ffi::F32>>(0);
@@ -151,13 +172,14 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::Buffer<ff
   }
   const uint8_t* qp = static_cast<const uint8_t*>(codes.untyped_data());
   const float* sp = s.typed_data();
-  float* op = out->typed_data();
+  char* op = static_cast<char*>(out->untyped_data());
+  const int64_t ob = DtypeBytes(dt);
   const float sqrt_g = static_cast<float>(std::sqrt(static_cast<double>(g)));
 
 #if TACO_X86
   if (impl == 0 && HaveAvx2()) {
-    DecodeFn fn = DecodeAvx(fmt, static_cast<int>(g));
-    const bool stream = total * g * 4 >= kStreamBytes && Aligned32(op);
+    DecodeFn fn = DecodeAvx(fmt, static_cast<int>(g), dt);
+    const bool stream = total * g * ob >= kStreamBytes && Aligned32(op);
     ParallelFor(pool.num_threads(), total, GroupsPerChunk(static_cast<int>(g)),
                 [&](int64_t b, int64_t e) { fn(qp, sp, ap, sqrt_g, op, b, e, stream); });
     return ffi::Error::Success();
@@ -165,7 +187,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::Buffer<ff
 #endif
   ParallelFor(pool.num_threads(), total, GroupsPerChunk(static_cast<int>(g)), [&](int64_t b, int64_t e) {
     for (int64_t gi = b; gi < e; ++gi) {
-      decode_group_scalar(qp + gi * g, sp[gi], decode_factor(sqrt_g, ap, gi), static_cast<int>(g), fmt, op + gi * g);
+      decode_group_scalar_dt(qp + gi * g, sp[gi], decode_factor(sqrt_g, ap, gi), static_cast<int>(g), fmt,
+                             op + gi * g * ob, dt, false);
     }
   });
   return ffi::Error::Success();
@@ -270,9 +293,9 @@ void ParallelRowChunks(int64_t threads, int64_t rows, int64_t ng, int64_t grain,
 }
 
 // Encodes groups [lb, le) of one message into its packed row; xs: the segment's (le - lb) * G
-// floats. `a_tmp` (>= le - lb floats) receives a for the folded layout, whose row holds s/a.
-void EncodeRowSegment(const float* xs, uint8_t* row, const Layout& L, int64_t lb, int64_t le, const EncodeParams& p,
-                      int32_t impl, bool stream, float* a_tmp) {
+// values of dtype dt. `a_tmp` (>= le - lb floats) receives a for the folded layout, whose row holds s/a.
+void EncodeRowSegment(const void* xs, int dt, uint8_t* row, const Layout& L, int64_t lb, int64_t le,
+                      const EncodeParams& p, int32_t impl, bool stream, float* a_tmp) {
   const int64_t n = le - lb, g = L.g;
   uint8_t* qs = L.codes(row) + lb * g;
   float* ss = L.s(row) + lb;
@@ -281,22 +304,24 @@ void EncodeRowSegment(const float* xs, uint8_t* row, const Layout& L, int64_t lb
   if (impl == 0 && HaveAvx2()) {
     EncodeParams q = p;
     q.n_groups = L.ng - lb;  // local group 0 is group lb, so the row's last group is local q.n_groups - 1
-    EncodeAvx(p.fmt, p.g)(xs, qs, ss, as, 0, n, q, stream);
+    EncodeAvx(p.fmt, p.g, dt)(xs, qs, ss, as, 0, n, q, stream);
   } else
 #endif
   {
     for (int64_t i = 0; i < n; ++i) {
       const float count = (lb + i == L.ng - 1) ? p.last_count : static_cast<float>(g);
-      encode_group_scalar(xs + i * g, qs + i * g, ss + i, as + i, count, p);
+      encode_group_scalar_dt(static_cast<const char*>(xs) + i * g * DtypeBytes(dt), dt, qs + i * g, ss + i, as + i,
+                             count, p);
     }
   }
   if (!L.has_a)
     for (int64_t i = 0; i < n; ++i) ss[i] = ss[i] / as[i];  // the folded scale, as `s / a` in float32
 }
 
-// Decodes groups [lb, le) of a packed row into out_seg ((le - lb) * G floats).
+// Decodes groups [lb, le) of a packed row into out_seg ((le - lb) * G values of dtype dt); acc
+// (dt float32): adds them to out_seg.
 void DecodeRowSegment(const uint8_t* row, const Layout& L, int64_t lb, int64_t le, int fmt, int32_t impl, bool stream,
-                      float* out_seg) {
+                      void* out_seg, int dt = kF32, bool acc = false) {
   const int64_t g = L.g, n = le - lb;
   const float sqrt_g = static_cast<float>(std::sqrt(static_cast<double>(g)));
   const uint8_t* qp = L.codes(row) + lb * g;
@@ -304,28 +329,38 @@ void DecodeRowSegment(const uint8_t* row, const Layout& L, int64_t lb, int64_t l
   const float* ap = L.has_a ? L.a(row) + lb : nullptr;
 #if TACO_X86
   if (impl == 0 && HaveAvx2()) {
-    DecodeAvx(fmt, static_cast<int>(g))(qp, sp, ap, sqrt_g, out_seg, 0, n, stream);
+    DecodeAvx(fmt, static_cast<int>(g), dt, acc)(qp, sp, ap, sqrt_g, out_seg, 0, n, stream && !acc);
     return;
   }
 #endif
   for (int64_t i = 0; i < n; ++i)
-    decode_group_scalar(qp + i * g, sp[i], decode_factor(sqrt_g, ap, i), static_cast<int>(g), fmt, out_seg + i * g);
+    decode_group_scalar_dt(qp + i * g, sp[i], decode_factor(sqrt_g, ap, i), static_cast<int>(g), fmt,
+                           static_cast<char*>(out_seg) + i * g * DtypeBytes(dt), dt, acc);
+}
+
+// Elementwise float32 -> dt without clipping (the decode-sum's one rounding), both kernels alike.
+void ConvertFromF32(const float* x, void* out, int64_t n, int dt, int32_t impl) {
+#if TACO_X86
+  if (impl == 0 && HaveAvx2()) return convert_from_f32_avx(x, out, n, dt, false);
+#endif
+  convert_from_f32_scalar(x, out, n, dt);
 }
 
 // Decodes groups [lb, le) of P packed rows (rows[r]: rank r's) and sums them in float32 in rank
-// order (acc = d_0; acc = acc + d_r) into out_seg ((le - lb) * G floats).
+// order (acc = d_0; acc = acc + d_r, each rank decoded straight into the sum) into out_seg
+// ((le - lb) * G values of dtype dt: the float32 sum rounded once).
 void DecodeSumRowSegment(const uint8_t* const* rows, int64_t P, const Layout& L, int64_t lb, int64_t le, int fmt,
-                         int32_t impl, float* out_seg) {
+                         int32_t impl, void* out_seg, int dt = kF32) {
   thread_local std::vector<float> scratch;
   const int64_t n = (le - lb) * L.g;
-  DecodeRowSegment(rows[0], L, lb, le, fmt, impl, false, out_seg);
-  if (P == 1) return;
-  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
-  float* d = scratch.data();
-  for (int64_t r = 1; r < P; ++r) {
-    DecodeRowSegment(rows[r], L, lb, le, fmt, impl, false, d);
-    for (int64_t i = 0; i < n; ++i) out_seg[i] = out_seg[i] + d[i];
+  float* acc = static_cast<float*>(out_seg);
+  if (dt != kF32) {
+    if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+    acc = scratch.data();
   }
+  DecodeRowSegment(rows[0], L, lb, le, fmt, impl, false, acc);
+  for (int64_t r = 1; r < P; ++r) DecodeRowSegment(rows[r], L, lb, le, fmt, impl, false, acc, kF32, true);
+  if (dt != kF32) ConvertFromF32(acc, out_seg, n, dt, impl);
 }
 
 bool ValidFmt(int32_t fmt) { return fmt == kE4M3 || fmt == kE5M2; }
@@ -406,7 +441,7 @@ ffi::Error CheckDecodeAttrs(const char* name, int32_t fmt, int64_t g, int32_t ha
 // taco_encode_packed(x f32[..., n_groups * G]) -> K results u8[..., row_bytes]: message row i of x
 // (row-major over its leading axes) goes to result i % K, row i / K (K = 1: one [..., row_bytes]
 // result; K = P: one result per destination rank, stacked for the all-to-all without a copy).
-ffi::Error EncodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingRets outs, int32_t fmt,
+ffi::Error EncodePackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingRets outs, int32_t fmt,
                             float lam, float fmax, float target_range, int64_t g, int64_t n_groups, int64_t last_count,
                             int32_t has_a, int32_t impl, int64_t outer) {
   const char* name = "taco_encode_packed";
@@ -414,6 +449,8 @@ ffi::Error EncodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const Layout L{n_groups, g, has_a};
   const int64_t rb = L.row_bytes();
   const auto dims = x.dimensions();
+  const int dt = DtOf(x.element_type());
+  if (dt < 0) return Invalid(name, "x must be float32, bfloat16 or float16");
   // outer > 1: x is [..., outer, P, inner] and message (v, r) is x[v, :, r, :] (row-major).
   int64_t P = 1, inner = n_groups * g;
   if (outer < 1) return Invalid(name, "outer must be >= 1");
@@ -439,25 +476,27 @@ ffi::Error EncodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     aligned = aligned && Aligned32(base[j]);
   }
   const EncodeParams p = MakeEncodeParams(fmt, lam, fmax, target_range, g, n_groups, last_count);
-  const float* xp = x.typed_data();
+  const char* xp = static_cast<const char*>(x.untyped_data());
+  const int64_t xb = DtypeBytes(dt);
   const bool stream = rows * n_groups * g >= kStreamBytes && aligned;  // streaming code stores: 32-byte aligned rows
   const int64_t m = n_groups * g, run = inner / g;  // run: groups of a message contiguous in x
   ParallelRowChunks(pool.num_threads(), rows, n_groups, GroupsPerChunk(p.g), [&](int64_t row, int64_t lb, int64_t le) {
     alignas(32) float a_tmp[kMaxChunkGroups];
     uint8_t* dst = base[row % K] + (row / K) * rb;
-    if (outer == 1) return EncodeRowSegment(xp + (row * n_groups + lb) * g, dst, L, lb, le, p, impl, stream, a_tmp);
-    const float* xv = xp + (row / P) * P * m + (row % P) * inner;  // message (v, r): block b at xv + b * P * inner
+    if (outer == 1)
+      return EncodeRowSegment(xp + (row * n_groups + lb) * g * xb, dt, dst, L, lb, le, p, impl, stream, a_tmp);
+    const char* xv = xp + ((row / P) * P * m + (row % P) * inner) * xb;  // message (v, r): block b at xv + b * P * inner
     for (int64_t gi = lb; gi < le;) {
       const int64_t b = gi / run, end = std::min(le, (b + 1) * run);
-      EncodeRowSegment(xv + b * P * inner + (gi - b * run) * g, dst, L, gi, end, p, impl, stream, a_tmp);
+      EncodeRowSegment(xv + (b * P * inner + (gi - b * run) * g) * xb, dt, dst, L, gi, end, p, impl, stream, a_tmp);
       gi = end;
     }
   });
   return ffi::Error::Success();
 }
 
-// taco_decode_packed(rows u8[..., row_bytes]) -> x f32[..., n_groups * G].
-ffi::Error DecodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> in, ffi::Result<ffi::Buffer<ffi::F32>> out,
+// taco_decode_packed(rows u8[..., row_bytes]) -> x f32|bf16|f16[..., n_groups * G].
+ffi::Error DecodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> in, ffi::Result<ffi::AnyBuffer> out,
                             int32_t fmt, int64_t g, int32_t has_a, int32_t impl, int64_t outer) {
   const char* name = "taco_decode_packed";
   if (auto err = CheckDecodeAttrs(name, fmt, g, has_a); err.failure()) return err;
@@ -486,27 +525,32 @@ ffi::Error DecodePackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> in, ffi::
   const int64_t rows = static_cast<int64_t>(in.element_count()) / L.row_bytes();
   if (static_cast<int64_t>(out->element_count()) != rows * L.ng * g)
     return Invalid(name, "output rows do not match the input's");
+  const int dt = DtOf(out->element_type());
+  if (dt < 0) return Invalid(name, "the output must be float32, bfloat16 or float16");
   const uint8_t* ip = in.typed_data();
-  float* op = out->typed_data();
-  const bool stream = rows * L.ng * g * 4 >= kStreamBytes && Aligned32(op);
+  char* op = static_cast<char*>(out->untyped_data());
+  const int64_t ob = DtypeBytes(dt);
+  const bool stream = rows * L.ng * g * ob >= kStreamBytes && Aligned32(op);
   const int64_t m = L.ng * g, run = inner / g;  // run: groups of a message contiguous in the output
   ParallelRowChunks(pool.num_threads(), rows, L.ng, GroupsPerChunk(static_cast<int>(g)),
                     [&](int64_t row, int64_t lb, int64_t le) {
                       const uint8_t* src = ip + row * L.row_bytes();
-                      if (outer == 1) return DecodeRowSegment(src, L, lb, le, fmt, impl, stream, op + (row * L.ng + lb) * g);
-                      float* ov = op + (row / P) * P * m + (row % P) * inner;  // block b at ov + b * P * inner
+                      if (outer == 1)
+                        return DecodeRowSegment(src, L, lb, le, fmt, impl, stream, op + (row * L.ng + lb) * g * ob, dt);
+                      char* ov = op + ((row / P) * P * m + (row % P) * inner) * ob;  // block b at ov + b * P * inner
                       for (int64_t gi = lb; gi < le;) {
                         const int64_t b = gi / run, end = std::min(le, (b + 1) * run);
-                        DecodeRowSegment(src, L, gi, end, fmt, impl, stream, ov + b * P * inner + (gi - b * run) * g);
+                        DecodeRowSegment(src, L, gi, end, fmt, impl, stream, ov + (b * P * inner + (gi - b * run) * g) * ob,
+                                         dt);
                         gi = end;
                       }
                     });
   return ffi::Error::Success();
 }
 
-// taco_decode_sum_packed(P ranks' rows) -> f32[..., n_groups * G]: the rank-order float32 sum of
-// the P decoded rows.
-ffi::Error DecodeSumPackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> out,
+// taco_decode_sum_packed(P ranks' rows) -> f32|bf16|f16[..., n_groups * G]: the rank-order float32
+// sum of the P decoded rows, rounded to the output dtype once.
+ffi::Error DecodeSumPackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
                                int32_t fmt, int64_t g, int32_t has_a, int32_t impl) {
   const char* name = "taco_decode_sum_packed";
   if (auto err = CheckDecodeAttrs(name, fmt, g, has_a); err.failure()) return err;
@@ -518,24 +562,29 @@ ffi::Error DecodeSumPackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ff
   if (auto err = GetRankRows(name, args, L, &rr); err.failure()) return err;
   if (static_cast<int64_t>(out->element_count()) != rr.outer * L.ng * g)
     return Invalid(name, "output does not match the packed rows' leading axes");
-  float* op = out->typed_data();
+  const int dt = DtOf(out->element_type());
+  if (dt < 0) return Invalid(name, "the output must be float32, bfloat16 or float16");
+  char* op = static_cast<char*>(out->untyped_data());
+  const int64_t ob = DtypeBytes(dt);
   ParallelRowChunks(pool.num_threads(), rr.outer, L.ng, std::max<int64_t>(1, GroupsPerChunk(static_cast<int>(g)) / rr.P),
                     [&](int64_t o, int64_t lb, int64_t le) {
                       std::vector<const uint8_t*> rows(rr.P);
                       for (int64_t r = 0; r < rr.P; ++r) rows[r] = rr.at(o, r);
-                      DecodeSumRowSegment(rows.data(), rr.P, L, lb, le, fmt, impl, op + (o * L.ng + lb) * g);
+                      DecodeSumRowSegment(rows.data(), rr.P, L, lb, le, fmt, impl, op + (o * L.ng + lb) * g * ob, dt);
                     });
   return ffi::Error::Success();
 }
 
 // taco_reduce_packed(P ranks' rows) -> u8[..., row_bytes]: encode_packed of the decode-sum (signal
-// domain), the elements past last_count of the last group zeroed first (as the unfused path slices
-// the sum to the message and re-pads it with zeros).
+// domain), rounded to the message dtype `round` (MsgDtype; the unfused path's cast of the sum), the
+// elements past last_count of the last group zeroed first (as the unfused path slices the sum to
+// the message and re-pads it with zeros).
 ffi::Error ReducePackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::U8>> out,
                             int32_t fmt, float lam, float fmax, float target_range, int64_t g, int64_t n_groups,
-                            int64_t last_count, int32_t has_a, int32_t impl) {
+                            int64_t last_count, int32_t has_a, int32_t impl, int32_t round) {
   const char* name = "taco_reduce_packed";
   if (auto err = CheckEncodeAttrs(name, fmt, g, n_groups, last_count, has_a); err.failure()) return err;
+  if (round != kF32 && round != kBF16 && round != kF16) return Invalid(name, "round must be 0 (f32), 1 (bf16) or 2 (f16)");
   const Layout L{n_groups, g, has_a};
   RankRows rr;
   if (auto err = GetRankRows(name, args, L, &rr); err.failure()) return err;
@@ -552,9 +601,19 @@ ffi::Error ReducePackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::
                       for (int64_t r = 0; r < rr.P; ++r) rows[r] = rr.at(o, r);
                       float* x = sum.data();  // groups [lb, le) of the sum
                       DecodeSumRowSegment(rows.data(), rr.P, L, lb, le, fmt, impl, x);
+                      if (round != kF32) {
+#if TACO_X86
+                        if (impl == 0 && HaveAvx2()) {
+                          round_through_avx(x, n, round);
+                        } else
+#endif
+                        {
+                          round_through_scalar(x, n, round);
+                        }
+                      }
                       if (le == n_groups && last_count < g) std::fill(x + n - g + last_count, x + n, 0.0f);
                       alignas(32) float a_tmp[kMaxChunkGroups];
-                      EncodeRowSegment(x, op + o * L.row_bytes(), L, lb, le, p, impl, false, a_tmp);
+                      EncodeRowSegment(x, kF32, op + o * L.row_bytes(), L, lb, le, p, impl, false, a_tmp);
                     });
   return ffi::Error::Success();
 }
@@ -609,6 +668,25 @@ ffi::Error CastImpl(ffi::ThreadPool /*pool*/, ffi::AnyBuffer in, ffi::Result<ffi
   const int64_t n = static_cast<int64_t>(in.element_count());
   if (static_cast<int64_t>(out->element_count()) != n) return ffi::Error::InvalidArgument("taco_fp8_cast: size mismatch");
   const bool avx = impl == 0 && HaveAvx2();
+  const int in_dt = DtOf(in.element_type()), out_dt = DtOf(out->element_type());
+  if (in_dt == kF32 && (out_dt == kBF16 || out_dt == kF16)) {  // the decoder's store
+    const float* x = static_cast<const float*>(in.untyped_data());
+#if TACO_X86
+    if (avx) return convert_from_f32_avx(x, out->untyped_data(), n, out_dt, clamp > 0), ffi::Error::Success();
+#endif
+    uint16_t* h = static_cast<uint16_t*>(out->untyped_data());
+    for (int64_t i = 0; i < n; ++i) h[i] = f32_to_narrow(x[i], out_dt, clamp > 0);
+    return ffi::Error::Success();
+  }
+  if ((in_dt == kBF16 || in_dt == kF16) && out_dt == kF32) {  // the encoder's load
+    float* x = static_cast<float*>(out->untyped_data());
+#if TACO_X86
+    if (avx) return convert_to_f32_avx(in.untyped_data(), x, n, in_dt), ffi::Error::Success();
+#endif
+    const uint16_t* h = static_cast<const uint16_t*>(in.untyped_data());
+    for (int64_t i = 0; i < n; ++i) x[i] = narrow_to_f32(h[i], in_dt);
+    return ffi::Error::Success();
+  }
   if (in.element_type() == ffi::DataType::F32) {
     const int fmt = FmtOf(out->element_type());
     if (fmt < 0) return ffi::Error::InvalidArgument("taco_fp8_cast: output must be an FP8 type");
@@ -622,7 +700,7 @@ ffi::Error CastImpl(ffi::ThreadPool /*pool*/, ffi::AnyBuffer in, ffi::Result<ffi
   }
   const int fmt = FmtOf(in.element_type());
   if (fmt < 0 || out->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("taco_fp8_cast: expects f32 -> fp8 or fp8 -> f32");
+    return ffi::Error::InvalidArgument("taco_fp8_cast: expects f32 -> fp8 / bf16 / f16 or fp8 / bf16 / f16 -> f32");
   const uint8_t* q = static_cast<const uint8_t*>(in.untyped_data());
   float* x = static_cast<float*>(out->untyped_data());
 #if TACO_X86
@@ -657,19 +735,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReduceCpu, taco::ReduceImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoEncodePackedCpu, taco::EncodePackedImpl,
                               TACO_ENCODE_PACKED_ATTRS(ffi::Ffi::Bind()
                                                            .Ctx<ffi::ThreadPool>()
-                                                           .Arg<ffi::Buffer<ffi::F32>>()
+                                                           .Arg<ffi::AnyBuffer>()
                                                            .RemainingRets())
                                   .Attr<int64_t>("outer"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReducePackedCpu, taco::ReducePackedImpl,
                               TACO_ENCODE_PACKED_ATTRS(ffi::Ffi::Bind()
                                                            .Ctx<ffi::ThreadPool>()
                                                            .RemainingArgs()
-                                                           .Ret<ffi::Buffer<ffi::U8>>()));
+                                                           .Ret<ffi::Buffer<ffi::U8>>())
+                                  .Attr<int32_t>("round"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoDecodePackedCpu, taco::DecodePackedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("g")
                                   .Attr<int32_t>("has_a")
@@ -679,7 +758,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoDecodeSumPackedCpu, taco::DecodeSumPackedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("g")
                                   .Attr<int32_t>("has_a")
@@ -698,4 +777,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReduceHadamardPackedCpu, taco::ReduceHadamardP
 // Plain C entry points (ctypes) for quick checks without JAX.
 extern "C" {
 int taco_cpu_has_avx2() { return taco::HaveAvx2() ? 1 : 0; }
+int taco_ffi_abi() { return TACO_FFI_ABI; }
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "taco_kernel_scalar.h"
 
@@ -17,9 +18,43 @@ namespace taco {
 #if TACO_X86
 namespace {
 
-constexpr int64_t kPrefetchFloats = 2048;  // encoder's software prefetch distance (G <= 256)
+constexpr int64_t kPrefetchBytes = 8192;  // encoder's software prefetch distance (G <= 256)
 
 #define TACO_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Element type of a message dtype (MsgDtype): float, or the 16-bit pattern of bfloat16 / float16.
+template <int DT>
+using Elem = std::conditional_t<DT == kF32, float, uint16_t>;
+
+// Whether vector j (8 elements from the group's start) begins a 64-byte cache line: prefetch there.
+template <int DT>
+constexpr bool LineStart(int j) {
+  return (j * 8 * static_cast<int>(sizeof(Elem<DT>))) % 64 == 0;
+}
+
+TACO_AVX2 inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+}
+
+// 8 bfloat16 / float16 values -> 8 floats, exact (bfloat16: a shift; float16: vcvtph2ps).
+template <int DT>
+TACO_AVX2 inline __m256 widen8(__m128i h) {
+  if constexpr (DT == kBF16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(h);
+  }
+}
+
+// 8 message values -> 8 floats, exact.
+template <int DT>
+TACO_AVX2 inline __m256 load8(const Elem<DT>* p) {
+  if constexpr (DT == kF32) {
+    return _mm256_loadu_ps(p);
+  } else {
+    return widen8<DT>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
 
 // Eight 8-lane accumulators -> one vector of their eight sums (order: see hsum8).
 TACO_AVX2 inline __m256 hsum8x8(const __m256* v) {
@@ -44,6 +79,54 @@ TACO_AVX2 inline __m256 hmax8x8(const __m256* m) {
 // NaN-propagating max/min against a constant c (MAXPS returns its 2nd operand on NaN).
 TACO_AVX2 inline __m256 nan_max_c(__m256 x, __m256 c) { return _mm256_max_ps(c, x); }
 TACO_AVX2 inline __m256 nan_min_c(__m256 x, __m256 c) { return _mm256_min_ps(c, x); }
+
+// 8 floats -> 8 bfloat16 / float16 values, bit-identical to f32_to_narrow(v, DT, CLIP): clipped to
+// the dtype's finite range first (CLIP; NaN kept), then rounded to nearest even as XLA's convert
+// (bfloat16: integer rounding, NaN -> sign | 0x7FC0; float16: vcvtps2ph).
+template <int DT, bool CLIP>
+TACO_AVX2 inline __m128i narrow8(__m256 v) {
+  if constexpr (CLIP) {
+    const __m256 big = _mm256_set1_ps(DtypeMax(DT));
+    v = nan_min_c(nan_max_c(v, _mm256_sub_ps(_mm256_setzero_ps(), big)), big);
+  }
+  if constexpr (DT == kF16) {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  } else {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i rne = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, rne), 16);
+    const __m256i qnan = _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7FC0));
+    const __m256i out = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
+  }
+}
+
+TACO_AVX2 inline void store8(float* p, __m256 v, bool stream) {
+  if (stream) {
+    _mm256_stream_ps(p, v);
+  } else {
+    _mm256_storeu_ps(p, v);
+  }
+}
+
+// Stores 8 decoded floats as the message dtype (narrow8 with CLIP); ACC (float32 only): p += v.
+template <int DT, bool ACC, bool CLIP = true>
+TACO_AVX2 inline void put8(Elem<DT>* p, __m256 v, bool stream) {
+  if constexpr (ACC) {
+    static_assert(DT == kF32, "the accumulating decoder writes float32");
+    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), v));
+  } else if constexpr (DT == kF32) {
+    store8(p, v, stream);
+  } else {
+    const __m128i h = narrow8<DT, CLIP>(v);
+    if (stream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+    }
+  }
+}
 
 // 8 x 1 / (double(c) * double(d)) rounded to float: the decode factor and 1/(sqrt(G) s).
 TACO_AVX2 inline __m256 recip_prod_pd(__m256 c, __m256 d) {
@@ -243,10 +326,11 @@ TACO_AVX2 inline void fp8x16_to_f32_scaled(__m128i c16, __m256* lo, __m256* hi) 
 // (2) for the block, the adaptive scales a and quantization scales s as vectors (div / sqrt off
 // each group's critical path), with a folded into k = a / (sqrt(G) s); (3) quantize and store.
 // Groups whose sum of squares is not finite take the exact path (NaN codes, or y = WHT(a x)).
-template <int V, int FMT>
-TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float* a_out, int64_t g0,
+template <int V, int FMT, int DT>
+TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float* a_out, int64_t g0,
                                 int64_t g1, const EncodeParams& p, bool stream) {
   constexpr int G = 8 * V;
+  const Elem<DT>* x = static_cast<const Elem<DT>*>(x_v);
   // Groups per block: 8 (one vector lane each), 4 for G = 512 so that the block's transforms
   // (4 x 2 KiB) and input stay in L1.
   constexpr int kB = V >= 64 ? 4 : 8;
@@ -265,14 +349,14 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
       mxv[b] = zero;
       cnt[b] = 1.0f;
       if (b >= nb) continue;
-      const float* xp = x + (b0 + b) * G;
+      const Elem<DT>* xp = x + (b0 + b) * G;
       __m256 sq = zero, mx = zero;
       if constexpr (V <= 8) {  // whole group in registers
         __m256 y[V];
 #pragma GCC unroll 64
         for (int j = 0; j < V; ++j) {
-          if (j % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(xp + 8 * j + kPrefetchFloats), _MM_HINT_T0);
-          const __m256 v = _mm256_loadu_ps(xp + 8 * j);
+          if (LineStart<DT>(j)) prefetch_ahead(xp + 8 * j);
+          const __m256 v = load8<DT>(xp + 8 * j);
           sq = _mm256_add_ps(sq, _mm256_mul_ps(v, v));
           y[j] = wht8(v);
         }
@@ -291,12 +375,17 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
         __m256 y[8];
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
-          _mm_prefetch(reinterpret_cast<const char*>(xp + 8 * j + kPrefetchFloats), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(xp + 64 + 8 * j + kPrefetchFloats), _MM_HINT_T0);
-          const __m256 u = _mm256_loadu_ps(xp + 8 * j), w = _mm256_loadu_ps(xp + 64 + 8 * j);
+          if (LineStart<DT>(j)) {
+            prefetch_ahead(xp + 8 * j);
+            prefetch_ahead(xp + 64 + 8 * j);
+          }
+          const __m256 u = load8<DT>(xp + 8 * j), w = load8<DT>(xp + 64 + 8 * j);
           sq = _mm256_fmadd_ps(u, u, sq);
           sq2 = _mm256_fmadd_ps(w, w, sq2);
           y[j] = wht8(_mm256_add_ps(u, w));
+          // 16-bit dtypes: keep u - w in the scratch's upper half (overwritten below) rather than
+          // load and widen x a second time
+          if constexpr (DT != kF32) _mm256_store_ps(yb + 64 + 8 * j, _mm256_sub_ps(u, w));
         }
         sq = _mm256_add_ps(sq, sq2);
         wht_cross<8>(y);
@@ -306,7 +395,13 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
           _mm256_store_ps(yb + 8 * j, y[j]);
         }
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) y[j] = wht8(_mm256_sub_ps(_mm256_loadu_ps(xp + 8 * j), _mm256_loadu_ps(xp + 64 + 8 * j)));
+        for (int j = 0; j < 8; ++j) {
+          if constexpr (DT == kF32) {
+            y[j] = wht8(_mm256_sub_ps(load8<DT>(xp + 8 * j), load8<DT>(xp + 64 + 8 * j)));
+          } else {
+            y[j] = wht8(_mm256_load_ps(yb + 64 + 8 * j));
+          }
+        }
         wht_cross<8>(y);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
@@ -319,8 +414,8 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
           __m256 y[8];
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j) {
-            if (V <= 32 && j % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(xp + 8 * (j0 + j) + kPrefetchFloats), _MM_HINT_T0);
-            const __m256 v = _mm256_loadu_ps(xp + 8 * (j0 + j));
+            if (V <= 32 && LineStart<DT>(j)) prefetch_ahead(xp + 8 * (j0 + j));
+            const __m256 v = load8<DT>(xp + 8 * (j0 + j));
             sq = _mm256_add_ps(sq, _mm256_mul_ps(v, v));
             y[j] = wht8(v);
           }
@@ -359,7 +454,13 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
       uint8_t* qp = q + gi * G;
       a_out[gi] = av[b];
       if ((slow >> b) & 1) {
-        const float* xp = x + gi * G;
+        alignas(32) float xf[G];  // the group in float32 (exact)
+        const float* xp = xf;
+        if constexpr (DT == kF32) {
+          xp = x + gi * G;
+        } else {
+          for (int i = 0; i < G; ++i) xf[i] = narrow_to_f32(x[gi * G + i], DT);
+        }
         if (std::all_of(xp, xp + G, [](float t) { return std::isfinite(t); })) {
           encode_group_exact(xp, qp, s_out + gi, av[b], p);
         } else {
@@ -390,18 +491,11 @@ TACO_AVX2 void encode_range_avx(const float* x, uint8_t* q, float* s_out, float*
   if (stream) _mm_sfence();  // streaming stores are weakly ordered: fence on this thread
 }
 
-TACO_AVX2 inline void store8(float* p, __m256 v, bool stream) {
-  if (stream) {
-    _mm256_stream_ps(p, v);
-  } else {
-    _mm256_storeu_ps(p, v);
-  }
-}
-
-template <int V, int FMT>
+template <int V, int FMT, int DT, bool ACC>
 TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a, float sqrt_g,
-                                float* out, int64_t g0, int64_t g1, bool stream) {
+                                void* out_v, int64_t g0, int64_t g1, bool stream) {
   constexpr int G = 8 * V;
+  Elem<DT>* out = static_cast<Elem<DT>*>(out_v);
   alignas(32) float kv[8], amax[8];
   alignas(32) float ybuf[V > 16 ? G : 8];
   for (int64_t b0 = g0; b0 < g1; b0 += 8) {
@@ -411,7 +505,7 @@ TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a
     for (int b = 0; b < nb; ++b) {
       const int64_t gi = b0 + b;
       const uint8_t* qp = q + gi * G;
-      float* op = out + gi * G;
+      Elem<DT>* op = out + gi * G;
       // s * 2^8 for E4M3 (see fp8x16_to_f32_scaled): exact, so f32(q) * s is unchanged.
       const __m256 vs = _mm256_set1_ps(FMT == kE4M3 ? s[gi] * 256.0f : s[gi]);
       const __m256 vk = _mm256_broadcast_ss(kv + b);
@@ -426,7 +520,7 @@ TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a
         }
         wht_cross<V>(y);
 #pragma GCC unroll 64
-        for (int j = 0; j < V; ++j) store8(op + 8 * j, _mm256_mul_ps(y[j], vk), stream);
+        for (int j = 0; j < V; ++j) put8<DT, ACC>(op + 8 * j, _mm256_mul_ps(y[j], vk), stream);
       } else {  // 64-element blocks in registers, the wider strides through an L1 scratch
         for (int j0 = 0; j0 < V; j0 += 8) {
           __m256 y[8];
@@ -442,7 +536,7 @@ TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a
           for (int j = 0; j < 8; ++j) _mm256_store_ps(ybuf + 8 * (j0 + j), y[j]);
         }
         wht_cross_mem<V>(ybuf, nullptr);
-        for (int j = 0; j < V; ++j) store8(op + 8 * j, _mm256_mul_ps(_mm256_load_ps(ybuf + 8 * j), vk), stream);
+        for (int j = 0; j < V; ++j) put8<DT, ACC>(op + 8 * j, _mm256_mul_ps(_mm256_load_ps(ybuf + 8 * j), vk), stream);
       }
     }
   }
@@ -521,34 +615,97 @@ ReduceFn ReduceAvxFor(int g) {
   }
 }
 
-template <int FMT>
+template <int FMT, int DT>
 EncodeFn EncodeAvxFor(int g) {
   switch (g) {
-    case 32: return &encode_range_avx<4, FMT>;
-    case 64: return &encode_range_avx<8, FMT>;
-    case 128: return &encode_range_avx<16, FMT>;
-    case 256: return &encode_range_avx<32, FMT>;
-    case 512: return &encode_range_avx<64, FMT>;
+    case 32: return &encode_range_avx<4, FMT, DT>;
+    case 64: return &encode_range_avx<8, FMT, DT>;
+    case 128: return &encode_range_avx<16, FMT, DT>;
+    case 256: return &encode_range_avx<32, FMT, DT>;
+    case 512: return &encode_range_avx<64, FMT, DT>;
+    default: return nullptr;
+  }
+}
+
+template <int FMT, int DT, bool ACC>
+DecodeFn DecodeAvxFor(int g) {
+  switch (g) {
+    case 32: return &decode_range_avx<4, FMT, DT, ACC>;
+    case 64: return &decode_range_avx<8, FMT, DT, ACC>;
+    case 128: return &decode_range_avx<16, FMT, DT, ACC>;
+    case 256: return &decode_range_avx<32, FMT, DT, ACC>;
+    case 512: return &decode_range_avx<64, FMT, DT, ACC>;
     default: return nullptr;
   }
 }
 
 template <int FMT>
-DecodeFn DecodeAvxFor(int g) {
-  switch (g) {
-    case 32: return &decode_range_avx<4, FMT>;
-    case 64: return &decode_range_avx<8, FMT>;
-    case 128: return &decode_range_avx<16, FMT>;
-    case 256: return &decode_range_avx<32, FMT>;
-    case 512: return &decode_range_avx<64, FMT>;
-    default: return nullptr;
-  }
+EncodeFn EncodeAvxFmt(int g, int dt) {
+  return dt == kF32 ? EncodeAvxFor<FMT, kF32>(g) : dt == kBF16 ? EncodeAvxFor<FMT, kBF16>(g) : EncodeAvxFor<FMT, kF16>(g);
+}
+
+template <int FMT>
+DecodeFn DecodeAvxFmt(int g, int dt, bool acc) {
+  if (acc) return dt == kF32 ? DecodeAvxFor<FMT, kF32, true>(g) : nullptr;
+  return dt == kF32 ? DecodeAvxFor<FMT, kF32, false>(g)
+         : dt == kBF16 ? DecodeAvxFor<FMT, kBF16, false>(g)
+                       : DecodeAvxFor<FMT, kF16, false>(g);
+}
+
+template <int DT, bool CLIP>
+TACO_AVX2 void from_f32_t(const float* x, Elem<DT>* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) put8<DT, false, CLIP>(out + i, _mm256_loadu_ps(x + i), false);
+  for (; i < n; ++i) out[i] = f32_to_narrow(x[i], DT, CLIP);
+}
+
+template <int DT>
+TACO_AVX2 void to_f32_t(const Elem<DT>* x, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8<DT>(x + i));
+  for (; i < n; ++i) out[i] = narrow_to_f32(x[i], DT);
+}
+
+template <int DT>
+TACO_AVX2 void round_through_t(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, widen8<DT>(narrow8<DT, false>(_mm256_loadu_ps(x + i))));
+  for (; i < n; ++i) x[i] = narrow_to_f32(f32_to_narrow(x[i], DT, false), DT);
 }
 
 }  // namespace
 
-EncodeFn EncodeAvx(int fmt, int g) { return fmt == kE4M3 ? EncodeAvxFor<kE4M3>(g) : EncodeAvxFor<kE5M2>(g); }
-DecodeFn DecodeAvx(int fmt, int g) { return fmt == kE4M3 ? DecodeAvxFor<kE4M3>(g) : DecodeAvxFor<kE5M2>(g); }
+EncodeFn EncodeAvx(int fmt, int g, int dt) { return fmt == kE4M3 ? EncodeAvxFmt<kE4M3>(g, dt) : EncodeAvxFmt<kE5M2>(g, dt); }
+DecodeFn DecodeAvx(int fmt, int g, int dt, bool acc) {
+  return fmt == kE4M3 ? DecodeAvxFmt<kE4M3>(g, dt, acc) : DecodeAvxFmt<kE5M2>(g, dt, acc);
+}
+
+void convert_from_f32_avx(const float* x, void* out, int64_t n, int dt, bool clip) {
+  uint16_t* o = static_cast<uint16_t*>(out);
+  if (dt == kF32) {
+    std::memcpy(out, x, n * sizeof(float));
+  } else if (dt == kBF16) {
+    clip ? from_f32_t<kBF16, true>(x, o, n) : from_f32_t<kBF16, false>(x, o, n);
+  } else {
+    clip ? from_f32_t<kF16, true>(x, o, n) : from_f32_t<kF16, false>(x, o, n);
+  }
+}
+
+void convert_to_f32_avx(const void* x, float* out, int64_t n, int dt) {
+  const uint16_t* h = static_cast<const uint16_t*>(x);
+  if (dt == kF32) {
+    std::memcpy(out, x, n * sizeof(float));
+  } else if (dt == kBF16) {
+    to_f32_t<kBF16>(h, out, n);
+  } else {
+    to_f32_t<kF16>(h, out, n);
+  }
+}
+
+void round_through_avx(float* x, int64_t n, int dt) {
+  if (dt == kBF16) round_through_t<kBF16>(x, n);
+  if (dt == kF16) round_through_t<kF16>(x, n);
+}
 ReduceFn ReduceAvx(int fmt, int g) { return fmt == kE4M3 ? ReduceAvxFor<kE4M3>(g) : ReduceAvxFor<kE5M2>(g); }
 
 TACO_AVX2 void cast_to_fp8_avx(const float* x, uint8_t* q, int64_t n, int fmt, float clamp) {

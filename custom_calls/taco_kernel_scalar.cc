@@ -121,6 +121,42 @@ void decode_group_scalar(const uint8_t* q, float s, float k, int g, int fmt, flo
   for (int i = 0; i < g; ++i) out[i] = y[i] * k;
 }
 
+void encode_group_scalar_dt(const void* x, int dt, uint8_t* q, float* s_out, float* a_out, float count,
+                            const EncodeParams& p) {
+  if (dt == kF32) return encode_group_scalar(static_cast<const float*>(x), q, s_out, a_out, count, p);
+  const uint16_t* h = static_cast<const uint16_t*>(x);
+  float xf[MAX_GROUP_SIZE];
+  for (int i = 0; i < p.g; ++i) xf[i] = narrow_to_f32(h[i], dt);
+  encode_group_scalar(xf, q, s_out, a_out, count, p);
+}
+
+void decode_group_scalar_dt(const uint8_t* q, float s, float k, int g, int fmt, void* out, int dt, bool acc) {
+  if (dt == kF32 && !acc) return decode_group_scalar(q, s, k, g, fmt, static_cast<float*>(out));
+  float y[MAX_GROUP_SIZE];
+  decode_group_scalar(q, s, k, g, fmt, y);
+  if (dt == kF32) {
+    float* o = static_cast<float*>(out);
+    for (int i = 0; i < g; ++i) o[i] = o[i] + y[i];
+    return;
+  }
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (int i = 0; i < g; ++i) o[i] = f32_to_narrow(y[i], dt, true);
+}
+
+void convert_from_f32_scalar(const float* x, void* out, int64_t n, int dt) {
+  if (dt == kF32) {
+    std::memcpy(out, x, n * sizeof(float));
+    return;
+  }
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < n; ++i) o[i] = f32_to_narrow(x[i], dt, false);
+}
+
+void round_through_scalar(float* x, int64_t n, int dt) {
+  if (dt == kF32) return;
+  for (int64_t i = 0; i < n; ++i) x[i] = narrow_to_f32(f32_to_narrow(x[i], dt, false), dt);
+}
+
 void reduce_group_scalar(const uint8_t* const* q, const float* const* s, const float* const* a, int64_t P, int64_t gi,
                          int g, int fmt, float range, uint8_t* q_out, float* s_out) {
   float acc[MAX_GROUP_SIZE] = {};  // P >= 1 (checked by the handler)

@@ -5,10 +5,14 @@ Run (CPU; build the FFI library first with `make -C custom_calls`):
     .venv/bin/python -m experiments.bench_codec --out runs/bench_codec            # 1 MB .. 256 MB
     .venv/bin/python -m experiments.bench_codec --out runs/bench_codec --quick    # 1 and 16 MB
     .venv/bin/python -m experiments.bench_codec --out runs/x --sizes 4,64 --backends ffi
+    .venv/bin/python -m experiments.bench_codec --out runs/x --sizes 16,64 --backends ffi --dtype bfloat16
 
-Throughput is the f32 input bytes (encode) or f32 output bytes (decode) per second, i.e. the
-message size, and each case is compared with a memcpy of that many bytes measured in the same
-run. Cases are timed in interleaved rounds and the best round is kept, so load from other
+Throughput is the message's bytes (encode: its input, decode: its output) per second, the
+message in `--dtype` (float32 by default; bfloat16 as training sends it), and each case is
+compared with a memcpy of that many bytes measured in the same run. A backend that reads and
+writes the dtype natively (`codec.backends.native_dtypes`: the FFI kernels) is called with it as
+it is; the others get the casts `codec.dispatch` adds (to float32 before encode, clip and back after
+decode), inside the timed program. Cases are timed in interleaved rounds and the best round is kept, so load from other
 processes hits every case alike. Regimes, each against its own memcpy:
 
   steady  outputs reuse donated buffers (`donate_argnums`, `keep_unused=True`), as in a
@@ -53,7 +57,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from taco_jax import kernels
+from taco_jax.codec.backends import native_dtypes
 from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.dispatch import clip_to_dtype
 
 MB = 1 << 20
 DEFAULT_SIZES = (1, 4, 16, 64, 256)
@@ -63,7 +69,8 @@ HBM_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0}  # vendor peak, for the GPU repo
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output folder for bench_codec.json and bench_codec.png")
-    p.add_argument("--sizes", default=None, help="comma-separated MB of f32 input (default 1,4,16,64,256)")
+    p.add_argument("--sizes", default=None, help="comma-separated MB of message (default 1,4,16,64,256)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="message dtype")
     p.add_argument("--backends", default=None, help="comma-separated (default: reference,ffi + pallas at 1 MB)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--fmt", default="e4m3", choices=("e4m3", "e5m2"))
@@ -99,10 +106,10 @@ def program_count(nbytes: int) -> int:
 
 def make_cases(x: jax.Array, cfg: CodecConfig, backends: list[str]) -> list[Case]:
     cases: list[Case] = []
-    k = program_count(x.size * 4)
+    k = program_count(x.size * x.dtype.itemsize)
     xs = [x] + [x * (1.0 + 0.01 * i) for i in range(1, k)] if k > 1 else []  # K different messages
 
-    # memcpy baselines (same bytes as the f32 message)
+    # memcpy baselines (same bytes as the message)
     xh = np.asarray(x)
     dst = np.empty_like(xh)
     cases.append(Case("numpy copyto", "memcpy", "steady", "memcpy", lambda: np.copyto(dst, xh)))
@@ -143,10 +150,20 @@ def make_cases(x: jax.Array, cfg: CodecConfig, backends: list[str]) -> list[Case
     return cases
 
 
+def _as_dispatched(name: str, dtype):
+    """Backend `name`'s (encode, decode) for messages of `dtype`, with the casts `codec.dispatch`
+    adds for a dtype the backend does not read and write natively."""
+    enc, dec = kernels.get_backend(name)
+    if jnp.dtype(dtype) in native_dtypes(name):
+        return enc, lambda c, s, a: dec(c, s, a, dtype=dtype)
+    return (lambda t, cfg, **kw: enc(t.astype(jnp.float32), cfg, **kw),
+            lambda c, s, a: clip_to_dtype(dec(c, s, a), dtype).astype(dtype))
+
+
 def backend_cases(name: str, x: jax.Array, cfg: CodecConfig) -> list[Case]:
     """Encode and decode of backend `name`, fresh and steady (donated outputs)."""
     g = x.shape[1]
-    enc, dec = kernels.get_backend(name)
+    enc, dec = _as_dispatched(name, x.dtype)
     enc_fresh = jax.jit(lambda t: enc(t, cfg, last_count=g))
     dec_fresh = jax.jit(dec)
     codes, s, a = _block(enc_fresh(x))
@@ -171,7 +188,7 @@ def backend_cases(name: str, x: jax.Array, cfg: CodecConfig) -> list[Case]:
 def program_cases(name: str, xs: list[jax.Array], cfg: CodecConfig) -> list[Case]:
     """Encode and decode of len(xs) messages in one jitted call (donated outputs)."""
     g, k = xs[0].shape[1], len(xs)
-    enc, dec = kernels.get_backend(name)
+    enc, dec = _as_dispatched(name, xs[0].dtype)
     enc_all = jax.jit(lambda ts: [enc(t, cfg, last_count=g) for t in ts])
     encs = _block(enc_all(xs))
     enc_program = jax.jit(lambda ts, outs: enc_all(ts), donate_argnums=1, keep_unused=True)
@@ -190,12 +207,13 @@ def program_cases(name: str, xs: list[jax.Array], cfg: CodecConfig) -> list[Case
     ]
 
 
-def bench_size(mb: float, cfg: CodecConfig, backends: list[str], rounds: int) -> dict:
+def bench_size(mb: float, cfg: CodecConfig, backends: list[str], rounds: int, dtype=jnp.float32) -> dict:
     g = cfg.group_size
-    n = max(1, int(mb * MB) // (4 * g))
+    itemsize = jnp.dtype(dtype).itemsize
+    n = max(1, int(mb * MB) // (itemsize * g))
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((n, g), dtype=np.float32))
-    nbytes = n * g * 4
+    x = jnp.asarray(rng.standard_normal((n, g), dtype=np.float32)).astype(dtype)
+    nbytes = n * g * itemsize
     cases = make_cases(x, cfg, backends)
     cases += [Case(c.name, c.kind, "hot", c.backend, c.fn, c.per_call) for c in cases if c.regime == "steady"]
     for c in cases:  # warm up: compile, first-touch the donated buffers
@@ -292,10 +310,10 @@ def plot(result: dict, path: Path):
         )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("message size (MB of f32)")
+        ax.set_xlabel(f"message size (MB of {result['config']['dtype']})")
         ax.set_title(f"TACO {kind}, G={result['config']['group_size']} {result['config']['fmt']}")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("GB/s of f32 message")
+    axes[0].set_ylabel(f"GB/s of {result['config']['dtype']} message")
     axes[1].legend(fontsize=7, loc="lower right")
     env = result["environment"]
     fig.suptitle(f"{env['device']} ({env['platform']}), jax {env['jax']}", fontsize=9)
@@ -322,12 +340,13 @@ def main(argv=None):
             kernels.resolve(b)  # clear error for an unavailable backend
     else:
         wanted = [b for b in ("reference", "ffi", "triton", "pallas") if b in avail]
-    result = dict(
-        config=dict(fmt=args.fmt, group_size=args.group_size, rounds=rounds), environment=environment(), sizes=[]
-    )
+    result = dict(config=dict(fmt=args.fmt, group_size=args.group_size, rounds=rounds, dtype=args.dtype),
+                  environment=environment(), sizes=[])
     # Per-call floor: the same cases on an 8-group (4 KiB) message, where the time is almost all
     # dispatch (Python -> jit -> XLA runtime -> handler). It bounds the ratio of small messages.
-    floor = bench_size(8 * 4 * args.group_size / MB, cfg, [b for b in wanted if b != "pallas"], rounds)
+    itemsize = jnp.dtype(args.dtype).itemsize
+    floor = bench_size(8 * itemsize * args.group_size / MB, cfg, [b for b in wanted if b != "pallas"], rounds,
+                       args.dtype)
     result["call_floor_us"] = {
         r["case"] if r["regime"] in r["case"] else f"{r['case']} ({r['regime']})": r["best_s"] * 1e6
         for r in floor["rows"]
@@ -336,10 +355,10 @@ def main(argv=None):
     for mb in sizes:
         backends = [b for b in wanted if b != "pallas" or mb <= args.pallas_max_mb or jax.default_backend() == "gpu"]
         t0 = time.perf_counter()
-        res = bench_size(mb, cfg, backends, rounds)
+        res = bench_size(mb, cfg, backends, rounds, args.dtype)
         result["sizes"].append(res)
         print(
-            f"\n== {res['size_mb']:g} MB f32 ({res['n_groups']} groups of {cfg.group_size}), "
+            f"\n== {res['size_mb']:g} MB {args.dtype} ({res['n_groups']} groups of {cfg.group_size}), "
             "memcpy "
             + ", ".join(f"{k} {v:.2f} GB/s" for k, v in res["memcpy_gbps"].items())
             + f" [{time.perf_counter() - t0:.0f} s]"

@@ -19,6 +19,11 @@ Optional, registered apart (`register_reducer`; none registered: the reference's
     all-reduce (`taco_jax.codec.reference.reduce_groups`): codes [P, ..., n_groups, G] and
     s, a [P, ..., n_groups] of P ranks' messages -> the requantized sum, codes [..., n_groups, G]
     and s [..., n_groups] (folded layout: decode_groups(codes, s, None) gives the sum).
+  native dtypes (`register_native_dtypes`; none registered: float32 only): message dtypes the
+    backend reads and writes as they are. For such a dtype d, `encode_groups` also takes xg in d
+    (bit-identical to taking xg.astype(float32)), and `decode_groups(codes, s, a, dtype=d)` returns
+    d, bit-identical to `dispatch.clip_to_dtype(decode_groups(codes, s, a), d).astype(d)`; the
+    dispatcher then runs no convert before or after the backend.
 
 Contract of a wire codec (`WireCodec`): messages <-> the uint8 rows the collectives move. A row
 holds one message's wire buffers as bytes, [codes][s][a] ([codes][s/a] folded), the layout
@@ -72,6 +77,7 @@ _LOADERS: dict[str, Callable[[], GroupBackend]] = {}
 _LOADED: dict[str, GroupBackend] = {}
 _RESOLVER: list[Callable] = []  # at most one (`register_resolver`)
 _REDUCERS: dict[str, Callable] = {}
+_NATIVE_DTYPES: dict[str, tuple] = {}
 _WIRE_LOADERS: dict[str, tuple[Callable[[], WireCodec], tuple[str, ...]]] = {}
 _WIRE_LOADED: dict[str, WireCodec] = {}
 
@@ -88,6 +94,20 @@ def get_reducer(name: str) -> Callable | None:
     name = resolve_backend(name)
     get_backend(name)
     return _REDUCERS.get(name)
+
+
+def register_native_dtypes(name: str, dtypes) -> None:
+    """Registers the message dtypes (numpy dtypes) backend `name` reads and writes as they are."""
+    _NATIVE_DTYPES[name] = tuple(dtypes)
+
+
+def native_dtypes(name: str) -> tuple:
+    """The message dtypes backend `name` reads and writes as they are (empty: it takes float32, the
+    dispatcher converts). "auto" is `resolve_backend("auto")`'s. Loads the backend first
+    (`get_backend`), whose loader may register them."""
+    name = resolve_backend(name)
+    get_backend(name)
+    return _NATIVE_DTYPES.get(name, ())
 
 
 def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:

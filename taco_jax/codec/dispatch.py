@@ -22,6 +22,7 @@ from taco_jax.codec.backends import (
     default_platform,
     get_backend,
     get_reducer,
+    native_dtypes,
     register_backend,
     register_reducer,
     resolve_backend,
@@ -119,7 +120,9 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
     n = math.prod(shape)
     if x.size == 0:
         return _empty_encoded(x, cfg, batch_dims)
-    rows = _message_to_rows(x, cfg, batch_dims).astype(jnp.float32)
+    rows = _message_to_rows(x, cfg, batch_dims)
+    if cfg.kind != "taco" or jnp.dtype(rows.dtype) not in native_dtypes(cfg.backend):
+        rows = rows.astype(jnp.float32)  # else the backend reads the message dtype as it is
     if cfg.nonfinite == "zero":
         rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
     if cfg.kind == "fp8_tensor":
@@ -185,17 +188,21 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
     with jax.named_scope("taco_decode"):
         n = math.prod(enc.shape)
         batch = enc.scale.shape[:-1]
+        dtype = jnp.dtype(dtype or enc.dtype)
         if enc.codes.size == 0:
             rows = jnp.zeros((*batch, n), jnp.float32)
         else:
             if cfg.kind == "taco":
-                xg = get_backend(cfg.backend).decode_groups(enc.codes, enc.scale, enc.prescale)
+                backend = get_backend(cfg.backend)
+                if dtype in native_dtypes(cfg.backend) and cfg.nonfinite != "zero":  # written in dtype, clipped
+                    xg = backend.decode_groups(enc.codes, enc.scale, enc.prescale, dtype=dtype)
+                    return _rows_to_message(xg.reshape(*xg.shape[:-2], -1)[..., :n], enc.shape, cfg)
+                xg = backend.decode_groups(enc.codes, enc.scale, enc.prescale)
             else:
                 xg = GROUP_CODECS[cfg.kind][1](enc.codes, enc.scale, enc.prescale, cfg)
             rows = xg.reshape(*xg.shape[:-2], -1)[..., :n]
         if cfg.nonfinite == "zero":
             rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
-        dtype = jnp.dtype(dtype or enc.dtype)
         return _rows_to_message(clip_to_dtype(rows, dtype), enc.shape, cfg).astype(dtype)
 
 

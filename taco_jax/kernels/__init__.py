@@ -48,7 +48,14 @@ import importlib
 import importlib.util
 import warnings
 
-from taco_jax.codec.backends import GroupBackend, register_backend, register_reducer, register_resolver, register_wire
+from taco_jax.codec.backends import (
+    GroupBackend,
+    register_backend,
+    register_native_dtypes,
+    register_reducer,
+    register_resolver,
+    register_wire,
+)
 from taco_jax.codec.backends import get_backend as _registered
 from taco_jax.codec.config import BACKENDS
 from taco_jax.codec.dispatch import resolve_codec
@@ -148,6 +155,7 @@ def _loader(name: str):
         mod = importlib.import_module(f"taco_jax.kernels.{_MODULES[name]}")
         if hasattr(mod, "reduce_groups"):
             register_reducer(name, mod.reduce_groups)
+        register_native_dtypes(name, getattr(mod, "NATIVE_DTYPES", ()))
         return GroupBackend(mod.encode_groups, mod.decode_groups)
 
     return load

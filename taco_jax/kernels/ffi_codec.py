@@ -7,6 +7,12 @@ are registered with `jax.ffi` under the same target names for their platform, so
 
 Leading (batch) axes are flattened here; under `vmap` the handlers see one more leading axis,
 which they flatten too (`vmap_method="broadcast_all"`).
+
+Messages are read and written in their own dtype (`NATIVE_DTYPES`: float32, bfloat16, float16):
+the handlers widen 16-bit inputs to float32 in registers (exact) and round decoded values to the
+output dtype as XLA's convert does, so XLA runs no convert before or after a call. Results are
+bit-identical to casting to float32 first and back after (`codec.dispatch.clip_to_dtype` then
+`astype` for a decode; `astype` for a decoded sum). Other floating dtypes are cast to float32.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ _CPU_TARGETS = {
     "taco_reduce_hadamard_packed": "TacoReduceHadamardPacked",
 }
 _FMT_CODES = {"e4m3": 0, "e5m2": 1}
+#: Message dtypes the handlers read and write as they are (the `MsgDtype` codes of custom_calls/).
+NATIVE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_DTYPE_CODES = {d: i for i, d in enumerate(NATIVE_DTYPES)}
+#: Interface version the wrappers need (`taco_ffi_abi()` of the library; custom_calls/taco_ffi_bind.h).
+FFI_ABI = 2
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 
 #: `impl` attribute: 0 = fastest kernel for the machine (AVX2 on x86-64 CPUs that have it),
@@ -89,6 +100,10 @@ def _load(platform: str) -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:  # e.g. built against another libc / CUDA runtime
         return f"cannot load {path}: {e}; rebuild it ({BUILD_HINT[platform]})"
+    abi = getattr(lib, "taco_ffi_abi", None)
+    if abi is None or abi() != FFI_ABI:
+        return (f"{path} was built from older sources (interface {abi() if abi else 1}, need {FFI_ABI}); "
+                f"{BUILD_HINT[platform]}")
     suffix = "Cpu" if platform == "cpu" else "Cuda"
     targets = {**_TARGETS, **(_CPU_TARGETS if platform == "cpu" else {})}
     for name, symbol in targets.items():
@@ -136,11 +151,26 @@ def _revary(outs, vma: frozenset):
     return tuple(pvary(o, vma) for o in outs)
 
 
+def _native(x: jax.Array) -> jax.Array:
+    """x as the handlers read it: as it is in a native dtype, else cast to float32."""
+    return x if jnp.dtype(x.dtype) in _DTYPE_CODES else x.astype(jnp.float32)
+
+
+def _out_dtype(dtype) -> np.dtype:
+    """The dtype a decoding handler writes for a requested `dtype` (None: float32); raises
+    ValueError for one it does not write."""
+    dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
+    if dtype not in _DTYPE_CODES:
+        raise ValueError(f"FFI decode writes one of {[d.name for d in NATIVE_DTYPES]}, got dtype={dtype}")
+    return dtype
+
+
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int = IMPL_AUTO):
-    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`."""
+    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`; xg may also be
+    bfloat16 or float16 (read as it is: bit-identical to encoding `xg.astype(float32)`)."""
     _ensure_loaded()
     *lead, n_groups, g = xg.shape
-    x2 = xg.astype(jnp.float32).reshape(-1, g)  # [N, G]
+    x2 = _native(xg).reshape(-1, g)  # [N, G]
     n = x2.shape[0]
     u8 = _codes_as_u8()
     call = jax.ffi.ffi_call(
@@ -168,9 +198,14 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
 
-def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: int = IMPL_AUTO) -> jax.Array:
-    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`."""
+def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: int = IMPL_AUTO,
+                  dtype=None) -> jax.Array:
+    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`; with `dtype`
+    (bfloat16 or float16) the values are written in that dtype, bit-identical to
+    `clip_to_dtype(decode_groups(...), dtype).astype(dtype)` (`taco_jax.codec.dispatch`).
+    Raises ValueError for another dtype."""
     _ensure_loaded()
+    out_dtype = _out_dtype(dtype)
     *lead, n_groups, g = codes.shape
     if _codes_as_u8():
         impl |= (_FMT_OF_DTYPE[jnp.dtype(codes.dtype)] + 1) << 8
@@ -181,7 +216,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: 
     vma = frozenset().union(*(vma_of(t) for t in args))
     args = [pvary(t, vma) for t in args]  # ffi_call needs its operands to vary alike
     call = jax.ffi.ffi_call(
-        "taco_decode", jax.ShapeDtypeStruct(args[0].shape, jnp.float32), vmap_method="broadcast_all"
+        "taco_decode", jax.ShapeDtypeStruct(args[0].shape, out_dtype), vmap_method="broadcast_all"
     )
     (out,) = _revary([call(*args, has_a=np.int32(a is not None), impl=np.int32(impl))], vma)
     return out.reshape(*lead, n_groups, g)
@@ -258,8 +293,9 @@ def _check_rows(rows: jax.Array, m: int, cfg: CodecConfig, has_a: bool, min_rank
 
 
 def _pad_rows(x: jax.Array, g: int) -> jax.Array:
-    """x [..., m] -> float32 [..., n_groups * G], zero-padded as `codec.dispatch.encode` pads."""
-    x = x.astype(jnp.float32)
+    """x [..., m] -> [..., n_groups * G] in a native dtype (else float32), zero-padded as
+    `codec.dispatch.encode` pads."""
+    x = _native(x)
     pad = -x.shape[-1] % g
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
 
@@ -273,8 +309,9 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
     """Encodes messages straight into packed wire rows (C++ `taco_encode_packed`, CPU).
 
     Args:
-      x: float [..., m], m >= 1: each row one message (cast to float32, zero-padded to
-        n_groups * G here, as `codec.dispatch.encode` does). With `interleaved`: float
+      x: float [..., m], m >= 1: each row one message (float32, bfloat16 and float16 read as they
+        are, other dtypes cast to float32; zero-padded to n_groups * G here, as
+        `codec.dispatch.encode` does). With `interleaved`: float
         [..., outer, P, inner] with inner % G == 0, holding P messages of m = outer * inner
         elements, message r = x[..., :, r, :] (row-major): read in place, as if x were
         `swapaxes(x, -3, -2).reshape(..., P, m)`, without that transpose (the compressed
@@ -307,7 +344,7 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
     attrs = _packed_attrs(m, cfg)
     if split and x.ndim < 2:
         raise ValueError(f"encode_packed(split=True) needs x of rank >= 2 ([..., P, m]), got shape {x.shape}")
-    x2 = x.astype(jnp.float32) if interleaved else _pad_rows(x, cfg.group_size)
+    x2 = _native(x) if interleaved else _pad_rows(x, cfg.group_size)
     rb = packed_row_bytes(m, cfg)
     if interleaved:
         rows_shape = (*lead, p)
@@ -344,7 +381,7 @@ def _rank_operands(rows, m: int, cfg: CodecConfig, has_a: bool):
 
 
 def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | None = None,
-                  outer: int | None = None, impl: int = IMPL_AUTO) -> jax.Array:
+                  outer: int | None = None, impl: int = IMPL_AUTO, dtype=None) -> jax.Array:
     """Decodes packed wire rows (C++ `taco_decode_packed`, CPU).
 
     Args:
@@ -357,73 +394,79 @@ def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | No
         interleaved, element (b, j) of row r's message at [..., b, r, j] of a [..., k, P, inner]
         result: `jnp.moveaxis(decode_packed(rows, cfg, m).reshape(..., P, k, inner), -3, -2)`
         without the transpose (the compressed all-gather along a non-leading axis).
-    Returns: float32 [..., m] (outer None), what `decode_groups` gives for the unpacked buffers
-      (flattened, sliced); float32 [..., outer, P, m // outer] with `outer`.
-    Raises: ValueError for rows of the wrong dtype or width, or an `outer` that is not an integer
-      >= 1 with m % (outer * G) == 0 (or rows of rank < 2 with it); RuntimeError if the library is
-      not built.
+      dtype: the output dtype, float32 (None), bfloat16 or float16: values clipped to its finite
+        range and rounded as `decode_groups(..., dtype=dtype)` writes them.
+    Returns: dtype [..., m] (outer None), what `decode_groups` gives for the unpacked buffers
+      (flattened, sliced); dtype [..., outer, P, m // outer] with `outer`.
+    Raises: ValueError for rows of the wrong dtype or width, an `outer` that is not an integer
+      >= 1 with m % (outer * G) == 0 (or rows of rank < 2 with it), or another output dtype;
+      RuntimeError if the library is not built.
     """
     _ensure_loaded()
+    out_dtype = _out_dtype(dtype)
     has_a = cfg.scale_layout == "dual" if has_a is None else bool(has_a)
     _check_rows(rows, m, cfg, has_a, 1 if outer is None else 2)
     g = cfg.group_size
     if outer is None:
-        out = jax.ShapeDtypeStruct((*rows.shape[:-1], -(-m // g) * g), jnp.float32)
+        out = jax.ShapeDtypeStruct((*rows.shape[:-1], -(-m // g) * g), out_dtype)
         k = 1
     else:
         if isinstance(outer, bool) or not isinstance(outer, (int, np.integer)) or outer < 1 or m % (outer * g):
             raise ValueError(f"decode_packed: outer={outer!r} must be an integer >= 1 with m={m} a multiple of "
                              f"outer * G = {outer} * {g}")
         k = int(outer)
-        out = jax.ShapeDtypeStruct((*rows.shape[:-2], k, rows.shape[-2], m // k), jnp.float32)
+        out = jax.ShapeDtypeStruct((*rows.shape[:-2], k, rows.shape[-2], m // k), out_dtype)
     call = jax.ffi.ffi_call("taco_decode_packed", out, vmap_method="broadcast_all")
     (y,) = _revary([call(rows, fmt=np.int32(_FMT_CODES[cfg.fmt]), g=np.int64(g), has_a=np.int32(has_a),
                          impl=np.int32(impl), outer=np.int64(k))], vma_of(rows))
     return y if outer is not None else _unpad(y, m)
 
 
-def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
+def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtype=None) -> jax.Array:
     """Decodes P packed rows and sums them in float32 in rank order (acc = d_0; acc = acc + d_1; ...)
-    in one pass (C++ `taco_decode_sum_packed`, CPU): `codec.wire.sum_fp32(decode(...))` fused.
+    in one pass (C++ `taco_decode_sum_packed`, CPU): `codec.wire.sum_fp32(decode(...), dtype)` fused.
 
     Args:
       rows: uint8 [..., P, packed_row_bytes(m, cfg)] (P >= 1; cfg.scale_layout's layout), or a
         sequence of P uint8 [..., packed_row_bytes(m, cfg)] arrays (rank r's rows at index r).
       cfg: the codec; m: elements per message.
-    Returns: float32 [..., m].
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes; RuntimeError
-      if the library is not built.
+      dtype: the output dtype, float32 (None), bfloat16 or float16: the float32 sum rounded to it
+        once, as `astype` rounds (no clipping).
+    Returns: dtype [..., m].
+    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or another
+      output dtype; RuntimeError if the library is not built.
     """
     _ensure_loaded()
+    out_dtype = _out_dtype(dtype)
     args, lead, vma = _rank_operands(rows, m, cfg, cfg.scale_layout == "dual")
     g = cfg.group_size
-    out = jax.ShapeDtypeStruct((*lead, -(-m // g) * g), jnp.float32)
+    out = jax.ShapeDtypeStruct((*lead, -(-m // g) * g), out_dtype)
     call = jax.ffi.ffi_call("taco_decode_sum_packed", out, vmap_method="broadcast_all")
     (y,) = _revary([call(*args, fmt=np.int32(_FMT_CODES[cfg.fmt]), g=np.int64(g),
                          has_a=np.int32(cfg.scale_layout == "dual"), impl=np.int32(impl))], vma)
     return _unpad(y, m)
 
 
-def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
+def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtype=None) -> jax.Array:
     """Signal-domain middle step of the two-shot all-reduce on packed rows (C++ `taco_reduce_packed`,
-    CPU): `encode_packed(decode_sum_packed(rows, cfg, m), cfg)` in one pass, the sum's padding
-    past m zeroed before it is re-encoded (as slicing the sum and re-padding it does).
-
-    Only for float32 (or wider) messages: for narrower ones the unfused path rounds the sum to the
-    message dtype before re-encoding (compose `decode_sum_packed`, astype, `encode_packed` there).
+    CPU): `encode_packed(decode_sum_packed(rows, cfg, m, dtype=dtype), cfg)` in one pass, the sum
+    rounded to the message dtype (bfloat16 / float16; None or float32: kept) and its padding past m
+    zeroed before it is re-encoded (as casting, slicing the sum and re-padding it does).
 
     Args:
-      rows: P ranks' rows, as `decode_sum_packed` takes them; cfg: the codec; m: elements per message.
+      rows: P ranks' rows, as `decode_sum_packed` takes them; cfg: the codec; m: elements per message;
+      dtype: the message dtype.
     Returns: uint8 [..., packed_row_bytes(m, cfg)].
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes; RuntimeError
-      if the library is not built.
+    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or a dtype
+      other than float32, bfloat16, float16; RuntimeError if the library is not built.
     """
     _ensure_loaded()
+    round_to = _DTYPE_CODES[_out_dtype(dtype)]
     attrs = _packed_attrs(m, cfg)
     args, lead, vma = _rank_operands(rows, m, cfg, cfg.scale_layout == "dual")
     out = jax.ShapeDtypeStruct((*lead, packed_row_bytes(m, cfg)), jnp.uint8)
     call = jax.ffi.ffi_call("taco_reduce_packed", out, vmap_method="broadcast_all")
-    (y,) = _revary([call(*args, **attrs, impl=np.int32(impl))], vma)
+    (y,) = _revary([call(*args, **attrs, impl=np.int32(impl), round=np.int32(round_to))], vma)
     return y
 
 
@@ -451,7 +494,10 @@ def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_A
 
 
 def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) -> jax.Array:
-    """Elementwise float32 -> FP8 (optionally clamped to +-clamp first) or FP8 -> float32 (for tests)."""
+    """Elementwise float32 -> FP8 (optionally clamped to +-clamp first) or FP8 -> float32 (for tests);
+    on CPU also the kernels' own conversions: float32 -> bfloat16 / float16 (the decoder's store;
+    clamp > 0: clipped to the dtype's finite range first) and bfloat16 / float16 -> float32 (the
+    encoder's load)."""
     _ensure_loaded()
     call = jax.ffi.ffi_call("taco_fp8_cast", jax.ShapeDtypeStruct(x.shape, dtype), vmap_method="broadcast_all")
     (out,) = _revary([call(x, clamp=np.float32(clamp), impl=np.int32(impl))], vma_of(x))

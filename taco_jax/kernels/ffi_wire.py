@@ -12,6 +12,8 @@ writes one buffer per destination and the reducer reads one per source, so XLA's
 needs no slicing copy before it nor concatenation after it. Strided messages (the reduce-scatter
 blocks along a non-leading dimension, the all-gather along a non-leading axis) are read and
 written in place when their inner extent is a multiple of G, so no transpose surrounds the codec.
+Messages of a native dtype (`ffi_codec.NATIVE_DTYPES`: float32, bfloat16, float16) are read and
+written by the kernels in that dtype, so no convert surrounds the codec either.
 """
 
 from __future__ import annotations
@@ -28,9 +30,23 @@ from taco_jax.codec.wire import block_messages
 from taco_jax.kernels import ffi_codec
 
 
-def _cast(y: jax.Array, dtype) -> jax.Array:
-    """Decoded float32 values in the message dtype, as `codec.dispatch.decode` casts them."""
-    return clip_to_dtype(y, dtype).astype(dtype)
+def _native(dtype) -> bool:
+    return jnp.dtype(dtype) in ffi_codec.NATIVE_DTYPES
+
+
+def _decode(rows: jax.Array, cfg: CodecConfig, m: int, dtype, **kw) -> jax.Array:
+    """Decoded values in the message dtype, as `codec.dispatch.decode` casts them: written so by the
+    kernel for a native dtype, else decoded to float32, clipped and cast."""
+    if _native(dtype):
+        return ffi_codec.decode_packed(rows, cfg, m, dtype=dtype, **kw)
+    return clip_to_dtype(ffi_codec.decode_packed(rows, cfg, m, **kw), dtype).astype(dtype)
+
+
+def _decode_sum(rows, cfg: CodecConfig, m: int, dtype) -> jax.Array:
+    """The rank-order float32 sum of P ranks' decoded rows, rounded to the message dtype once."""
+    if _native(dtype):
+        return ffi_codec.decode_sum_packed(rows, cfg, m, dtype=dtype)
+    return ffi_codec.decode_sum_packed(rows, cfg, m).astype(dtype)
 
 
 def encode_rows(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, blocks=None, per_rank: bool = False):
@@ -56,17 +72,17 @@ def decode_rows(rows: jax.Array, cfg: CodecConfig, shape, dtype, *, axis: int = 
         outer = math.prod(shape[:axis])
         if (m // outer) % cfg.group_size == 0:  # decode straight into [*shape[:axis], P, *shape[axis:]]
             with jax.named_scope("taco_decode"):
-                y = _cast(ffi_codec.decode_packed(rows, cfg, m, outer=outer), dtype)
+                y = _decode(rows, cfg, m, dtype, outer=outer)
             return y.reshape(*shape[:axis], rows.shape[0], *shape[axis:])
     with jax.named_scope("taco_decode"):
-        y = _cast(ffi_codec.decode_packed(rows, cfg, m), dtype)
+        y = _decode(rows, cfg, m, dtype)
     y = y.reshape(*rows.shape[:-1], *shape)
     return jnp.moveaxis(y, 0, axis) if axis else y
 
 
 def decode_sum_rows(rows, cfg: CodecConfig, shape, dtype) -> jax.Array:
     with jax.named_scope("taco_decode"):
-        return ffi_codec.decode_sum_packed(rows, cfg, math.prod(shape)).astype(dtype).reshape(shape)
+        return _decode_sum(rows, cfg, math.prod(shape), dtype).reshape(shape)
 
 
 def reduce_rows(rows, cfg: CodecConfig, shape, dtype, domain: str) -> jax.Array:
@@ -74,12 +90,12 @@ def reduce_rows(rows, cfg: CodecConfig, shape, dtype, domain: str) -> jax.Array:
     if domain == "hadamard":
         with jax.named_scope("taco_reduce"):
             return ffi_codec.reduce_hadamard_packed(rows, cfg, m)
-    if jnp.finfo(dtype).bits >= 32:
+    if jnp.finfo(dtype).bits >= 32 or _native(dtype):  # bfloat16 / float16: the sum rounded to it in the kernel
         with jax.named_scope("taco_reduce"):
-            return ffi_codec.reduce_packed(rows, cfg, m)
-    # a narrower dtype: the sum is rounded to it before it is encoded again
+            return ffi_codec.reduce_packed(rows, cfg, m, dtype=dtype if _native(dtype) else None)
+    # another narrower dtype: the sum is rounded to it before it is encoded again
     with jax.named_scope("taco_decode"):
-        total = ffi_codec.decode_sum_packed(rows, cfg, m).astype(dtype)
+        total = _decode_sum(rows, cfg, m, dtype)
     return encode_rows(total, cfg)
 
 
