@@ -101,9 +101,12 @@ def test_lowering_platform_rejects_unknown_names():
 
 
 @pytest.mark.xfail(raises=(RuntimeError, AssertionError), strict=True,
-                   reason="Mosaic GPU does not take these kernels: jax 0.10 'Failed to infer the output layout of the "
-                          "iota' (written for Triton: no layouts, an IEEE-f32 matmul); jax 0.12 has no pallas_call "
-                          "lowering for Mosaic GPU params (an assert; plgpu.kernel is the Mosaic GPU entry point)")
+                   reason="Mosaic GPU does not take pallas_call kernels written for the Triton lowering: jax 0.10 "
+                          "'Failed to infer the output layout of the iota', jax 0.12 an assert (no pallas_call "
+                          "lowering for Mosaic GPU params; plgpu.kernel with explicit layouts and warpgroup "
+                          "semantics is its entry point). JAX maintainers: generic Pallas kernels are not tested "
+                          "with Mosaic GPU (jax-ml/jax#32123). The fast GPU path is the Triton kernel "
+                          "(kernels/triton_codec.py) instead")
 def test_pallas_encode_exports_for_cuda_with_mosaic_gpu():
     cfg = CodecConfig(group_size=128)
     export_cuda(lambda x: pallas_codec.encode_groups(x, cfg, last_count=128),

@@ -14,6 +14,14 @@ Contract of a group backend (spec §2 steps 1-5 and their inverse):
     cfg.group_size; codes: cfg.code_dtype [..., n_groups, G]; s, a: float32 [..., n_groups];
     a group holding NaN/±Inf gets s = NaN.
   decode_groups(codes, s, a) -> float32 [..., n_groups, G]; a=None for the folded layout.
+Optional, declared in the `GroupBackend` (defaults: none):
+  native_dtypes: names of the message dtypes ("bfloat16", "float16", ...) that encode_groups
+    reads as they are (xg in that dtype; no convert to float32 before it) and that
+    decode_groups(codes, s, a, dtype=...) writes directly, its finite values clipped to the
+    dtype's range (`dispatch.clip_to_dtype`) and rounded to nearest even;
+  decode_sum_groups(codes, s, a, *, dtype) -> dtype [..., n_groups, G]: P ranks' groups
+    (codes [P, ..., n_groups, G], s, a [P, ..., n_groups]) decoded and summed in float32 in rank
+    order, clipped and cast once (used by `dispatch.decode_sum`; dtype float32 or a native one).
 Optional, registered apart (`register_reducer`; none registered: the reference's is used):
   reduce_groups(codes, s, a, cfg) -> (codes, s): the transform-domain reduction of the two-shot
     all-reduce (`taco_jax.codec.reference.reduce_groups`): codes [P, ..., n_groups, G] and
@@ -56,6 +64,8 @@ class GroupBackend(NamedTuple):
 
     encode_groups: Callable
     decode_groups: Callable
+    native_dtypes: tuple[str, ...] = ()
+    decode_sum_groups: Callable | None = None
 
 
 class WireCodec(NamedTuple):
