@@ -84,6 +84,24 @@ def test_pallas_encode_decode_export_for_cuda_as_triton_kernels(fmt, g):
         assert "callback" not in dec.mlir_module()  # no host interpreter left in a GPU program
 
 
+def test_pallas_kernels_export_for_cuda_on_bf16_messages_without_converts():
+    """A bf16 message goes into the Triton custom call as bf16 and comes out of decode and
+    decode-sum as bf16: no f32 convert of the message around the kernels."""
+    cfg = CodecConfig(group_size=128)
+    enc = export_cuda(lambda x: pallas_codec.encode_groups(x, cfg, last_count=128),
+                      jax.ShapeDtypeStruct((2, 24, 128), jnp.bfloat16))
+    text = enc.mlir_module()
+    assert custom_calls(enc) == [TRITON_CALL] and "stablehlo.convert" not in text
+    assert re.search(r"custom_call @__gpu\$xla\.gpu\.triton\(.*: \(tensor<48x128xbf16>\) ->", text)
+    codes = jax.ShapeDtypeStruct((4, 48, 128), cfg.code_dtype)
+    s = jax.ShapeDtypeStruct((4, 48), jnp.float32)
+    dec = export_cuda(lambda c, s, a: pallas_codec.decode_groups(c[0], s[0], a[0], dtype=jnp.bfloat16), codes, s, s)
+    dsum = export_cuda(lambda c, s: pallas_codec.decode_sum_groups(c, s, None, dtype=jnp.bfloat16), codes, s)
+    for exp, name in ((dec, "taco_decode_groups"), (dsum, "taco_decode_sum_groups")):
+        assert custom_calls(exp) == [TRITON_CALL] and f'name = "{name}"' in exp.mlir_module()
+        assert [a.dtype for a in exp.out_avals] == [jnp.bfloat16] and "stablehlo.convert" not in exp.mlir_module()
+
+
 def test_export_leaves_the_cpu_path_intact():
     """Traces made for CUDA are dropped on exit: the same call then runs the interpreter here."""
     cfg = CodecConfig(group_size=32)

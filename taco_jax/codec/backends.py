@@ -14,8 +14,8 @@ Contract of a group backend (spec §2 steps 1-5 and their inverse):
     cfg.group_size; codes: cfg.code_dtype [..., n_groups, G]; s, a: float32 [..., n_groups];
     a group holding NaN/±Inf gets s = NaN.
   decode_groups(codes, s, a) -> float32 [..., n_groups, G]; a=None for the folded layout.
-Optional, declared in the `GroupBackend` (defaults: none):
-  native_dtypes: names of the message dtypes ("bfloat16", "float16", ...) that encode_groups
+Optional, registered apart (`register_native`; none registered: float32 in and out, no fused sum):
+  dtypes: names of the message dtypes ("bfloat16", "float16", ...) that encode_groups
     reads as they are (xg in that dtype; no convert to float32 before it) and that
     decode_groups(codes, s, a, dtype=...) writes directly, its finite values clipped to the
     dtype's range (`dispatch.clip_to_dtype`) and rounded to nearest even;
@@ -64,7 +64,12 @@ class GroupBackend(NamedTuple):
 
     encode_groups: Callable
     decode_groups: Callable
-    native_dtypes: tuple[str, ...] = ()
+
+
+class NativeSupport(NamedTuple):
+    """What a group backend takes beyond float32 (contract in the module docstring)."""
+
+    dtypes: tuple[str, ...] = ()
     decode_sum_groups: Callable | None = None
 
 
@@ -82,6 +87,7 @@ _LOADERS: dict[str, Callable[[], GroupBackend]] = {}
 _LOADED: dict[str, GroupBackend] = {}
 _RESOLVER: list[Callable] = []  # at most one (`register_resolver`)
 _REDUCERS: dict[str, Callable] = {}
+_NATIVE: dict[str, NativeSupport] = {}
 _WIRE_LOADERS: dict[str, tuple[Callable[[], WireCodec], tuple[str, ...]]] = {}
 _WIRE_LOADED: dict[str, WireCodec] = {}
 
@@ -100,11 +106,26 @@ def get_reducer(name: str) -> Callable | None:
     return _REDUCERS.get(name)
 
 
+def register_native(name: str, dtypes: tuple[str, ...] = (), decode_sum_groups: Callable | None = None) -> None:
+    """Registers the message dtypes backend `name` reads and writes natively and its fused
+    `decode_sum_groups` (contract in the module docstring)."""
+    _NATIVE[name] = NativeSupport(tuple(dtypes), decode_sum_groups)
+
+
+def get_native(name: str) -> NativeSupport:
+    """Backend `name`'s `NativeSupport` (empty if none registered); "auto" is resolved first. Loads
+    the backend first (`get_backend`), whose loader may register it."""
+    name = resolve_backend(name)
+    get_backend(name)
+    return _NATIVE.get(name, NativeSupport())
+
+
 def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
     """Registers `loader`, called on the first `get_backend(name)` (it may import, check that the
     backend runs here and raise ValueError saying why not). Re-registering replaces the entry."""
     _LOADERS[name] = loader
     _LOADED.pop(name, None)
+    _NATIVE.pop(name, None)
 
 
 def register_resolver(resolver: Callable, platform: Callable[[], str]) -> None:

@@ -21,6 +21,7 @@ from taco_jax.codec.backends import (
     GroupBackend,
     default_platform,
     get_backend,
+    get_native,
     get_reducer,
     register_backend,
     register_reducer,
@@ -121,7 +122,7 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
         return _empty_encoded(x, cfg, batch_dims)
     backend = get_backend(cfg.backend) if cfg.kind == "taco" else None
     rows = _message_to_rows(x, cfg, batch_dims)
-    if not (_native(backend, x.dtype) and cfg.nonfinite != "zero"):
+    if not (_native(cfg, x.dtype) and cfg.nonfinite != "zero"):
         rows = rows.astype(jnp.float32)
     if cfg.nonfinite == "zero":
         rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
@@ -190,7 +191,7 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
         n = math.prod(enc.shape)
         batch = enc.scale.shape[:-1]
         backend = get_backend(cfg.backend) if cfg.kind == "taco" else None
-        native = _native(backend, dtype) and cfg.nonfinite != "zero" and enc.codes.size
+        native = _native(cfg, dtype) and cfg.nonfinite != "zero" and enc.codes.size
         if enc.codes.size == 0:
             rows = jnp.zeros((*batch, n), jnp.float32)
         else:
@@ -215,9 +216,9 @@ def decode_sum(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
     to it), else `decode` to float32 and a rank-order sum (inside `jax.named_scope("taco_decode")`).
     Raises: ValueError as `decode`."""
     dtype = jnp.dtype(dtype or enc.dtype)
-    backend = get_backend(cfg.backend) if cfg.kind == "taco" else None
-    fused = (backend is not None and backend.decode_sum_groups is not None and cfg.nonfinite != "zero"
-             and enc.codes.size and (dtype == jnp.float32 or _native(backend, dtype)))
+    fused_fn = get_native(cfg.backend).decode_sum_groups if cfg.kind == "taco" else None
+    fused = (fused_fn is not None and cfg.nonfinite != "zero" and enc.codes.size
+             and (dtype == jnp.float32 or _native(cfg, dtype)))
     if not fused:
         y = decode(enc, cfg, jnp.float32)
         acc = y[0]
@@ -225,14 +226,15 @@ def decode_sum(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
             acc = acc + y[i]
         return acc.astype(dtype)
     with jax.named_scope("taco_decode"):
-        xg = backend.decode_sum_groups(enc.codes, enc.scale, enc.prescale, dtype=dtype)
+        xg = fused_fn(enc.codes, enc.scale, enc.prescale, dtype=dtype)
         rows = xg.reshape(*xg.shape[:-2], -1)[..., : math.prod(enc.shape)]
         return _rows_to_message(rows, enc.shape, cfg)
 
 
-def _native(backend: GroupBackend | None, dtype) -> bool:
-    """Whether group backend `backend` reads / writes messages of `dtype` as they are."""
-    return backend is not None and jnp.dtype(dtype).name in backend.native_dtypes
+def _native(cfg: CodecConfig, dtype) -> bool:
+    """Whether the group backend of `cfg` (kind taco) reads / writes messages of `dtype` as they are
+    (`backends.register_native`)."""
+    return cfg.kind == "taco" and jnp.dtype(dtype).name in get_native(cfg.backend).dtypes
 
 
 def clip_to_dtype(rows: jax.Array, dtype) -> jax.Array:

@@ -53,7 +53,14 @@ import json
 import warnings
 from pathlib import Path
 
-from taco_jax.codec.backends import GroupBackend, register_backend, register_reducer, register_resolver, register_wire
+from taco_jax.codec.backends import (
+    GroupBackend,
+    register_backend,
+    register_native,
+    register_reducer,
+    register_resolver,
+    register_wire,
+)
 from taco_jax.codec.backends import get_backend as _registered
 from taco_jax.codec.config import BACKENDS
 from taco_jax.codec.dispatch import resolve_codec
@@ -188,8 +195,8 @@ def _loader(name: str):
         mod = importlib.import_module(f"taco_jax.kernels.{_MODULES[name]}")
         if hasattr(mod, "reduce_groups"):
             register_reducer(name, mod.reduce_groups)
-        return GroupBackend(mod.encode_groups, mod.decode_groups, tuple(getattr(mod, "NATIVE_DTYPES", ())),
-                            getattr(mod, "decode_sum_groups", None))
+        register_native(name, tuple(getattr(mod, "NATIVE_DTYPES", ())), getattr(mod, "decode_sum_groups", None))
+        return GroupBackend(mod.encode_groups, mod.decode_groups)
 
     return load
 
