@@ -10,11 +10,12 @@ skipped with the reason when either is missing. `make test` installs the extra a
 Two conversions of the interpreter are replaced. Its FP32 -> FP8 downcast
 (`triton.runtime.interpreter._convert_float`) is not round-to-nearest-even (no carry from the
 mantissa into the exponent, ties not to even: -126.54 -> -64 instead of -128 in E4M3; likewise in
-E5M2), unlike the GPU's `cvt.rn.satfinite`; its FP32 -> BF16 downcast truncates (the GPU's
-`cvt.rn.bf16.f32` rounds to nearest even). The test swaps in exact ones (ml_dtypes, RNE) for FP32 ->
-float8e4nv / float8e5 / bfloat16; every other conversion (FP8 -> FP32 in decode, BF16 -> FP32 in
-encode, FP32 <-> FP16 through numpy) is the interpreter's own, the FP8 one checked here against
-ml_dtypes on all finite codes.
+E5M2) and does not saturate, unlike the GPU's `cvt.rn.satfinite` (which the encoder relies on to
+clamp to +-R when R is the format's largest value); its FP32 -> BF16 downcast truncates (the
+GPU's `cvt.rn.bf16.f32` rounds to nearest even). The test swaps in exact ones (ml_dtypes, RNE;
+saturating for FP8, as `cvt.rn.satfinite`) for FP32 -> float8e4nv / float8e5 / bfloat16; every
+other conversion (FP8 -> FP32 in decode, BF16 -> FP32 in encode, FP32 <-> FP16 through numpy) is
+the interpreter's own, the FP8 one checked here against ml_dtypes on all finite codes.
 """
 
 import math
@@ -59,8 +60,12 @@ def exact_convert_float(stock):
             if rounding_mode not in (interpreter._ir.ROUNDING_MODE.RTNE, None if output_dtype == tl.bfloat16 else 0):
                 raise ValueError(f"exact downcast implements RTNE only, got {rounding_mode=}")
             bits = np.uint8 if output_dtype in _FP8 else np.uint16
+            data = np.asarray(data, np.float32)
+            if output_dtype in _FP8:  # cvt.rn.satfinite: out-of-range values saturate (NaN stays NaN)
+                big = float(ml_dtypes.finfo(_FP8[output_dtype]).max)
+                data = np.clip(data, -big, big)
             with np.errstate(invalid="ignore", over="ignore"):
-                return np.asarray(data, np.float32).astype(_EXACT[output_dtype]).view(bits)
+                return data.astype(_EXACT[output_dtype]).view(bits)
         return stock(data, input_dtype, output_dtype, rounding_mode)
 
     return convert
@@ -203,6 +208,20 @@ def test_triton_kernels_conform_on_native_dtypes(kernels, dtype, g):
     np.testing.assert_array_equal(run_decode(dec_sum, codes, s, a, cfg.fmt), (parts[0] + parts[1]) + parts[2])
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
+def test_encode_clamps_to_a_target_range_below_the_format_max(kernels):
+    """R = 240 < 448: the encoder clamps to +-R itself (the conversion saturates only at 448)."""
+    enc = kernels[0]
+    cfg = CodecConfig(group_size=32, target_range=240.0)
+    x, last_count = make_groups(32, n_groups=24, batch=1, seed=3)
+    got = run_encode(enc, x.reshape(-1, 32), cfg, 24, last_count)
+    assert triton_codec.encode_meta(cfg, 24, 24, last_count)["CLAMP"] is True
+    assert_conforms(got, _reference_encode(x, cfg, last_count), 32, r=240.0)
+    finite = np.isfinite(got[1])
+    assert np.abs(got[0][finite].astype(np.float32)).max() == 240.0
+
+
 def test_decode_clips_to_float16_range_and_keeps_nan(kernels):
     """A decoded value beyond float16's range is written as +-65504 (not Inf); a NaN group stays NaN."""
     _, dec, _ = kernels
@@ -214,13 +233,16 @@ def test_decode_clips_to_float16_range_and_keeps_nan(kernels):
     assert np.all(np.isnan(got[1]))
 
 
-def test_exact_downcast_rounds_ties_to_even_with_carry():
-    """The swapped-in conversion: the case the stock interpreter gets wrong, and ties to even."""
+def test_exact_downcast_rounds_ties_to_even_with_carry_and_saturates():
+    """The swapped-in conversion: the case the stock interpreter gets wrong, ties to even, saturation."""
     conv = exact_convert_float(interpreter._convert_float)
     rtne = interpreter._ir.ROUNDING_MODE.RTNE
     x = np.array([-126.54, 124.0, 13.5, 14.5], np.float32)  # ties: 124 in (120, 128), 13.5, 14.5 -> even
     got = conv(x, tl.float32, tl.float8e4nv, rtne).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(got, [-128.0, 128.0, 14.0, 14.0])
+    sat = np.array([1e6, -500.0, np.nan], np.float32)  # beyond 448 -> +-448, NaN stays NaN
+    got = conv(sat, tl.float32, tl.float8e4nv, rtne).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, [448.0, -448.0, np.nan])
     b = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20], np.float32)  # ties -> even, then above the tie
     got = conv(b, tl.float32, tl.bfloat16, None).view(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(got, [1.0, 1 + 4 * 2**-8, 1 + 2**-7])

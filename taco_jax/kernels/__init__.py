@@ -8,9 +8,11 @@ wire rows written and read by the C++ kernels) and `resolve`, which
 name stands for:
 
   reference  plain jnp (the specification); every platform.
-  pallas     fused Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs sm >= 89),
-             the interpreter on CPU (slow: for tests).
-  triton     Triton kernels through jax-triton (`triton_codec`); GPU only, imported lazily.
+  pallas     fused one-pass Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs
+             sm >= 89), the interpreter on CPU (slow: for tests).
+  triton     one-pass Triton kernels through jax-triton (`triton_codec`); GPU only, imported lazily.
+pallas and triton read and write float32, bfloat16 and float16 messages as they are and have a
+fused decode-sum (`codec.backends.register_native`, registered by their loaders).
   ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU (AVX2 when the CPU has it), CUDA on
              GPU; needs the shared library built by `make -C custom_calls` (`... cuda` for GPU).
   auto       the default: CPU: ffi if built, else reference. GPU: the fastest backend present by the
@@ -29,7 +31,11 @@ Conformance rule (tested in tests/test_kernels.py against `reference` on the sam
       reference's, or (near zero, where FP8 steps are finer than float32 reordering noise: E5M2
       subnormals) within 2^-23 * G * R of it in value. A code flips only where y/s lies within
       rounding of a code boundary;
-    * decoded values agree to 2^-23 * G * max|x_ref| over the group.
+    * decoded values agree to 2^-23 * G * max|x_ref| over the group; decoded straight into a
+      narrower dtype (bfloat16, float16: a backend's native dtypes), within that plus one ulp of
+      the dtype of the reference's value clipped to the dtype's range (the float32 values may
+      straddle a rounding boundary); a decode-sum of P ranks within 2^-23 * G * sum of the ranks'
+      max|x_ref| (`conformance.assert_decode_conforms`).
   For a group holding NaN or +-Inf: s is NaN (so it decodes to NaN), a is the reference's
   formula applied (NaN or 1e-3); its codes are unspecified.
   Measured agreement of each backend: custom_calls/README.md ("Conformance, measured").

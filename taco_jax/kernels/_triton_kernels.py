@@ -52,7 +52,8 @@ def encode_kernel(
     x_ptr, codes_ptr, s_ptr, a_ptr,
     N: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr, BLOCK: tl.constexpr, N_GROUPS: tl.constexpr,
     LAST_COUNT: tl.constexpr, LAM: tl.constexpr, FMAX: tl.constexpr, R: tl.constexpr, SQRT_G: tl.constexpr,
-    E4M3: tl.constexpr, EPS: tl.constexpr, A_MIN: tl.constexpr, A_MAX: tl.constexpr, S_MAX: tl.constexpr,
+    E4M3: tl.constexpr, CLAMP: tl.constexpr, EPS: tl.constexpr, A_MIN: tl.constexpr, A_MAX: tl.constexpr,
+    S_MAX: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rmask = rows < N
@@ -65,18 +66,23 @@ def encode_kernel(
     v = tl.maximum(m + LAM, EPS, propagate_nan=tl.PropagateNan.ALL)
     a = tl.div_rn(tl.full((BLOCK,), FMAX, tl.float32), tl.sqrt_rn(v))
     a = tl.minimum(tl.maximum(a, A_MIN, propagate_nan=tl.PropagateNan.ALL), A_MAX, propagate_nan=tl.PropagateNan.ALL)
-    n_bad = tl.sum(tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), axis=1)
     # 3. t = WHT(a x), once, in registers; y = t / sqrt(G) is never formed: max|y| = max|t| / sqrt(G)
     t = _wht(x * a[:, None], BLOCK, G, LOG_G)
-    amax = tl.div_rn(tl.max(tl.abs(t), axis=1), tl.full((BLOCK,), SQRT_G, tl.float32))
-    # 4. quantization scale; a group holding NaN/Inf gets s = NaN
+    amax_t = tl.max(tl.abs(t), axis=1)
+    amax = tl.div_rn(amax_t, tl.full((BLOCK,), SQRT_G, tl.float32))
+    # 4. quantization scale; a group holding NaN/Inf gets s = NaN. It is the group whose sum of
+    # squares is NaN (a NaN) or whose transform is not finite (an Inf: a = A_MIN then, a x = +-Inf).
+    # A finite group's t is finite: |a x| <= A_MIN * FLT_MAX (sum of squares overflowed) or
+    # FMAX * sqrt(G), and G of them sum below FLT_MAX for G <= 512
     s = tl.div_rn(tl.maximum(amax, EPS), tl.full((BLOCK,), R, tl.float32))
     s = tl.minimum(tl.maximum(s, EPS), S_MAX)
-    s = tl.where(n_bad == 0, s, float("nan"))
-    # 5. codes q = y / s = t * (1 / (sqrt(G) s)) (one factor per group), RNE, saturated by the clamp
+    s = tl.where((m == m) & (amax_t < float("inf")), s, float("nan"))
+    # 5. codes q = y / s = t * (1 / (sqrt(G) s)) (one factor per group), RNE; clamped to +-R, which
+    # the conversion's saturation to the format's largest finite value does when R is that value
     k = tl.div_rn(tl.full((BLOCK,), 1.0, tl.float32), s * SQRT_G)
     q = t * k[:, None]
-    q = tl.minimum(tl.maximum(q, -R, propagate_nan=tl.PropagateNan.ALL), R, propagate_nan=tl.PropagateNan.ALL)
+    if CLAMP:
+        q = tl.minimum(tl.maximum(q, -R, propagate_nan=tl.PropagateNan.ALL), R, propagate_nan=tl.PropagateNan.ALL)
     if E4M3:
         qc = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     else:

@@ -84,6 +84,7 @@ def encode_meta(cfg: CodecConfig, n: int, n_groups: int, last_count: int) -> dic
         R=float(np.float32(cfg.target_range)),
         SQRT_G=float(np.float32(math.sqrt(g))),
         E4M3=cfg.fmt == "e4m3",
+        CLAMP=bool(np.float32(cfg.target_range) < cfg.fmax),  # else cvt.rn.satfinite saturates to +-R
         **_SPEC,
     )
 
