@@ -9,8 +9,8 @@ in "errors"; a section left out by --sections is {"skipped": ...}, not an error)
                beside an XLA device copy of the same bytes (back-to-back calls, two inputs rotated,
                median of 3 passes); also $OUT/gpu_speeds.json, the speed table `auto` ranks GPU
                backends by (--update-speeds writes it into the package);
-  collectives  compressed (taco) vs exact all-reduce and all-gather over the visible devices
-               (skipped, with the reason, on one device), time and relative error;
+  collectives  compressed (taco) vs exact all-reduce and all-gather of bf16 and f32 messages over
+               the visible devices (skipped, with the reason, on one device), time and relative error;
   training     a short compressed training run (gpt2-tiny, synthetic learnable tokens): losses, s/step.
 
     python -m experiments.gpu_check --out runs/gpu_check            # on the GPU
@@ -186,18 +186,20 @@ def collectives(dry: bool) -> dict:
                        lambda x: col.all_gather(x, "x", codec=codec, tiled=True)),
     }
     rows = []
-    for mb in (0.0625,) if dry else (16, 64, 256):
-        cols = 4096
-        rows_per_dev = max(16, int(mb * 2**20) // (4 * cols) // 16 * 16)
-        x = jnp.asarray(np.random.default_rng(0).standard_normal((n * rows_per_dev, cols), dtype=np.float32))
-        for op, (exact, taco) in ops.items():
-            out = P() if op == "all_reduce" else P("x")  # all-gather: every device's gathered copy
-            fe, ft = (jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=out)) for f in (exact, taco))
-            ye, yt = np.asarray(fe(x)), np.asarray(ft(x))
-            rel = float(np.linalg.norm(yt - ye) / np.linalg.norm(ye))
-            te, tt = _timed(fe, x, 1 if dry else 10), _timed(ft, x, 1 if dry else 10)
-            rows.append(dict(op=op, size_mb=rows_per_dev * cols * 4 / 2**20, exact_ms=te * 1e3, taco_ms=tt * 1e3,
-                             speedup=te / tt, rel_err=rel))
+    for dtype in DTYPES:
+        item = np.dtype(jnp.dtype(dtype)).itemsize
+        for mb in (0.0625,) if dry else (16, 64, 256):
+            cols = 4096
+            rows_per_dev = max(16, int(mb * 2**20) // (item * cols) // 16 * 16)
+            x = jnp.asarray(np.random.default_rng(0).standard_normal((n * rows_per_dev, cols), dtype=np.float32), dtype)
+            for op, (exact, taco) in ops.items():
+                out = P() if op == "all_reduce" else P("x")  # all-gather: every device's gathered copy
+                fe, ft = (jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=out)) for f in (exact, taco))
+                ye, yt = (np.asarray(f(x)).astype(np.float32) for f in (fe, ft))
+                rel = float(np.linalg.norm(yt - ye) / np.linalg.norm(ye))
+                te, tt = _timed(fe, x, 1 if dry else 10), _timed(ft, x, 1 if dry else 10)
+                rows.append(dict(op=op, dtype=dtype, size_mb=rows_per_dev * cols * item / 2**20, exact_ms=te * 1e3,
+                                 taco_ms=tt * 1e3, speedup=te / tt, rel_err=rel))
     return dict(n_devices=n, backend=codec.backend, rows=rows)
 
 
@@ -240,7 +242,7 @@ _ROW_FIELDS = {
     "conformance": {"backend": str, "fmt": str, "group_size": int, "ok": bool, "detail": str},
     "throughput": {"backend": str, "dtype": str, "op": str, "size_mb": float, "gbps": float, "memcpy_gbps": float,
                    "ratio_vs_memcpy": float, "ranks": int},
-    "collectives": {"op": str, "size_mb": float, "exact_ms": float, "taco_ms": float, "speedup": float,
+    "collectives": {"op": str, "dtype": str, "size_mb": float, "exact_ms": float, "taco_ms": float, "speedup": float,
                     "rel_err": float},
 }
 
