@@ -1,12 +1,13 @@
 """Triton fused TACO codec (spec §2) called through jax-triton; GPU only, imported lazily.
 
-One program per block of `elements_per_program // G` groups; every element is read from HBM once
-and written once:
+One program per block of `ELEMENTS // G` groups; every element is read from HBM once and written
+once:
 
   encode      x (f32, bf16 or f16, as stored) -> f32 in registers -> sum of squares -> a ->
-              y = WHT(a x) / sqrt(G) -> absmax -> s -> FP8 codes; writes codes, s, a.
-  decode      codes -> q s -> WHT / sqrt(G) -> / max(a, EPS) -> clipped to the output dtype's
-              finite range -> written in the output dtype (f32, bf16 or f16).
+              t = WHT(a x) -> s from max|t| / sqrt(G) -> FP8 codes of t / (sqrt(G) s) (one
+              reciprocal per group); writes codes, s, a.
+  decode      codes -> q k, k = s / sqrt(G) / max(a, EPS) per group -> WHT -> clipped to the
+              output dtype's finite range -> written in the output dtype (f32, bf16 or f16).
   decode_sum  P ranks' codes of the same groups, each decoded as above and summed in f32 in rank
               order, then clipped and written once in the output dtype.
 
@@ -15,9 +16,10 @@ The Walsh-Hadamard transform is an in-register butterfly (`_wht`): log2(G) stage
 maps to register renames, warp shuffles, or a shared-memory exchange for bits held by other
 warps): G log2(G) additions per group instead of the G^2 multiply-adds of a dense matmul, and no
 [block, G] tile kept across two loops. Divisions and square roots use the round-to-nearest
-intrinsics (`div_rn`, `sqrt_rn`), as the reference's XLA ops do; NaN-propagating max/min mirror
-jnp. The sums of the transform run in another order than the reference's matmul: the kernels
-conform to `reference` under the rule of `taco_jax.kernels`.
+intrinsics (`div_rn`, `sqrt_rn`) per group, as the reference's XLA ops do; per element there are
+multiplications by those per-group factors instead of the reference's divisions, and the sums of
+the transform run in another order than its matmul: the kernels conform to `reference` under the
+rule of `taco_jax.kernels`. NaN-propagating max/min mirror jnp.
 
 `triton` and `jax_triton` are imported on first use only, so CPU installs never need them
 (`pip install 'taco_jax[gpu]'` brings them). FP8 E4M3 needs compute capability >= 8.9.
@@ -38,8 +40,9 @@ from taco_jax.codec.config import CodecConfig
 
 #: Message dtypes the kernels read and write as they are (no convert around the custom call).
 NATIVE_DTYPES = ("float32", "bfloat16", "float16")
-#: Elements per program (groups per program = ELEMENTS // G): 16 f32 registers per thread at 4
-#: warps; more made G = 512 spill at sm_90 (experiments/triton_aot.py).
+#: Elements per program (groups per program = ELEMENTS // G): 16 f32 values per thread at 4 warps,
+#: 32-64 registers at sm_90 (experiments/triton_aot.py). 4096 compiles without spills too (~10 %
+#: fewer instructions per element, ~70 registers: half the occupancy); which is faster is for a GPU.
 ELEMENTS = 2048
 NUM_WARPS = 4
 #: The spec constants, passed to the kernels as `tl.constexpr` arguments (a @triton.jit function
