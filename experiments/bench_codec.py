@@ -10,7 +10,7 @@ Run (CPU; build the FFI library first with `make -C custom_calls`):
 Throughput is the message's bytes (encode: its input, decode: its output) per second, the
 message in `--dtype` (float32 by default; bfloat16 as training sends it), and each case is
 compared with a memcpy of that many bytes measured in the same run. A backend that reads and
-writes the dtype natively (`codec.backends.native_dtypes`: the FFI kernels) is called with it as
+writes the dtype natively (`codec.backends.get_native`) is called with it as
 it is; the others get the casts `codec.dispatch` adds (to float32 before encode, clip and back after
 decode), inside the timed program. Cases are timed in interleaved rounds and the best round is kept, so load from other
 processes hits every case alike. Regimes, each against its own memcpy:
@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from taco_jax import kernels
-from taco_jax.codec.backends import native_dtypes
+from taco_jax.codec.backends import get_native
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.dispatch import clip_to_dtype
 
@@ -154,7 +154,7 @@ def _as_dispatched(name: str, dtype):
     """Backend `name`'s (encode, decode) for messages of `dtype`, with the casts `codec.dispatch`
     adds for a dtype the backend does not read and write natively."""
     enc, dec = kernels.get_backend(name)
-    if jnp.dtype(dtype) in native_dtypes(name):
+    if jnp.dtype(dtype).name in get_native(name).dtypes:
         return enc, lambda c, s, a: dec(c, s, a, dtype=dtype)
     return (lambda t, cfg, **kw: enc(t.astype(jnp.float32), cfg, **kw),
             lambda c, s, a: clip_to_dtype(dec(c, s, a), dtype).astype(dtype))

@@ -1,14 +1,16 @@
-"""One JSON report of the GPU path, for a lent GPU (run by experiments/gpu_check.sh; <= 8 min on an H200).
+"""One JSON report of the GPU path, for a lent GPU (run by experiments/gpu_check.sh; <= 6 min on an H200).
 
 Sections (each runs even if an earlier one failed; a failure is recorded as {"error": ...} and named
 in "errors"; a section left out by --sections is {"skipped": ...}, not an error):
   conformance  every available codec backend (not `auto`) against `reference` under the rule of
                `taco_jax.kernels` (`taco_jax.kernels.conformance.check_backend`, as in the tests):
                E4M3 / E5M2, G 32/128/512;
-  throughput   encode / decode GB/s of the f32 message beside an XLA device copy of the same bytes
-               (back-to-back calls, two inputs rotated, median of 3 passes), --sizes MB (16,64,256);
-  collectives  compressed (taco) vs exact all-reduce and all-gather over the visible devices
-               (skipped, with the reason, on one device), time and relative error;
+  throughput   encode / decode / decode-sum GB/s per backend x {bf16, f32} x --sizes MB (4,16,64,256)
+               beside an XLA device copy of the same bytes (back-to-back calls, two inputs rotated,
+               median of 3 passes); also $OUT/gpu_speeds.json, the speed table `auto` ranks GPU
+               backends by (--update-speeds writes it into the package);
+  collectives  compressed (taco) vs exact all-reduce and all-gather of bf16 and f32 messages over
+               the visible devices (skipped, with the reason, on one device), time and relative error;
   training     a short compressed training run (gpt2-tiny, synthetic learnable tokens): losses, s/step.
 
     python -m experiments.gpu_check --out runs/gpu_check            # on the GPU
@@ -105,34 +107,64 @@ def _per_call(fn, args_list, reps: int) -> float:
     return float(np.median(passes))
 
 
-def throughput(dry: bool, sizes_mb=(16, 64, 256)) -> list[dict]:
-    """Encode / decode GB/s of an f32 message (bytes of the f32 message per second) beside an XLA
-    device copy of the same bytes (`jnp.copy`: read + write), per backend and size."""
-    from taco_jax import kernels  # noqa: PLC0415
+DTYPES = ("bfloat16", "float32")
+SIZES_MB = (4, 16, 64, 256)
+P_SUM = 4  # decode-sum: ranks' messages summed
+
+
+def throughput(dry: bool, sizes_mb=SIZES_MB, dtypes=DTYPES) -> list[dict]:
+    """GB/s of every backend x dtype x size x op through the codec's dispatcher (`encode`, `decode`,
+    `decode_sum`: the path training takes, converts included where a backend does not take the
+    dtype natively), beside an XLA device copy (`jnp.copy`: read + write) of the same bytes.
+    encode: bytes of the input message per second; decode: bytes of the output message;
+    decode-sum: P_SUM ranks' encoded messages of that size decoded and summed into one output
+    message, bytes of the output per second (the copy: of the output's bytes)."""
+    from taco_jax.codec import dispatch  # noqa: PLC0415
     from taco_jax.codec.config import CodecConfig  # noqa: PLC0415
 
-    cfg = CodecConfig()
-    g = cfg.group_size
     names = [b for b in backends_here() if not (b == "pallas" and jax.default_backend() == "cpu")]
     rows = []
     rng = np.random.default_rng(0)
-    for mb in (0.0625,) if dry else sizes_mb:
-        n = max(1, int(mb * 2**20) // (4 * g))
-        xs = [jnp.asarray(rng.standard_normal((n, g), dtype=np.float32)) for _ in range(2)]
-        nbytes = n * g * 4
-        reps = 2 if dry else 20
-        t_copy = _per_call(jax.jit(jnp.copy), [(x,) for x in xs], reps)
-        for name in names:
-            enc, dec = kernels.get_backend(name)
-            f_enc = jax.jit(lambda t, enc=enc: enc(t, cfg, last_count=g))
-            f_dec = jax.jit(dec)
-            encs = [jax.block_until_ready(f_enc(x)) for x in xs]
-            for op, fn, args in (("encode", f_enc, [(x,) for x in xs]), ("decode", f_dec, encs)):
-                t = _per_call(fn, args, reps)
-                rows.append(dict(backend=name, op=op, size_mb=nbytes / 2**20, gbps=nbytes / t / 1e9,
-                                 memcpy_gbps=nbytes / t_copy / 1e9, ratio_vs_memcpy=t_copy / t))
-            del encs
+    for dtype in dtypes:
+        item = np.dtype(jnp.dtype(dtype)).itemsize
+        for mb in (0.0625,) if dry else sizes_mb:
+            n = max(1, int(mb * 2**20) // (item * 4096)) * 4096
+            xs = [jnp.asarray(rng.standard_normal((n // 4096, 4096), dtype=np.float32), dtype) for _ in range(2)]
+            nbytes = n * item
+            reps = 2 if dry else (20 if mb <= 16 else 8)
+            t_copy = _per_call(jax.jit(jnp.copy), [(x,) for x in xs], reps)
+            for name in names:
+                cfg = CodecConfig(backend=name, wire="generic")
+                f_enc = jax.jit(lambda t, cfg=cfg: dispatch.encode(t, cfg))
+                f_dec = jax.jit(lambda e, cfg=cfg: dispatch.decode(e, cfg))
+                f_sum = jax.jit(lambda e, cfg=cfg: dispatch.decode_sum(e, cfg))
+                encs = [jax.block_until_ready(f_enc(x)) for x in xs]
+                sums = [jax.block_until_ready(jax.jit(lambda t, cfg=cfg: dispatch.encode(
+                    jnp.stack([t * (r + 1) for r in range(P_SUM)]), cfg, batch_dims=1))(x)) for x in xs]
+                for op, fn, args in (("encode", f_enc, [(x,) for x in xs]), ("decode", f_dec, [(e,) for e in encs]),
+                                     ("decode_sum", f_sum, [(e,) for e in sums])):
+                    t = _per_call(fn, args, reps)
+                    rows.append(dict(backend=name, dtype=dtype, op=op, size_mb=nbytes / 2**20, gbps=nbytes / t / 1e9,
+                                     memcpy_gbps=nbytes / t_copy / 1e9, ratio_vs_memcpy=t_copy / t,
+                                     ranks=P_SUM if op == "decode_sum" else 1))
+                del encs, sums
     return rows
+
+
+def speed_table(rows: list[dict], env: dict) -> dict:
+    """The declared speed table of `taco_jax.kernels` (`gpu_speeds.json` format) from throughput
+    rows: per backend, float32 encode / decode GB/s at the largest size measured."""
+    best = {}
+    for r in rows:
+        if r["dtype"] == "float32" and r["op"] in ("encode", "decode"):
+            cur = best.setdefault(r["backend"], {})
+            if r["size_mb"] >= cur.get(f"{r['op']}_mb", 0):
+                cur[f"{r['op']}_mb"] = r["size_mb"]
+                cur[f"{r['op']}_GBps"] = round(r["gbps"], 1)
+    src = f"measured by experiments/gpu_check.py on {env['device_kind']} (jax {env['jax']}), float32, E4M3, G=128"
+    return {"source": src, "backends": {
+        b: {"encode_GBps": v["encode_GBps"], "decode_GBps": v["decode_GBps"], "measured": True,
+            "source": f"{src}, {v['encode_mb']:.0f} MB"} for b, v in best.items() if "encode_GBps" in v}}
 
 
 def collectives(dry: bool) -> dict:
@@ -154,18 +186,20 @@ def collectives(dry: bool) -> dict:
                        lambda x: col.all_gather(x, "x", codec=codec, tiled=True)),
     }
     rows = []
-    for mb in (0.0625,) if dry else (16, 64, 256):
-        cols = 4096
-        rows_per_dev = max(16, int(mb * 2**20) // (4 * cols) // 16 * 16)
-        x = jnp.asarray(np.random.default_rng(0).standard_normal((n * rows_per_dev, cols), dtype=np.float32))
-        for op, (exact, taco) in ops.items():
-            out = P() if op == "all_reduce" else P("x")  # all-gather: every device's gathered copy
-            fe, ft = (jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=out)) for f in (exact, taco))
-            ye, yt = np.asarray(fe(x)), np.asarray(ft(x))
-            rel = float(np.linalg.norm(yt - ye) / np.linalg.norm(ye))
-            te, tt = _timed(fe, x, 1 if dry else 10), _timed(ft, x, 1 if dry else 10)
-            rows.append(dict(op=op, size_mb=rows_per_dev * cols * 4 / 2**20, exact_ms=te * 1e3, taco_ms=tt * 1e3,
-                             speedup=te / tt, rel_err=rel))
+    for dtype in DTYPES:
+        item = np.dtype(jnp.dtype(dtype)).itemsize
+        for mb in (0.0625,) if dry else (16, 64, 256):
+            cols = 4096
+            rows_per_dev = max(16, int(mb * 2**20) // (item * cols) // 16 * 16)
+            x = jnp.asarray(np.random.default_rng(0).standard_normal((n * rows_per_dev, cols), dtype=np.float32), dtype)
+            for op, (exact, taco) in ops.items():
+                out = P() if op == "all_reduce" else P("x")  # all-gather: every device's gathered copy
+                fe, ft = (jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=out)) for f in (exact, taco))
+                ye, yt = (np.asarray(f(x)).astype(np.float32) for f in (fe, ft))
+                rel = float(np.linalg.norm(yt - ye) / np.linalg.norm(ye))
+                te, tt = _timed(fe, x, 1 if dry else 10), _timed(ft, x, 1 if dry else 10)
+                rows.append(dict(op=op, dtype=dtype, size_mb=rows_per_dev * cols * item / 2**20, exact_ms=te * 1e3,
+                                 taco_ms=tt * 1e3, speedup=te / tt, rel_err=rel))
     return dict(n_devices=n, backend=codec.backend, rows=rows)
 
 
@@ -206,9 +240,9 @@ def training(dry: bool, n_steps: int = 30) -> dict:
 
 _ROW_FIELDS = {
     "conformance": {"backend": str, "fmt": str, "group_size": int, "ok": bool, "detail": str},
-    "throughput": {"backend": str, "op": str, "size_mb": float, "gbps": float, "memcpy_gbps": float,
-                   "ratio_vs_memcpy": float},
-    "collectives": {"op": str, "size_mb": float, "exact_ms": float, "taco_ms": float, "speedup": float,
+    "throughput": {"backend": str, "dtype": str, "op": str, "size_mb": float, "gbps": float, "memcpy_gbps": float,
+                   "ratio_vs_memcpy": float, "ranks": int},
+    "collectives": {"op": str, "dtype": str, "size_mb": float, "exact_ms": float, "taco_ms": float, "speedup": float,
                     "rel_err": float},
 }
 
@@ -265,7 +299,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for gpu_check.json")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny sizes; validates the report's format")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    p.add_argument("--sizes", default="16,64,256", help="throughput: message sizes in MB (f32), comma-separated")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="throughput: message sizes in MB")
+    p.add_argument("--update-speeds", action="store_true",
+                   help="write the measured speeds into taco_jax/kernels/gpu_speeds.json (GPU only; "
+                        "$OUT/gpu_speeds.json is always written)")
     p.add_argument("--train-steps", type=int, default=30, help="training: steps (2 in a dry run)")
     args = p.parse_args(argv)
     wanted = args.sections.split(",")
@@ -292,6 +329,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     validate(report)
+    if isinstance(report["throughput"], list) and report["throughput"]:
+        table = json.dumps(speed_table(report["throughput"], report["environment"]), indent=1) + "\n"
+        (out / "gpu_speeds.json").write_text(table)
+        if args.update_speeds:
+            if args.dry_run or report["environment"]["platform"] == "cpu":
+                raise ValueError("--update-speeds needs a GPU run (not --dry-run / CPU)")
+            from taco_jax import kernels  # noqa: PLC0415
+
+            kernels.GPU_SPEEDS.write_text(table)
     failed = [r for r in report["conformance"] if isinstance(r, dict) and not r.get("ok")] \
         if isinstance(report["conformance"], list) else []
     print(f"gpu_check: wrote {out / 'gpu_check.json'}; errors={report['errors']}; non-conforming={len(failed)}")

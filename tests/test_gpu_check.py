@@ -23,7 +23,9 @@ def dry_report(tmp_path_factory):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "gpu_check.log").exists()
-    return json.loads((out / "gpu_check.json").read_text())
+    report = json.loads((out / "gpu_check.json").read_text())
+    report["_out"] = out  # for the test of the speed table written beside it
+    return report
 
 
 def test_dry_run_report_is_valid_and_complete(dry_report):
@@ -33,11 +35,14 @@ def test_dry_run_report_is_valid_and_complete(dry_report):
     assert env["platform"] == "cpu" and env["n_devices"] == 8
     conf = dry_report["conformance"]
     assert {r["backend"] for r in conf} == set(env["backends"]) - {"reference", "auto"} and all(r["ok"] for r in conf)
-    cases = {(r["backend"], r["op"]) for r in dry_report["throughput"]}
-    assert cases >= {("reference", "encode"), ("reference", "decode")}
+    cases = {(r["backend"], r["dtype"], r["op"]) for r in dry_report["throughput"]}
+    assert cases >= {("reference", d, op) for d in ("bfloat16", "float32") for op in ("encode", "decode", "decode_sum")}
     coll = dry_report["collectives"]
-    assert {r["op"] for r in coll["rows"]} == {"all_reduce", "all_gather"}
+    assert {(r["op"], r["dtype"]) for r in coll["rows"]} == {
+        (op, d) for op in ("all_reduce", "all_gather") for d in ("bfloat16", "float32")}
     assert all(0 < r["rel_err"] < 0.1 for r in coll["rows"])  # FP8 error, not garbage
+    speeds = json.loads((dry_report["_out"] / "gpu_speeds.json").read_text())["backends"]
+    assert speeds["reference"]["measured"] is True and speeds["reference"]["encode_GBps"] > 0
     train = dry_report["training"]
     assert train["steps"] == len(train["losses"]) and train["mesh"] == "data=1,tensor=2"
 

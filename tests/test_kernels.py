@@ -341,6 +341,33 @@ def test_pallas_block_smaller_than_groups_and_padding():
     assert_conforms(got, reference.encode_groups(jnp.asarray(x), cfg, last_count=lc), 32)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_pallas_reads_and_writes_native_dtypes_and_decode_sum_conforms(dtype):
+    """bfloat16 / float16 messages read as they are: encode conforms to `reference` on the same
+    values in float32; decode written in the message dtype is within one ulp of the reference's
+    rounded value; decode-sum of 3 ranks (float32 and message dtype out) conforms to the rank-order
+    float32 sum of the reference's decodes."""
+    from taco_jax.kernels import pallas_codec  # noqa: PLC0415
+
+    g, cfg = 64, CodecConfig(group_size=64)
+    xs = [make_groups(g, n_groups=20, batch=1, seed=r)[0].astype(dtype) for r in range(3)]
+    lc = g // 3
+    encs = [pallas_codec.encode_groups(jnp.asarray(x), cfg, last_count=lc) for x in xs]
+    for x, e in zip(xs, encs):
+        assert_conforms(e, reference.encode_groups(jnp.asarray(x.astype(np.float32)), cfg, last_count=lc), g)
+    codes, s, a = (jnp.stack(t) for t in zip(*encs))
+    want = [np.asarray(reference.decode_groups(codes[r], s[r], a[r])) for r in range(3)]
+    got = pallas_codec.decode_groups(codes[0], s[0], a[0], dtype=dtype)
+    assert got.dtype == dtype
+    assert_decode_conforms(got, want[0], g, dtype=dtype)
+    ref_max = sum(np.max(np.abs(w), axis=-1, keepdims=True) for w in want)
+    for out in ("float32", dtype):
+        got = pallas_codec.decode_sum_groups(codes, s, a, dtype=out)
+        assert got.dtype == out and got.shape == codes.shape[1:]
+        assert_decode_conforms(got, want[0] + want[1] + want[2], g, dtype=out, ref_max=ref_max)
+
+
 # --------------------------------------------------------------------------------------
 # Inside shard_map(check_vma=True) on the 8-device CPU mesh
 # --------------------------------------------------------------------------------------

@@ -228,3 +228,26 @@ def test_decomposed_fit_subtracts_the_sim_local_work():
     assert len(checks) == 8 and max(abs(c["error"]) for c in checks) < 1e-6
     with pytest.raises(ValueError, match="local='x'"):
         perf.validate(cal, rows, local="x")
+
+
+def test_break_even_codec_speed_is_where_speedup_crosses_one_and_target_beats_today_on_slow_links():
+    from taco_jax.perf import paper  # noqa: PLC0415
+
+    rows = paper.codec_outlook()
+    assert {r["tp_link"] for r in rows} == {label for label, _, _ in paper.TP_LINKS}
+    _, cfg, lay, _, _ = paper.settings()[0]
+    pol = paper.policies()["taco_tp"]
+    for label, hw, link in paper.TP_LINKS:
+        hw2 = paper._with_codec(hw, model.H200_CODEC, link, lay.tp)
+        be = paper.break_even_codec_GBps(cfg, lay, hw2, pol)
+        if be is None:
+            continue
+        def at(gbps, hw=hw, link=link):
+            return model.speedup(cfg, lay, paper._with_codec(hw, CodecSpeed(gbps, gbps, 8e-6), link, lay.tp), pol)
+
+        assert at(be * 0.99) < 1.0 <= at(be * 1.01), label
+    slow = [r for r in rows if "PCIe" in r["tp_link"] or "InfiniBand" in r["tp_link"]]
+    assert all(r["speedup_target"] >= r["speedup_today"] > 1 for r in slow)
+    assert paper.target_codec(0.8, 2).encode_GBps == pytest.approx(0.8 * 4.8e12 / (1 + 1.0625 / 2) / 1e9)
+    with pytest.raises(ValueError, match="fraction=1.5"):
+        paper.target_codec(1.5)

@@ -14,16 +14,22 @@ Contract of a group backend (spec §2 steps 1-5 and their inverse):
     cfg.group_size; codes: cfg.code_dtype [..., n_groups, G]; s, a: float32 [..., n_groups];
     a group holding NaN/±Inf gets s = NaN.
   decode_groups(codes, s, a) -> float32 [..., n_groups, G]; a=None for the folded layout.
+Optional, registered apart (`register_native`; none registered: float32 in and out, no fused sum):
+  dtypes: names of the message dtypes ("bfloat16", "float16", ...) that encode_groups
+    reads as they are (xg in that dtype; no convert to float32 before it) and that
+    decode_groups(codes, s, a, dtype=...) writes directly, its finite values clipped to the
+    dtype's range (`dispatch.clip_to_dtype`) and rounded to nearest even: for such a dtype d,
+    encode_groups(xg in d) is bit-identical to encode_groups(xg.astype(float32)), and
+    decode_groups(..., dtype=d) to clip_to_dtype(decode_groups(...), d).astype(d), so the
+    dispatcher runs no convert before or after the backend;
+  decode_sum_groups(codes, s, a, *, dtype) -> dtype [..., n_groups, G]: P ranks' groups
+    (codes [P, ..., n_groups, G], s, a [P, ..., n_groups]) decoded and summed in float32 in rank
+    order, clipped and cast once (used by `dispatch.decode_sum`; dtype float32 or a native one).
 Optional, registered apart (`register_reducer`; none registered: the reference's is used):
   reduce_groups(codes, s, a, cfg) -> (codes, s): the transform-domain reduction of the two-shot
     all-reduce (`taco_jax.codec.reference.reduce_groups`): codes [P, ..., n_groups, G] and
     s, a [P, ..., n_groups] of P ranks' messages -> the requantized sum, codes [..., n_groups, G]
     and s [..., n_groups] (folded layout: decode_groups(codes, s, None) gives the sum).
-  native dtypes (`register_native_dtypes`; none registered: float32 only): message dtypes the
-    backend reads and writes as they are. For such a dtype d, `encode_groups` also takes xg in d
-    (bit-identical to taking xg.astype(float32)), and `decode_groups(codes, s, a, dtype=d)` returns
-    d, bit-identical to `dispatch.clip_to_dtype(decode_groups(codes, s, a), d).astype(d)`; the
-    dispatcher then runs no convert before or after the backend.
 
 Contract of a wire codec (`WireCodec`): messages <-> the uint8 rows the collectives move. A row
 holds one message's wire buffers as bytes, [codes][s][a] ([codes][s/a] folded), the layout
@@ -63,6 +69,13 @@ class GroupBackend(NamedTuple):
     decode_groups: Callable
 
 
+class NativeSupport(NamedTuple):
+    """What a group backend takes beyond float32 (contract in the module docstring)."""
+
+    dtypes: tuple[str, ...] = ()
+    decode_sum_groups: Callable | None = None
+
+
 class WireCodec(NamedTuple):
     """One implementation of the wire rows (contract in the module docstring)."""
 
@@ -77,7 +90,7 @@ _LOADERS: dict[str, Callable[[], GroupBackend]] = {}
 _LOADED: dict[str, GroupBackend] = {}
 _RESOLVER: list[Callable] = []  # at most one (`register_resolver`)
 _REDUCERS: dict[str, Callable] = {}
-_NATIVE_DTYPES: dict[str, tuple] = {}
+_NATIVE: dict[str, NativeSupport] = {}
 _WIRE_LOADERS: dict[str, tuple[Callable[[], WireCodec], tuple[str, ...]]] = {}
 _WIRE_LOADED: dict[str, WireCodec] = {}
 
@@ -96,18 +109,19 @@ def get_reducer(name: str) -> Callable | None:
     return _REDUCERS.get(name)
 
 
-def register_native_dtypes(name: str, dtypes) -> None:
-    """Registers the message dtypes (numpy dtypes) backend `name` reads and writes as they are."""
-    _NATIVE_DTYPES[name] = tuple(dtypes)
+def register_native(name: str, dtypes: tuple[str, ...] = (), decode_sum_groups: Callable | None = None) -> None:
+    """Registers the message dtypes backend `name` reads and writes natively and its fused
+    `decode_sum_groups` (contract in the module docstring)."""
+    names = tuple(getattr(d, "name", str(d)) for d in dtypes)  # numpy dtypes or their names
+    _NATIVE[name] = NativeSupport(names, decode_sum_groups)
 
 
-def native_dtypes(name: str) -> tuple:
-    """The message dtypes backend `name` reads and writes as they are (empty: it takes float32, the
-    dispatcher converts). "auto" is `resolve_backend("auto")`'s. Loads the backend first
-    (`get_backend`), whose loader may register them."""
+def get_native(name: str) -> NativeSupport:
+    """Backend `name`'s `NativeSupport` (empty if none registered); "auto" is resolved first. Loads
+    the backend first (`get_backend`), whose loader may register it."""
     name = resolve_backend(name)
     get_backend(name)
-    return _NATIVE_DTYPES.get(name, ())
+    return _NATIVE.get(name, NativeSupport())
 
 
 def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
@@ -115,6 +129,7 @@ def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
     backend runs here and raise ValueError saying why not). Re-registering replaces the entry."""
     _LOADERS[name] = loader
     _LOADED.pop(name, None)
+    _NATIVE.pop(name, None)
 
 
 def register_resolver(resolver: Callable, platform: Callable[[], str]) -> None:

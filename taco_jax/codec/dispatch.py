@@ -21,8 +21,8 @@ from taco_jax.codec.backends import (
     GroupBackend,
     default_platform,
     get_backend,
+    get_native,
     get_reducer,
-    native_dtypes,
     register_backend,
     register_reducer,
     resolve_backend,
@@ -120,9 +120,10 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
     n = math.prod(shape)
     if x.size == 0:
         return _empty_encoded(x, cfg, batch_dims)
+    backend = get_backend(cfg.backend) if cfg.kind == "taco" else None
     rows = _message_to_rows(x, cfg, batch_dims)
-    if cfg.kind != "taco" or jnp.dtype(rows.dtype) not in native_dtypes(cfg.backend):
-        rows = rows.astype(jnp.float32)  # else the backend reads the message dtype as it is
+    if not (_native(cfg, x.dtype) and cfg.nonfinite != "zero"):
+        rows = rows.astype(jnp.float32)
     if cfg.nonfinite == "zero":
         rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
     if cfg.kind == "fp8_tensor":
@@ -137,7 +138,7 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
         xg = rows.reshape(*rows.shape[:-1], n_groups, g)
         last_count = n - (n_groups - 1) * g
     if cfg.kind == "taco":
-        codes, s, a = get_backend(cfg.backend).encode_groups(xg, cfg, last_count=last_count)
+        codes, s, a = backend.encode_groups(xg, cfg, last_count=last_count)
         if cfg.scale_layout == "folded":
             s, a = s / a, None
     else:
@@ -186,24 +187,54 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
     is resolved as in `encode`).
     """
     with jax.named_scope("taco_decode"):
+        dtype = jnp.dtype(dtype or enc.dtype)
         n = math.prod(enc.shape)
         batch = enc.scale.shape[:-1]
-        dtype = jnp.dtype(dtype or enc.dtype)
+        backend = get_backend(cfg.backend) if cfg.kind == "taco" else None
+        native = _native(cfg, dtype) and cfg.nonfinite != "zero" and enc.codes.size
         if enc.codes.size == 0:
             rows = jnp.zeros((*batch, n), jnp.float32)
         else:
-            if cfg.kind == "taco":
-                backend = get_backend(cfg.backend)
-                if dtype in native_dtypes(cfg.backend) and cfg.nonfinite != "zero":  # written in dtype, clipped
-                    xg = backend.decode_groups(enc.codes, enc.scale, enc.prescale, dtype=dtype)
-                    return _rows_to_message(xg.reshape(*xg.shape[:-2], -1)[..., :n], enc.shape, cfg)
+            if native:  # decoded straight into dtype, clipped by the kernel
+                xg = backend.decode_groups(enc.codes, enc.scale, enc.prescale, dtype=dtype)
+            elif cfg.kind == "taco":
                 xg = backend.decode_groups(enc.codes, enc.scale, enc.prescale)
             else:
                 xg = GROUP_CODECS[cfg.kind][1](enc.codes, enc.scale, enc.prescale, cfg)
             rows = xg.reshape(*xg.shape[:-2], -1)[..., :n]
         if cfg.nonfinite == "zero":
             rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
-        return _rows_to_message(clip_to_dtype(rows, dtype), enc.shape, cfg).astype(dtype)
+        if not native:
+            rows = clip_to_dtype(rows, dtype).astype(dtype)
+        return _rows_to_message(rows, enc.shape, cfg)
+
+
+def decode_sum(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
+    """The P messages of `enc` (batch axis 0) decoded and summed in FP32 in rank order, then cast
+    to `dtype` (default: the encoded dtype) once: [*enc.shape]. Runs the backend's fused
+    `decode_sum_groups` where it has one (kind taco, nonfinite not "zero", dtype float32 or native
+    to it), else `decode` to float32 and a rank-order sum (inside `jax.named_scope("taco_decode")`).
+    Raises: ValueError as `decode`."""
+    dtype = jnp.dtype(dtype or enc.dtype)
+    fused_fn = get_native(cfg.backend).decode_sum_groups if cfg.kind == "taco" else None
+    fused = (fused_fn is not None and cfg.nonfinite != "zero" and enc.codes.size
+             and (dtype == jnp.float32 or _native(cfg, dtype)))
+    if not fused:
+        y = decode(enc, cfg, jnp.float32)
+        acc = y[0]
+        for i in range(1, y.shape[0]):
+            acc = acc + y[i]
+        return acc.astype(dtype)
+    with jax.named_scope("taco_decode"):
+        xg = fused_fn(enc.codes, enc.scale, enc.prescale, dtype=dtype)
+        rows = xg.reshape(*xg.shape[:-2], -1)[..., : math.prod(enc.shape)]
+        return _rows_to_message(rows, enc.shape, cfg)
+
+
+def _native(cfg: CodecConfig, dtype) -> bool:
+    """Whether the group backend of `cfg` (kind taco) reads / writes messages of `dtype` as they are
+    (`backends.register_native`)."""
+    return cfg.kind == "taco" and jnp.dtype(dtype).name in get_native(cfg.backend).dtypes
 
 
 def clip_to_dtype(rows: jax.Array, dtype) -> jax.Array:

@@ -19,7 +19,7 @@ from jax import lax
 
 from taco_jax.codec.backends import WireCodec, get_wire, register_wire
 from taco_jax.codec.config import CodecConfig
-from taco_jax.codec.dispatch import Encoded, decode, encode, reduce_encoded, resolve_codec, wire_layout
+from taco_jax.codec.dispatch import Encoded, decode, decode_sum, encode, reduce_encoded, resolve_codec, wire_layout
 
 
 def pack_rows(enc: Encoded, batch_dims: int) -> jax.Array:
@@ -79,7 +79,7 @@ def decode_sum_rows(rows, cfg: CodecConfig, shape, dtype) -> jax.Array:
     """P ranks' rows -> their decoded FP32 sum in rank order, in `dtype` [*shape]."""
     if isinstance(rows, (list, tuple)):
         rows = jnp.stack(rows)
-    return sum_fp32(decode(unpack_rows(rows, cfg, shape, dtype), cfg, jnp.float32), dtype)
+    return decode_sum(unpack_rows(rows, cfg, shape, dtype), cfg, dtype)
 
 
 def reduce_rows(rows, cfg: CodecConfig, shape, dtype, domain: str) -> jax.Array:

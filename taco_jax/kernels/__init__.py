@@ -8,14 +8,19 @@ wire rows written and read by the C++ kernels) and `resolve`, which
 name stands for:
 
   reference  plain jnp (the specification); every platform.
-  pallas     fused Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs sm >= 89),
-             the interpreter on CPU (slow: for tests).
-  triton     Triton kernels through jax-triton (`triton_codec`); GPU only, imported lazily.
+  pallas     fused one-pass Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs
+             sm >= 89), the interpreter on CPU (slow: for tests).
+  triton     one-pass Triton kernels through jax-triton (`triton_codec`); GPU only, imported lazily.
+pallas and triton read and write float32, bfloat16 and float16 messages as they are and have a
+fused decode-sum (`codec.backends.register_native`, registered by their loaders).
   ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU (AVX2 when the CPU has it), CUDA on
              GPU; needs the shared library built by `make -C custom_calls` (`... cuda` for GPU).
-  auto       the default: CPU: ffi if built, else reference; GPU: ffi (CUDA) if built, else
-             reference (the pallas / triton encoders are far slower than both on GPU;
-             docs/results.md "GPU path"). When ffi is not built, a one-time warning says so and how to build it.
+  auto       the default: CPU: ffi if built, else reference. GPU: the fastest backend present by the
+             declared speed table (`gpu_speeds.json`, `gpu_speed_table`; `python -m
+             experiments.gpu_check --update-speeds` rewrites it from a lent GPU's measurements):
+             ffi (CUDA) if built, else triton when jax-triton is installed, else reference (the
+             pallas kernels are the slowest on GPU; docs/results.md "GPU path"). When ffi is not
+             built, a one-time warning says so and how to build it.
 
 Conformance rule (tested in tests/test_kernels.py against `reference` on the same inputs):
   For a group whose input is finite:
@@ -26,7 +31,11 @@ Conformance rule (tested in tests/test_kernels.py against `reference` on the sam
       reference's, or (near zero, where FP8 steps are finer than float32 reordering noise: E5M2
       subnormals) within 2^-23 * G * R of it in value. A code flips only where y/s lies within
       rounding of a code boundary;
-    * decoded values agree to 2^-23 * G * max|x_ref| over the group.
+    * decoded values agree to 2^-23 * G * max|x_ref| over the group; decoded straight into a
+      narrower dtype (bfloat16, float16: a backend's native dtypes), within that plus one ulp of
+      the dtype of the reference's value clipped to the dtype's range (the float32 values may
+      straddle a rounding boundary); a decode-sum of P ranks within 2^-23 * G * sum of the ranks'
+      max|x_ref| (`conformance.assert_decode_conforms`).
   For a group holding NaN or +-Inf: s is NaN (so it decodes to NaN), a is the reference's
   formula applied (NaN or 1e-3); its codes are unspecified.
   Measured agreement of each backend: custom_calls/README.md ("Conformance, measured").
@@ -46,12 +55,14 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import warnings
+from pathlib import Path
 
 from taco_jax.codec.backends import (
     GroupBackend,
     register_backend,
-    register_native_dtypes,
+    register_native,
     register_reducer,
     register_resolver,
     register_wire,
@@ -63,6 +74,38 @@ from taco_jax.kernels._platform import default_platform
 
 #: Backends whose implementation lives in this package: name -> module.
 _MODULES = {"pallas": "pallas_codec", "triton": "triton_codec", "ffi": "ffi_codec"}
+#: The declared GPU speed of each backend (JSON, format in `gpu_speed_table`).
+GPU_SPEEDS = Path(__file__).with_name("gpu_speeds.json")
+
+
+@functools.cache
+def gpu_speed_table() -> dict[str, dict]:
+    """{backend: {"encode_GBps", "decode_GBps", "measured", "source"}} from `GPU_SPEEDS`: encode /
+    decode throughput on a GPU, GB/s (1e9 B/s) of the uncompressed message; "measured" False marks a
+    bound (e.g. from the AOT SASS counts of `experiments/triton_aot.py`), which `gpu_rank` counts at
+    `UNMEASURED_FRACTION` of its value. Raises ValueError naming a malformed entry."""
+    table = json.loads(GPU_SPEEDS.read_text())["backends"]
+    for name, row in table.items():
+        ok = all(isinstance(row.get(k), (int, float)) and row[k] > 0 for k in ("encode_GBps", "decode_GBps"))
+        if name not in BACKENDS or not ok or not isinstance(row.get("measured"), bool):
+            raise ValueError(f"{GPU_SPEEDS}: bad entry {name!r}: {row!r}")
+    return table
+
+
+#: Share of an unmeasured (bound) speed that `gpu_rank` assumes is achieved: what the measured CUDA
+#: FFI encoder reaches of the same HBM bound on an H200 (1386 GB/s of f32 message vs 4.8 TB/s /
+#: (1 + 1.0625 / 4) = 3.8 TB/s), so a bound never outranks that measured kernel on its own.
+UNMEASURED_FRACTION = 0.36
+
+
+def gpu_rank(name: str) -> float:
+    """Seconds per GB of one encode plus one decode of backend `name` by `gpu_speed_table` (lower is
+    faster; an undeclared backend ranks last: inf)."""
+    row = gpu_speed_table().get(name)
+    if row is None:
+        return float("inf")
+    f = 1.0 if row["measured"] else UNMEASURED_FRACTION
+    return 1.0 / (f * row["encode_GBps"]) + 1.0 / (f * row["decode_GBps"])
 
 
 def _unavailable(name: str, platform: str) -> str | None:
@@ -110,8 +153,11 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
     platform = platform or default_platform()
     if name not in BACKENDS:
         raise ValueError(f"unknown codec backend {name!r}; choose one of {BACKENDS}")
-    if name == "auto":  # never pallas / triton: far slower than both on GPU (docs/results.md "GPU path")
-        order = ("ffi", "reference")
+    if name == "auto":
+        if platform in ("cuda", "rocm"):  # the declared speed table
+            order = sorted((b for b in BACKENDS if b != "auto"), key=gpu_rank)
+        else:
+            order = ("ffi", "reference")
         got = next(b for b in order if _unavailable(b, platform) is None)
         if got != "ffi":
             _warn_auto_fallback(platform, got, _unavailable("ffi", platform))
@@ -155,7 +201,7 @@ def _loader(name: str):
         mod = importlib.import_module(f"taco_jax.kernels.{_MODULES[name]}")
         if hasattr(mod, "reduce_groups"):
             register_reducer(name, mod.reduce_groups)
-        register_native_dtypes(name, getattr(mod, "NATIVE_DTYPES", ()))
+        register_native(name, tuple(getattr(mod, "NATIVE_DTYPES", ())), getattr(mod, "decode_sum_groups", None))
         return GroupBackend(mod.encode_groups, mod.decode_groups)
 
     return load
@@ -178,4 +224,4 @@ for _name in _MODULES:
 register_resolver(resolve, default_platform)
 register_wire("ffi", lambda: importlib.import_module("taco_jax.kernels.ffi_wire").FFI_WIRE, platforms=("cpu",))
 
-__all__ = ["available_backends", "get_backend", "resolve", "resolve_codec"]
+__all__ = ["available_backends", "get_backend", "gpu_rank", "gpu_speed_table", "resolve", "resolve_codec"]

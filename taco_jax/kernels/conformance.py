@@ -4,7 +4,8 @@ check (`python -m experiments.gpu_check`), so both apply one rule.
 
   make_groups             test input: [batch, n_groups, G] float32 with the hard cases
   assert_conforms         encode outputs (codes, s, a) against the reference's
-  assert_decode_conforms  decoded values against the reference's
+  assert_decode_conforms  decoded values against the reference's (in float32 or a narrower output dtype)
+  dtype_ulp               one ulp of an output dtype, for that comparison
   check_backend           all three for one registered backend, format and group size
 
 Every check raises AssertionError naming what differs (and by how much); it returns None.
@@ -13,6 +14,7 @@ Every check raises AssertionError naming what differs (and by how much); it retu
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from taco_jax.codec import reference
@@ -77,16 +79,38 @@ def assert_conforms(got, want, g: int, r: float = 448.0, max_code_frac: float = 
         raise AssertionError(f"{frac:.2e} of codes differ (at most {max_code_frac:g} may)")
 
 
-def assert_decode_conforms(got, want, g: int) -> None:
-    """Decoded values [..., G] float32 of a backend (`got`) against `reference` (`want`): NaN in the
-    same places; elsewhere within 2^-23 * G * max|want| of the group. Raises AssertionError."""
-    got, want = np.asarray(got), np.asarray(want)
+def dtype_ulp(values: np.ndarray, dtype) -> np.ndarray:
+    """One unit in the last place of `dtype` (float32, bfloat16, float16) at each of `values`
+    (float32 array of the same shape; subnormal spacing below the smallest normal)."""
+    fi = ml_dtypes.finfo(np.dtype(dtype))
+    e = np.floor(np.log2(np.maximum(np.abs(values).astype(np.float64), float(fi.smallest_normal))))
+    return (np.exp2(e) * float(fi.eps)).astype(np.float32)
+
+
+def assert_decode_conforms(got, want, g: int, *, dtype=None, ref_max=None) -> None:
+    """Decoded values [..., G] of a backend (`got`) against `reference` (`want`, float32, before any
+    cast): NaN in the same places; elsewhere within 2^-23 * G * max|want| of the group (`ref_max`
+    [..., 1] replaces max|want|, e.g. the sum over ranks of each rank's max for a decode-sum). With
+    `dtype` (the output dtype `got` was written in, narrower than float32), `want` is clipped to
+    dtype's finite range as the codec does before the cast, and one ulp of dtype at |want| is
+    allowed on top (the f32 values may straddle a rounding boundary of dtype). Raises AssertionError."""
+    got, want = np.asarray(got).astype(np.float32), np.asarray(want).astype(np.float32)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want).any(axis=-1)
-    tol = 2.0**-23 * g * np.max(np.abs(want[ok]), axis=-1, keepdims=True)
-    err = np.abs(got[ok] - want[ok])
+    if ref_max is None:
+        ref_max = np.max(np.abs(want[ok]), axis=-1, keepdims=True)
+    else:
+        ref_max = np.broadcast_to(np.asarray(ref_max, np.float32), want.shape[:-1] + (1,))[ok]
+    tol = 2.0**-23 * g * ref_max
+    w = want[ok]
+    if dtype is not None and np.dtype(dtype) != np.float32:
+        big = float(ml_dtypes.finfo(np.dtype(dtype)).max)
+        w = np.clip(w, -big, big)
+        tol = tol + dtype_ulp(w, dtype)
+    err = np.abs(got[ok] - w)
     if not np.all(err <= tol):
-        raise AssertionError(f"decoded values differ by up to {np.max(err - tol):.3g} beyond 2^-23 * G * max|x|")
+        raise AssertionError(f"decoded values differ by up to {np.max(err - tol):.3g} beyond 2^-23 * G * max|x|"
+                             + (f" + 1 ulp of {np.dtype(dtype).name}" if dtype is not None else ""))
 
 
 def check_backend(name: str, g: int, fmt: str, **data_kw) -> None:

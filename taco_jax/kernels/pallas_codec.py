@@ -1,11 +1,15 @@
 """Pallas fused TACO codec (spec §2): one program per block of groups; Triton on GPU, interpreter on CPU.
 
-Each program loads a [block, G] tile of groups and does the whole group math in one pass:
-sum of squares -> adaptive scale a -> Walsh-Hadamard transform as a matmul with the ±1
-Sylvester matrix (in column chunks, so the operand tiles stay small on GPU) -> absmax ->
-quantization scale s -> FP8 codes; decode is FP8 -> x s -> the same matmul -> / (sqrt(G) a).
-The arithmetic is the reference's (`taco_jax.codec.reference`), op for op; only the matmul's
-summation order may differ (see the conformance rule in `taco_jax.kernels`).
+Each program loads a [block, G] tile of groups in the message's own dtype (float32, bfloat16 or
+float16: `NATIVE_DTYPES`) and does the whole group math in one pass, each element read once:
+sum of squares -> adaptive scale a -> Walsh-Hadamard transform as an in-register butterfly
+(`_wht`: log2(G) stages of lo + hi, lo - hi; reshape / transpose / unstack / stack, which the
+Triton lowering maps to tt.reshape / tt.trans / tt.split / tt.join, as in `triton_codec`) ->
+absmax -> quantization scale s -> FP8 codes; decode is FP8 -> q s / (sqrt(G) max(a, EPS)) (one
+factor per group) -> the same butterfly -> written in the output dtype (clipped to its range);
+decode-sum adds P ranks' decodes in float32 in rank order and writes once. The arithmetic is the
+reference's (`taco_jax.codec.reference`) up to the order of the transform's sums and one rounding
+of the per-group factors (see the conformance rule in `taco_jax.kernels`).
 
 Interpret mode is chosen by the platform the computation is *lowered* for
 (`lax.platform_dependent`), not the one jax runs on, so `jax.export(..., platforms=["cuda"])`
@@ -31,12 +35,14 @@ from jax.experimental import pallas as pl
 
 from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
-from taco_jax.codec.hadamard import hadamard
 from taco_jax.codec.vma import pvary, shape_dtype, vma_of
 from taco_jax.kernels._platform import PINNED, pinned_platform  # noqa: F401  (pinned_platform: public here)
-from taco_jax.kernels._tiles import wht_chunk
 
-_HIGHEST = jax.lax.Precision.HIGHEST
+#: Message dtypes the kernels read and write as they are (no convert around the kernel).
+NATIVE_DTYPES = ("float32", "bfloat16", "float16")
+#: Elements per program by default (groups per program = ELEMENTS // G): 16 float32 registers per
+#: thread at 4 warps, as `triton_codec`.
+ELEMENTS = 2048
 
 
 _GPU_LOWERINGS = ("triton", "mosaic_gpu")
@@ -59,15 +65,18 @@ def lowering_platform(platform: str, gpu_lowering: str = "triton"):
         raise ValueError(f"{platform=} must be 'cpu', 'cuda' or 'rocm'")
     if gpu_lowering not in _GPU_LOWERINGS:
         raise ValueError(f"{gpu_lowering=} must be one of {_GPU_LOWERINGS}")
-    encode_groups.clear_cache()
-    decode_groups.clear_cache()
+    _clear_caches()
     token = PINNED.set((platform, gpu_lowering))
     try:
         yield
     finally:
         PINNED.reset(token)
-        encode_groups.clear_cache()
-        decode_groups.clear_cache()
+        _clear_caches()
+
+
+def _clear_caches():
+    for fn in (encode_groups, decode_groups, decode_sum_groups):
+        fn.clear_cache()
 
 
 def _gpu_compiler_params(gpu_lowering: str):
@@ -113,8 +122,18 @@ def _per_platform(call, *args, vma: frozenset):
 # --------------------------------------------------------------------------------------
 
 
-def _encode_kernel(x_ref, h_ref, codes_ref, s_ref, a_ref, *, block, g, n_groups, last_count, lam, fmax, r):
-    x = x_ref[...]  # [block, G] f32
+def _wht(x):
+    """Unnormalised Sylvester-order WHT of each row of x [B, G] float32: stage j pairs the indices
+    differing in bit j (lo: bit clear, hi: bit set) and writes lo + hi, lo - hi in place."""
+    b, g = x.shape
+    for j in range(g.bit_length() - 1):
+        lo, hi = jax.lax.unstack(x.reshape(b, g // (2 << j), 2, 1 << j).transpose(0, 1, 3, 2), axis=3)
+        x = jax.lax.stack([lo + hi, lo - hi], axis=3).transpose(0, 1, 3, 2).reshape(b, g)
+    return x
+
+
+def _encode_kernel(x_ref, codes_ref, s_ref, a_ref, *, block, g, n_groups, last_count, lam, fmax, r):
+    x = x_ref[...].astype(jnp.float32)  # [block, G]
     row = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
     count = jnp.where(row % n_groups == n_groups - 1, np.float32(last_count), np.float32(g))
     # 1-2. mean square over the real elements, adaptive scale
@@ -124,53 +143,49 @@ def _encode_kernel(x_ref, h_ref, codes_ref, s_ref, a_ref, *, block, g, n_groups,
     # NaN in -> NaN a, as the reference: Triton lowers maximum/clip to fmax/fmin, which drop NaN
     # (seen on an H200: a NaN group got a = ADAPTIVE_SCALE_MAX)
     a = jnp.where(jnp.isnan(m), np.float32(np.nan), a)
-    xa = a[:, None] * x
-    # 3. y = WHT(a x) / sqrt(G), by column chunks of H (a loop, not unrolled: G = 512 would
-    # otherwise make a huge Triton kernel); pass 1 takes the absmax, pass 2 recomputes y.
-    c = wht_chunk(g)
+    n_bad = jnp.sum(jnp.where(jnp.abs(x) < np.float32(np.inf), 0.0, 1.0), axis=1)
+    # 3. t = WHT(a x), once; y = t / sqrt(G) is never formed: max|y| = max|t| / sqrt(G)
     sqrt_g = np.float32(math.sqrt(g))
-
-    def y_chunk(i):
-        h = h_ref[:, pl.ds(pl.multiple_of(i * c, c), c)]
-        return jnp.dot(xa, h, precision=(_HIGHEST, _HIGHEST), preferred_element_type=jnp.float32) / sqrt_g
-
-    amax = jax.lax.fori_loop(
-        0, g // c, lambda i, m: jnp.maximum(m, jnp.max(jnp.abs(y_chunk(i)), axis=1)), jnp.zeros((block,), jnp.float32)
-    )
+    t = _wht(a[:, None] * x)
+    amax = jnp.max(jnp.abs(t), axis=1) / sqrt_g
     # 4. quantization scale; a group holding NaN/Inf gets s = NaN
     s = jnp.clip(jnp.maximum(amax, np.float32(C.EPS)) / np.float32(r), np.float32(C.EPS), np.float32(C.SCALE_MAX))
-    n_bad = jnp.sum(jnp.where(jnp.abs(x) < np.float32(np.inf), 0.0, 1.0), axis=1)
     s = jnp.where(n_bad == 0, s, np.float32(np.nan))
-
-    # 5. codes (RNE, saturated by the clip)
-    @pl.loop(0, g // c)
-    def _(i):
-        q = jnp.clip(y_chunk(i) / s[:, None], -np.float32(r), np.float32(r))
-        codes_ref[:, pl.ds(pl.multiple_of(i * c, c), c)] = q.astype(codes_ref.dtype)
-
+    # 5. codes q = y / s = t * (1 / (sqrt(G) s)), RNE, saturated by the clip
+    k = np.float32(1) / (s * sqrt_g)
+    codes_ref[...] = jnp.clip(t * k[:, None], -np.float32(r), np.float32(r)).astype(codes_ref.dtype)
     s_ref[...] = s
     a_ref[...] = a
 
 
-def _decode_kernel(codes_ref, s_ref, *rest, g, has_a):
-    if has_a:
-        a_ref, h_ref, out_ref = rest
-    else:
-        h_ref, out_ref = rest
-    y = codes_ref[...].astype(jnp.float32) * s_ref[...][:, None]
-    sqrt_g = np.float32(math.sqrt(g))
-    if has_a:
-        den = jnp.maximum(a_ref[...], np.float32(C.EPS))[:, None]
-    c = wht_chunk(g)
+def _decode_block(codes, s, a, g):
+    """x' = WHT(fp8(q) s) / sqrt(G) / max(a, EPS) of codes [B, G] (a None: folded), float32 [B, G]."""
+    k = s / np.float32(math.sqrt(g))
+    if a is not None:
+        k = k / jnp.maximum(a, np.float32(C.EPS))
+    return _wht(codes.astype(jnp.float32) * k[:, None])
 
-    @pl.loop(0, g // c)
-    def _(i):
-        cols = pl.ds(pl.multiple_of(i * c, c), c)
-        x = jnp.dot(y, h_ref[:, cols], precision=(_HIGHEST, _HIGHEST), preferred_element_type=jnp.float32)
-        x = x / sqrt_g
-        if has_a:
-            x = x / den
-        out_ref[:, cols] = x
+
+def _store_out(out_ref, x):
+    """x float32 clipped to out_ref's finite range when narrower (NaN kept: Triton's fmin / fmax drop
+    it) and stored in its dtype."""
+    if jnp.finfo(out_ref.dtype).max < jnp.finfo(jnp.float32).max:
+        big = np.float32(jnp.finfo(out_ref.dtype).max)
+        x = jnp.where(jnp.isnan(x), x, jnp.clip(x, -big, big))
+    out_ref[...] = x.astype(out_ref.dtype)
+
+
+def _decode_kernel(codes_ref, s_ref, *rest, g, has_a):
+    a_ref, out_ref = rest if has_a else (None, rest[0])
+    _store_out(out_ref, _decode_block(codes_ref[...], s_ref[...], a_ref[...] if has_a else None, g))
+
+
+def _decode_sum_kernel(codes_ref, s_ref, *rest, g, has_a, p):
+    a_ref, out_ref = rest if has_a else (None, rest[0])
+    acc = _decode_block(codes_ref[0], s_ref[0], a_ref[0] if has_a else None, g)
+    for r in range(1, p):  # rank order, float32
+        acc = acc + _decode_block(codes_ref[r], s_ref[r], a_ref[r] if has_a else None, g)
+    _store_out(out_ref, acc)
 
 
 # --------------------------------------------------------------------------------------
@@ -178,30 +193,45 @@ def _decode_kernel(codes_ref, s_ref, *rest, g, has_a):
 # --------------------------------------------------------------------------------------
 
 
-def _pad_rows(x, block):
-    n = x.shape[0]
+def _pad_rows(x, block, axis=0):
+    n = x.shape[axis]
     pad = -n % block
-    return (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x), n
+    if not pad:
+        return x, n
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths), n
 
 
-def _block_rows(n: int, block: int) -> int:
-    """Rows per program: `block`, or less for small inputs (a power of 2, at least 16)."""
-    return max(16, min(block, 1 << max(0, (n - 1).bit_length())))
+def _block_rows(n: int, g: int, block: int | None) -> int:
+    """Rows per program: `block` (default ELEMENTS // g), or less for small inputs (a power of 2).
+    Raises ValueError for a block that is not a power of 2."""
+    block = block or max(1, ELEMENTS // g)
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"{block=} must be a power of 2")
+    return min(block, 1 << max(0, (n - 1).bit_length()))
+
+
+def _check_dtype(dtype, what: str):
+    if jnp.dtype(dtype).name not in NATIVE_DTYPES:
+        raise ValueError(f"{what} dtype {jnp.dtype(dtype).name} is not one of {NATIVE_DTYPES}")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "last_count", "block"))
-def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: int = 64):
-    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`.
+def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: int | None = None):
+    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`, reading `xg` in its own
+    dtype (no convert before the kernel).
 
     Args:
-      xg: float32 [..., n_groups, G]; cfg: codec config; last_count: real size of the last group.
-      block: groups per program (a power of 2 >= 16).
+      xg: float32, bfloat16 or float16 [..., n_groups, G]; cfg: codec config; last_count: real size
+        of the last group.
+      block: groups per program (a power of 2; default ELEMENTS // G).
+    Raises: ValueError for another dtype or a block that is not a power of 2.
     """
     *lead, n_groups, g = xg.shape
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"{block=} must be a power of 2 >= 16")
-    x2 = xg.astype(jnp.float32).reshape(-1, g)
-    bn = _block_rows(x2.shape[0], block)
+    _check_dtype(xg.dtype, "encode input")
+    x2 = xg.reshape(-1, g)
+    bn = _block_rows(x2.shape[0], g, block)
     x2, n = _pad_rows(x2, bn)
     n_pad = x2.shape[0]
     vma = vma_of(x2)
@@ -215,9 +245,8 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: in
         fmax=cfg.fmax,
         r=cfg.target_range,
     )
-    h = pvary(jnp.asarray(hadamard(g)), vma)
 
-    def call(x2, h, *, interpret, compiler_params):
+    def call(x2, *, interpret, compiler_params):
         return pl.pallas_call(
             kernel,
             out_shape=(
@@ -226,7 +255,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: in
                 shape_dtype((n_pad,), jnp.float32, vma),
             ),
             grid=(n_pad // bn,),
-            in_specs=[pl.BlockSpec((bn, g), lambda i: (i, 0)), pl.BlockSpec((g, g), lambda i: (0, 0))],
+            in_specs=[pl.BlockSpec((bn, g), lambda i: (i, 0))],
             out_specs=(
                 pl.BlockSpec((bn, g), lambda i: (i, 0)),
                 pl.BlockSpec((bn,), lambda i: (i,)),
@@ -235,44 +264,77 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: in
             interpret=interpret,
             compiler_params=compiler_params,
             name="taco_encode_groups",
-        )(x2, h)
+        )(x2)
 
-    codes, s, a = _per_platform(call, x2, h, vma=vma)
+    codes, s, a = _per_platform(call, x2, vma=vma)
     codes, s, a = codes[:n], s[:n], a[:n]
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
 
-@functools.partial(jax.jit, static_argnames=("block",))
-def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block: int = 64) -> jax.Array:
-    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`."""
-    *lead, n_groups, g = codes.shape
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"{block=} must be a power of 2 >= 16")
-    c2 = codes.reshape(-1, g)
-    n = c2.shape[0]
-    bn = _block_rows(n, block)
-    c2, _ = _pad_rows(c2, bn)
-    n_pad = c2.shape[0]
-    args = [c2, _pad_rows(s.astype(jnp.float32).reshape(-1), bn)[0]]
-    specs = [pl.BlockSpec((bn, g), lambda i: (i, 0)), pl.BlockSpec((bn,), lambda i: (i,))]
+def _decode_call(codes, s, a, *, dtype, block, p):
+    """decode (p None: codes [n, G]) or decode-sum (codes [p, n, G]) -> dtype [n, G]."""
+    g = codes.shape[-1]
+    n = codes.shape[-2]
+    bn = _block_rows(n, g, block)
+    lead = () if p is None else (p,)
+    axis = len(lead)
+    c2, _ = _pad_rows(codes, bn, axis)
+    n_pad = c2.shape[axis]
+    args = [c2, _pad_rows(s.astype(jnp.float32), bn, axis)[0]]
+    spec = (lambda i: (i, 0)) if p is None else (lambda i: (0, i, 0))
+    vspec = (lambda i: (i,)) if p is None else (lambda i: (0, i))
+    specs = [pl.BlockSpec((*lead, bn, g), spec), pl.BlockSpec((*lead, bn), vspec)]
     if a is not None:
-        args.append(_pad_rows(a.astype(jnp.float32).reshape(-1), bn)[0])
-        specs.append(pl.BlockSpec((bn,), lambda i: (i,)))
+        args.append(_pad_rows(a.astype(jnp.float32), bn, axis)[0])
+        specs.append(pl.BlockSpec((*lead, bn), vspec))
     vma = frozenset().union(*(vma_of(t) for t in args))
-    h = pvary(jnp.asarray(hadamard(g)), vma)
     args = [pvary(t, vma) for t in args]
+    if p is None:
+        kernel = functools.partial(_decode_kernel, g=g, has_a=a is not None)
+    else:
+        kernel = functools.partial(_decode_sum_kernel, g=g, has_a=a is not None, p=p)
 
     def call(*operands, interpret, compiler_params):
         return pl.pallas_call(
-            functools.partial(_decode_kernel, g=g, has_a=a is not None),
-            out_shape=shape_dtype((n_pad, g), jnp.float32, vma),
+            kernel,
+            out_shape=shape_dtype((n_pad, g), dtype, vma),
             grid=(n_pad // bn,),
-            in_specs=specs + [pl.BlockSpec((g, g), lambda i: (0, 0))],
+            in_specs=specs,
             out_specs=pl.BlockSpec((bn, g), lambda i: (i, 0)),
             interpret=interpret,
             compiler_params=compiler_params,
-            name="taco_decode_groups",
+            name="taco_decode_groups" if p is None else "taco_decode_sum_groups",
         )(*operands)
 
-    out = _per_platform(call, *args, h, vma=vma)
-    return out[:n].reshape(*lead, n_groups, g)
+    return _per_platform(call, *args, vma=vma)[:n]
+
+
+@functools.partial(jax.jit, static_argnames=("block", "dtype"))
+def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block: int | None = None,
+                  dtype=jnp.float32) -> jax.Array:
+    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`, written straight in
+    `dtype` (float32, bfloat16 or float16; finite values clipped to its range first, as
+    `taco_jax.codec.dispatch.clip_to_dtype`). Returns dtype [..., n_groups, G].
+    Raises: ValueError for another dtype or a block that is not a power of 2."""
+    *lead, n_groups, g = codes.shape
+    _check_dtype(dtype, "decode output")
+    a1 = None if a is None else a.reshape(-1)
+    out = _decode_call(codes.reshape(-1, g), s.reshape(-1), a1, dtype=dtype, block=block, p=None)
+    return out.reshape(*lead, n_groups, g)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "dtype"))
+def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block: int | None = None,
+                      dtype=jnp.float32) -> jax.Array:
+    """P ranks' groups decoded and summed in float32 in rank order, written once in `dtype`.
+
+    Args:
+      codes: FP8 [P, ..., n_groups, G]; s, a: float32 [P, ..., n_groups] (a=None: folded layout).
+      dtype: output dtype (float32, bfloat16 or float16), finite values clipped to its range.
+    Returns: dtype [..., n_groups, G].
+    Raises: ValueError for another dtype or a block that is not a power of 2."""
+    p, *lead, n_groups, g = codes.shape
+    _check_dtype(dtype, "decode output")
+    a1 = None if a is None else a.reshape(p, -1)
+    out = _decode_call(codes.reshape(p, -1, g), s.reshape(p, -1), a1, dtype=dtype, block=block, p=p)
+    return out.reshape(*lead, n_groups, g)

@@ -1,10 +1,25 @@
 """Triton fused TACO codec (spec §2) called through jax-triton; GPU only, imported lazily.
 
-Same math as `pallas_codec` (one program per block of groups; the Hadamard transform as an
-IEEE-fp32 `tl.dot` with column chunks of the ±1 Sylvester matrix), written directly in Triton.
-Encode makes two passes over the chunks (absmax, then quantize) instead of holding all of
-y = WHT(a x) in registers. Divisions and square roots use the round-to-nearest intrinsics
-(`div_rn`, `sqrt_rn`), as the reference's XLA ops do; NaN-propagating max/min mirror jnp.
+One program per block of `ELEMENTS // G` groups; every element is read from HBM once and written
+once:
+
+  encode      x (f32, bf16 or f16, as stored) -> f32 in registers -> sum of squares -> a ->
+              t = WHT(a x) -> s from max|t| / sqrt(G) -> FP8 codes of t / (sqrt(G) s) (one
+              reciprocal per group); writes codes, s, a.
+  decode      codes -> q k, k = s / sqrt(G) / max(a, EPS) per group -> WHT -> clipped to the
+              output dtype's finite range -> written in the output dtype (f32, bf16 or f16).
+  decode_sum  P ranks' codes of the same groups, each decoded as above and summed in f32 in rank
+              order, then clipped and written once in the output dtype.
+
+The Walsh-Hadamard transform is an in-register butterfly (`_wht`): log2(G) stages of
+`lo + hi, lo - hi` on the index bit of the stage (reshape / permute / split / join, which Triton
+maps to register renames, warp shuffles, or a shared-memory exchange for bits held by other
+warps): G log2(G) additions per group instead of the G^2 multiply-adds of a dense matmul, and no
+[block, G] tile kept across two loops. Divisions and square roots use the round-to-nearest
+intrinsics (`div_rn`, `sqrt_rn`) per group, as the reference's XLA ops do; per element there are
+multiplications by those per-group factors instead of the reference's divisions, and the sums of
+the transform run in another order than its matmul: the kernels conform to `reference` under the
+rule of `taco_jax.kernels`. NaN-propagating max/min mirror jnp.
 
 `triton` and `jax_triton` are imported on first use only, so CPU installs never need them
 (`pip install 'taco_jax[gpu]'` brings them). FP8 E4M3 needs compute capability >= 8.9.
@@ -22,122 +37,49 @@ import numpy as np
 
 from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
-from taco_jax.codec.hadamard import hadamard
-from taco_jax.kernels._tiles import wht_chunk
 
-_BLOCK = 16  # groups per program (tl.dot needs >= 16 rows)
+#: Message dtypes the kernels read and write as they are (no convert around the custom call).
+NATIVE_DTYPES = ("float32", "bfloat16", "float16")
+#: Elements per program (groups per program = ELEMENTS // G): 16 f32 values per thread at 4 warps,
+#: 32-64 registers at sm_90 (experiments/triton_aot.py). 4096 compiles without spills too (~10 %
+#: fewer instructions per element, ~70 registers: half the occupancy); which is faster is for a GPU.
+ELEMENTS = 2048
+NUM_WARPS = 4
 #: The spec constants, passed to the kernels as `tl.constexpr` arguments (a @triton.jit function
 #: cannot read a module-level float).
 _SPEC = dict(EPS=C.EPS, A_MIN=C.ADAPTIVE_SCALE_MIN, A_MAX=C.ADAPTIVE_SCALE_MAX, S_MAX=C.SCALE_MAX)
 
 
+def block_groups(g: int) -> int:
+    """Groups per program for group size `g`."""
+    return max(1, ELEMENTS // g)
+
+
+def clip_value(dtype) -> float:
+    """Largest finite value of output `dtype` when narrower than float32 (decoded values are clipped
+    to it, as `taco_jax.codec.dispatch.clip_to_dtype`), else 0.0 (no clip)."""
+    dtype = jnp.dtype(dtype)
+    return float(jnp.finfo(dtype).max) if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max else 0.0
+
+
 @functools.cache
 def _kernels():
-    """Builds the Triton kernels (first use only: imports triton)."""
-    import triton  # noqa: PLC0415
-    import triton.language as tl  # noqa: PLC0415
+    """The Triton kernels (encode, decode, decode_sum); first use only: imports triton."""
+    from taco_jax.kernels import _triton_kernels as k  # noqa: PLC0415
 
-    @triton.jit
-    def encode_kernel(
-        x_ptr,
-        h_ptr,
-        codes_ptr,
-        s_ptr,
-        a_ptr,
-        N: tl.constexpr,
-        G: tl.constexpr,
-        BLOCK: tl.constexpr,
-        CHUNK: tl.constexpr,
-        N_GROUPS: tl.constexpr,
-        LAST_COUNT: tl.constexpr,
-        LAM: tl.constexpr,
-        FMAX: tl.constexpr,
-        R: tl.constexpr,
-        SQRT_G: tl.constexpr,
-        E4M3: tl.constexpr,
-        EPS: tl.constexpr,
-        A_MIN: tl.constexpr,
-        A_MAX: tl.constexpr,
-        S_MAX: tl.constexpr,
-    ):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        rmask = rows < N
-        cols = tl.arange(0, G)
-        x = tl.load(x_ptr + rows[:, None] * G + cols[None, :], mask=rmask[:, None], other=0.0)
-        count = tl.where(rows % N_GROUPS == N_GROUPS - 1, LAST_COUNT, G).to(tl.float32)
-        m = tl.div_rn(tl.sum(x * x, axis=1), count)
-        v = tl.maximum(m + LAM, EPS, propagate_nan=tl.PropagateNan.ALL)
-        a = tl.div_rn(tl.full((BLOCK,), FMAX, tl.float32), tl.sqrt_rn(v))
-        a = tl.maximum(a, A_MIN, propagate_nan=tl.PropagateNan.ALL)
-        a = tl.minimum(a, A_MAX, propagate_nan=tl.PropagateNan.ALL)
-        xa = x * a[:, None]
-        ccols = tl.arange(0, CHUNK)
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for c in range(G // CHUNK):
-            h = tl.load(h_ptr + cols[:, None] * G + (c * CHUNK + ccols)[None, :])
-            y = tl.div_rn(tl.dot(xa, h, input_precision="ieee"), tl.full((BLOCK, CHUNK), SQRT_G, tl.float32))
-            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
-        s = tl.div_rn(tl.maximum(amax, EPS), tl.full((BLOCK,), R, tl.float32))
-        s = tl.minimum(tl.maximum(s, EPS), S_MAX)
-        n_bad = tl.sum(tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), axis=1)
-        s = tl.where(n_bad == 0, s, float("nan"))
-        for c in range(G // CHUNK):
-            h = tl.load(h_ptr + cols[:, None] * G + (c * CHUNK + ccols)[None, :])
-            y = tl.div_rn(tl.dot(xa, h, input_precision="ieee"), tl.full((BLOCK, CHUNK), SQRT_G, tl.float32))
-            q = tl.div_rn(y, tl.broadcast_to(s[:, None], (BLOCK, CHUNK)))
-            q = tl.minimum(tl.maximum(q, -R, propagate_nan=tl.PropagateNan.ALL), R, propagate_nan=tl.PropagateNan.ALL)
-            if E4M3:
-                qc = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-            else:
-                qc = q.to(tl.float8e5, fp_downcast_rounding="rtne")
-            tl.store(codes_ptr + rows[:, None] * G + (c * CHUNK + ccols)[None, :], qc, mask=rmask[:, None])
-        tl.store(s_ptr + rows, s, mask=rmask)
-        tl.store(a_ptr + rows, a, mask=rmask)
-
-    @triton.jit
-    def decode_kernel(
-        codes_ptr,
-        s_ptr,
-        a_ptr,
-        h_ptr,
-        out_ptr,
-        N: tl.constexpr,
-        G: tl.constexpr,
-        BLOCK: tl.constexpr,
-        CHUNK: tl.constexpr,
-        HAS_A: tl.constexpr,
-        SQRT_G: tl.constexpr,
-        EPS: tl.constexpr,
-    ):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        rmask = rows < N
-        cols = tl.arange(0, G)
-        q = tl.load(codes_ptr + rows[:, None] * G + cols[None, :], mask=rmask[:, None], other=0.0)
-        s = tl.load(s_ptr + rows, mask=rmask, other=1.0)
-        y = q.to(tl.float32) * s[:, None]
-        if HAS_A:
-            den = tl.maximum(tl.load(a_ptr + rows, mask=rmask, other=1.0), EPS, propagate_nan=tl.PropagateNan.ALL)
-        ccols = tl.arange(0, CHUNK)
-        for c in range(G // CHUNK):
-            h = tl.load(h_ptr + cols[:, None] * G + (c * CHUNK + ccols)[None, :])
-            x = tl.div_rn(tl.dot(y, h, input_precision="ieee"), tl.full((BLOCK, CHUNK), SQRT_G, tl.float32))
-            if HAS_A:
-                x = tl.div_rn(x, tl.broadcast_to(den[:, None], (BLOCK, CHUNK)))
-            tl.store(out_ptr + rows[:, None] * G + (c * CHUNK + ccols)[None, :], x, mask=rmask[:, None])
-
-    return encode_kernel, decode_kernel
+    return k.encode_kernel, k.decode_kernel, k.decode_sum_kernel
 
 
 def encode_meta(cfg: CodecConfig, n: int, n_groups: int, last_count: int) -> dict:
-    """`encode_kernel`'s constexpr arguments for `n` groups of `cfg.group_size` (grid: cdiv(n, BLOCK)).
-
-    Shared by `encode_groups` and direct launches (the Triton interpreter test, AOT compiles)."""
+    """`encode_kernel`'s constexpr arguments for `n` groups of `cfg.group_size` (grid:
+    cdiv(n, BLOCK)). Shared by `encode_groups` and direct launches (the Triton interpreter test,
+    AOT compiles)."""
     g = cfg.group_size
     return dict(
         N=n,
         G=g,
-        BLOCK=_BLOCK,
-        CHUNK=wht_chunk(g),
+        LOG_G=g.bit_length() - 1,
+        BLOCK=block_groups(g),
         N_GROUPS=n_groups,
         LAST_COUNT=int(last_count),
         LAM=float(np.float32(cfg.lam)),
@@ -145,14 +87,19 @@ def encode_meta(cfg: CodecConfig, n: int, n_groups: int, last_count: int) -> dic
         R=float(np.float32(cfg.target_range)),
         SQRT_G=float(np.float32(math.sqrt(g))),
         E4M3=cfg.fmt == "e4m3",
+        CLAMP=bool(np.float32(cfg.target_range) < cfg.fmax),  # else cvt.rn.satfinite saturates to +-R
         **_SPEC,
     )
 
 
-def decode_meta(n: int, g: int, *, has_a: bool) -> dict:
-    """`decode_kernel`'s constexpr arguments for `n` groups of size `g` (grid: cdiv(n, BLOCK))."""
-    return dict(N=n, G=g, BLOCK=_BLOCK, CHUNK=wht_chunk(g), HAS_A=has_a, SQRT_G=float(np.float32(math.sqrt(g))),
-                EPS=C.EPS)
+def decode_meta(n: int, g: int, *, has_a: bool, dtype=jnp.float32, p: int | None = None) -> dict:
+    """`decode_kernel`'s constexpr arguments for `n` groups of size `g` written in `dtype` (grid:
+    cdiv(n, BLOCK)); with `p`, `decode_sum_kernel`'s for `p` ranks' codes of those groups."""
+    meta = dict(N=n, G=g, LOG_G=g.bit_length() - 1, BLOCK=block_groups(g), HAS_A=has_a,
+                SQRT_G=float(np.float32(math.sqrt(g))), EPS=C.EPS, CLIP=clip_value(dtype))
+    if p is not None:
+        meta["P"] = p
+    return meta
 
 
 def _triton_call(*args, kernel, out, grid, name, **meta):
@@ -162,55 +109,78 @@ def _triton_call(*args, kernel, out, grid, name, **meta):
     params = inspect.signature(jt.triton_call).parameters
     key = "out_shape" if "out_shape" in params else "out_type"
     extra = {"name": name} if "name" in params else {}
-    return jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=4, num_stages=1, **{key: out}, **extra, **meta)
+    return jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=NUM_WARPS, num_stages=1, **{key: out}, **extra,
+                          **meta)
+
+
+def _check_dtype(dtype, what: str):
+    if jnp.dtype(dtype).name not in NATIVE_DTYPES:
+        raise ValueError(f"{what} dtype {jnp.dtype(dtype).name} is not one of {NATIVE_DTYPES}")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "last_count"))
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
-    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`."""
+    """Fused encode, the contract of `taco_jax.codec.reference.encode_groups`, reading `xg` in its own
+    dtype (float32, bfloat16 or float16: `NATIVE_DTYPES`; no convert before the kernel).
+
+    Raises: ValueError for another dtype."""
     *lead, n_groups, g = xg.shape
-    encode_kernel, _ = _kernels()
-    x2 = xg.astype(jnp.float32).reshape(-1, g)
+    _check_dtype(xg.dtype, "encode input")
+    encode_kernel = _kernels()[0]
+    x2 = xg.reshape(-1, g)
     n = x2.shape[0]
     out = (
         jax.ShapeDtypeStruct((n, g), cfg.code_dtype),
         jax.ShapeDtypeStruct((n,), jnp.float32),
         jax.ShapeDtypeStruct((n,), jnp.float32),
     )
-    codes, s, a = _triton_call(
-        x2,
-        jnp.asarray(hadamard(g)),
-        kernel=encode_kernel,
-        out=out,
-        grid=(pl_cdiv(n, _BLOCK),),
-        name="taco_triton_encode",
-        **encode_meta(cfg, n, n_groups, last_count),
-    )
+    codes, s, a = _triton_call(x2, kernel=encode_kernel, out=out, grid=(cdiv(n, block_groups(g)),),
+                               name="taco_triton_encode", **encode_meta(cfg, n, n_groups, last_count))
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
 
-@jax.jit
-def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Array:
-    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`."""
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dtype=jnp.float32) -> jax.Array:
+    """Fused decode, the contract of `taco_jax.codec.reference.decode_groups`, written straight in
+    `dtype` (float32, bfloat16 or float16; finite values clipped to its range first, as
+    `taco_jax.codec.dispatch.clip_to_dtype`). Returns dtype [..., n_groups, G].
+
+    Raises: ValueError for another dtype."""
     *lead, n_groups, g = codes.shape
-    _, decode_kernel = _kernels()
+    _check_dtype(dtype, "decode output")
+    decode_kernel = _kernels()[1]
     c2 = codes.reshape(-1, g)
     n = c2.shape[0]
     s1 = s.astype(jnp.float32).reshape(-1)
     a1 = s1 if a is None else a.astype(jnp.float32).reshape(-1)  # unread when HAS_A is False
-    out = _triton_call(
-        c2,
-        s1,
-        a1,
-        jnp.asarray(hadamard(g)),
-        kernel=decode_kernel,
-        out=jax.ShapeDtypeStruct((n, g), jnp.float32),
-        grid=(pl_cdiv(n, _BLOCK),),
-        name="taco_triton_decode",
-        **decode_meta(n, g, has_a=a is not None),
-    )
+    out = _triton_call(c2, s1, a1, kernel=decode_kernel, out=jax.ShapeDtypeStruct((n, g), dtype),
+                       grid=(cdiv(n, block_groups(g)),), name="taco_triton_decode",
+                       **decode_meta(n, g, has_a=a is not None, dtype=dtype))
     return out.reshape(*lead, n_groups, g)
 
 
-def pl_cdiv(a: int, b: int) -> int:
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dtype=jnp.float32) -> jax.Array:
+    """P ranks' groups decoded and summed in f32 in rank order, written once in `dtype`.
+
+    Args:
+      codes: FP8 [P, ..., n_groups, G]; s, a: float32 [P, ..., n_groups] (a=None: folded layout).
+      dtype: output dtype (float32, bfloat16 or float16), finite values clipped to its range.
+    Returns: dtype [..., n_groups, G], the sum of `decode_groups` of each rank's groups.
+    Raises: ValueError for another dtype."""
+    p, *lead, n_groups, g = codes.shape
+    _check_dtype(dtype, "decode output")
+    kernel = _kernels()[2]
+    n = math.prod(lead) * n_groups
+    c2 = codes.reshape(p, n, g)
+    s1 = s.astype(jnp.float32).reshape(p, n)
+    a1 = s1 if a is None else a.astype(jnp.float32).reshape(p, n)
+    out = _triton_call(c2, s1, a1, kernel=kernel, out=jax.ShapeDtypeStruct((n, g), dtype),
+                       grid=(cdiv(n, block_groups(g)),), name="taco_triton_decode_sum",
+                       **decode_meta(n, g, has_a=a is not None, dtype=dtype, p=p))
+    return out.reshape(*lead, n_groups, g)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints."""
     return -(-a // b)

@@ -7,7 +7,8 @@ Assumptions (all parameters of `model`, stated in each row): BF16 activations on
 FP32 gradients on the DP wire; no overlap of TP communication with compute; DP all-reduce exposed;
 MFU 0.40 of 989 TFLOP/s; codec at the measured H200 speed (`model.H200_CODEC`: CUDA FFI, 256 MB) for every kind;
 Megatron placement (TP inside a node, then DP, then PP); b = 1, T = 2048, 1F1B with m = 32
-microbatches. Run: `python -m taco_jax.perf.paper`.
+microbatches. Run: `python -m taco_jax.perf.paper`; the codec outlook (break-even codec speed per
+TP link, today's codec beside a target one): `python -m taco_jax.perf.paper --codec`.
 """
 
 from __future__ import annotations
@@ -77,5 +78,90 @@ def main() -> None:
               f"{r['taco_tp+dp+pp']:7.2f}x {r['auto']:5.2f}x  {r['published']}")
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Codec speed: break-even and target (the GPU TP links of docs/emulated.md)
+# ---------------------------------------------------------------------------------------------
+#: The TP links the codec outlook sweeps: (label, hardware, link).
+TP_LINKS = (("NVLink 4 (450 GB/s)", model.H200, model.NVLINK4),
+            ("H800 NVLink (200 GB/s)", model.H800, model.NVLINK_H800),
+            ("PCIe Gen5 x16 (64 GB/s)", model.H200, model.PCIE_GEN5),
+            ("InfiniBand NDR (50 GB/s)", model.H200, model.IB_NDR))
+#: H200 HBM3e peak, bytes/s (NVIDIA datasheet: 4.8 TB/s).
+H200_HBM_BPS = 4.8e12
+
+
+def target_codec(fraction: float = 0.8, itemsize: int = 2, hbm_Bps: float = H200_HBM_BPS) -> model.CodecSpeed:
+    """A codec at `fraction` of the HBM-bound rate for messages of `itemsize`-byte elements: encode
+    reads itemsize and writes 1 + 8/128 wire bytes per element (decode the reverse), so the bound is
+    hbm / (1 + 1.0625 / itemsize) bytes of message per second; `H200_CODEC`'s 8 µs per call."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} must be in (0, 1]")
+    gbps = fraction * hbm_Bps / (1 + TACO.wire_bytes_per_element() / itemsize) / 1e9
+    return model.CodecSpeed(gbps, gbps, model.H200_CODEC.overhead_s,
+                            f"{fraction:g} x the HBM bound ({hbm_Bps / 1e12:g} TB/s), itemsize {itemsize}")
+
+
+def _with_codec(hw: model.Hardware, speed: model.CodecSpeed, tp_link: model.Link, tp: int) -> model.Hardware:
+    return dataclasses.replace(hw, intra=tp_link, gpus_per_node=max(hw.gpus_per_node, tp), codec={"default": speed})
+
+
+def break_even_codec_GBps(cfg, lay: Layout, hw: model.Hardware, policy: CommPolicy, *,
+                          overhead_s: float = model.H200_CODEC.overhead_s) -> float | None:
+    """Codec throughput (GB/s, encode = decode) at which `policy` is predicted exactly as fast as the
+    exact step on `hw` (speedup 1), by bisection on a log scale over 1 GB/s .. 1 PB/s; None when
+    even a codec at 1 PB/s does not pay (the saved bytes do not cover the per-call overhead), 1.0
+    when the slowest one already pays."""
+    def gain(gbps):
+        hw2 = dataclasses.replace(hw, codec={"default": model.CodecSpeed(gbps, gbps, overhead_s, "sweep")})
+        return model.speedup(cfg, lay, hw2, policy) - 1.0
+
+    lo, hi = 1.0, 1e6
+    if gain(hi) <= 0:
+        return None
+    if gain(lo) >= 0:
+        return lo
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if gain(mid) < 0 else (lo, mid)
+    return hi
+
+
+def codec_outlook(target: model.CodecSpeed | None = None) -> list[dict]:
+    """For each BF16 setting of `settings()` and each TP link of `TP_LINKS`: the break-even codec
+    speed of TACO on the TP sites (GB/s), and the predicted speedup with today's measured codec
+    (`model.H200_CODEC`) beside a codec at `target` (default `target_codec()`: 0.8 of the HBM bound)."""
+    target = target or target_codec()
+    pol = policies()["taco_tp"]
+    out = []
+    for label, cfg, lay, _hw, _ in settings():
+        if lay.act_bytes != 2 or "IB)" in label:
+            continue
+        for link_name, hw, link in TP_LINKS:
+            today = _with_codec(hw, model.H200_CODEC, link, lay.tp)
+            out.append({"setting": label, "tp_link": link_name,
+                        "break_even_GBps": break_even_codec_GBps(cfg, lay, today, pol),
+                        "today_GBps": (model.H200_CODEC.encode_GBps, model.H200_CODEC.decode_GBps),
+                        "speedup_today": model.speedup(cfg, lay, today, pol),
+                        "target_GBps": target.encode_GBps,
+                        "speedup_target": model.speedup(cfg, lay, _with_codec(hw, target, link, lay.tp), pol)})
+    return out
+
+
+def print_codec_outlook() -> None:
+    """`codec_outlook()` as a table (`python -m taco_jax.perf.paper --codec`)."""
+    rows = codec_outlook()
+    print(f"target codec: {target_codec().source}: {rows[0]['target_GBps']:,.0f} GB/s; today: "
+          f"{model.H200_CODEC.source}")
+    print(f"{'setting':34s} {'TP link':26s} {'break-even':>11s} {'today':>7s} {'target':>7s}")
+    for r in rows:
+        be = "never" if r["break_even_GBps"] is None else f"{r['break_even_GBps']:,.0f}"
+        print(f"{r['setting']:34s} {r['tp_link']:26s} {be:>11s} {r['speedup_today']:6.2f}x "
+              f"{r['speedup_target']:6.2f}x")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    print_codec_outlook() if "--codec" in sys.argv else main()
