@@ -84,8 +84,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         ends = run_hooks.end(state)
         wall = time.perf_counter() - t_start
     if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py)
-        save_hf(cfg.export_hf, cfg.model_config, run.trainer.staged.unstack_layers(state.params)
-                if run.trainer.staged else state.params,
+        save_hf(cfg.export_hf, cfg.model_config, state.params,
+                stacked_key=run.trainer.staged.layer_key if run.trainer.staged else None,  # one layer at a time
                 base_config=read_config(cfg.init_from) if cfg.init_from else None,  # multi-process: gathered
                 source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path)
     return summarize(run, acct, state, wall, ends)  # 4.
