@@ -126,18 +126,18 @@ def plot(policies: list[str], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from taco_jax.codec import get_kind
+
     reports = [json.loads(pathlib.Path(p).with_suffix(".report.json").read_text()) for p in policies]
     panels = [(rep, s) for rep in reports for s in rep["sites"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
-    colors = {"fp8_tensor": "tab:gray", "fp8_group": "tab:blue", "int8": "tab:green", "int4": "tab:olive",
-              "taco": "tab:red", "tah": "tab:purple"}
     for ax, (rep, site) in zip(axes[0], panels, strict=True):
         for row in rep["table"]:
             r = row["heldout"].get(site)
             if r is None:
                 continue
-            kind = row["config"]["kind"]
-            ax.scatter(r["bytes_per_elt"], float(r["sqnr_db"]), s=10, color=colors[kind], alpha=0.6,
+            kind = row["config"]["kind"]  # drawn in its registry entry's colour (taco_jax.codec.kinds)
+            ax.scatter(r["bytes_per_elt"], float(r["sqnr_db"]), s=10, color=get_kind(kind).color, alpha=0.6,
                        label=kind if kind not in ax.get_legend_handles_labels()[1] else None)
         choice = rep["sites"][site]
         ax.scatter(choice["heldout"]["bytes_per_elt"], float(choice["heldout"]["sqnr_db"]), marker="*", s=180,

@@ -115,10 +115,10 @@ def grad_compare(ref, test) -> dict:
 
 def codecs(backend: str = "ffi") -> dict:
     """Every codec kind at its defaults (G = 128, E4M3, hidden axis) plus the named variants."""
-    from taco_jax.codec import CODEC_KINDS, CodecConfig
+    from taco_jax.codec import CodecConfig, codec_kinds
     from taco_jax.codec.presets import NAMED
 
-    out = {k: CodecConfig(kind=k) for k in CODEC_KINDS if k != "none"}
+    out = {k: CodecConfig(kind=k) for k in codec_kinds() if k != "none"}
     out.update({n: c for n, c in NAMED.items() if n not in out and n != "none"})
     return {n: dataclasses.replace(c, backend=backend) for n, c in out.items()}
 

@@ -129,6 +129,68 @@ def test_unfinished_and_failed_saves_keep_the_good_checkpoint(saved, tmp_path):
     ck.close()
 
 
+def _device_bytes(*trees) -> dict:
+    """Bytes each device holds of the arrays in `trees` (the sum of its addressable shards)."""
+    held = {}
+    for a in jax.tree.leaves(trees):
+        for shard in a.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
+def _sharded_like_params(params, opt_state, trainer) -> None:
+    """Every parameter has its spec, every optimizer-state tree of moments the shardings of the
+    parameters, every other optimizer-state leaf (step counts) is replicated over the mesh."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    assert jax.tree.map(lambda a: a.sharding, params) == trainer.shardings
+    moments = [k for k in opt_state[1][0]._fields if k != "count"]
+    assert moments == ["mu", "nu"], opt_state[1][0]._fields  # AdamW: the tree below is the one checked
+    for name in moments:
+        got = jax.tree.map(lambda a: a.sharding, getattr(opt_state[1][0], name))
+        assert got == trainer.shardings, name
+    replicated = NamedSharding(trainer.mesh, PartitionSpec())
+    counts = [a for a in jax.tree.leaves(opt_state) if a.ndim == 0]
+    assert counts and all(a.sharding == replicated for a in counts)
+    assert jax.tree.map(lambda a: a.sharding, opt_state) == trainer.opt_shardings
+
+
+def test_state_sharded_like_the_parameters_at_init_restore_and_export(tmp_path):
+    """3D mesh with pipeline microbatches: right after `Trainer.init` and after a restore, the
+    optimizer state has its parameters' shardings (step counts replicated); no device holds more
+    than 1.1x the even share of the parameter and optimizer-state bytes; the parameters equal the
+    eager `make_model(seed)` bit for bit. The HF export of the pipeline layout (layers cut from
+    their stacks one at a time) equals the export of the model layout byte for byte."""
+    from flax import nnx
+
+    from taco_jax.models import hf, make_model
+
+    cfg = TrainConfig.from_flags(mesh="data=2,stage=2,tensor=2", microbatches=2, steps=4, batch_size=8,
+                                 seq_len=32, comm="none")
+    trainer = make_trainer(cfg)
+    params, opt_state = trainer.init()
+    _sharded_like_params(params, opt_state, trainer)
+    held = _device_bytes(params, opt_state)
+    even = sum(held.values()) / len(jax.devices())
+    assert len(held) == 8 and max(held.values()) <= 1.1 * even, {d.id: b for d, b in held.items()}
+    eager = nnx.to_pure_dict(nnx.split(make_model(cfg.model_config, rngs=nnx.Rngs(cfg.seed)), nnx.Param)[1])
+    jax.tree.map(np.testing.assert_array_equal, params, trainer.staged.stack_layers(eager))
+    hf.save_hf(tmp_path / "stacked", cfg.model_config, params, stacked_key=trainer.staged.layer_key)
+    hf.save_hf(tmp_path / "model", cfg.model_config, eager)
+    assert (tmp_path / "stacked" / "model.safetensors").read_bytes() == \
+        (tmp_path / "model" / "model.safetensors").read_bytes()
+
+    ck = Checkpoints(tmp_path / "checkpoints", keep=1)
+    params = jax.jit(lambda p: jax.tree.map(lambda a: a + 1, p))(params)  # differs from a fresh init
+    ck.save(2, params, opt_state, {"data": {"position": 2}, "config": cfg.to_dict()}, wait=True)
+    fresh = trainer.init()
+    for shardings in (None, (trainer.shardings, trainer.opt_shardings)):
+        p, o, _, _ = ck.restore(2, cfg.to_dict(), *fresh, shardings=shardings)
+        _sharded_like_params(p, o, trainer)
+        jax.tree.map(np.testing.assert_array_equal, (p, o), (params, opt_state))
+    ck.close()
+
+
 # -----------------------------------------------------------------------------
 # real processes: kill and resume
 

@@ -40,15 +40,14 @@ import scipy.linalg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from taco_jax.codec import NONE, CodecConfig, decode, encode, roundtrip
-from taco_jax.codec.config import CODEC_KINDS, GROUP_SIZES, OPTIONAL_HADAMARD_KINDS
+from taco_jax.codec import NONE, CodecConfig, codec_kinds, decode, encode, get_kind, roundtrip
 
 FAST, SLOW = 24, 3000  # examples per property: default run / `make test-slow` (4 properties -> 12,000)
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 #: Message shapes: odd sizes, partial last groups, 1-D to 3-D (a fixed set keeps JAX's compile cache warm).
 SHAPES = ((1,), (3,), (31,), (129,), (300,), (1000,), (5, 7), (33, 31), (7, 129), (16, 64), (64, 64), (2, 3, 100),
           (3, 5, 33))
-KINDS = CODEC_KINDS[1:]
+KINDS = codec_kinds()[1:]
 
 
 # --------------------------------------- strategies ---------------------------------------
@@ -57,15 +56,16 @@ KINDS = CODEC_KINDS[1:]
 @st.composite
 def codecs(draw, nonfinite=("propagate", "zero")):
     kind = draw(st.sampled_from(KINDS))
-    kw = dict(kind=kind, group_size=draw(st.sampled_from(GROUP_SIZES)), nonfinite=draw(st.sampled_from(nonfinite)))
-    if kind in ("fp8_tensor", "fp8_group", "taco"):
+    spec = get_kind(kind)  # the kind's registry entry says which fields apply
+    kw = dict(kind=kind, group_size=draw(st.sampled_from(spec.group_sizes)), nonfinite=draw(st.sampled_from(nonfinite)))
+    if spec.fp8:
         kw["fmt"] = draw(st.sampled_from(("e4m3", "e5m2")))
-    if kind != "fp8_tensor":
+    if spec.grouped:
         kw["group_axis"] = draw(st.sampled_from(("hidden", "token")))
-    if kind in OPTIONAL_HADAMARD_KINDS:
+    if spec.hadamard == "optional":
         kw["hadamard"] = draw(st.booleans())
-    if kind == "taco":
-        kw["scale_layout"] = draw(st.sampled_from(("dual", "folded")))
+    if len(spec.scale_layouts) > 1:
+        kw["scale_layout"] = draw(st.sampled_from(spec.scale_layouts))
     return CodecConfig(**kw)
 
 

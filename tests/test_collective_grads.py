@@ -14,12 +14,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives as C
-from taco_jax.codec import CODEC_KINDS, NONE, TACO, CodecConfig, roundtrip
+from taco_jax.codec import NONE, TACO, CodecConfig, codec_kinds, roundtrip
 from taco_jax.collectives.dp import sync_gradients
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.pipeline_send import send
 
-KINDS = [CodecConfig(kind=k) for k in CODEC_KINDS]
+KINDS = [CodecConfig(kind=k) for k in codec_kinds()]
 XSPEC = P(("data", "tensor"))  # rank (d, t) holds rows [4d + t] of the global array's blocks
 
 

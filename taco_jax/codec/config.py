@@ -10,24 +10,18 @@ import ml_dtypes
 import numpy as np
 
 from taco_jax.codec.constants import DEFAULT_LAM, E4M3_MAX, GROUP_SIZES
+from taco_jax.codec.kinds import get_kind, registered
 
 #: FP8 formats: name -> (jnp dtype, largest finite value F). Source: OCP FP8 spec via ml_dtypes.
 FP8_FORMATS = {
     "e4m3": jnp.float8_e4m3fn,
     "e5m2": jnp.float8_e5m2,
 }
-#: The codec family (see `CodecConfig.kind`). "none" is the exact collective (no encoding).
-CODEC_KINDS = ("none", "fp8_tensor", "fp8_group", "int8", "int4", "taco", "tah")
-#: Kinds where `hadamard` is a choice (taco and tah always transform; none/fp8_tensor never do).
-OPTIONAL_HADAMARD_KINDS = ("fp8_group", "int8", "int4")
-FP8_KINDS = ("fp8_tensor", "fp8_group", "taco")
+#: The codec kinds are registered in `taco_jax.codec.kinds` (`codec_kinds()`: "none", the exact
+#: collective, and every registered kind); every per-kind rule below derives from the registry.
 SCALE_LAYOUTS = ("dual", "folded")
 GROUP_AXES = ("hidden", "token")
 NONFINITE_POLICIES = ("propagate", "zero", "error")
-#: Bits per code of each compressing kind (int4 / tah codes travel packed two per byte).
-CODE_BITS = {"fp8_tensor": 8, "fp8_group": 8, "int8": 8, "int4": 4, "taco": 8, "tah": 4}
-#: FP32 scale words per group on the wire (taco: 2 for "dual", 1 for "folded"; tah: scale + zero point).
-_SCALE_WORDS = {"fp8_group": 1, "int8": 1, "int4": 1, "tah": 2}
 
 
 #: Implementations of the taco group math (registry: `taco_jax.codec.backends`; filled in by
@@ -69,7 +63,8 @@ class CodecConfig:
     """How one message is compressed.
 
     Attributes:
-      kind: which codec (all share `encode`/`decode` and move every wire buffer as data):
+      kind: which codec (all share `encode`/`decode` and move every wire buffer as data): a kind
+        registered in `taco_jax.codec.kinds` (its entry gives the rules below), or "none"; built in:
         "none"        identity; the collective is the exact `lax` one.
         "fp8_tensor"  naive per-tensor FP8: one FP32 absmax scale per message (TransformerEngine
                       style), 1 + 4/n B/elt.
@@ -146,7 +141,7 @@ class CodecConfig:
     site: str = ""
 
     def __post_init__(self):
-        _check("kind", self.kind, CODEC_KINDS)
+        spec = get_kind(self.kind) if self.kind != "none" else None  # ValueError naming an unknown kind
         _check("fmt", self.fmt, tuple(FP8_FORMATS))
         _check("group_size", self.group_size, GROUP_SIZES)
         _check("scale_layout", self.scale_layout, SCALE_LAYOUTS)
@@ -156,9 +151,10 @@ class CodecConfig:
         _check("wire", self.wire, WIRES)
         _check("transport", self.transport, TRANSPORTS)
         if self.wire not in ("auto", "generic") and not (
-                self.kind == "taco" and self.group_axis == "hidden" and self.nonfinite == "propagate"
+                spec is not None and spec.backends and self.group_axis == "hidden" and self.nonfinite == "propagate"
                 and self.backend in (self.wire, "auto")):
-            raise ValueError(f"wire={self.wire!r} needs kind='taco', group_axis='hidden', nonfinite='propagate' "
+            kinds = " or ".join(repr(k.name) for k in registered() if k.backends)
+            raise ValueError(f"wire={self.wire!r} needs kind={kinds}, group_axis='hidden', nonfinite='propagate' "
                              f"and backend {self.wire!r} or 'auto' (got kind={self.kind!r}, "
                              f"group_axis={self.group_axis!r}, nonfinite={self.nonfinite!r}, "
                              f"backend={self.backend!r}); use wire='generic'")
@@ -167,23 +163,38 @@ class CodecConfig:
         f = fp8_max(self.fmt)
         if not 0 < self.target_range <= f:
             raise ValueError(f"target_range={self.target_range!r} must be in (0, {f}] for fmt={self.fmt!r}")
-        if self.scale_layout != "dual" and self.kind != "taco":
-            raise ValueError(f"scale_layout={self.scale_layout!r} applies to kind='taco' only, not kind={self.kind!r}")
-        if self.hadamard and self.kind not in OPTIONAL_HADAMARD_KINDS:
-            raise ValueError(f"hadamard=True applies to kinds {OPTIONAL_HADAMARD_KINDS} only (taco and tah always "
+        if self.scale_layout != "dual" and (spec is None or self.scale_layout not in spec.scale_layouts):
+            takes = [k.name for k in registered() if self.scale_layout in k.scale_layouts]
+            where = f"kind={takes[0]!r}" if len(takes) == 1 else f"kinds {tuple(takes)}"
+            raise ValueError(f"scale_layout={self.scale_layout!r} applies to {where} only, not kind={self.kind!r}")
+        if self.hadamard and (spec is None or spec.hadamard != "optional"):
+            optional = tuple(k.name for k in registered() if k.hadamard == "optional")
+            always = " and ".join(k.name for k in registered() if k.hadamard == "always")
+            raise ValueError(f"hadamard=True applies to kinds {optional} only ({always} always "
                              f"transform), not kind={self.kind!r}")
-        if self.kind == "fp8_tensor" and self.group_axis != "hidden":
-            raise ValueError(f"group_axis={self.group_axis!r}: kind='fp8_tensor' has one scale per message, "
+        if spec is not None and not spec.grouped and self.group_axis != "hidden":
+            raise ValueError(f"group_axis={self.group_axis!r}: kind={self.kind!r} has one scale per message, "
                              "no groups; use group_axis='hidden'")
+        if spec is not None and spec.grouped and self.group_size not in spec.group_sizes:
+            raise ValueError(f"group_size={self.group_size!r}: kind={self.kind!r} takes group sizes "
+                             f"{spec.group_sizes}")
         if not isinstance(self.site, str):
             raise ValueError(f"site={self.site!r} must be a string")
 
     @property
     def code_dtype(self):
-        """dtype of the code buffer on the wire: FP8, int8, or uint8 (two 4-bit codes per byte)."""
-        if self.kind in FP8_KINDS:
-            return FP8_FORMATS[self.fmt]
-        return {"int8": jnp.int8, "int4": jnp.uint8, "tah": jnp.uint8}.get(self.kind)
+        """dtype of the code buffer on the wire (the kind's: FP8 in `fmt`, int8, or uint8 holding two
+        4-bit codes per byte); None for kind "none"."""
+        if self.kind == "none":
+            return None
+        spec = get_kind(self.kind)
+        return FP8_FORMATS[self.fmt] if spec.fp8 else spec.code_dtype
+
+    @property
+    def scale_dtype(self):
+        """dtype of the scale (and prescale) buffers on the wire (the kind's; float32 for the built-in
+        kinds); None for kind "none"."""
+        return None if self.kind == "none" else get_kind(self.kind).scale_dtype
 
     @property
     def fmax(self) -> float:
@@ -192,19 +203,20 @@ class CodecConfig:
     @property
     def transforms(self) -> bool:
         """Whether each group goes through the orthonormal Walsh-Hadamard transform."""
-        return self.kind in ("taco", "tah") or self.hadamard
+        return self.hadamard or (self.kind != "none" and get_kind(self.kind).hadamard == "always")
 
     @property
     def name(self) -> str:
         """Short readable label, e.g. "taco-e4m3-G128-dual", "int8-G64-token", "int4-G128-had"."""
         if self.kind == "none":
             return "none"
+        spec = get_kind(self.kind)
         parts = [self.kind]
-        if self.kind in FP8_KINDS:
+        if spec.fp8:
             parts.append(self.fmt)
-        if self.kind != "fp8_tensor":
+        if spec.grouped:
             parts.append(f"G{self.group_size}")
-        if self.kind == "taco":
+        if len(spec.scale_layouts) > 1:
             parts.append(self.scale_layout)
         if self.hadamard:
             parts.append("had")
@@ -219,19 +231,20 @@ class CodecConfig:
           dtype: the message dtype (only "none" depends on it: its itemsize).
           n: elements per message. None gives the large-message limit (1 + 8/G, 1 + 4/G,
             0.5 + 4/G, ...; fp8_tensor 1.0); an int gives the exact figure, counting the
-            zero-padded last group and, for fp8_tensor, the one scale per message.
+            zero-padded last group and, for a kind with one scale per message, that scale.
+        Derived from the kind's registry entry: code bits, scale dtype, prescale, grouping.
         """
         if self.kind == "none":
             return float(np.dtype(dtype).itemsize)
-        code = CODE_BITS[self.kind] / 8
-        if self.kind == "fp8_tensor":
-            return code + (4.0 / n if n else 0.0)
-        words = _SCALE_WORDS.get(self.kind, 2 if self.scale_layout == "dual" else 1)
+        spec = get_kind(self.kind)
+        code, scale = spec.code_bits / 8, spec.scale_bytes(self)
+        if not spec.grouped:
+            return code + (scale / n if n else 0.0)
         g = self.group_size
         if n is None:
-            return code + 4.0 * words / g
+            return code + scale / g
         n_groups = math.ceil(n / g)
-        return (n_groups * g * code + 4.0 * words * n_groups) / n
+        return (n_groups * g * code + scale * n_groups) / n
 
     def to_dict(self) -> dict:
         """The fields that differ from the defaults (always with `kind`): a policy-file entry."""

@@ -1,10 +1,10 @@
 """The codec's dispatcher: `encode` / `decode` of every kind, the `Encoded` wire buffers, and `resolve_codec`.
 
-`encode` / `decode` cut messages into groups and hand them to the group math of the codec's kind:
-kind "taco" to the registered group backend `cfg.backend` (`taco_jax.codec.backends`; the
-"reference" backend, `taco_jax.codec.reference`, is registered here), the other kinds to
-`taco_jax.codec.family`. `resolve_codec` is the one place where a codec's "auto" fields
-(backend, wire, transport) become concrete.
+`encode` / `decode` cut messages into groups and hand them to the group math of the codec's kind
+(its `taco_jax.codec.kinds` entry): kind "taco" to the registered group backend `cfg.backend`
+(`taco_jax.codec.backends`; the "reference" backend, `taco_jax.codec.reference`, is registered
+here), the other built-in kinds to `taco_jax.codec.family`. `resolve_codec` is the one place
+where a codec's "auto" fields (backend, wire, transport) become concrete.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from taco_jax.codec.backends import (
     resolve_backend,
     wire_runs_on,
 )
-from taco_jax.codec.config import CODE_BITS, CODEC_KINDS, CodecConfig
-from taco_jax.codec.family import GROUP_CODECS
+from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.kinds import codec_kinds, get_kind
 from taco_jax.codec.nonfinite import check_finite
 from taco_jax.codec.reference import decode_groups, encode_groups, reduce_groups
 
@@ -41,12 +41,12 @@ class Encoded:
 
     Attributes:
       codes: [*batch, n_groups, G] codes in `cfg.code_dtype`: FP8 (fp8_*, taco), int8, or uint8
-        holding two 4-bit codes per byte ([*batch, n_groups, G/2]; int4, tah). fp8_tensor:
-        [*batch, 1, n] (one group = the message, no padding).
-      scale: float32 [*batch, n_groups]: s (taco dual), s/a (taco folded), the absmax scale
-        (fp8_*, int8, int4) or the tile step (tah).
-      prescale: float32 [*batch, n_groups] or None: taco's adaptive scale a (dual layout), tah's
-        zero point (tile minimum); None otherwise.
+        holding two 4-bit codes per byte ([*batch, n_groups, G/2]; int4, tah). A kind with one
+        scale per message (fp8_tensor): [*batch, 1, n] (one group = the message, no padding).
+      scale: [*batch, n_groups] in `cfg.scale_dtype` (float32 for the built-in kinds): s (taco
+        dual), s/a (taco folded), the absmax scale (fp8_*, int8, int4) or the tile step (tah).
+      prescale: like scale, or None: taco's adaptive scale a (dual layout), tah's zero point
+        (tile minimum); None where the kind sends none (`CodecKind.prescale`).
       shape: static shape of one message (without the batch axes).
       dtype: static dtype the message is decoded back to.
     """
@@ -107,7 +107,7 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
         registered or cannot run here.
     """
     if cfg.kind == "none":
-        raise ValueError(f"encode needs a compressing codec (kind 'taco' or another of {CODEC_KINDS[1:]}); "
+        raise ValueError(f"encode needs a compressing codec (kind 'taco' or another of {codec_kinds()[1:]}); "
                          "kind='none' is the exact collective and has no encoding")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"encode needs a floating-point message, got dtype={x.dtype}")
@@ -120,13 +120,13 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
     n = math.prod(shape)
     if x.size == 0:
         return _empty_encoded(x, cfg, batch_dims)
-    backend = get_backend(cfg.backend) if cfg.kind == "taco" else None
     rows = _message_to_rows(x, cfg, batch_dims)
     if not (_native(cfg, x.dtype) and cfg.nonfinite != "zero"):
         rows = rows.astype(jnp.float32)
     if cfg.nonfinite == "zero":
         rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
-    if cfg.kind == "fp8_tensor":
+    kind = get_kind(cfg.kind)
+    if not kind.grouped:
         xg = rows[..., None, :]  # the whole message is one group
         last_count = n
     else:
@@ -137,12 +137,7 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
             rows = jnp.pad(rows, [(0, 0)] * batch_dims + [(0, pad)])
         xg = rows.reshape(*rows.shape[:-1], n_groups, g)
         last_count = n - (n_groups - 1) * g
-    if cfg.kind == "taco":
-        codes, s, a = backend.encode_groups(xg, cfg, last_count=last_count)
-        if cfg.scale_layout == "folded":
-            s, a = s / a, None
-    else:
-        codes, s, a = GROUP_CODECS[cfg.kind][0](xg, cfg)
+    codes, s, a = kind.encode(xg, cfg, last_count=last_count)
     if cfg.nonfinite == "error":
         check_finite(rows, cfg.site)
     return Encoded(codes, s, a, shape, np.dtype(x.dtype))
@@ -151,24 +146,24 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
 def wire_layout(cfg: CodecConfig, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], np.dtype]]:
     """(shape, dtype) of each wire buffer of one message of `shape` as `encode` gives it, in the
     order of `Encoded`'s leaves: codes [n_groups, width], scale [n_groups], and the prescale
-    [n_groups] where the layout has one (taco "dual", tah). No group math is run."""
+    [n_groups] where the layout has one (taco "dual", tah), from the kind's registry entry. No
+    group math is run."""
+    kind = get_kind(cfg.kind)
     n = math.prod(shape)
-    if cfg.kind == "fp8_tensor":
+    if not kind.grouped:
         n_groups, width = (1 if n else 0), n
     else:
-        n_groups, width = -(-n // cfg.group_size), cfg.group_size * CODE_BITS[cfg.kind] // 8
-    out = [((n_groups, width), np.dtype(cfg.code_dtype)), ((n_groups,), np.dtype(np.float32))]
-    if cfg.kind == "tah" or (cfg.kind == "taco" and cfg.scale_layout == "dual"):
-        out.append(((n_groups,), np.dtype(np.float32)))
-    return out
+        n_groups, width = -(-n // cfg.group_size), cfg.group_size * kind.code_bits // 8
+    scale = ((n_groups,), np.dtype(kind.scale_dtype))
+    return [((n_groups, width), np.dtype(cfg.code_dtype)), scale, *([scale] if kind.has_prescale(cfg) else [])]
 
 
 def _empty_encoded(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
     """The wire buffers of zero-size input: the shapes `encode` gives, with no group math run."""
     batch, shape = x.shape[:batch_dims], tuple(x.shape[batch_dims:])
-    (codes_shape, code_dtype), (s_shape, _), *prescale = wire_layout(cfg, shape)
+    (codes_shape, code_dtype), (s_shape, s_dtype), *prescale = wire_layout(cfg, shape)
     codes = jnp.zeros((*batch, *codes_shape), code_dtype)
-    s = jnp.zeros((*batch, *s_shape), jnp.float32)
+    s = jnp.zeros((*batch, *s_shape), s_dtype)
     return Encoded(codes, s, s if prescale else None, shape, np.dtype(x.dtype))
 
 
@@ -197,10 +192,8 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
         else:
             if native:  # decoded straight into dtype, clipped by the kernel
                 xg = backend.decode_groups(enc.codes, enc.scale, enc.prescale, dtype=dtype)
-            elif cfg.kind == "taco":
-                xg = backend.decode_groups(enc.codes, enc.scale, enc.prescale)
             else:
-                xg = GROUP_CODECS[cfg.kind][1](enc.codes, enc.scale, enc.prescale, cfg)
+                xg = get_kind(cfg.kind).decode(enc.codes, enc.scale, enc.prescale, cfg)
             rows = xg.reshape(*xg.shape[:-2], -1)[..., :n]
         if cfg.nonfinite == "zero":
             rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
@@ -270,9 +263,10 @@ def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
       cfg: the codec that encoded them.
     Returns: an `Encoded` of the sum, [*enc.shape], in the folded layout (prescale None): decode it
       with `dataclasses.replace(cfg, scale_layout="folded")`.
-    Raises: ValueError if `cfg.kind` is not "taco" (the other kinds have no transform domain here).
+    Raises: ValueError if `cfg.kind` has no transform-domain reduction (`CodecKind.transform_reduce`:
+    "taco" only among the built-in kinds).
     """
-    if cfg.kind != "taco":
+    if cfg.kind == "none" or not get_kind(cfg.kind).transform_reduce:
         raise ValueError(f"reduce_encoded (transform-domain reduction) needs kind 'taco', got kind={cfg.kind!r}")
     with jax.named_scope("taco_reduce"):
         if enc.codes.size == 0:
@@ -316,7 +310,7 @@ def _resolve_wire(cfg: CodecConfig, backend: str, platform: str) -> str:
     codec of the same name as the backend where one is registered for `platform` and the codec's
     rows are its kind ("taco", group_axis "hidden", nonfinite "propagate"), else "generic".
     Raises ValueError for an explicit wire codec that cannot run here."""
-    fits = cfg.kind == "taco" and cfg.group_axis == "hidden" and cfg.nonfinite == "propagate"
+    fits = _backends(cfg) and cfg.group_axis == "hidden" and cfg.nonfinite == "propagate"
     if cfg.wire == "auto":
         return backend if fits and wire_runs_on(backend, platform) else "generic"
     if cfg.wire != "generic" and not (cfg.wire == backend and wire_runs_on(backend, platform)):
@@ -339,12 +333,17 @@ def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: i
       TACO_GLOO_REDUCE_SCATTER value.
     """
     platform = platform or default_platform()
-    backend = resolve_backend(cfg.backend, platform, n_devices=n_devices) if cfg.kind == "taco" else "reference"
+    backend = resolve_backend(cfg.backend, platform, n_devices=n_devices) if _backends(cfg) else "reference"
     wire = _resolve_wire(cfg, backend, platform)
     transport = resolve_transport(cfg.transport)
     if (backend, wire, transport) == (cfg.backend, cfg.wire, cfg.transport):
         return cfg
     return dataclasses.replace(cfg, backend=backend, wire=wire, transport=transport)
+
+
+def _backends(cfg: CodecConfig) -> bool:
+    """Whether `cfg`'s kind runs its group math through the registered group backends (taco)."""
+    return cfg.kind != "none" and get_kind(cfg.kind).backends
 
 
 def is_resolved(cfg: CodecConfig) -> bool:

@@ -1,8 +1,10 @@
 """Group math of the non-TACO codecs: per-tensor / per-group FP8, int8, int4 (SDP4Bit-style), TAH-style tiles.
 
 Every function works on float32 groups `[..., n_groups, G]` (the last group zero-padded) and
-returns / takes the wire buffers `(codes, scale, prescale)`; `taco_jax.codec.dispatch.encode`
-cuts messages into groups and calls these. A group holding NaN/±Inf gets a NaN scale, so it
+returns / takes the wire buffers `(codes, scale, prescale)`; the kinds' registry
+(`taco_jax.codec.kinds`) names them and `taco_jax.codec.dispatch.encode` cuts messages into
+groups and calls them. `cfg` is the message's `CodecConfig` (not imported here: the config
+module validates against the registry, which imports this one). A group holding NaN/±Inf gets a NaN scale, so it
 decodes to NaN (the "propagate" policy; "zero" and "error" are applied around these functions).
 
 Sources: per-tensor FP8 with an absmax scale as TransformerEngine's current scaling; block-wise
@@ -17,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.hadamard import wht as _wht
 
 #: Smallest scale: the smallest normal float32, so x / s never divides by a flushed denormal
@@ -46,7 +47,7 @@ def unpack4(b: jax.Array) -> jax.Array:
 # ----------------------------------- FP8 with an absmax scale -----------------------------------
 
 
-def encode_fp8(xg: jax.Array, cfg: CodecConfig):
+def encode_fp8(xg: jax.Array, cfg):
     """FP8 codes with s = max(absmax / R, 2^-126) per group (fp8_tensor: the group is the message).
 
     Args:
@@ -61,7 +62,7 @@ def encode_fp8(xg: jax.Array, cfg: CodecConfig):
     return codes, s, None
 
 
-def decode_fp8(codes, s, prescale, cfg: CodecConfig):
+def decode_fp8(codes, s, prescale, cfg):
     y = codes.astype(jnp.float32) * s[..., None]
     return _wht(y) if cfg.hadamard else y
 
@@ -69,7 +70,7 @@ def decode_fp8(codes, s, prescale, cfg: CodecConfig):
 # ------------------------------- symmetric int8 / int4 (absmax) -------------------------------
 
 
-def encode_int(xg: jax.Array, cfg: CodecConfig):
+def encode_int(xg: jax.Array, cfg):
     """Symmetric integer codes q = round(y / s) in [-L, L], s = max(absmax / L, 2^-126).
 
     L = 127 (int8, codes int8) or 7 (int4, codes q + 8 packed two per byte, uint8 [..., G/2]).
@@ -87,7 +88,7 @@ def encode_int(xg: jax.Array, cfg: CodecConfig):
     return pack4((q + 8).astype(jnp.uint8)), s, None
 
 
-def decode_int(codes, s, prescale, cfg: CodecConfig):
+def decode_int(codes, s, prescale, cfg):
     if cfg.kind == "int8":
         q = codes.astype(jnp.float32)
     else:
@@ -99,7 +100,7 @@ def decode_int(codes, s, prescale, cfg: CodecConfig):
 # ------------------------------- TAH-style asymmetric 4-bit tiles -------------------------------
 
 
-def encode_tah(xg: jax.Array, cfg: CodecConfig):
+def encode_tah(xg: jax.Array, cfg):
     """Tile = group of G: y = WHT(x); z = min(y), s = max((max(y) - z) / 15, 2^-126);
     q = round((y - z) / s) in [0, 15], packed two per byte. Wire: codes, s, z (FP32)."""
     y = _wht(xg)
@@ -112,16 +113,6 @@ def encode_tah(xg: jax.Array, cfg: CodecConfig):
     return pack4(q.astype(jnp.uint8)), s, lo
 
 
-def decode_tah(codes, s, zero, cfg: CodecConfig):
+def decode_tah(codes, s, zero, cfg):
     y = zero[..., None] + unpack4(codes).astype(jnp.float32) * s[..., None]
     return _wht(y)
-
-
-#: kind -> (encode_groups(xg, cfg), decode_groups(codes, scale, prescale, cfg))
-GROUP_CODECS = {
-    "fp8_tensor": (encode_fp8, decode_fp8),
-    "fp8_group": (encode_fp8, decode_fp8),
-    "int8": (encode_int, decode_int),
-    "int4": (encode_int, decode_int),
-    "tah": (encode_tah, decode_tah),
-}

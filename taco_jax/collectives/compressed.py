@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax.codec import CodecConfig
+from taco_jax.codec import CodecConfig, get_kind
 from taco_jax.codec.dispatch import is_resolved, resolve_codec
 from taco_jax.codec.vma import pvary, vma_of
 from taco_jax.codec.wire import sum_fp32, wire_for
@@ -244,7 +244,7 @@ def _two_shot(x, axis_name, codec, reduce_domain, p):
     if codec.group_axis == "hidden":  # groups cut the flattened chunk either way
         xs = xs.reshape(p, -1)
     shape = xs.shape[1:]
-    domain = reduce_domain if codec.kind == "taco" else "signal"  # only taco has a transform domain
+    domain = reduce_domain if get_kind(codec.kind).transform_reduce else "signal"  # taco: a transform domain
     mine = wire.reduce_rows(_all_to_all_rows(xs, axis_name, wire, codec), codec, shape, x.dtype, domain)
     gathered = lax.all_gather(mine, axis_name, axis=0, to="invarying")  # [P, row_bytes]
     out_codec = dataclasses.replace(codec, scale_layout="folded") if domain == "hadamard" else codec

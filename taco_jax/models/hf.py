@@ -25,6 +25,7 @@ header of dtype / shape / data_offsets, raw little-endian data).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -411,18 +412,52 @@ def _to_host(a) -> np.ndarray:
     return np.asarray(a, np.float32)
 
 
+def _param(params: dict, path: tuple, stacked_key: str | None):
+    """The parameter at model-layout `path` of `params`; in the pipeline layout (`stacked_key`),
+    layer `path[1]`'s slice of the stacked leaf (`_layer`). Raises KeyError / IndexError / TypeError
+    when it is absent."""
+    stacked = stacked_key is not None and path[0] == stacked_key
+    node = params
+    for k in (path[:1] + path[2:]) if stacked else path:
+        node = node[k]
+    return _layer(node, path[1]) if stacked else node
+
+
+def _layer(a, i: int):
+    """Layer `i` of a stacked leaf `a` [L, ...]: a numpy slice, or for an array on a mesh the slice
+    cut where it lives, sharded as `a` without its layer axis (only that one layer moves).
+    Raises IndexError for i outside [0, L)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    if not 0 <= i < a.shape[0]:
+        raise IndexError(f"layer {i} of a stack of {a.shape[0]}")
+    if not isinstance(a, jax.Array) or not isinstance(a.sharding, NamedSharding):
+        return a[i]
+    return _layer_slicer(NamedSharding(a.sharding.mesh, jax.sharding.PartitionSpec(*a.sharding.spec[1:])))(a, i)
+
+
+@functools.lru_cache(maxsize=32)
+def _layer_slicer(sharding):
+    import jax
+
+    return jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), out_shardings=sharding)
+
+
 def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None = None,
-            source=None, tokenizer=None, eos_token_id: int | None = None) -> pathlib.Path:
+            source=None, tokenizer=None, eos_token_id: int | None = None,
+            stacked_key: str | None = None) -> pathlib.Path:
     """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`,
     with the tokenizer: `source`'s tokenizer files and `generation_config.json` (`TOKENIZER_FILES`)
     when `source` (an HF checkpoint folder, e.g. `--init-from`) has a `tokenizer.json`, else
     `tokenizer` (a `tokenizers` JSON file, e.g. the run's BPE) as `tokenizer.json` with a
     `tokenizer_config.json` for `transformers.AutoTokenizer`.
 
-    params: the model's pure dict (model layout; `StagedModel.unstack_layers` first for the
-    pipeline layout), numpy or (sharded) jax arrays — each is gathered to the host in turn. In a
-    multi-process run every process must call this (the gather is a collective) and process 0
-    writes: the folder equals a one-process export byte for byte.
+    params: the model's pure dict, numpy or (sharded) jax arrays — each is gathered to the host in
+    turn, one tensor at a time. In a multi-process run every process must call this (the gather is
+    a collective) and process 0 writes: the folder equals a one-process export byte for byte.
+    stacked_key: `params` is in the pipeline layout (`parallel.staged.StagedModel`, params[stacked_key]
+      one tree of leaves stacked over layers); each layer's tensor is cut from its stack in turn.
     base_config: a source `config.json` dict (e.g. of the `--init-from` checkpoint) whose other keys
       (token ids, generation settings) are kept; the architecture keys come from `cfg`.
     eos_token_id: the end-of-text id of the tokenizer written (the training data's document
@@ -441,10 +476,8 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
     writer = jax.process_index() == 0
     tensors = {}
     for e in param_map(cfg):
-        node = params
         try:
-            for k in e.path:
-                node = node[k]
+            node = _param(params, e.path, stacked_key)
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(f"parameter {'/'.join(map(str, e.path))} is missing (for {e.name!r})") from err
         if tuple(node.shape) != e.shape:

@@ -18,3 +18,34 @@ def merge_params(graphdef: nnx.GraphDef, abstract_state: nnx.State, params: dict
     state = jax.tree.map(lambda v: v, abstract_state)  # a fresh State to fill in
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+def sharded_initializer(fn, shardings):
+    """A jitted no-argument function computing `fn()` (a parameter initialisation from a seed: no
+    arguments, a pytree of arrays out) straight into `shardings` (a pytree of `jax.sharding.Sharding`
+    like its result): each device computes only its own shards, nothing is first built whole on one
+    device. Compiled at its first call (`jax.jit`'s cache: keep the returned function to reuse it).
+
+    The values are those of `fn()` run eagerly, bit for bit: the program is one `jit` of `fn`'s
+    jaxpr with an optimization barrier after every top-level operation, so each operation is
+    compiled as the unit eager dispatch compiles (a plain `jit(fn)` lets XLA fuse e.g. a normal
+    initializer's `* stddev` into the sampler and rounds ~1/4 of the values 1 ulp differently);
+    the threefry bits are the same for any sharding (`jax_threefry_partitionable`).
+    Raises what `fn` raises while tracing; ValueError from `jax.jit` if `shardings` does not match.
+    """
+    from jax.extend.core import Literal
+
+    closed = jax.make_jaxpr(fn)()
+    tree = jax.tree.structure(jax.eval_shape(fn))
+
+    def eager_units():
+        env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+        read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+        for eqn in closed.jaxpr.eqns:
+            with eqn.ctx.manager:
+                out = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+            out = jax.lax.optimization_barrier(list(out) if eqn.primitive.multiple_results else [out])
+            env.update(zip(eqn.outvars, out, strict=True))
+        return jax.tree.unflatten(tree, [read(v) for v in closed.jaxpr.outvars])
+
+    return jax.jit(eager_units, out_shardings=shardings)

@@ -6,9 +6,9 @@ data's statistics; its criterion is not public (TACO_SPEC.md §2). Ours, stated 
   Data: the messages of `taco-jax train --capture N` (every tensor rank, data rank 0). Captured
   steps are split alternately: steps 1st, 3rd, 5th, ... calibrate; 2nd, 4th, ... are held out
   (with a single captured step, its messages alternate instead).
-  Candidates: every codec of the family with every parameter (kind; FP8 format; G in
-  32..512; group axis hidden | token; taco scale layout dual | folded; optional Hadamard for
-  fp8_group / int8 / int4) — `candidates()`.
+  Candidates: every codec kind the registry marks for calibration with every parameter it takes
+  (FP8 format; G in 32..512; group axis hidden | token; taco scale layout dual | folded;
+  optional Hadamard for fp8_group / int8 / int4) — `candidates()`.
   Per-site objective: maximise SQNR_s(c) = 10·log10(Σ‖x‖² / Σ‖x − decode(encode(x))‖²) over
   the site's messages, subject to wire_bytes_per_element(c, n) ≤ budget (default 1.0625 B/elt,
   the spec's TACO setting: 0.53× bf16). Ties (within 0.01 dB, or the same infinite SQNR, e.g.
@@ -36,6 +36,7 @@ import numpy as np
 
 from taco_jax.codec import CodecConfig, cosine, max_rel_error, roundtrip, sqnr_db
 from taco_jax.codec.config import GROUP_AXES, GROUP_SIZES
+from taco_jax.codec.kinds import FP8_FMTS, registered
 from taco_jax.collectives.policy import POLICY_FORMAT, TENSOR_SITES, CommPolicy
 from taco_jax.train import jsonio
 from taco_jax.train.capture import Message, load_captures
@@ -47,17 +48,26 @@ TIE_DB = 0.01
 
 
 def candidates() -> list[CodecConfig]:
-    """The search space: every compressing codec × parameter combination (132 codecs)."""
-    out = [CodecConfig(kind="fp8_tensor", fmt=f) for f in ("e4m3", "e5m2")]
+    """The search space, from the kinds' registry (`taco_jax.codec.kinds`, the kinds with
+    `calibrate` set, in registration order): the kinds with one scale per message in each FP8
+    format first; then per group size G and group axis, each grouped kind with every FP8 format
+    (FP8 codes), optional Hadamard (off, on) and scale layout it takes (132 codecs for the
+    built-in kinds)."""
+    kinds = [k for k in registered() if k.calibrate]
+    out = [CodecConfig(**v) for k in kinds if not k.grouped for v in _variants(k)]
     for g, axis in itertools.product(GROUP_SIZES, GROUP_AXES):
-        for f, had in itertools.product(("e4m3", "e5m2"), (False, True)):
-            out.append(CodecConfig(kind="fp8_group", fmt=f, group_size=g, group_axis=axis, hadamard=had))
-        for kind, had in itertools.product(("int8", "int4"), (False, True)):
-            out.append(CodecConfig(kind=kind, group_size=g, group_axis=axis, hadamard=had))
-        for f, layout in itertools.product(("e4m3", "e5m2"), ("dual", "folded")):
-            out.append(CodecConfig(kind="taco", fmt=f, group_size=g, group_axis=axis, scale_layout=layout))
-        out.append(CodecConfig(kind="tah", group_size=g, group_axis=axis))
+        out += [CodecConfig(**v, group_size=g, group_axis=axis) for k in kinds
+                if k.grouped and g in k.group_sizes for v in _variants(k)]
     return out
+
+
+def _variants(kind) -> list[dict]:
+    """Codec fields of `kind` (without G and group axis): every FP8 format × Hadamard × scale layout it takes."""
+    fmts = FP8_FMTS if kind.fp8 else (None,)
+    hads = (False, True) if kind.hadamard == "optional" else (False,)
+    return [{"kind": kind.name, **({"fmt": f} if f else {}), **({"hadamard": True} if h else {}),
+             **({"scale_layout": lay} if lay != "dual" else {})}
+            for f, h, lay in itertools.product(fmts, hads, kind.scale_layouts)]
 
 
 def split_messages(msgs: list[Message], max_per_split: int | None = 16) -> dict[str, dict[str, list[Message]]]:

@@ -54,8 +54,8 @@ def _fingerprints(tree):
 
 
 def _mesh_shardings(tree):
-    """Shardings of `tree`'s leaves, a leaf that is not on the mesh (e.g. the optimizer's step count,
-    a constant of `tx.init`, lives on one device) given the mesh's replicated sharding."""
+    """Shardings of `tree`'s leaves, a leaf that is not on the mesh (an array made outside
+    `Trainer.init` and the train step, e.g. on one device) given the mesh's replicated sharding."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     leaves = jax.tree.leaves(tree)
@@ -144,7 +144,7 @@ class Checkpoints:
         `wait`, when the checkpoint is complete. Every process must call it with the same step."""
         ocp = _ocp()
         state = {"params": params, "opt_state": opt_state}
-        state = jax.device_put(state, _mesh_shardings(state))  # one mesh for every leaf (a no-op after a step)
+        state = jax.device_put(state, _mesh_shardings(state))  # one mesh for every leaf (a no-op for the run's state)
         fp = {k: float(v) for k, v in _paths(jax.device_get(_fingerprints(state))).items()}
         shapes = {k: [list(v.shape), str(v.dtype)] for k, v in _paths(state).items()}
         meta = {"format": FORMAT, "step": step, "processes": jax.process_count(), "shapes": shapes,
@@ -230,9 +230,9 @@ class Checkpoints:
         pads = _padding_axes(meta.get("shapes", {}), {k: [list(v.shape), str(v.dtype)] for k, v in
                                                       _paths(state).items()}, _saved_padded_vocab(saved, vocab), vocab)
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
-        if pads:  # read at the saved shape, replicated; re-padded below
+        if pads:  # read at the saved shape (sharded as the target where it divides, else replicated); re-padded below
             target = _map_paths(target, lambda k, t: t if k not in pads else jax.ShapeDtypeStruct(
-                tuple(meta["shapes"][k][0]), t.dtype, sharding=_replicated(t.sharding)))
+                tuple(meta["shapes"][k][0]), t.dtype, sharding=_for_shape(t.sharding, meta["shapes"][k][0])))
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
             jax.block_until_ready(out)
@@ -354,10 +354,16 @@ def _map_paths(tree, fn):
     return jax.tree_util.tree_map_with_path(lambda path, a: fn(jax.tree_util.keystr(path), a), tree)
 
 
-def _replicated(sharding):
+def _for_shape(sharding, shape):
+    """`sharding` for an array of `shape` when each axis divides evenly into its shards, else the
+    mesh's replicated sharding."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    return NamedSharding(sharding.mesh, PartitionSpec())
+    try:
+        sharding.shard_shape(tuple(shape))
+        return sharding
+    except ValueError:
+        return NamedSharding(sharding.mesh, PartitionSpec())
 
 
 def _repad(a, axis: int, vocab: tuple[int, int], *, target, name: str, where):

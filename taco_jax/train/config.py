@@ -8,8 +8,7 @@ import functools
 import math
 import os
 
-from taco_jax.codec import CODEC_KINDS, NONE, CodecConfig
-from taco_jax.codec.config import OPTIONAL_HADAMARD_KINDS
+from taco_jax.codec import NONE, CodecConfig, codec_kinds, get_kind
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.models import GPTConfig, get_config
 from taco_jax.parallel.context import check_tp_overlap
@@ -59,8 +58,8 @@ class CommFlags:
 
     def tensor_codec(self) -> CodecConfig:
         """The codec of every tensor-axis site (`--comm` and the codec flags)."""
-        if self.comm not in CODEC_KINDS:
-            raise ValueError(f"comm={self.comm!r} is not supported; choose 'none' or a codec kind {CODEC_KINDS[1:]}")
+        if self.comm not in codec_kinds():
+            raise ValueError(f"comm={self.comm!r} is not supported; choose 'none' or a codec kind {codec_kinds()[1:]}")
         kind = self.codec_kind if self.comm == "taco" else self.comm
         if self.comm not in ("none", "taco") and self.codec_kind not in ("taco", self.comm):
             raise ValueError(f"comm={self.comm!r} and codec_kind={self.codec_kind!r} disagree; give one of them")
@@ -75,10 +74,10 @@ class CommFlags:
         offers it. Raises ValueError naming `flag` for an unknown kind."""
         if kind == "none":
             return NONE
-        if kind not in CODEC_KINDS:
-            raise ValueError(f"{flag}={kind!r} is not supported; choose one of {CODEC_KINDS}")
+        if kind not in codec_kinds():
+            raise ValueError(f"{flag}={kind!r} is not supported; choose one of {codec_kinds()}")
         return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, nonfinite=self.nonfinite,
-                           backend=self.backend, hadamard=kind in OPTIONAL_HADAMARD_KINDS)
+                           backend=self.backend, hadamard=get_kind(kind).hadamard == "optional")
 
     def policy(self) -> CommPolicy:
         """The run's policy (see the class docstring). Raises ValueError naming the bad flag or value."""

@@ -91,8 +91,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
             nbytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
             with run_hooks.guard(f"export to {cfg.export_hf}", state.history[-1]["step"] if state.history else 0,
                                  kind="export", nbytes=nbytes):
-                save_hf(cfg.export_hf, cfg.model_config, run.trainer.staged.unstack_layers(state.params)
-                        if run.trainer.staged else state.params,
+                save_hf(cfg.export_hf, cfg.model_config, state.params,
+                        stacked_key=run.trainer.staged.layer_key if run.trainer.staged else None,  # a layer at a time
                         base_config=read_config(cfg.init_from) if cfg.init_from else None,
                         source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path or None,
                         eos_token_id=run.dataset.eot_id)

@@ -27,7 +27,7 @@ from taco_jax.models import decays, make_model
 from taco_jax.parallel import ParallelContext, param_specs
 from taco_jax.parallel import pipeline as pp
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, make_mesh
-from taco_jax.parallel.state import merge_params
+from taco_jax.parallel.state import merge_params, sharded_initializer
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.console import say
 from taco_jax.train.distributed import emulated_link, tensor_link_bytes_per_s
@@ -55,31 +55,59 @@ class Trainer:
     policy: CommPolicy | None = None  # cfg.policy with concrete backends (what the step runs)
 
     def init(self):
-        """Initial (params, opt_state), sharded over the mesh; same values for any --comm and mesh.
+        """Initial (params, opt_state), created sharded over the mesh; same values for any --comm and mesh.
 
-        With `cfg.init_from` the parameters are read from that HF checkpoint straight into the mesh
-        sharding (`models.hf.load_params`); otherwise initialised from `cfg.seed`."""
+        Every array is created with its final sharding (`shardings`, `opt_shardings`): each device
+        computes and holds only its own shards. With `cfg.init_from` the
+        parameters are read from that HF checkpoint straight into the mesh sharding
+        (`models.hf.load_params`); otherwise initialised from `cfg.seed`, the values of the eager
+        `make_model(cfg.model_config, rngs=nnx.Rngs(cfg.seed))` bit for bit (`parallel.state.sharded_initializer`,
+        compiled once per model, seed and shardings in a process)."""
         if self.cfg.init_from:
             from taco_jax.models.hf import load_params
 
             params = load_params(self.cfg.init_from, self.cfg.model_config, shardings=self.shardings,
                                  stacked_key=self.staged.layer_key if self.staged else None)
-            return params, jax.jit(self.tx.init)(params)
-        model = make_model(self.cfg.model_config, rngs=nnx.Rngs(self.cfg.seed))
-        params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
-        if self.staged is not None:
-            params = self.staged.stack_layers(params)
-        params = jax.device_put(params, self.shardings)
-        opt_state = jax.jit(self.tx.init)(params)
-        return params, opt_state
+        else:
+            leaves, treedef = jax.tree.flatten(self.shardings)
+            params = _initializer(self.cfg.model_config, self.cfg.seed, self.staged is not None, tuple(leaves),
+                                  treedef)()
+        return params, jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
 
     @property
     def shardings(self):
+        """`NamedSharding`s of the parameters (pytree like them; pipeline layout when `staged`)."""
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs)
+
+    @property
+    def opt_shardings(self):
+        """`NamedSharding`s of the optimizer state (`tx.init`'s tree): each tree of moments like the
+        parameters (`shardings`), every other leaf (the step counts) replicated over the mesh."""
+        params = jax.eval_shape(functools.partial(_fresh_params, self.cfg.model_config, self.cfg.seed,
+                                                  self.staged is not None))
+        abstract = jax.eval_shape(self.tx.init, params)
+        replicated = NamedSharding(self.mesh, P())
+        return optax.tree.map_params(self.tx, lambda _, s: s, abstract, self.shardings,
+                                     transform_non_params=lambda _: replicated)
 
     def compiled_hlo(self, params, opt_state, inputs, targets) -> str:
         """Optimized HLO text of the train step (for wire-byte accounting and HLO tests)."""
         return self.train_step.lower(params, opt_state, inputs, targets).compile().as_text()
+
+
+def _fresh_params(model_cfg, seed: int, pipelined: bool) -> dict:
+    """`make_model(model_cfg, rngs=nnx.Rngs(seed))`'s parameters as a pure dict (pipeline layout when
+    `pipelined`: `StagedModel.stack_layers`)."""
+    model = make_model(model_cfg, rngs=nnx.Rngs(seed))
+    params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+    return pp.StagedModel.from_model(model).stack_layers(params) if pipelined else params
+
+
+@functools.lru_cache(maxsize=8)
+def _initializer(model_cfg, seed: int, pipelined: bool, shardings: tuple, treedef):
+    """The compiled sharded initialisation of `_fresh_params` (shardings: the flattened leaves)."""
+    return sharded_initializer(functools.partial(_fresh_params, model_cfg, seed, pipelined),
+                               jax.tree.unflatten(treedef, shardings))
 
 
 def compiled_memory(compiled) -> dict | None:

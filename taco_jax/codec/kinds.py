@@ -1,0 +1,193 @@
+"""The codec kinds: one registry entry per kind, from which every per-kind rule of the package derives.
+
+A `CodecKind` declares a kind's wire format (code and scale dtypes, bits per code, whether a
+second per-group buffer travels), its grouping rules (one scale per group of G, or one per
+message; the group sizes it takes), whether the Walsh-Hadamard transform is always, never or
+optionally applied, its group math (encode / decode of float32 groups), whether it runs through
+the registered group backends and reduces in its transform domain (taco), whether
+`taco-jax calibrate` searches it, and how plots draw it. `CodecConfig` validates against it,
+`dispatch` cuts messages and lays out the wire buffers with it, `wire_bytes_per_element` (and so
+the cost model) counts bytes from it, and `train.calibrate.candidates` enumerates it.
+
+Adding a kind: `register_kind(CodecKind(...))` (docs/architecture.md, "Adding a codec kind").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from taco_jax.codec import family
+from taco_jax.codec.constants import GROUP_SIZES
+
+#: `CodecKind.hadamard` values.
+HADAMARD = ("never", "optional", "always")
+#: The FP8 code formats (`CodecConfig.fmt`) the calibration tries for a kind whose codes are FP8.
+FP8_FMTS = ("e4m3", "e5m2")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecKind:
+    """One codec kind (`CodecConfig.kind`).
+
+    Attributes:
+      name: the kind's name ("taco", "int8", ...); `--comm NAME`, `kind=NAME` in policy files.
+      code_bits: bits per code on the wire (8; 4: two codes per byte, packed by the encoder).
+      code_dtype: numpy dtype of the code buffer; None: FP8 in the codec's `fmt` (E4M3 / E5M2).
+      encode: `encode(xg, cfg, *, last_count) -> (codes, scale, prescale)`: float32 groups
+        [..., n_groups, G] (the last zero-padded; `last_count` real elements in it) -> codes
+        [..., n_groups, G * code_bits / 8] in `code_dtype`, scale [..., n_groups] in
+        `scale_dtype`, prescale like scale or None (`has_prescale`). A group holding NaN/±Inf
+        must decode to NaN (the "propagate" policy; "zero" / "error" are applied around it).
+      decode: `decode(codes, scale, prescale, cfg) -> float32 groups [..., n_groups, G]`.
+      scale_dtype: numpy dtype of the scale (and prescale) buffers (default float32).
+      prescale: whether a second per-group buffer travels: a bool, or a function of the codec
+        (taco: with `scale_layout` "dual").
+      grouped: True: one scale per group of `group_size` elements; False: one per message (the
+        message is one group, no padding; `group_axis` "hidden" only).
+      group_sizes: the group sizes G the kind takes (a subset of `constants.GROUP_SIZES`).
+      hadamard: "never", "optional" (`CodecConfig.hadamard` chooses) or "always".
+      scale_layouts: the `CodecConfig.scale_layout` values the kind takes (taco: "dual", "folded").
+      backends: the group math runs through the registered group backends (`cfg.backend`,
+        `taco_jax.codec.backends`) and may use their wire codecs; otherwise `encode` / `decode`.
+      transform_reduce: the two-shot all-reduce may sum in the transform domain
+        (`reduce_domain="hadamard"`, `dispatch.reduce_encoded`).
+      calibrate: `taco-jax calibrate` searches the kind (`train.calibrate.candidates`: every
+        G, group axis, FP8 format, optional Hadamard and scale layout it takes).
+      color: how plots draw the kind (a matplotlib colour).
+      summary: one line for listings.
+    Raises: ValueError naming a bad field.
+    """
+
+    name: str
+    code_bits: int
+    code_dtype: object
+    encode: Callable
+    decode: Callable
+    scale_dtype: object = np.float32
+    prescale: bool | Callable = False
+    grouped: bool = True
+    group_sizes: tuple[int, ...] = GROUP_SIZES
+    hadamard: str = "never"
+    scale_layouts: tuple[str, ...] = ("dual",)
+    backends: bool = False
+    transform_reduce: bool = False
+    calibrate: bool = True
+    color: str = "tab:brown"
+    summary: str = ""
+
+    def __post_init__(self):
+        if not (isinstance(self.name, str) and self.name.isidentifier() and self.name != "none"):
+            raise ValueError(f"name={self.name!r} must be an identifier other than 'none'")
+        if self.code_bits not in (4, 8):
+            raise ValueError(f"kind {self.name!r}: code_bits={self.code_bits!r} must be 4 or 8")
+        if self.code_dtype is not None and np.dtype(self.code_dtype).itemsize * 8 != 8:
+            raise ValueError(f"kind {self.name!r}: code_dtype={self.code_dtype!r} must be one byte wide (4-bit codes "
+                             "travel packed two per byte)")
+        if self.hadamard not in HADAMARD:
+            raise ValueError(f"kind {self.name!r}: hadamard={self.hadamard!r} must be one of {HADAMARD}")
+        bad = [g for g in self.group_sizes if g not in GROUP_SIZES]
+        if not self.group_sizes or bad:
+            raise ValueError(f"kind {self.name!r}: group_sizes={self.group_sizes!r} must be among {GROUP_SIZES}")
+        if not self.grouped and self.hadamard != "never":
+            raise ValueError(f"kind {self.name!r}: a kind with one scale per message has no groups to transform "
+                             f"(hadamard={self.hadamard!r})")
+        if not self.scale_layouts or "dual" not in self.scale_layouts:
+            raise ValueError(f"kind {self.name!r}: scale_layouts={self.scale_layouts!r} must include 'dual' "
+                             "(the default layout)")
+        if not callable(self.encode) or not callable(self.decode):
+            raise ValueError(f"kind {self.name!r}: encode and decode must be callables")
+
+    @property
+    def fp8(self) -> bool:
+        """The codes are FP8 in the codec's `fmt` (the `fmt` field applies)."""
+        return self.code_dtype is None
+
+    def has_prescale(self, cfg) -> bool:
+        """Whether codec `cfg` of this kind sends a prescale buffer."""
+        return self.prescale(cfg) if callable(self.prescale) else bool(self.prescale)
+
+    def scale_bytes(self, cfg) -> int:
+        """Scale bytes per group (per message when not `grouped`) of codec `cfg`."""
+        return np.dtype(self.scale_dtype).itemsize * (2 if self.has_prescale(cfg) else 1)
+
+
+_KINDS: dict[str, CodecKind] = {}
+
+
+def register_kind(kind: CodecKind) -> CodecKind:
+    """Adds `kind` to the registry (after the kinds already there). Returns it.
+    Raises ValueError when a kind of that name is registered already."""
+    if not isinstance(kind, CodecKind):
+        raise ValueError(f"register_kind needs a CodecKind, got {kind!r}")
+    if kind.name in _KINDS:
+        raise ValueError(f"codec kind {kind.name!r} is registered already")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def get_kind(name: str) -> CodecKind:
+    """The registered kind `name`. Raises ValueError listing the registered kinds."""
+    try:
+        return _KINDS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"kind={name!r} is not supported; choose one of {codec_kinds()}") from None
+
+
+def codec_kinds() -> tuple[str, ...]:
+    """"none" (the exact collective) and the registered kinds, in registration order."""
+    return ("none", *_KINDS)
+
+
+def registered() -> tuple[CodecKind, ...]:
+    """The registered kinds, in registration order."""
+    return tuple(_KINDS.values())
+
+
+# ----------------------------------------- the built-in kinds -----------------------------------------
+
+
+def _plain(encode: Callable) -> Callable:
+    """A group encoder that does not use `last_count`, in `CodecKind.encode`'s signature."""
+    def enc(xg, cfg, *, last_count):
+        del last_count
+        return encode(xg, cfg)
+
+    return enc
+
+
+def _taco_encode(xg, cfg, *, last_count):
+    """TACO's group math on the registered backend `cfg.backend`; "folded": the one scale s / a."""
+    from taco_jax.codec.backends import get_backend
+
+    codes, s, a = get_backend(cfg.backend).encode_groups(xg, cfg, last_count=last_count)
+    if cfg.scale_layout == "folded":
+        s, a = s / a, None
+    return codes, s, a
+
+
+def _taco_decode(codes, scale, prescale, cfg):
+    from taco_jax.codec.backends import get_backend
+
+    return get_backend(cfg.backend).decode_groups(codes, scale, prescale)
+
+
+for _kind in (
+    CodecKind("fp8_tensor", 8, None, _plain(family.encode_fp8), family.decode_fp8, grouped=False,
+              color="tab:gray", summary="FP8, one FP32 absmax scale per message"),
+    CodecKind("fp8_group", 8, None, _plain(family.encode_fp8), family.decode_fp8, hadamard="optional",
+              color="tab:blue", summary="FP8 per group of G, FP32 absmax scale"),
+    CodecKind("int8", 8, np.int8, _plain(family.encode_int), family.decode_int, hadamard="optional",
+              color="tab:green", summary="symmetric int8 per block of G, FP32 absmax scale"),
+    CodecKind("int4", 4, np.uint8, _plain(family.encode_int), family.decode_int, hadamard="optional",
+              color="tab:olive", summary="symmetric 4-bit per group of G, FP32 absmax scale"),
+    CodecKind("taco", 8, None, _taco_encode, _taco_decode, prescale=lambda cfg: cfg.scale_layout == "dual",
+              hadamard="always", scale_layouts=("dual", "folded"), backends=True, transform_reduce=True,
+              color="tab:red", summary="TACO: RMS pre-scale, WHT, FP8 (TACO_SPEC.md §2)"),
+    CodecKind("tah", 4, np.uint8, _plain(family.encode_tah), family.decode_tah, prescale=True, hadamard="always",
+              color="tab:purple", summary="TAH-Quant-style WHT tiles, asymmetric 4-bit"),
+):
+    register_kind(_kind)
+del _kind
