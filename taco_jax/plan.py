@@ -86,12 +86,13 @@ def _site_rows(cfg, layout: model.Layout, hw: model.Hardware, policy: CommPolicy
         if site not in msgs:
             continue
         op, nbytes, p, count, per = msgs[site]
+        if p == 1 and op != "send":  # an axis of size 1: the site moves nothing
+            continue
         codec = getattr(policy, site)
         candidate = codec if codec.kind != "none" else TACO
         item = layout.grad_bytes if site == "dp_grads" else layout.act_bytes
         link = link_of[_AXIS_OF_SITE[site]]
-        be = model.NEVER if p == 1 else model.break_even_bytes(op, p, link, candidate, hw.codec_speed(candidate),
-                                                               itemsize=item)
+        be = model.break_even_bytes(op, p, link, candidate, hw.codec_speed(candidate), itemsize=item)
         shard = p if site == "all_gather" else 1  # the all-gather's message is the local shard
         if codec.kind == "none":
             auto = "exact (declared)"
@@ -369,7 +370,9 @@ def lines(result: dict) -> list[str]:
     p = result["predict"]
     hw, lay = p["hardware"], p["layout"]
     r = p["range"]
-    L = [f"{p['model']} ({p['n_params'] / 1e9:.2f} B parameters, {p['n_layers']} layers) on {lay['gpus']} x "
+    n = p["n_params"]
+    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    L = [f"{p['model']} ({size} parameters, {p['n_layers']} layers) on {lay['gpus']} x "
          f"{hw['name']}: tensor={lay['tp']} data={lay['dp']} stage={lay['pp']}, microbatch {lay['micro_batch']} x "
          f"{lay['seq_len']} tokens, {lay['n_micro']} microbatches"]
     codec = hw["codec"]
