@@ -171,14 +171,15 @@ def _add_plan(sub, helps, explicit: bool) -> None:
                         ("predict", "the cost model alone (about a second): step time exact vs the policy per axis, "
                                     "speedup with its range, --min-bytes auto per site")):
         sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                            allow_abbrev=False, epilog="Takes train's flags (those about training steps, data and "
-                            "outputs are accepted and unused). docs/plan.md")
+                            allow_abbrev=False, epilog="Takes train's flags (those about steps, data, evaluation and "
+                            "checkpoints are accepted and unused; plan writes plan.json and plan.md to --out). "
+                            "docs/plan.md")
         sp.add_argument("--config", default="", metavar="FILE", help="flag values from a TOML file (as train)")
         for cls, f in _flag_fields():
             _add_flag(sp, cls, f, helps, explicit)
         sp.add_argument("--hardware", default="", metavar="NAME",
                         help="declared hardware (taco_jax/perf/hardware.toml: h100, h200, h800, a100, b200, l40s; "
-                             "or an entry of --hardware-file); default h200")
+                             "or an entry of --hardware-file); empty: h200, or the file's one entry")
         sp.add_argument("--hardware-file", default="", metavar="FILE",
                         help="your own cluster: a TOML file with hardware.toml's schema (docs/plan.md)")
         sp.add_argument("--tp-span-nodes", type=_positive_int("tp_span_nodes"), default=None, metavar="K",

@@ -31,6 +31,8 @@ from taco_jax.train.config import AXIS_SITES, TrainConfig
 
 #: Element types of compressed wire buffers in compiled HLO (codes and scales travel as bytes).
 CODE_DTYPES = ("u8", "s8")
+#: Element types of uncompressed messages (u16: a bf16 / f16 message bit-cast for the wire).
+FLOAT_DTYPES = ("f16", "bf16", "f32", "f64", "u16")
 _AXIS_OF_SITE = {s: a for a, sites in AXIS_SITES.items() for s in sites}
 _OP = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "send": "send"}
 PLAN_FORMAT = "taco_jax.plan/1"
@@ -205,15 +207,18 @@ def _device_bytes(tree) -> int:
 
 def _declared_check(policy: CommPolicy, rows: list[dict]) -> list[dict]:
     """The collectives whose wire dtype is not the declared one: a compressing site's collective
-    that moves no 1-byte codes although its message is at least `min_bytes`, or an exact site's
-    collective that moves codes. One entry per (site, axis, op, dtype) with its count."""
+    that moves float messages and no 1-byte codes although its message is at least `min_bytes`, or
+    an exact site's collective that moves codes. One entry per (site, axis, op, dtype) with its
+    count. (Integer or predicate collectives, e.g. flags, are neither.)"""
     bad = collections.Counter()
     for c in rows:
         if not c["site"] or "+" in c["site"]:
             continue
         codec = getattr(policy, c["site"])
-        codes = any(d in CODE_DTYPES for d in c["dtype"].split("+"))
-        if codec.kind != "none" and not codes and c["message_bytes"] >= int(policy.min_bytes or 0):
+        dtypes = c["dtype"].split("+")
+        codes = any(d in CODE_DTYPES for d in dtypes)
+        floats = any(d in FLOAT_DTYPES for d in dtypes)
+        if codec.kind != "none" and floats and not codes and c["message_bytes"] >= int(policy.min_bytes or 0):
             bad[(c["site"], c["axis"], c["op"], c["dtype"], f"{codec.name}: 1-byte codes (u8)")] += 1
         elif codec.kind == "none" and codes:
             bad[(c["site"], c["axis"], c["op"], c["dtype"], "exact: float messages")] += 1
