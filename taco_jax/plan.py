@@ -109,6 +109,36 @@ def _site_rows(cfg, layout: model.Layout, hw: model.Hardware, policy: CommPolicy
     return rows, None if threshold >= model.NEVER else int(threshold)
 
 
+def activation_estimate(cfg: TrainConfig) -> dict:
+    """Bytes of activations one device keeps for the backward pass, estimated as on a GPU (what
+    XLA:CPU's temporaries do not show: they hardly change with `--remat`; docs/plan.md).
+
+    Per layer and microbatch, 16-bit activations (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", Table 2; s tokens, b sequences, h hidden, a heads, t
+    tensor ranks): `--remat none` s·b·h·(10 + 24/t + 5·a·s/(h·t)), with sequence parallelism
+    s·b·h·(34/t + 5·a·s/(h·t)); `block` (matmul outputs kept, attention recomputed, their "selective"
+    recomputation) the same without the 5·a·s/(h·t) term; `full` (layer input kept) 2·s·b·h (/t with
+    sequence parallelism). Times the stage's layers and the microbatches in flight (GPipe: all m;
+    1F1B: min(m, stages)). The formula is for a GPT layer with dropout: an upper estimate for these
+    models (no dropout; GQA and SwiGLU shift the constants). Returns {"per_layer", "layers",
+    "in_flight", "activations" (bytes), "remat"}.
+    """
+    axes = cfg.mesh_axes
+    mc = cfg.model_config
+    t, pp, dp, m = axes.get("tensor", 1), axes.get("stage", 1), axes.get("data", 1), cfg.microbatches
+    s, b, h, a = cfg.seq_len, cfg.batch_size // (dp * m), mc.d_model, getattr(mc, mc.HEADS_FIELD)
+    attn = 5 * a * s / (h * t)
+    if mc.remat == "full":
+        per = 2 * s * b * h / (t if cfg.sequence_parallel else 1)
+    else:
+        base = 34 / t if cfg.sequence_parallel else 10 + 24 / t
+        per = s * b * h * (base + (attn if mc.remat == "none" else 0))
+    layers = -(-mc.n_layers // pp)
+    in_flight = m if cfg.schedule == "gpipe" else min(m, pp)
+    return {"per_layer": int(per), "layers": layers, "in_flight": in_flight,
+            "activations": int(per * layers * in_flight), "remat": mc.remat}
+
+
 def resolve_policy(policy: CommPolicy, layout: model.Layout, hw: model.Hardware) -> CommPolicy:
     """`policy` with min_bytes "auto" replaced by the break-even size on `hw`'s tensor link
     (`perf.calibration.site_break_even`, as `--min-bytes auto` resolves it on a GPU)."""
@@ -293,6 +323,10 @@ def compile_step(cfg: TrainConfig, devices=None) -> dict:
     if mem is not None:
         mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
     parts = {"params": _device_bytes(params), "opt_state": _device_bytes(opt_state), "batch": 2 * _device_bytes(batch)}
+    act = activation_estimate(cfg)
+    parts["estimate"] = {**act, "grads": parts["params"],  # FP32 gradients, sharded as the parameters
+                         "total": parts["params"] + parts["opt_state"] + parts["batch"] + parts["params"]
+                         + act["activations"]}
     report = compiled_report(compiled.as_text(), trainer.mesh, trainer.policy)
     return {"platform": devices[0].platform, "devices": n, "compile_s": compile_s,
             "memory": {**(mem or {}), **parts, "analysis": mem is not None}, **report,
@@ -392,9 +426,15 @@ def lines(result: dict) -> list[str]:
                  f"temporaries {_mib(m.get('temp'))}")
         L.append(f"  arguments: parameters {_mib(m['params'])}, optimizer state {_mib(m['opt_state'])}, batch "
                  f"{_mib(m['batch'])}; activations and scratch: the temporaries")
+        est = m["estimate"]
+        L.append(f"  GPU estimate: parameters + optimizer state + FP32 gradients "
+                 f"{_mib(m['params'] * 2 + m['opt_state'])} + activations {_mib(est['activations'])} "
+                 f"({est['layers']} layers x {est['in_flight']} microbatches in flight x {_mib(est['per_layer'])}, "
+                 f"--remat {est['remat']}) = {_mib(est['total'])}")
         L.append(f"compile: {c['compile_s']:.1f} s on {c['devices']} {c['platform']} devices")
         L.append("wire bytes per step and device, by axis: " + ", ".join(
-            f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())))
+            f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())) + "; as issued (bf16 as bf16, "
+            "what a GPU sends): " + ", ".join(f"{a} {_bytes(b)}" for a, b in sorted(c["wire_issued"].items())))
         L.append(f"{'axis':8s} {'site':15s} {'collectives':>11s} {'compressed':>10s} {'bytes/step':>12s}  "
                  f"{'wire dtypes':14s} codec kernels (scoped ops)")
         for s in c["by_site"]:
@@ -443,6 +483,11 @@ def markdown(result: dict) -> str:
             ("arguments (all of the above)", "argument"), ("outputs", "output"), ("aliased (donated)", "alias"),
             ("temporaries (activations, scratch)", "temp"), ("peak = arguments + outputs - aliased + temporaries",
                                                            "peak"))]
+        est = m["estimate"]
+        L += ["", f"Estimate for a GPU (Korthikanti et al. 2022; docs/plan.md): activations {_mib(est['activations'])} "
+              f"({est['layers']} layers × {est['in_flight']} microbatches in flight × {_mib(est['per_layer'])}, "
+              f"`--remat {est['remat']}`) + parameters, optimizer state, batch and FP32 gradients = "
+              f"**{_mib(est['total'])}** per device."]
         L += ["", f"Compile: {c['compile_s']:.1f} s.", "", "## Communication per step and device (compiled HLO)", "",
               "| axis | site | collectives | compressed | bytes | wire dtypes | codec kernels | scoped codec ops |",
               "|---|---|---|---|---|---|---|---|"]
@@ -452,8 +497,9 @@ def markdown(result: dict) -> str:
             ops = sum(k.get("scoped_ops", {}).values())
             L.append(f"| {s['axis']} | {s['site'] or '(model)'} | {s['collectives']} | {s['compressed']} | "
                      f"{_bytes(s['bytes'])} | {', '.join(s['dtypes'])} | {kern} | {ops} |")
-        L += ["", "By axis: " + ", ".join(f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())) + ".",
-              ""]
+        L += ["", "By axis: " + ", ".join(f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())) +
+              "; as the program issues them (before XLA:CPU widens bf16 collectives to f32; what a GPU sends): " +
+              ", ".join(f"{a} {_bytes(b)}" for a, b in sorted(c["wire_issued"].items())) + ".", ""]
         L += [f"**Wire dtype mismatch**: {x['count']} {x['op']} on {x['axis']} at site {x['site']} move {x['dtype']}; "
               f"declared {x['declared']}." for x in c["mismatches"]] or ["Every site moves the wire dtype its "
                                                                          "policy declares."]
