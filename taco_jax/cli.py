@@ -370,7 +370,7 @@ def main(argv=None) -> int:
 
 
 def _plan(args, file_policy: dict | None) -> int:
-    """`taco-jax plan` / `predict` (taco_jax/plan.py): checks every value, then prints the table;
+    """`taco-jax plan` / `predict` (taco_jax/train/plan.py): checks every value, then prints the table;
     `plan` writes plan.json and plan.md to --out."""
     import json
     import pathlib
@@ -390,8 +390,8 @@ def _plan(args, file_policy: dict | None) -> int:
                                      "give the mesh's size"), EXIT_BAD_INPUT)
         if compile_:
             _force_cpu_devices(args.mesh)
-    from taco_jax import plan as planner
     from taco_jax.perf.hardware import get_hardware
+    from taco_jax.train import plan as planner
 
     try:
         if args.command == "predict" and args.paper:

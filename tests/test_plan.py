@@ -1,4 +1,4 @@
-"""`taco-jax plan` / `predict` (taco_jax/plan.py), the hardware table (perf/hardware.py) and the error
+"""`taco-jax plan` / `predict` (taco_jax/train/plan.py), the hardware table (perf/hardware.py) and the error
 bars (perf/uncertainty.py): the plan's compiled figures against a real run's in the same process, the
 cost model against docs/emulated.md, the wire-dtype check on a program built to fail it, and the
 errors a bad `--hardware-file` gets."""
@@ -16,7 +16,6 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import plan as planner
 from taco_jax.cli import main
 from taco_jax.codec import TACO
 from taco_jax.collectives import compressed
@@ -25,6 +24,7 @@ from taco_jax.collectives.policy import CommPolicy
 from taco_jax.perf import uncertainty
 from taco_jax.perf.hardware import CODEC_STATUS, get_hardware, load_hardware
 from taco_jax.train import loop
+from taco_jax.train import plan as planner
 from taco_jax.train.config import TrainConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
