@@ -153,11 +153,12 @@ def codec_calls(hlo_text: str) -> list[dict]:
     ("taco_..."), and each other top-level instruction (a fusion, say) inside a `taco_encode` /
     `taco_decode` / `taco_reduce` scope (backends without kernels). Record: "kind" (encode,
     decode, reduce), "target" (the custom-call target, or the HLO op), "site" (as `collectives`).
-    Instructions inside fused computations are not counted (their fusion is)."""
+    Instructions inside fused computations and reducer regions are not counted (their fusion or
+    reduction is)."""
     out, fused = [], False
     for line in hlo_text.splitlines():
-        if line and not line[0].isspace():  # a computation header: fusion bodies are skipped
-            fused = line.startswith("%fused") or line.startswith("fused") or " fused_" in line.split("(")[0]
+        if line and not line[0].isspace():  # a computation header: fusion bodies and reducers are skipped
+            fused = line.lstrip("%").startswith(("fused", "region"))
             continue
         if fused or "=" not in line:
             continue
