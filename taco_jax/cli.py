@@ -1,7 +1,8 @@
 """`taco-jax` command line: `train` (one run), `compare` (exact vs compressed, same seed and data),
 `calibrate` (a per-site policy from captured messages), `launch` (N local processes of one run;
-docs/distributed.md), `prepare-data` (your corpus as token files) and `sample` (generate text).
-Flags and outputs: docs/training.md."""
+docs/distributed.md), `prepare-data` (your corpus as token files), `sample` (generate text), `plan`
+(compile a run on a simulated mesh: memory, bytes, predicted speedup) and `predict` (the cost model
+alone). Flags and outputs: docs/training.md, docs/plan.md."""
 
 from __future__ import annotations
 
@@ -120,6 +121,7 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
                         help="coordinator of a multi-process run (process 0's host; default $JAX_COORDINATOR_ADDRESS)")
         sp.add_argument("--num-processes", type=int, default=0, help="process count (default $JAX_NUM_PROCESSES)")
         sp.add_argument("--process-id", type=int, default=-1, help="this process, 0..N-1 (default $JAX_PROCESS_ID)")
+    _add_plan(sub, helps, explicit)
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
                         usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
                               "[--verbose] -- train [flags ...]\n       taco-jax launch --cleanup", allow_abbrev=False)
@@ -147,8 +149,55 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     _add_data_and_sample(sub)
     for parser in sub.choices.values():  # no abbreviations anywhere: a typo or prefix is refused, not another flag
         parser.allow_abbrev = False
-    p.flag_parsers = {name: sub.choices[name] for name in ("train", "compare")}
+    p.flag_parsers = {name: sub.choices[name] for name in ("train", "compare", "plan", "predict")}
     return p
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}={text!r} must be an integer >= 1") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name}={value} must be an integer >= 1")
+        return value
+
+    return parse
+
+
+def _add_plan(sub, helps, explicit: bool) -> None:
+    """The `plan` and `predict` subcommands: `train`'s flags plus the hardware and layout (docs/plan.md)."""
+    for name, help_ in (("plan", "compile a run on a simulated mesh without allocating it: per-device memory, wire "
+                                 "bytes per axis and site, TACO ops per site, predicted speedup on GPUs"),
+                        ("predict", "the cost model alone (about a second): step time exact vs the policy per axis, "
+                                    "speedup with its range, --min-bytes auto per site")):
+        sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                            allow_abbrev=False, epilog="Takes train's flags (those about steps, data, evaluation and "
+                            "checkpoints are accepted and unused; plan writes plan.json and plan.md to --out). "
+                            "docs/plan.md")
+        sp.add_argument("--config", default="", metavar="FILE", help="flag values from a TOML file (as train)")
+        for cls, f in _flag_fields():
+            _add_flag(sp, cls, f, helps, explicit)
+        sp.add_argument("--hardware", default="", metavar="NAME",
+                        help="declared hardware (taco_jax/perf/hardware.toml: h100, h200, h800, a100, b200, l40s; "
+                             "or an entry of --hardware-file); empty: h200, or the file's one entry")
+        sp.add_argument("--hardware-file", default="", metavar="FILE",
+                        help="your own cluster: a TOML file with hardware.toml's schema (docs/plan.md)")
+        sp.add_argument("--tp-span-nodes", type=_positive_int("tp_span_nodes"), default=None, metavar="K",
+                        help="tensor-parallel groups span K nodes (TP over the inter-node link); default: "
+                             "inside a node while they fit")
+        sp.add_argument("--layers", type=_positive_int("layers"), default=None, metavar="L",
+                        help="override the model's depth (decoder layers)")
+        sp.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+        if name == "plan":
+            sp.add_argument("--devices", type=_positive_int("devices"), default=None, metavar="N",
+                            help="simulated CPU devices (default: the mesh size; must equal it)")
+            sp.add_argument("--no-compile", action="store_true", help="the cost model only (= predict)")
+            sp.set_defaults(out="runs/plan")
+        else:
+            sp.add_argument("--paper", action="store_true",
+                            help="the model's GPU table of docs/emulated.md (the paper's settings on each TP link)")
 
 
 def _config_values(sp: argparse.ArgumentParser, path: str) -> tuple[dict, dict | None]:
@@ -317,7 +366,68 @@ def main(argv=None) -> int:
         args, file_policy = _with_config(parser, args, argv)
     except ValueError as e:
         return _error(e, EXIT_BAD_INPUT)
+    if args.command in ("plan", "predict"):
+        return _plan(args, file_policy)
     return _train_or_compare(args, file_policy)
+
+
+def _plan(args, file_policy: dict | None) -> int:
+    """`taco-jax plan` / `predict` (taco_jax/train/plan.py): checks every value, then prints the table;
+    `plan` writes plan.json and plan.md to --out."""
+    import json
+    import pathlib
+
+    compile_ = args.command == "plan" and not args.no_compile
+    if args.command == "plan":
+        from taco_jax.parallel.mesh import parse_mesh
+
+        try:
+            n = 1
+            for v in parse_mesh(args.mesh).values():
+                n *= v
+        except ValueError as e:
+            return _error(e, EXIT_BAD_INPUT)
+        if args.devices is not None and args.devices != n:
+            return _error(ValueError(f"devices={args.devices} differs from the mesh {args.mesh!r} ({n} devices); "
+                                     "give the mesh's size"), EXIT_BAD_INPUT)
+        if compile_:
+            _force_cpu_devices(args.mesh)
+    from taco_jax.perf.hardware import get_hardware
+    from taco_jax.train import plan as planner
+
+    try:
+        if args.command == "predict" and args.paper:
+            rows = planner.paper_table()
+            print(json.dumps(rows, indent=2) if args.json else "\n".join(
+                f"{r['setting']:34s} {r['tp_link']:34s} TP share {r['tp_comm_fraction']:.2f}  TACO TP "
+                f"{r['taco_tp']:.2f}x [{r['range'][0]:.2f}, {r['range'][1]:.2f}]  +DP+PP {r['taco_tp+dp+pp']:.2f}x  "
+                f"{r['published']}" for r in rows))
+            return 0
+        spec = get_hardware(args.hardware, args.hardware_file or None)
+        cfg = planner.with_layers(_train_config(args, file_policy), args.layers)
+        if compile_:
+            from taco_jax.train.loop import check_out_dir
+
+            out = check_out_dir(args.out)
+        result = planner.plan(cfg, spec, tp_span_nodes=args.tp_span_nodes, compile=compile_)
+    except ValueError as e:
+        return _error(e, EXIT_BAD_INPUT)
+    if args.command == "plan":
+        from taco_jax.train import jsonio
+
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        jsonio.write(out / "plan.json", result)
+        (out / "plan.md").write_text(planner.markdown(result))
+    if args.json:
+        from taco_jax.train import jsonio
+
+        print(jsonio.dumps(result, indent=2))
+    else:
+        print("\n".join(planner.lines(result)))
+        if args.command == "plan":
+            print(f"written: {pathlib.Path(args.out) / 'plan.json'}, {pathlib.Path(args.out) / 'plan.md'}")
+    return 0
 
 
 def _with_config(parser, args, argv) -> tuple[argparse.Namespace, dict | None]:

@@ -29,6 +29,7 @@ from jax import lax
 
 from taco_jax.codec.vma import pvary, vma_of
 from taco_jax.collectives import compressed
+from taco_jax.collectives.hlo import site_scope
 from taco_jax.collectives.policy import CommPolicy
 
 
@@ -52,6 +53,12 @@ def sync_gradients(grads, axis_name: str | None, policy: CommPolicy):
     """
     if axis_name is None:
         return grads
+    with site_scope("dp_grads"):
+        return _sync(grads, axis_name, policy)
+
+
+def _sync(grads, axis_name, policy):
+    """`sync_gradients` inside its site scope (`collectives.hlo.site_scope`)."""
     if policy.dp_grads.kind == "none":  # `lax.psum`, or bf16 moved as bf16 under gloo (transport "gloo")
         return jax.tree.map(lambda g: compressed.psum(g, axis_name, codec=policy.dp_grads), grads)
     if lax.axis_size(axis_name) == 1:

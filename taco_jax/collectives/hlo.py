@@ -3,7 +3,9 @@
 Counts bytes *sent per device* for one execution, with the usual bandwidth-optimal algorithms:
 all-gather and all-to-all (P-1)/P of the result, reduce-scatter (P-1)/P of the operand,
 all-reduce 2(P-1)/P (ring), collective-permute the whole operand. Collectives inside loops
-(`while` bodies) are counted once.
+(`while` bodies) are counted once. Each collective's communication site (`CommPolicy`'s
+ar_fwd, ..., pp_send) is read off the `site_scope` its op_name metadata names (`collectives`), and
+the codec's kernels and scoped work off theirs (`codec_calls`).
 """
 
 from __future__ import annotations
@@ -83,39 +85,107 @@ def mesh_axis_groups(mesh) -> dict[str, set[frozenset[int]]]:
     return out
 
 
+#: Prefix of the named scope a communication site's collectives run under (`site_scope`): the
+#: compiled HLO's op_name metadata then names the site (`collectives`).
+SITE_SCOPE = "site_"
+_SITE = re.compile(SITE_SCOPE + r"(ar_fwd|ar_bwd|all_gather|reduce_scatter|dp_grads|pp_send)\b")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_CODEC_SCOPE = re.compile(r"\b(taco_encode|taco_decode|taco_reduce)\b")
+
+
+def site_scope(site: str):
+    """`jax.named_scope` naming a communication site (a `CommPolicy` site: ar_fwd, ..., pp_send) in
+    the op_name metadata of the collectives traced inside it, forward and backward (a custom_vjp
+    rule called inside keeps it). Names only: the computation is unchanged."""
+    import jax
+
+    return jax.named_scope(SITE_SCOPE + site)
+
+
+def _sites(op_name: str) -> str:
+    """The site of an op_name: the one `site_scope` it names, "+"-joined when XLA combined several
+    collectives of different sites into one, "" when none."""
+    return "+".join(sorted(set(_SITE.findall(op_name))))
+
+
+def collectives(hlo_text: str, mesh) -> list[dict]:
+    """Every collective of an HLO module, one record each (a `-start` / `-done` pair once).
+
+    Record: "axis" (mesh axis, "+"-joined for multi-axis groups, "?" when the groups match no
+    axis), "op" (HLO op), "dtype" ("+"-joined element types of the result), "result_bytes",
+    "message_bytes" (what one rank contributes: the operand, i.e. the result / P for an
+    all-gather, the result × P for a reduce-scatter), "sent" (bytes sent per device, module
+    docstring), "ranks" (P), "site" (`site_scope` in its op_name, "" if none), "op_name".
+    Group-less or single-rank collectives (P <= 1) move nothing and are left out.
+    """
+    axis_groups = mesh_axis_groups(mesh)
+    out = []
+    for raw in hlo_text.splitlines():
+        m = _LINE.search(_COMMENT.sub("", raw))
+        if not m or "-done(" in raw:
+            continue
+        line = _COMMENT.sub("", raw)
+        op = m["op"]
+        nbytes, dts = _array_bytes(m["type"])
+        name = _OP_NAME.search(raw)
+        if op == "collective-permute":
+            pairs = _PAIRS.search(line)
+            axis, p, sent, message = _permute_axis(pairs[1] if pairs else "", axis_groups), 2, float(nbytes), nbytes
+        else:
+            groups = _groups(line)
+            if not groups or len(groups[0]) <= 1:
+                continue
+            gset = {frozenset(g) for g in groups}
+            p = len(groups[0])
+            axis = next((a for a, s in axis_groups.items() if s == gset), "?")
+            frac = (p - 1) / p
+            sent = {"all-reduce": 2 * frac * nbytes, "reduce-scatter": (p - 1) * nbytes}.get(op, frac * nbytes)
+            message = {"all-gather": nbytes // p, "reduce-scatter": nbytes * p}.get(op, nbytes)
+        op_name = name[1] if name else ""
+        out.append(dict(axis=axis, op=op, dtype=dts, result_bytes=nbytes, message_bytes=message, sent=sent, ranks=p,
+                        site=_sites(op_name), op_name=op_name))
+    return out
+
+
+def codec_calls(hlo_text: str) -> list[dict]:
+    """The codec work of an HLO module: each custom-call whose target names a TACO kernel
+    ("taco_..."), and each other top-level instruction (a fusion, say) inside a `taco_encode` /
+    `taco_decode` / `taco_reduce` scope (backends without kernels). Record: "kind" (encode,
+    decode, reduce), "target" (the custom-call target, or the HLO op), "site" (as `collectives`).
+    Instructions inside fused computations and reducer regions are not counted (their fusion or
+    reduction is)."""
+    out, fused = [], False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():  # a computation header: fusion bodies and reducers are skipped
+            fused = line.lstrip("%").startswith(("fused", "region"))
+            continue
+        if fused or "=" not in line:
+            continue
+        name = _OP_NAME.search(line)
+        scope = _CODEC_SCOPE.search(name[1]) if name else None
+        target = _TARGET.search(line)
+        if target and target[1].startswith("taco_"):
+            kind = next((k for k in ("encode", "decode", "reduce") if k in target[1]), "other")
+            out.append(dict(kind=kind, target=target[1], site=_sites(name[1]) if name else ""))
+        elif scope and not target:
+            op = re.search(r"\)?\s([a-z][a-z0-9-]*)\(", line.split("=", 1)[1])
+            if op and op[1] not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast") + _OPS:
+                out.append(dict(kind=scope[1].removeprefix("taco_"), target=op[1], site=_sites(name[1])))
+    return out
+
+
 def collective_bytes(hlo_text: str, mesh) -> dict:
-    """Bytes sent per device per execution, by mesh axis, op and dtype.
+    """Bytes sent per device per execution, by mesh axis, op and dtype (from `collectives`).
 
     Returns: {"by_axis": {axis: bytes}, "detail": [{"axis", "op", "dtype", "count", "bytes"}]}.
     Axis is "+".join of axes for multi-axis groups, "?" if the groups match no mesh axis.
     """
-    axis_groups = mesh_axis_groups(mesh)
     detail = collections.defaultdict(lambda: [0, 0.0])
-    for line in hlo_text.splitlines():
-        line = _COMMENT.sub("", line)
-        m = _LINE.search(line)
-        if not m or "-done(" in line:
-            continue
-        op = m["op"]
-        nbytes, dts = _array_bytes(m["type"])
-        if op == "collective-permute":
-            pairs = _PAIRS.search(line)
-            axis = _permute_axis(pairs[1] if pairs else "", axis_groups)
-            sent = float(nbytes)
-        else:
-            groups = _groups(line)
-            if not groups:
-                continue
-            gset = {frozenset(g) for g in groups}
-            p = len(groups[0])
-            if p <= 1:
-                continue
-            axis = next((a for a, s in axis_groups.items() if s == gset), "?")
-            frac = (p - 1) / p
-            sent = {"all-reduce": 2 * frac * nbytes, "reduce-scatter": (p - 1) * nbytes}.get(op, frac * nbytes)
-        key = (axis, op, dts)
+    for c in collectives(hlo_text, mesh):
+        key = (c["axis"], c["op"], c["dtype"])
         detail[key][0] += 1
-        detail[key][1] += sent
+        detail[key][1] += c["sent"]
     rows = [dict(axis=a, op=o, dtype=d, count=c, bytes=int(b)) for (a, o, d), (c, b) in sorted(detail.items())]
     by_axis = collections.Counter()
     for r in rows:

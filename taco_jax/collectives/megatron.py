@@ -24,12 +24,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.collectives import compressed
+from taco_jax.collectives.hlo import site_scope
 from taco_jax.collectives.policy import CommPolicy
 
 
 def _all_reduce(x, axis_name, policy: CommPolicy, site: str):
-    return compressed.psum(x, axis_name, codec=policy.codec_for(site, x), algorithm=policy.all_reduce_algorithm,
-                           reduce_domain=policy.reduce_domain, chunks=policy.chunks)
+    with site_scope(site):
+        return compressed.psum(x, axis_name, codec=policy.codec_for(site, x), algorithm=policy.all_reduce_algorithm,
+                               reduce_domain=policy.reduce_domain, chunks=policy.chunks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -65,11 +67,14 @@ _reduce_from_tp.defvjp(_g_fwd, _g_bwd)
 
 
 def _gather(x, axis_name, policy, dim):
-    return compressed.all_gather(x, axis_name, codec=policy.codec_for("all_gather", x), axis=dim, tiled=True)
+    with site_scope("all_gather"):
+        return compressed.all_gather(x, axis_name, codec=policy.codec_for("all_gather", x), axis=dim, tiled=True)
 
 
 def _scatter(x, axis_name, policy, dim):
-    return compressed.psum_scatter(x, axis_name, codec=policy.codec_for("reduce_scatter", x), scatter_dimension=dim)
+    with site_scope("reduce_scatter"):
+        return compressed.psum_scatter(x, axis_name, codec=policy.codec_for("reduce_scatter", x),
+                                       scatter_dimension=dim)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -240,7 +245,8 @@ def all_gather_matmul(x: jax.Array, fn, axis_name: str, policy: CommPolicy, dim:
     bwd = policy.codec_for("reduce_scatter", _full_message(x, dim, p))
     blocks, outs = [x], [fn(x)]
     for _ in range(1, p):
-        blocks.append(compressed.ppermute(blocks[-1], axis_name, right, codec=codec, bwd_codec=bwd))
+        with site_scope("all_gather"):
+            blocks.append(compressed.ppermute(blocks[-1], axis_name, right, codec=codec, bwd_codec=bwd))
         outs.append(fn(blocks[-1]))
     if p == 1:
         return outs[0], x
@@ -289,6 +295,7 @@ def matmul_reduce_scatter(x: jax.Array, fn, axis_name: str, policy: CommPolicy, 
     codec = policy.codec_for("reduce_scatter", _full_message(acc, dim, p))
     bwd = policy.codec_for("all_gather", acc)
     for i in range(1, p):
-        acc = compressed.ppermute(acc, axis_name, left, codec=codec, bwd_codec=bwd)
+        with site_scope("reduce_scatter"):
+            acc = compressed.ppermute(acc, axis_name, left, codec=codec, bwd_codec=bwd)
         acc = (acc.astype(jnp.float32) + partial(rank + i + 1).astype(jnp.float32)).astype(acc.dtype)
     return acc

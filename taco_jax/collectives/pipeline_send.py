@@ -12,6 +12,7 @@ from jax import lax
 
 from taco_jax.codec import CodecConfig
 from taco_jax.collectives import compressed
+from taco_jax.collectives.hlo import site_scope
 from taco_jax.collectives.policy import CommPolicy
 
 
@@ -33,4 +34,5 @@ def send(x: jax.Array, axis_name: str, policy: CommPolicy, shift: int = 1, *,
     """
     n = lax.axis_size(axis_name)
     perm = [(i, i + shift) for i in range(n) if 0 <= i + shift < n]
-    return compressed.ppermute(x, axis_name, perm, codec=policy.codec_for("pp_send", x), bwd_codec=bwd_codec)
+    with site_scope("pp_send"):
+        return compressed.ppermute(x, axis_name, perm, codec=policy.codec_for("pp_send", x), bwd_codec=bwd_codec)

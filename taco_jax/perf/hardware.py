@@ -1,0 +1,176 @@
+"""Declared GPU hardware as data: `hardware.toml` beside this module (H100 SXM, H200, H800, A100 80GB,
+B200, L40S), or a user's own file of the same schema (`taco-jax plan --hardware-file FILE`).
+
+Each entry becomes a cost-model `model.Hardware` (peak FLOP/s, MFU, GPUs per node, intra- and
+inter-node `Link`, codec speed) plus what the numbers rest on (`HardwareSpec`): the source of each,
+and whether the codec speed was measured or is assumed. Schema: the comment at the top of
+`hardware.toml`; docs/plan.md "Your own cluster".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import tomllib
+
+from taco_jax.perf import model
+
+#: The shipped hardware table.
+HARDWARE_FILE = pathlib.Path(__file__).with_name("hardware.toml")
+_TOP = {"name": str, "peak_tflops": float, "mfu": float, "gpus_per_node": int, "source": str}
+_LINK = {"name": str, "bandwidth_GBps": float, "efficiency": float, "alpha_us": float, "source": str}
+_CODEC = {"encode_GBps": float, "decode_GBps": float, "overhead_us": float, "status": str, "source": str}
+CODEC_STATUS = ("measured", "assumed")
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareSpec:
+    """One declared hardware: its key (`--hardware KEY`), the cost model's `Hardware`, and the
+    provenance of its numbers.
+
+    Attributes:
+      key: lower-case name (e.g. "h100").
+      hardware: `model.Hardware` (peak FLOP/s, MFU, GPUs per node, links, codec speed as "default").
+      codec_status: "measured" or "assumed".
+      sources: {"hardware", "intra", "inter", "codec": source text}.
+      where: the file it was read from.
+    """
+
+    key: str
+    hardware: model.Hardware
+    codec_status: str
+    sources: dict
+    where: str
+
+    def describe(self) -> dict:
+        """JSON-ready summary: name, links (GB/s per direction achieved, α µs), codec speed and status."""
+        hw = self.hardware
+        speed = hw.codec["default"]
+
+        def link(lk):
+            return {"name": lk.name, "GBps": lk.bandwidth_GBps, "alpha_us": lk.alpha_s * 1e6}
+
+        return {"key": self.key, "name": hw.name, "peak_tflops": hw.peak_flops / 1e12, "mfu": hw.mfu,
+                "gpus_per_node": hw.gpus_per_node, "intra": link(hw.intra), "inter": link(hw.inter),
+                "codec": {"encode_GBps": speed.encode_GBps, "decode_GBps": speed.decode_GBps,
+                          "overhead_us": speed.overhead_s * 1e6, "status": self.codec_status},
+                "sources": self.sources, "file": self.where}
+
+
+def _fields(table, spec: dict, where: str) -> dict:
+    """`table`'s values checked against `spec` ({key: type}): every key present, none unknown,
+    numbers finite and > 0. Raises ValueError naming `where` and the key."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: must be a table of {sorted(spec)}, not {type(table).__name__}")
+    unknown = sorted(set(table) - set(spec) - {"intra", "inter", "codec"})
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; the keys are {sorted(spec)}")
+    out = {}
+    for key, typ in spec.items():
+        if key not in table:
+            raise ValueError(f"{where}: missing key {key!r} ({typ.__name__})")
+        value = table[key]
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError(f"{where}.{key}={value!r} must be a string")
+        elif typ is int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}.{key}={value!r} must be an integer >= 1")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{where}.{key}={value!r} must be a finite number > 0")
+        out[key] = typ(value)
+    return out
+
+
+def _link(table, where: str) -> tuple[model.Link, str]:
+    f = _fields(table, _LINK, where)
+    if f["efficiency"] > 1:
+        raise ValueError(f"{where}.efficiency={f['efficiency']!r} must be in (0, 1] (achieved / datasheet bandwidth)")
+    return model.Link.from_bandwidth(f["name"], f["alpha_us"] * 1e-6, f["efficiency"] * f["bandwidth_GBps"] * 1e9,
+                                     f["source"]), f["source"]
+
+
+def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
+    """{key: HardwareSpec} of a parsed hardware table (`hardware.toml`'s schema).
+    Raises ValueError naming `where`, the entry and the bad key or value."""
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{where}: holds no hardware table ([name] with peak_tflops, mfu, gpus_per_node, "
+                         "[name.intra], [name.inter], [name.codec]; see taco_jax/perf/hardware.toml)")
+    out = {}
+    for key, table in data.items():
+        at = f"{where}: [{key}]"
+        top = _fields(table, _TOP, at)
+        if top["mfu"] > 1:
+            raise ValueError(f"{at}.mfu={top['mfu']!r} must be in (0, 1]")
+        for part in ("intra", "inter", "codec"):
+            if part not in table:
+                raise ValueError(f"{at}: missing table [{key}.{part}]")
+        intra, intra_src = _link(table["intra"], f"{at}.intra")
+        inter, inter_src = _link(table["inter"], f"{at}.inter")
+        c = _fields(table["codec"], _CODEC, f"{at}.codec")
+        if c["status"] not in CODEC_STATUS:
+            raise ValueError(f"{at}.codec.status={c['status']!r} must be one of {CODEC_STATUS}")
+        speed = model.CodecSpeed(c["encode_GBps"], c["decode_GBps"], c["overhead_us"] * 1e-6, c["source"])
+        hw = model.Hardware(top["name"], top["peak_tflops"] * 1e12, top["mfu"], top["gpus_per_node"], intra, inter,
+                            {"default": speed})
+        out[key.lower()] = HardwareSpec(key.lower(), hw, c["status"], {"hardware": top["source"], "intra": intra_src,
+                                        "inter": inter_src, "codec": c["source"]}, where)
+    return out
+
+
+def load_hardware(path=None) -> dict[str, HardwareSpec]:
+    """The hardware of a TOML (or ".json") file, default the shipped `hardware.toml`.
+    Raises ValueError naming the file when it cannot be read or parsed, or holds a bad entry."""
+    import json
+
+    path = pathlib.Path(path or HARDWARE_FILE)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"hardware file {str(path)!r}: cannot read it ({e.strerror or e})") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"hardware file {str(path)!r}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: "
+                         f"{e}") from None
+    return parse_hardware(data, f"hardware file {str(path)!r}")
+
+
+def get_hardware(name: str = "", path=None) -> HardwareSpec:
+    """The hardware `name` among the shipped ones and those of `path` (a user's file; its entries win).
+    Without `name`: the file's entry when it holds exactly one. Raises ValueError naming an unknown
+    name with the known ones."""
+    known = load_hardware()
+    if path:
+        own = load_hardware(path)
+        if not name:
+            if len(own) != 1:
+                raise ValueError(f"hardware file {str(path)!r} holds {sorted(own)}; choose one with --hardware")
+            return next(iter(own.values()))
+        known.update(own)
+    key = (name or "h200").lower()
+    if key not in known:
+        raise ValueError(f"hardware={name!r} is not declared; choose one of {sorted(known)} or give --hardware-file")
+    return known[key]
+
+
+def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None) -> model.Hardware:
+    """`hw` with its node size set so that a tensor-parallel group of `tp` ranks spans
+    `tp_span_nodes` nodes (the cost model then puts TP, and the axes outside it, on the inter-node
+    link). None: Megatron placement (TP inside a node while it fits: ceil(tp / gpus_per_node) nodes).
+    Raises ValueError when `tp_span_nodes` does not divide `tp`, or leaves more ranks per node than
+    the node has GPUs."""
+    if tp_span_nodes is None:
+        return hw
+    if not (isinstance(tp_span_nodes, int) and tp_span_nodes >= 1):
+        raise ValueError(f"tp_span_nodes={tp_span_nodes!r} must be an integer >= 1")
+    if tp % tp_span_nodes:
+        raise ValueError(f"tp_span_nodes={tp_span_nodes} does not divide the tensor axis ({tp} ranks)")
+    per_node = tp // tp_span_nodes
+    if per_node > hw.gpus_per_node:
+        raise ValueError(f"tp_span_nodes={tp_span_nodes} puts {per_node} tensor ranks in a node of {hw.gpus_per_node} "
+                         f"GPUs ({hw.name}); give at least {-(-tp // hw.gpus_per_node)} nodes")
+    if tp_span_nodes == 1:
+        return hw
+    return dataclasses.replace(hw, gpus_per_node=per_node)

@@ -1,0 +1,521 @@
+"""`taco-jax plan` and `taco-jax predict`: what a training run will need and gain, before any GPU is booked.
+
+`plan(cfg, spec)` builds the run's trainer, takes the parameter and optimizer-state shapes from
+`jax.eval_shape` of its init (nothing is allocated), lowers and compiles the real train step on
+abstract inputs (`jax.ShapeDtypeStruct`s carrying the mesh shardings), and reads off the compiled
+program:
+- per-device memory (XLA's `memory_analysis()`: arguments, outputs, temporaries; the arguments split
+  into parameters, optimizer state and batch from their shapes and shardings);
+- wire bytes per step by mesh axis (`collectives.hlo.collective_bytes`, as a run's summary.json)
+  and by communication site (`collectives.hlo.collectives`: the `site_scope` in each op_name);
+- the codec kernels and compressed collectives per site, and every collective whose wire dtype is
+  not the one the policy declares (a compressing site must move 1-byte codes; an exact one its
+  float messages);
+- compile time.
+`predict(cfg, spec)` is the cost model alone (`perf.model.step_time`, < 1 s): step time exact vs
+the policy per mesh axis on the named hardware, the speedup with its error bars
+(`perf.uncertainty`), and the per-site choice of `--min-bytes auto` there. `plan` includes it.
+`paper_table()` is the model's GPU table of docs/emulated.md. Walkthrough: docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from taco_jax.collectives.policy import SITES, CommPolicy
+from taco_jax.perf import model, uncertainty
+from taco_jax.perf.hardware import HardwareSpec, with_tp_span
+from taco_jax.train.config import AXIS_SITES, TrainConfig
+
+#: Element types of compressed wire buffers in compiled HLO (codes and scales travel as bytes).
+CODE_DTYPES = ("u8", "s8")
+#: Element types of uncompressed messages (u16: a bf16 / f16 message bit-cast for the wire).
+FLOAT_DTYPES = ("f16", "bf16", "f32", "f64", "u16")
+_AXIS_OF_SITE = {s: a for a, sites in AXIS_SITES.items() for s in sites}
+_OP = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "send": "send"}
+PLAN_FORMAT = "taco_jax.plan/1"
+
+
+def with_layers(cfg: TrainConfig, layers: int | None) -> TrainConfig:
+    """`cfg` whose model has `layers` decoder layers (None: unchanged); the pipeline layout is
+    checked again. Raises ValueError naming a bad depth."""
+    if layers is None:
+        return cfg
+    if not (isinstance(layers, int) and layers >= 1):
+        raise ValueError(f"layers={layers!r} must be an integer >= 1")
+    from taco_jax.parallel.mesh import STAGE
+    from taco_jax.parallel.pipeline import check_pipeline
+
+    mc = cfg.model_config
+    new = dataclasses.replace(mc, **{mc.DEPTH_FIELD: layers})
+    check_pipeline(layers, cfg.mesh_axes.get(STAGE, 1), cfg.microbatches, cfg.schedule)
+    cfg.__dict__["model_config"] = new  # the cached model of this config (a frozen dataclass)
+    return cfg
+
+
+def layout_of(cfg: TrainConfig) -> model.Layout:
+    """The cost model's `Layout` of a run: tensor / data / stage sizes of its mesh, microbatch size
+    batch / (data · microbatches), its sequence length, microbatch count, sequence parallelism, and
+    the compute dtype's bytes on the TP / PP wire (FP32 gradients on the DP wire)."""
+    import numpy as np
+
+    axes = cfg.mesh_axes
+    dp, micro = axes.get("data", 1), cfg.microbatches
+    return model.Layout(tp=axes.get("tensor", 1), dp=dp, pp=axes.get("stage", 1),
+                        micro_batch=cfg.batch_size // (dp * micro), seq_len=cfg.seq_len, n_micro=micro,
+                        sequence_parallel=cfg.sequence_parallel, act_bytes=np.dtype(cfg.model_config.dtype).itemsize,
+                        grad_bytes=4)
+
+
+def _site_rows(cfg, layout: model.Layout, hw: model.Hardware, policy: CommPolicy) -> tuple[list[dict], int | None]:
+    """Per running site: its collective, message (as `CommPolicy.codec_for` measures it), link,
+    break-even size on that link (for the site's codec; TACO where the site is declared exact) and
+    what `--min-bytes auto` does there: one threshold, the largest break-even of the running
+    compressed tensor sites (`perf.calibration.site_break_even`), applied to every site. Returns
+    (rows, threshold bytes; None: compression never pays)."""
+    from taco_jax.codec import TACO
+    from taco_jax.perf.calibration import site_break_even
+
+    lk = model.links(layout, hw)
+    link_of = {"data": lk["dp"], "stage": lk["pp"], "tensor": lk["tp"]}
+    msgs = model.site_messages(cfg, layout)
+    threshold = site_break_even(policy, lk["tp"], hw.codec, max(layout.tp, 2), itemsize=layout.act_bytes,
+                                sequence_parallel=layout.sequence_parallel)
+    rows = []
+    for site in SITES:
+        if site not in msgs:
+            continue
+        op, nbytes, p, count, per = msgs[site]
+        if p == 1 and op != "send":  # an axis of size 1: the site moves nothing
+            continue
+        codec = getattr(policy, site)
+        candidate = codec if codec.kind != "none" else TACO
+        item = layout.grad_bytes if site == "dp_grads" else layout.act_bytes
+        link = link_of[_AXIS_OF_SITE[site]]
+        be = model.break_even_bytes(op, p, link, candidate, hw.codec_speed(candidate), itemsize=item)
+        shard = p if site == "all_gather" else 1  # the all-gather's message is the local shard
+        if codec.kind == "none":
+            auto = "exact (declared)"
+        elif threshold >= model.NEVER:
+            auto = "exact (never pays)"
+        else:
+            auto = "compress" if nbytes / shard >= threshold else "exact (below threshold)"
+        rows.append({"site": site, "axis": _AXIS_OF_SITE[site], "op": _OP[op], "ranks": p,
+                     "message_bytes": int(nbytes / shard), "count": count, "per": per, "link": link.name,
+                     "declared": codec.name, "break_even_bytes": None if be >= model.NEVER else int(be / shard),
+                     "site_gains": be < model.NEVER and nbytes >= be, "auto": auto})
+    return rows, None if threshold >= model.NEVER else int(threshold)
+
+
+def activation_estimate(cfg: TrainConfig) -> dict:
+    """Bytes of activations one device keeps for the backward pass, estimated as on a GPU (what
+    XLA:CPU's temporaries do not show: they hardly change with `--remat`; docs/plan.md).
+
+    Per layer and microbatch, 16-bit activations (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", Table 2; s tokens, b sequences, h hidden, a heads, t
+    tensor ranks): `--remat none` s·b·h·(10 + 24/t + 5·a·s/(h·t)), with sequence parallelism
+    s·b·h·(34/t + 5·a·s/(h·t)); `block` (matmul outputs kept, attention recomputed, their "selective"
+    recomputation) the same without the 5·a·s/(h·t) term; `full` (layer input kept) 2·s·b·h (/t with
+    sequence parallelism). Times the stage's layers and the microbatches in flight (GPipe: all m;
+    1F1B: min(m, stages)). The formula is for a GPT layer with dropout: an upper estimate for these
+    models (no dropout; GQA and SwiGLU shift the constants). Returns {"per_layer", "layers",
+    "in_flight", "activations" (bytes), "remat"}.
+    """
+    axes = cfg.mesh_axes
+    mc = cfg.model_config
+    t, pp, dp, m = axes.get("tensor", 1), axes.get("stage", 1), axes.get("data", 1), cfg.microbatches
+    s, b, h, a = cfg.seq_len, cfg.batch_size // (dp * m), mc.d_model, getattr(mc, mc.HEADS_FIELD)
+    attn = 5 * a * s / (h * t)
+    if mc.remat == "full":
+        per = 2 * s * b * h / (t if cfg.sequence_parallel else 1)
+    else:
+        base = 34 / t if cfg.sequence_parallel else 10 + 24 / t
+        per = s * b * h * (base + (attn if mc.remat == "none" else 0))
+    layers = -(-mc.n_layers // pp)
+    in_flight = m if cfg.schedule == "gpipe" else min(m, pp)
+    return {"per_layer": int(per), "layers": layers, "in_flight": in_flight,
+            "activations": int(per * layers * in_flight), "remat": mc.remat}
+
+
+def resolve_policy(policy: CommPolicy, layout: model.Layout, hw: model.Hardware) -> CommPolicy:
+    """`policy` with min_bytes "auto" replaced by the break-even size on `hw`'s tensor link
+    (`perf.calibration.site_break_even`, as `--min-bytes auto` resolves it on a GPU)."""
+    if policy.min_bytes != "auto":
+        return policy
+    from taco_jax.perf.calibration import site_break_even
+
+    lk = model.links(layout, hw)
+    return dataclasses.replace(policy, min_bytes=site_break_even(policy, lk["tp"], hw.codec, max(layout.tp, 2),
+                                                                 itemsize=layout.act_bytes,
+                                                                 sequence_parallel=layout.sequence_parallel))
+
+
+def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = None) -> dict:
+    """The cost model's prediction of one training step of `cfg` on `spec`'s hardware.
+
+    TP ranks sit in one node while they fit (Megatron placement), or span `tp_span_nodes` nodes
+    (`perf.hardware.with_tp_span`). Returns a JSON-ready dict: "hardware", "layout", "links" (the
+    link each axis crosses), "exact" and "policy" step times {"step_s", "compute_s", "tensor_s",
+    "stage_s", "data_s", "tokens_per_s"} (per-axis times: whole step, exposed), "speedup" with its
+    "range" per error source (`perf.uncertainty.speedup_range`), "step_range_s", "errors" (the
+    sources), "sites" (per-site messages, break-even sizes, the choice of `--min-bytes auto`) and
+    "auto_speedup" (the policy with only the sites the model predicts to gain, `model.auto_policy`).
+    Raises ValueError for a layout the model cannot take (e.g. tp_span_nodes not dividing tp).
+    """
+    layout = layout_of(cfg)
+    hw = with_tp_span(spec.hardware, layout.tp, tp_span_nodes)
+    mcfg = cfg.model_config
+    policy = resolve_policy(cfg.policy, layout, hw)
+    slots = layout.n_micro + layout.pp - 1
+
+    def times(pol):
+        t = model.step_time(mcfg, layout, hw, pol)
+        return {"step_s": t["step_s"], "compute_s": slots * t["compute_s"], "tensor_s": slots * t["tp_s"],
+                "stage_s": slots * t["pp_s"], "data_s": (1 - layout.dp_overlap) * t["dp_s"],
+                "tokens_per_s": t["tokens_per_s"], "comm_fraction": t["comm_fraction"]}
+
+    exact, comp = times(CommPolicy()), times(policy)
+    speed = exact["step_s"] / comp["step_s"]
+    errors = uncertainty.summary()
+    lk = model.links(layout, hw)
+    auto = model.auto_policy(mcfg, layout, hw, dataclasses.replace(policy, min_bytes=0))
+    sites, threshold = _site_rows(mcfg, layout, hw, cfg.policy if cfg.policy.min_bytes != "auto" else
+                                  dataclasses.replace(cfg.policy, min_bytes=0))
+    return {
+        "hardware": spec.describe(),
+        "layout": dataclasses.asdict(layout) | {"gpus": layout.gpus, "tp_span_nodes": tp_span_nodes
+                                                or -(-layout.tp // spec.hardware.gpus_per_node)},
+        "links": {"tensor": lk["tp"].name, "data": lk["dp"].name, "stage": lk["pp"].name},
+        "model": cfg.model, "n_params": mcfg.n_params(), "n_layers": mcfg.n_layers,
+        "policy_min_bytes": policy.min_bytes,
+        "exact": exact, "policy": comp, "speedup": speed,
+        "range": uncertainty.speedup_range(speed, errors),
+        "step_range_s": {"exact": uncertainty.step_range(exact["step_s"], errors),
+                         "policy": uncertainty.step_range(comp["step_s"], errors)},
+        "errors": errors,
+        "sites": sites, "auto_threshold_bytes": threshold,
+        "auto_speedup": exact["step_s"] / model.step_time(mcfg, layout, hw, auto)["step_s"],
+        "auto_sites": [s for s in SITES if getattr(auto, s).kind != "none"],
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# The compiled step
+# ------------------------------------------------------------------------------------------------
+def abstract_state(trainer):
+    """(params, opt_state) of `trainer.init()` as `jax.ShapeDtypeStruct`s with the mesh shardings
+    the step runs with (the optimizer's per-parameter leaves take their parameter's sharding, its
+    counters are replicated; `optax.tree_map_params`). Nothing is allocated (`jax.eval_shape`)."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    params, opt_state = jax.eval_shape(trainer.init)
+    shardings = trainer.shardings
+    rep = NamedSharding(trainer.mesh, P())
+
+    def sds(a, s):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+    params = jax.tree.map(sds, params, shardings)
+    opt_state = optax.tree_map_params(trainer.tx, sds, opt_state, shardings,
+                                      transform_non_params=lambda a: sds(a, rep))
+    return params, opt_state
+
+
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of sharded `ShapeDtypeStruct`s (the largest shard)."""
+    import jax
+    import numpy as np
+
+    return int(sum(int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(tree)))
+
+
+def _declared_check(policy: CommPolicy, rows: list[dict]) -> list[dict]:
+    """The collectives whose wire dtype is not the declared one: a compressing site's collective
+    that moves float messages and no 1-byte codes although its message is at least `min_bytes`, or
+    an exact site's collective that moves codes. One entry per (site, axis, op, dtype) with its
+    count. (Integer or predicate collectives, e.g. flags, are neither.)"""
+    bad = collections.Counter()
+    for c in rows:
+        if not c["site"] or "+" in c["site"]:
+            continue
+        codec = getattr(policy, c["site"])
+        dtypes = c["dtype"].split("+")
+        codes = any(d in CODE_DTYPES for d in dtypes)
+        floats = any(d in FLOAT_DTYPES for d in dtypes)
+        if codec.kind != "none" and floats and not codes and c["message_bytes"] >= int(policy.min_bytes or 0):
+            bad[(c["site"], c["axis"], c["op"], c["dtype"], f"{codec.name}: 1-byte codes (u8)")] += 1
+        elif codec.kind == "none" and codes:
+            bad[(c["site"], c["axis"], c["op"], c["dtype"], "exact: float messages")] += 1
+    return [{"site": s, "axis": a, "op": o, "dtype": d, "declared": want, "count": n}
+            for (s, a, o, d, want), n in sorted(bad.items())]
+
+
+def compiled_report(hlo_text: str, mesh, policy: CommPolicy) -> dict:
+    """What a compiled program's HLO says about its communication: {"wire": `collective_bytes`,
+    "by_site": [{"axis", "site", "collectives", "compressed", "bytes", "dtypes"}], "codec": {site:
+    {"kernel_calls": {kind: n}, "scoped_ops": {kind: n}}}, "mismatches": `_declared_check`}. Site ""
+    holds collectives under no site scope (the model's own: vocabulary-parallel loss, embedding;
+    and any XLA inserts)."""
+    from taco_jax.collectives.hlo import codec_calls, collective_bytes, collectives
+
+    rows = collectives(hlo_text, mesh)
+    by = {}
+    for c in rows:
+        r = by.setdefault((c["axis"], c["site"]), {"axis": c["axis"], "site": c["site"], "collectives": 0,
+                                                   "compressed": 0, "bytes": 0.0, "dtypes": set()})
+        r["collectives"] += 1
+        r["compressed"] += any(d in CODE_DTYPES for d in c["dtype"].split("+"))
+        r["bytes"] += c["sent"]
+        r["dtypes"].add(c["dtype"])
+    by_site = [{**r, "bytes": int(r["bytes"]), "dtypes": sorted(r["dtypes"])} for _, r in sorted(by.items())]
+    codec: dict = {}
+    for call in codec_calls(hlo_text):
+        entry = codec.setdefault(call["site"], {"kernel_calls": collections.Counter(),
+                                                "scoped_ops": collections.Counter()})
+        entry["kernel_calls" if call["target"].startswith("taco_") else "scoped_ops"][call["kind"]] += 1
+    codec = {s: {k: dict(v) for k, v in e.items()} for s, e in sorted(codec.items())}
+    return {"wire": collective_bytes(hlo_text, mesh), "by_site": by_site, "codec": codec,
+            "mismatches": _declared_check(policy, rows)}
+
+
+def compile_step(cfg: TrainConfig, devices=None) -> dict:
+    """Lowers and compiles `cfg`'s real train step on abstract inputs and reads it (module docstring).
+
+    devices: the mesh's devices (default: the default backend's when it has enough, else the CPU
+    devices; the mesh size must fit). Returns a JSON-ready dict: "platform", "devices", "compile_s",
+    "memory" (per device, bytes: XLA's "temp", "argument", "output", "alias", "generated_code",
+    "peak" = argument + output - alias + temp; "params", "opt_state", "batch" from the argument
+    shapes), `compiled_report`'s entries, and "wire_issued" (the uncompiled HLO's bytes by axis).
+    Raises ValueError when the mesh does not fit the devices.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from taco_jax.collectives.hlo import collective_bytes
+    from taco_jax.parallel.mesh import DATA
+    from taco_jax.train.step import compiled_memory, make_trainer
+
+    n = int(np.prod(list(cfg.mesh_axes.values())))
+    if devices is None:
+        devices = jax.devices() if len(jax.devices()) >= n else jax.devices("cpu")
+    if len(devices) < n:
+        raise ValueError(f"mesh={cfg.mesh!r} needs {n} devices; {len(devices)} {devices[0].platform} devices here "
+                         f"(give --devices {n})")
+    devices = devices[:n]
+    trainer = make_trainer(cfg, devices)
+    params, opt_state = abstract_state(trainer)
+    axes = tuple(a for a in (DATA,) if a in trainer.mesh.axis_names)
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32,
+                                 sharding=NamedSharding(trainer.mesh, P(axes or None)))
+    t0 = time.perf_counter()
+    lowered = trainer.train_step.lower(params, opt_state, batch, batch)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled_memory(compiled)
+    if mem is not None:
+        mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    parts = {"params": _device_bytes(params), "opt_state": _device_bytes(opt_state), "batch": 2 * _device_bytes(batch)}
+    act = activation_estimate(cfg)
+    parts["estimate"] = {**act, "grads": parts["params"],  # FP32 gradients, sharded as the parameters
+                         "total": parts["params"] + parts["opt_state"] + parts["batch"] + parts["params"]
+                         + act["activations"]}
+    report = compiled_report(compiled.as_text(), trainer.mesh, trainer.policy)
+    return {"platform": devices[0].platform, "devices": n, "compile_s": compile_s,
+            "memory": {**(mem or {}), **parts, "analysis": mem is not None}, **report,
+            "wire_issued": collective_bytes(lowered.as_text(dialect="hlo"), trainer.mesh)["by_axis"],
+            "policy": trainer.policy.to_dict()}
+
+
+def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = None, compile: bool = True,
+         devices=None) -> dict:
+    """`predict` plus, with `compile`, `compile_step` of the same run: the policy compiled is the
+    one the named hardware would run (`--min-bytes auto` resolved on its tensor link).
+    Raises ValueError as those two."""
+    out = {"format": PLAN_FORMAT, "config": cfg.to_dict(), "predict": predict(cfg, spec, tp_span_nodes=tp_span_nodes)}
+    if compile:
+        policy = resolve_policy(cfg.policy, layout_of(cfg), with_tp_span(spec.hardware, layout_of(cfg).tp,
+                                                                          tp_span_nodes))
+        run_cfg = dataclasses.replace(cfg, policy=policy)
+        run_cfg.__dict__["model_config"] = cfg.model_config  # keep a --layers override
+        out["compiled"] = compile_step(run_cfg, devices)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The paper's GPU table (docs/emulated.md)
+# ------------------------------------------------------------------------------------------------
+#: The TP links of docs/emulated.md's GPU table: (label, hardware, link).
+def _paper_links():
+    return [("H100/H200 NVLink 4 (450 GB/s)", model.H200, model.NVLINK4),
+            ("H800 NVLink (200 GB/s)", model.H800, model.NVLINK_H800),
+            ("PCIe Gen5 x16 (64 GB/s)", model.H200, model.PCIE_GEN5),
+            ("InfiniBand NDR (50 GB/s per GPU)", model.H200, model.IB_NDR)]
+
+
+def paper_table() -> list[dict]:
+    """The cost model's predictions for the paper's GPT/Qwen settings (`perf.paper.settings`, TP
+    inside a node) with the TP link set to each declared GPU link: docs/emulated.md "Predicted for
+    GPU clusters". Rows: setting, tp_link, tp_comm_fraction (share of the exact step in TP
+    collectives), taco_tp, taco_tp+dp+pp (speedups), published, range (of taco_tp, per source)."""
+    from taco_jax.perf import paper
+
+    pol = paper.policies()
+    errors = uncertainty.summary()
+    out = []
+    for label, cfg, lay, _hw, published in paper.settings():
+        if "FP32 wire" in label or "IB)" in label:
+            continue
+        for link_name, hw, tp_link in _paper_links():
+            hw2 = dataclasses.replace(hw, intra=tp_link, gpus_per_node=max(hw.gpus_per_node, lay.tp))
+            base = model.step_time(cfg, lay, hw2)
+            s = model.speedup(cfg, lay, hw2, pol["taco_tp"])
+            out.append({"setting": label, "tp_link": link_name,
+                        "tp_comm_fraction": (lay.n_micro + lay.pp - 1) * base["tp_s"] / base["step_s"],
+                        "taco_tp": s, "taco_tp+dp+pp": model.speedup(cfg, lay, hw2, pol["taco_tp+dp+pp"]),
+                        "published": published, "range": uncertainty.speedup_range(s, errors)["all"]})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "never"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= k:
+            return f"{n / k:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _ms(s) -> str:
+    return f"{s * 1e3:,.1f} ms"
+
+
+def lines(result: dict) -> list[str]:
+    """The plan as short text lines (the terminal table; plan.md holds the same in Markdown)."""
+    p = result["predict"]
+    hw, lay = p["hardware"], p["layout"]
+    r = p["range"]
+    n = p["n_params"]
+    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    L = [f"{p['model']} ({size} parameters, {p['n_layers']} layers) on {lay['gpus']} x "
+         f"{hw['name']}: tensor={lay['tp']} data={lay['dp']} stage={lay['pp']}, microbatch {lay['micro_batch']} x "
+         f"{lay['seq_len']} tokens, {lay['n_micro']} microbatches"]
+    codec = hw["codec"]
+    L.append(f"links: tensor {p['links']['tensor']} (TP over {lay['tp_span_nodes']} node(s)), data "
+             f"{p['links']['data']}, stage {p['links']['stage']}; codec {codec['encode_GBps']:,.0f}/"
+             f"{codec['decode_GBps']:,.0f} GB/s encode/decode ({codec['status']})")
+    c = result.get("compiled")
+    if c:
+        m = c["memory"]
+        L.append(f"memory per device ({c['platform']}, XLA memory analysis): peak {_mib(m.get('peak'))} = arguments "
+                 f"{_mib(m.get('argument'))} + outputs {_mib(m.get('output'))} - aliased {_mib(m.get('alias'))} + "
+                 f"temporaries {_mib(m.get('temp'))}")
+        L.append(f"  arguments: parameters {_mib(m['params'])}, optimizer state {_mib(m['opt_state'])}, batch "
+                 f"{_mib(m['batch'])}; activations and scratch: the temporaries")
+        est = m["estimate"]
+        L.append(f"  GPU estimate: parameters + optimizer state + FP32 gradients "
+                 f"{_mib(m['params'] * 2 + m['opt_state'])} + activations {_mib(est['activations'])} "
+                 f"({est['layers']} layers x {est['in_flight']} microbatches in flight x {_mib(est['per_layer'])}, "
+                 f"--remat {est['remat']}) = {_mib(est['total'])}")
+        L.append(f"compile: {c['compile_s']:.1f} s on {c['devices']} {c['platform']} devices")
+        L.append("wire bytes per step and device, by axis: " + ", ".join(
+            f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())) + "; as issued (bf16 as bf16, "
+            "what a GPU sends): " + ", ".join(f"{a} {_bytes(b)}" for a, b in sorted(c["wire_issued"].items())))
+        L.append(f"{'axis':8s} {'site':15s} {'collectives':>11s} {'compressed':>10s} {'bytes/step':>12s}  "
+                 f"{'wire dtypes':14s} codec kernels (scoped ops)")
+        for s in c["by_site"]:
+            k = c["codec"].get(s["site"], {})
+            kern = ", ".join(f"{v} {n}" for n, v in sorted(k.get("kernel_calls", {}).items())) or "-"
+            ops = sum(k.get("scoped_ops", {}).values())
+            L.append(f"{s['axis']:8s} {s['site'] or '(model)':15s} {s['collectives']:11d} {s['compressed']:10d} "
+                     f"{_bytes(s['bytes']):>12s}  {','.join(s['dtypes']):14s} {kern}" + (f" ({ops})" if ops else ""))
+        if c["mismatches"]:
+            for x in c["mismatches"]:
+                L.append(f"WARNING: {x['count']} {x['op']} on {x['axis']} at {x['site']} move {x['dtype']}; declared "
+                         f"{x['declared']}")
+        else:
+            L.append("wire dtypes: every site moves what its policy declares")
+    e, t = p["exact"], p["policy"]
+    L.append(f"cost model on {hw['name']} (s per step): {'':8s}{'exact':>10s} {'policy':>10s}")
+    for k, name in (("step_s", "step"), ("compute_s", "compute"), ("tensor_s", "tensor"), ("data_s", "data"),
+                    ("stage_s", "stage")):
+        L.append(f"  {name:36s} {_ms(e[k]):>10s} {_ms(t[k]):>10s}")
+    L.append(f"predicted speedup {p['speedup']:.2f}x, range {r['all'][0]:.2f}-{r['all'][1]:.2f}x (emulated "
+             f"cluster {r['emulated'][0]:.2f}-{r['emulated'][1]:.2f}x; COCCL on 32 H800 "
+             f"{r['coccl'][0]:.2f}-{r['coccl'][1]:.2f}x)")
+    L.append(f"--min-bytes auto on this hardware: threshold {_bytes(p['auto_threshold_bytes'])}; " + "; ".join(
+        f"{s['site']} {_bytes(s['message_bytes'])} (break-even {_bytes(s['break_even_bytes'])}) -> {s['auto']}"
+        for s in p["sites"]))
+    return L
+
+
+def markdown(result: dict) -> str:
+    """plan.md: the plan's tables with what each number means (docs/plan.md)."""
+    p = result["predict"]
+    hw = p["hardware"]
+    L = ["# Plan: " + lines(result)[0], "", "Hardware: " + ", ".join([
+        f"{hw['name']} ({hw['peak_tflops']:,.0f} TFLOP/s BF16, MFU {hw['mfu']})",
+        f"{hw['gpus_per_node']} GPUs per node", f"intra {hw['intra']['name']} {hw['intra']['GBps']:,.0f} GB/s achieved",
+        f"inter {hw['inter']['name']} {hw['inter']['GBps']:,.0f} GB/s achieved",
+        f"codec {hw['codec']['status']}: {hw['sources']['codec']}"]) + ".", ""]
+    c = result.get("compiled")
+    if c:
+        m = c["memory"]
+        L += ["## Memory per device (XLA memory analysis of the compiled step on "
+              f"{c['devices']} {c['platform']} devices)", "",
+              "| part | bytes |", "|---|---|"]
+        L += [f"| {k} | {_mib(m.get(v))} |" for k, v in (
+            ("parameters", "params"), ("optimizer state", "opt_state"), ("batch", "batch"),
+            ("arguments (all of the above)", "argument"), ("outputs", "output"), ("aliased (donated)", "alias"),
+            ("temporaries (activations, scratch)", "temp"), ("peak = arguments + outputs - aliased + temporaries",
+                                                           "peak"))]
+        est = m["estimate"]
+        L += ["", f"Estimate for a GPU (Korthikanti et al. 2022; docs/plan.md): activations {_mib(est['activations'])} "
+              f"({est['layers']} layers × {est['in_flight']} microbatches in flight × {_mib(est['per_layer'])}, "
+              f"`--remat {est['remat']}`) + parameters, optimizer state, batch and FP32 gradients = "
+              f"**{_mib(est['total'])}** per device."]
+        L += ["", f"Compile: {c['compile_s']:.1f} s.", "", "## Communication per step and device (compiled HLO)", "",
+              "| axis | site | collectives | compressed | bytes | wire dtypes | codec kernels | scoped codec ops |",
+              "|---|---|---|---|---|---|---|---|"]
+        for s in c["by_site"]:
+            k = c["codec"].get(s["site"], {})
+            kern = ", ".join(f"{v} {n}" for n, v in sorted(k.get("kernel_calls", {}).items())) or "-"
+            ops = sum(k.get("scoped_ops", {}).values())
+            L.append(f"| {s['axis']} | {s['site'] or '(model)'} | {s['collectives']} | {s['compressed']} | "
+                     f"{_bytes(s['bytes'])} | {', '.join(s['dtypes'])} | {kern} | {ops} |")
+        L += ["", "By axis: " + ", ".join(f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())) +
+              "; as the program issues them (before XLA:CPU widens bf16 collectives to f32; what a GPU sends): " +
+              ", ".join(f"{a} {_bytes(b)}" for a, b in sorted(c["wire_issued"].items())) + ".", ""]
+        L += [f"**Wire dtype mismatch**: {x['count']} {x['op']} on {x['axis']} at site {x['site']} move {x['dtype']}; "
+              f"declared {x['declared']}." for x in c["mismatches"]] or ["Every site moves the wire dtype its "
+                                                                         "policy declares."]
+        L.append("")
+    e, t, r = p["exact"], p["policy"], p["range"]
+    L += [f"## Cost model on {hw['name']}", "", "| per step | exact | policy |", "|---|---|---|"]
+    L += [f"| {n} | {_ms(e[k])} | {_ms(t[k])} |" for k, n in (
+        ("step_s", "step"), ("compute_s", "compute"), ("tensor_s", "tensor axis"), ("data_s", "data axis"),
+        ("stage_s", "stage axis"))]
+    L += ["", f"Predicted speedup **{p['speedup']:.2f}×**, range {r['all'][0]:.2f}–{r['all'][1]:.2f}× "
+          f"(emulated cluster {r['emulated'][0]:.2f}–{r['emulated'][1]:.2f}×, {p['errors']['emulated']['points']} "
+          f"points; COCCL's 32 H800 {r['coccl'][0]:.2f}–{r['coccl'][1]:.2f}×, {p['errors']['coccl']['points']} "
+          f"settings). With only the sites predicted to gain ({', '.join(p['auto_sites']) or 'none'}): "
+          f"{p['auto_speedup']:.2f}×.", "",
+          f"`--min-bytes auto` here: threshold {_bytes(p['auto_threshold_bytes'])}.", "",
+          "| site | axis | op | message | break-even | --min-bytes auto |", "|---|---|---|---|---|---|"]
+    L += [f"| {s['site']} | {s['axis']} | {s['op']} | {_bytes(s['message_bytes'])} | {_bytes(s['break_even_bytes'])} "
+          f"| {s['auto']} |" for s in p["sites"]]
+    return "\n".join(L) + "\n"

@@ -1,0 +1,243 @@
+"""`taco-jax plan` / `predict` (taco_jax/train/plan.py), the hardware table (perf/hardware.py) and the error
+bars (perf/uncertainty.py): the plan's compiled figures against a real run's in the same process, the
+cost model against docs/emulated.md, the wire-dtype check on a program built to fail it, and the
+errors a bad `--hardware-file` gets."""
+
+import gc
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from taco_jax.cli import main
+from taco_jax.codec import TACO
+from taco_jax.collectives import compressed
+from taco_jax.collectives.hlo import site_scope
+from taco_jax.collectives.policy import CommPolicy
+from taco_jax.perf import uncertainty
+from taco_jax.perf.hardware import CODEC_STATUS, get_hardware, load_hardware
+from taco_jax.train import loop
+from taco_jax.train import plan as planner
+from taco_jax.train.config import TrainConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _per_device_live() -> dict:
+    """Bytes each device holds in live jax arrays (`jax.live_arrays`), by device."""
+    out = {}
+    for a in jax.live_arrays():
+        for s in a.addressable_shards:
+            out[s.device] = out.get(s.device, 0) + s.data.nbytes
+    return out
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "qwen3-tiny"])
+def test_plan_matches_a_real_run_in_the_same_process(model, tmp_path):
+    """The plan compiles from shapes alone: its wire bytes by axis are those a real run's summary
+    reports (`wire_bytes_per_step`, the run's own compiled step), and its per-device argument memory
+    (parameters + optimizer state + batch) is within 10 % of what the devices hold in live arrays
+    after the run's first step."""
+    cfg = TrainConfig.from_flags(model=model, mesh="data=2,tensor=4", steps=2, batch_size=8, seq_len=64,
+                                 out=str(tmp_path / "run"))
+    result = planner.plan(cfg, get_hardware("h100"))
+    compiled = result["compiled"]
+    assert compiled["devices"] == 8 and compiled["compile_s"] > 0
+    mem = compiled["memory"]
+    assert mem["analysis"] and mem["argument"] > 0 and mem["temp"] > 0
+    assert mem["params"] + mem["opt_state"] + mem["batch"] == pytest.approx(mem["argument"], rel=0.01)
+
+    gc.collect()
+    before = _per_device_live()
+    run = loop.prepare(cfg)
+    state = loop.initial_state(run)
+    acct = loop.compile_step(run, state)
+    loop.resume(run, acct, state)
+    state.params, state.opt_state, metrics = acct.train_step(state.params, state.opt_state, state.inputs,
+                                                             state.targets)
+    jax.block_until_ready(metrics)
+    gc.collect()
+    after = _per_device_live()
+    held = max(after.get(d, 0) - before.get(d, 0) for d in after)
+    assert compiled["wire"]["by_axis"] == acct.wire["by_axis"]  # summary.json's wire_bytes_per_step
+    assert compiled["wire"]["by_axis"]["tensor"] > 0 and compiled["wire"]["by_axis"]["data"] > 0
+    assert abs(mem["argument"] - held) <= 0.10 * held, (mem, held)
+    # every compressed tensor collective sits at a site, with the codec's kernels counted there
+    sites = {(s["axis"], s["site"]): s for s in compiled["by_site"]}
+    for site in ("ar_fwd", "ar_bwd"):
+        assert sites[("tensor", site)]["compressed"] == sites[("tensor", site)]["collectives"] > 0
+        assert sum(compiled["codec"][site]["kernel_calls"].values()) + \
+            sum(compiled["codec"][site]["scoped_ops"].values()) > 0
+    assert sites[("data", "dp_grads")]["compressed"] == 0
+    assert compiled["mismatches"] == []
+
+
+def _emulated_gpu_table() -> list[list[str]]:
+    text = (ROOT / "docs" / "emulated.md").read_text()
+    body = text[text.index("| setting | TP link |"):].split("\n\n")[0].splitlines()[2:]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in body]
+
+
+def test_predict_reproduces_the_emulated_gpu_table():
+    """`predict --paper` gives docs/emulated.md's GPU table: per setting and TP link the TP share of
+    the exact step and both speedups, to the table's two decimals; every row carries a range that
+    holds the point."""
+    table = _emulated_gpu_table()
+    rows = planner.paper_table()
+    assert len(rows) == len(table) >= 16
+    for row, cells in zip(rows, table, strict=True):
+        assert (row["setting"], row["tp_link"]) == (cells[0], cells[1])
+        assert f"{row['tp_comm_fraction']:.2f}" == cells[2]
+        assert f"{row['taco_tp']:.2f}×" == cells[3]
+        assert f"{row['taco_tp+dp+pp']:.2f}×" == cells[4]
+        assert row["published"] == cells[6]
+        assert row["range"][0] <= row["taco_tp"] <= row["range"][1]
+
+
+def test_predict_places_tp_over_infiniband_across_two_nodes(capsys):
+    """`--tp-span-nodes 2` puts the tensor axis on the inter-node link (no code edit): slower exact TP
+    than inside a node, a larger TACO speedup, and a range from both error sources around it."""
+    base = ["predict", "--model", "qwen3-8b", "--mesh", "stage=2,tensor=8", "--microbatches", "8",
+            "--batch-size", "8", "--seq-len", "2048", "--hardware", "h800", "--json"]
+    out = {}
+    for span in ("1", "2"):
+        assert main(base + ["--tp-span-nodes", span]) == 0
+        out[span] = json.loads(capsys.readouterr().out)["predict"]
+    hw = get_hardware("h800").hardware
+    assert out["1"]["links"]["tensor"] == hw.intra.name and out["2"]["links"]["tensor"] == hw.inter.name
+    assert out["2"]["exact"]["tensor_s"] > 2 * out["1"]["exact"]["tensor_s"]
+    assert out["2"]["speedup"] > out["1"]["speedup"]
+    r = out["2"]["range"]
+    assert set(r) == {"emulated", "coccl", "all"} and r["all"][0] < out["2"]["speedup"] < r["all"][1]
+    assert main(base + ["--tp-span-nodes", "3"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_plan_flags_collectives_moving_another_wire_dtype_than_declared():
+    """A program whose all-gather site is declared TACO but gathers the float message (as if the
+    gather were hoisted above the encode) is flagged; the compressed all-gather at the same site
+    is not; an exact site that moves codes is flagged too."""
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("tensor",))
+    policy = CommPolicy.taco(TACO)
+    x = jnp.ones((4, 64, 256), jnp.float32)
+
+    def compiled(fn):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
+        return planner.compiled_report(f.lower(x).compile().as_text(), mesh, policy)
+
+    def hoisted(v):
+        with site_scope("all_gather"):
+            return lax.all_gather(v, "tensor", axis=1, tiled=True)[:, :64]
+
+    def encoded(v):
+        with site_scope("all_gather"):
+            return compressed.all_gather(v, "tensor", codec=TACO, axis=1, tiled=True)[:, :64]
+
+    bad = compiled(hoisted)["mismatches"]
+    assert [(m["site"], m["axis"], m["op"], m["dtype"]) for m in bad] == [("all_gather", "tensor", "all-gather", "f32")]
+    assert "u8" in bad[0]["declared"]
+    good = compiled(encoded)
+    assert good["mismatches"] == []
+    assert [s["compressed"] for s in good["by_site"] if s["site"] == "all_gather"] == [1]
+    exact = planner.compiled_report(jax.jit(jax.shard_map(encoded, mesh=mesh, in_specs=P("tensor"),
+                                                          out_specs=P("tensor"), check_vma=False)).lower(x)
+                                    .compile().as_text(), mesh, CommPolicy())
+    assert [m["declared"] for m in exact["mismatches"]] == ["exact: float messages"]
+
+
+_OWN = """
+[mycluster]
+name = "my GPUs"
+peak_tflops = 500
+mfu = 0.35
+gpus_per_node = 4
+source = "ours"
+[mycluster.intra]
+name = "PCIe Gen5"
+bandwidth_GBps = 64
+efficiency = 0.7
+alpha_us = 5
+source = "spec"
+[mycluster.inter]
+name = "RoCE 100G"
+bandwidth_GBps = 12.5
+efficiency = 0.8
+alpha_us = 12
+source = "spec"
+[mycluster.codec]
+encode_GBps = 500
+decode_GBps = 700
+overhead_us = 10
+status = "measured"
+source = "our bench"
+"""
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("peak_tflops = 500\n", ""), "missing key 'peak_tflops'"),
+    (lambda t: t.replace("mfu = 0.35", "mfu = 1.5"), "mfu=1.5 must be in (0, 1]"),
+    (lambda t: t.replace("bandwidth_GBps = 64", "bandwidth_GBps = -64"), "intra.bandwidth_GBps=-64 must be"),
+    (lambda t: t.replace("gpus_per_node = 4", "gpus_per_node = 2.5"), "gpus_per_node=2.5 must be an integer"),
+    (lambda t: t.replace('status = "measured"', 'status = "guessed"'), "codec.status='guessed' must be one of"),
+    (lambda t: t.replace("alpha_us = 12", "alpha_us = 12\nlatency = 3"), "unknown key 'latency'"),
+    (lambda t: t.split("[mycluster.codec]")[0], "missing table [mycluster.codec]"),
+    (lambda t: t.replace("[mycluster]", "[mycluster"), "not valid TOML"),
+])
+def test_hardware_file_errors_name_the_file_entry_and_key(tmp_path, capsys, edit, message):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(edit(_OWN))
+    assert main(["predict", "--hardware-file", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(bad) in err, err
+
+
+def test_own_hardware_file_and_the_shipped_table(tmp_path, capsys):
+    """A valid file is used as given (its one entry without --hardware); an unknown name lists the
+    known ones; the shipped table declares the six GPUs, the H200 codec speed measured, the others
+    assumed, each with its source."""
+    own = tmp_path / "own.toml"
+    own.write_text(_OWN)
+    assert main(["predict", "--hardware-file", str(own), "--mesh", "data=2,tensor=4", "--json"]) == 0
+    hw = json.loads(capsys.readouterr().out)["predict"]["hardware"]
+    assert (hw["name"], hw["gpus_per_node"], hw["codec"]["status"]) == ("my GPUs", 4, "measured")
+    assert hw["intra"]["GBps"] == pytest.approx(0.7 * 64)
+    assert main(["predict", "--hardware", "tpu9"]) == 2
+    assert "hardware='tpu9' is not declared" in capsys.readouterr().err
+    shipped = load_hardware()
+    assert set(shipped) == {"h100", "h200", "h800", "a100", "b200", "l40s"}
+    assert {k: s.codec_status for k, s in shipped.items() if s.codec_status == "measured"} == {"h200": "measured"}
+    assert all(s.codec_status in CODEC_STATUS and all(s.sources.values()) for s in shipped.values())
+    assert "PCIe" in shipped["l40s"].hardware.intra.name
+
+
+def test_shipped_model_errors_are_the_study_s():
+    """model_errors.json is `errors_from_study` of the committed e2e study, and the emulated error
+    span covers the per-configuration errors docs/emulated.md reports (up to +30 % step time)."""
+    study = json.loads((ROOT / uncertainty.STUDY).read_text())
+    assert json.loads(uncertainty.ERRORS_FILE.read_text()) == uncertainty.errors_from_study(study)
+    s = uncertainty.summary()
+    assert s["emulated"]["step_error"][1] == pytest.approx(max(
+        r["taco_step_error"] for r in uncertainty.emulated_errors()))
+    assert s["coccl"]["points"] == 4 and s["emulated"]["points"] == len(uncertainty.emulated_errors())
+
+
+def test_plan_cli_writes_json_and_markdown_without_compiling(tmp_path, capsys):
+    """`plan --no-compile` (the cost model only) writes plan.json and plan.md and prints the table;
+    --layers overrides the depth the model sees."""
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", "qwen3-8b", "--mesh", "data=2,stage=4,tensor=4", "--microbatches", "8",
+                 "--seq-len", "4096", "--layers", "8", "--hardware", "h100", "--no-compile", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"predicted speedup [\d.]+x, range [\d.]+-[\d.]+x", text)
+    data = json.loads((out / "plan.json").read_text())
+    assert data["predict"]["n_layers"] == 8 and "compiled" not in data
+    assert "--min-bytes auto" in (out / "plan.md").read_text()
+    assert main(["plan", "--mesh", "data=2,tensor=4", "--devices", "4", "--out", str(out)]) == 2
+    assert "devices=4 differs" in capsys.readouterr().err
