@@ -281,8 +281,8 @@ def analyze(out, study: dict, milestones=MILESTONES, window: int = 50) -> dict:
             "epochs_per_run": tokens_per_run / study["corpus_train_tokens"],
             "train_wall_s": float(sum(r["step_s"] + r.get("monitor_s", 0.0) for s in seeds.values()
                                       for recs in s.values() for r in recs)),
-            "curves": {k: {"mean": np.nanmean(v, axis=0), "ci": [_ci(v[:, i]) for i in _curve_steps(v)],
-                           "steps": [i + 1 for i in _curve_steps(v)]} for k, v in series.items()},
+            "curves": {k: {"steps": [i + 1 for i in _curve_steps(v)], "ci": [_ci(v[:, i]) for i in _curve_steps(v)]}
+                       for k, v in series.items()},
         }
     return {"study": study, "window": window, "planned_pairs": study["seeds"] * len(study["models"]),
             "complete_pairs": sum(len(s) for s in pairs.values()), "models": models}
@@ -370,26 +370,30 @@ def plot(report: dict, out) -> list[pathlib.Path]:
                 ax.fill_between(xs, [ci["lo"] for ci in c["ci"]], [ci["hi"] for ci in c["ci"]], alpha=0.3,
                                 label="95 % CI")
             ax.axhline(0, color="k", lw=0.7)
-            ax.set(title=f"{model}: {split} loss, TACO vs exact", xlabel="step", ylabel="paired Δ loss (%)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    gap = out / "gap.png"
-    fig.savefig(gap, dpi=110)
-    plt.close(fig)
+            _label(ax, f"{model}: {split} loss, TACO vs exact", "paired Δ loss (%)")
+    gap = _save(fig, out / "gap.png")
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         for site, s in report["models"][model]["sqnr"].items():
             (line,) = ax.plot(s["steps"], s["mean_sqnr_db"], marker=".", label=site)
             ax.fill_between(s["steps"], s["min_sqnr_db"], s["max_sqnr_db"], color=line.get_color(), alpha=0.2)
-        ax.set(title=f"{model}: SQNR per site (TACO runs)", xlabel="step", ylabel="SQNR (dB)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _label(ax, f"{model}: SQNR per site (TACO runs)", "SQNR (dB)")
+    return [gap, _save(fig, out / "sqnr.png")]
+
+
+def _label(ax, title: str, ylabel: str) -> None:
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(fig, path) -> pathlib.Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    sq = out / "sqnr.png"
-    fig.savefig(sq, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [gap, sq]
+    return path
 
 
 def write_report(out, study: dict, milestones=MILESTONES, window: int = 50) -> dict:
