@@ -427,6 +427,8 @@ def probe(study: dict, models, steps: int = 4) -> list[dict]:
     from experiments.fidelity_runs import SeedRunner
     from taco_jax.data import TokenStream, load_prepared
     from taco_jax.parallel.mesh import parse_mesh
+    from taco_jax.train import jsonio
+    from taco_jax.train.console import say
     from taco_jax.train.monitor import Monitor
 
     ds = load_prepared(study["corpus"])
@@ -448,6 +450,7 @@ def probe(study: dict, models, steps: int = 4) -> list[dict]:
                 if i:
                     walls.append(time.perf_counter() - t)
                     cpus.append(time.process_time() - c)
+            runner.evaluate(params)  # compiles the eval step
             t = time.perf_counter()
             runner.evaluate(params)
             row[variant] = {"step_s": float(np.median(walls)), "cpu_s": float(np.median(cpus)),
@@ -469,6 +472,7 @@ def probe(study: dict, models, steps: int = 4) -> list[dict]:
                          + s // study["monitor_every"] * row["taco"]["monitor_s"])
             row[f"study_hours_{key}"] = (train_s + extra) / 3600
         rows.append(row)
+        say(f"[fidelity_long] probe {model}: {jsonio.dumps(row)}")
     return rows
 
 
