@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SIM    := $(VENV)/.gpu-sim
 OUT    ?= runs/compare
 
-.PHONY: ffi cuda gpu-sim install train test test-gpu-sim test-slow bench bench-e2e fidelity lint clean
+.PHONY: ffi cuda gpu-sim install train test test-gpu-sim test-slow bench bench-e2e fidelity fidelity-long lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,18 @@ FIDELITY_ARGS ?= --models gpt2-tiny qwen3-tiny --variants none taco int8 --seeds
                  --mesh data=1,tensor=2 --steps 60 --lr 1e-3 --batch-size 8 --seq-len 128 --backend ffi
 fidelity: install
 	$(PY) -m experiments.fidelity_runs --out $(FIDELITY_OUT) $(FIDELITY_ARGS)
+
+## The long paired study (docs/fidelity.md "Fidelity at length"): gpt2 and qwen3, 4 seeds × {exact, taco} × 2,000
+## steps on the CPython-stdlib corpus (prepared first when missing), TP=2 with sequence parallelism, bf16. Resumable:
+## run it again after a stop and it continues; with every run finished it only rebuilds the tables and plots.
+## Tables from the saved runs alone: FIDELITY_LONG_ARGS=--analyze. Other options: python -m experiments.fidelity_long --help.
+CORPUS            ?= runs/corpus/cpython-stdlib
+FIDELITY_LONG_OUT ?= runs/fidelity_long
+FIDELITY_LONG_ARGS ?=
+$(CORPUS)/corpus.json: | $(STAMP)
+	$(PY) -m experiments.prepare_corpus --out $(CORPUS)
+fidelity-long: install $(CORPUS)/corpus.json
+	$(PY) -m experiments.fidelity_long --corpus $(CORPUS) --out $(FIDELITY_LONG_OUT) $(FIDELITY_LONG_ARGS)
 
 ## Where compression pays: exact vs TACO end to end on emulated links (network namespaces: root), the
 ## link sweep, TP 2/4, SP on/off, bf16/f32, chunks, the collective matmul, two tiers, and the cost model
