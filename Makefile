@@ -36,7 +36,13 @@ $(SIM): $(STAMP)
 	touch $(SIM)
 
 ## Main job: GPT on Shakespeare, --comm none vs --comm taco on a simulated data=2 × tensor=4 CPU mesh.
+## A second `make train` replaces the previous one's outputs in $(OUT) (none/, taco/, summary.json,
+## loss.png; other files stay); OUT=DIR writes elsewhere. `taco-jax compare` itself never overwrites.
+COMPARE_OUTPUTS := none taco summary.json loss.png
 train: install
+	@if [ -n "$(strip $(foreach f,$(COMPARE_OUTPUTS),$(wildcard $(OUT)/$(f))))" ]; then \
+	  echo "make train: replacing the previous run in $(OUT) (give OUT=DIR to keep it)"; \
+	  rm -rf $(foreach f,$(COMPARE_OUTPUTS),"$(OUT)/$(f)"); fi
 	$(VENV)/bin/taco-jax compare --out $(OUT) $(ARGS)
 
 ## Default test suite (simulated 8-device CPU mesh; slow and GPU tests excluded). Includes the GPU path

@@ -45,6 +45,7 @@ import sys
 import time
 
 from taco_jax.emulate import LinkSpec
+from taco_jax.launch import child_env, cli_command
 from taco_jax.models import PRESETS
 from taco_jax.train import jsonio
 
@@ -72,10 +73,6 @@ def _run(cmd: list[str], out: pathlib.Path, timeout: float, warmup: int, env: di
     return {"step_s": statistics.median(steps[warmup:]), "steps_s": steps, "wall_s": time.perf_counter() - t0,
             "wire_bytes_per_step": summary["wire_bytes_per_step"], "tensor_messages_per_step": tensor_msgs,
             "emulated_link": summary.get("emulated_link"), "final_train_loss": summary["final_train_loss"]}
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "taco_jax.cli", *args]
 
 
 def _variants(specs: list[str], p: argparse.ArgumentParser) -> dict[str, list[str]]:
@@ -153,7 +150,7 @@ def main(argv=None) -> dict:
     names = list(variants)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = child_env(os.environ)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str((out / ".jax_cache").resolve()))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     train = _train_args(a)
@@ -162,7 +159,7 @@ def main(argv=None) -> dict:
     if not a.no_local:
         for v, flags in variants.items():
             d = out / f"local_{v}"
-            local[v] = _run(_cli("train", *train, *flags, "--out", str(d)), d, a.timeout, a.warmup, env)
+            local[v] = _run(cli_command("train", *train, *flags, "--out", str(d)), d, a.timeout, a.warmup, env)
             print(f"[bench_e2e] one process {v}: {local[v]['step_s']:.4f} s/step", flush=True)
     rows = []
     for link in links:
@@ -173,7 +170,7 @@ def main(argv=None) -> dict:
                 d = out / f"{link.replace(',', '_').replace('=', '-')}_{v}_r{rnd}"
                 launch = (["launch", "--processes", str(a.processes), *shlex.split(a.launch_args)]
                           + ([] if link == "none" else ["--link", link]))
-                runs[v].append(_run(_cli(*launch, "--", "train", *train, *variants[v], "--out", str(d)), d,
+                runs[v].append(_run(cli_command(*launch, "--", "train", *train, *variants[v], "--out", str(d)), d,
                                     a.timeout, a.warmup, env))
                 print(f"[bench_e2e] {link} round {rnd} {v}: {runs[v][-1]['step_s']:.4f} s/step", flush=True)
         base = names[0]

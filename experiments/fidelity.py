@@ -38,6 +38,7 @@ import numpy as np
 from taco_jax.codec import CodecConfig
 from taco_jax.codec.presets import NAMED
 from taco_jax.collectives.policy import CommPolicy
+from taco_jax.launch import child_env, cli_command
 from taco_jax.train import jsonio
 from taco_jax.train.calibrate import evaluate, split_messages
 from taco_jax.train.capture import load_captures
@@ -169,7 +170,7 @@ def ablation(policy: str, out: str, variants: list[str], steps: int | None, extr
             cmd += ["--steps", str(steps)]
         if not (run / "summary.json").exists():
             print("[ablation]", " ".join(cmd), file=sys.stderr, flush=True)
-            subprocess.run([sys.executable, "-m", "taco_jax.cli", *cmd[1:]], check=True, env=os.environ.copy())
+            subprocess.run(cli_command(*cmd[1:]), check=True, env=child_env(os.environ))
         s = json.loads((run / "summary.json").read_text())
         results[name] = {"command": " ".join(cmd), "final_val_loss": s["final_val_loss"],
                          "final_train_loss": s["final_train_loss"], "steps": s["steps"],

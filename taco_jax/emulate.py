@@ -386,7 +386,7 @@ class Cluster:
         return out
 
     def measure_links(self, seconds: float = 0.5) -> dict:
-        """Measures every link of `peers()`; returns the run's link description (`$TACO_JAX_EMULATED_LINK`): per tier
+        """Measures every link of `peers()`; returns the run's link description (`TrainConfig.emulated_link`): per tier
         the requested and measured (median over its links) payload bits/s and each link's rate."""
         rates = {"link": self.spec.inter, "inter": self.spec.inter, "intra": self.spec.intra}
         links = []

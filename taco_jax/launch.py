@@ -31,7 +31,7 @@ Emulated cluster (`link=`, `taco-jax launch --link 1gbit` or `--link intra=8gbit
 taco_jax/emulate.py): each process runs in its own network namespace (`ip netns exec`), joined by
 links shaped with tbf; the coordinator is process 0's namespace address. Each link is measured
 first (a TCP bulk transfer); the description (requested and measured rates) reaches every process
-as `$TACO_JAX_EMULATED_LINK`, so summary.json records it and `--min-bytes auto` /
+as `--emulated-link JSON` (a run config field, in config.json), so summary.json records it and `--min-bytes auto` /
 `--step-timeout auto` use the measured rate. Namespaces and hosts files are removed when the run
 ends, fails or the launcher is stopped; a reaper process removes them when the launcher is
 killed (SIGKILL too), and the next start removes those of any launcher that is gone.
@@ -54,7 +54,6 @@ import threading
 import time
 
 from taco_jax import emulate
-from taco_jax.train.distributed import ENV_LINK
 
 
 def _die_with_parent() -> None:
@@ -93,6 +92,13 @@ def check_mesh_fits(mesh: dict[str, int], processes: int) -> None:
         raise ValueError(f"mesh {spec} has {n} devices, not divisible by --processes {processes}: each process "
                          f"holds an equal share of the mesh; give a process count that divides {n}, or another "
                          "--mesh")
+
+
+def cli_command(*args: str) -> list[str]:
+    """The command line of a child running `taco-jax ARGS` with this interpreter: `python -P -m
+    taco_jax.cli ARGS...` (-P: the working folder is not on sys.path, so a folder holding another
+    `taco_jax` does not shadow this one). Start it with `child_env(...)` as its environment."""
+    return [sys.executable, "-P", "-m", "taco_jax.cli", *args]
 
 
 def child_env(env: dict) -> dict:
@@ -143,7 +149,7 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         raise ValueError(f"processes={processes} must be >= 1")
     if not argv:
         raise ValueError("no command after `--`; e.g. taco-jax launch --processes 2 -- train --steps 20")
-    for flag in ("--coordinator", "--num-processes", "--process-id"):
+    for flag in ("--coordinator", "--num-processes", "--process-id", *(("--emulated-link",) if link else ())):
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise ValueError(f"{flag} is set by the launcher; remove it from the command")
     out = out or sys.stdout
@@ -180,7 +186,7 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
             print(f"[launch] {name}: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
                   f"{t['measured_bit_per_s'] / 1e6:.1f} Mbit/s (TCP payload, median of "
                   f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
-        base[ENV_LINK] = json.dumps(description)
+        argv = [*argv, "--emulated-link", json.dumps(description)]  # a config field: in config.json
         return _retry_ports(lambda port, busy: _run(processes, argv, base, f"{cluster.addrs[0]}:{port}",
                                                     cluster.exec_prefix, grace_s, out, busy, verbose), out)
 
@@ -223,8 +229,8 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
     busy_line = f"coordinator {coordinator} {PORT_IN_USE}"
     procs = []
     for i in range(processes):
-        cmd = [*wrap(i), sys.executable, "-P", "-m", "taco_jax.cli", *argv, "--coordinator", coordinator,
-               "--num-processes", str(processes), "--process-id", str(i)]
+        cmd = [*wrap(i), *cli_command(*argv, "--coordinator", coordinator, "--num-processes", str(processes),
+                                      "--process-id", str(i))]
         procs.append(subprocess.Popen(cmd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       start_new_session=True, preexec_fn=_die_with_parent))
     lock = threading.Lock()

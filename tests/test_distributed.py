@@ -60,6 +60,8 @@ def test_launch_refuses_bad_commands():
         launch(2, [])
     with pytest.raises(ValueError, match="--process-id is set by the launcher"):
         launch(2, ["train", "--process-id", "1"])
+    with pytest.raises(ValueError, match="--emulated-link is set by the launcher"):  # --link measures it
+        launch(2, ["train", "--emulated-link", "{}"], link="1gbit")
     assert 0 < free_port() < 65536
 
 

@@ -259,6 +259,7 @@ def test_shaped_link_gives_the_loopback_losses(tmp_path, cache):
     _finish(ref, tmp_path / "loopback.log")
     assert [s for s, _, _ in losses(out)] == [1, 2, 3] and losses(out) == losses(tmp_path / "loopback")
     link = json.loads((out / "summary.json").read_text())["emulated_link"]
+    assert json.loads(json.loads((out / "config.json").read_text())["emulated_link"]) == link  # a config field
     tier = link["tiers"]["link"]
     assert tier["requested_bit_per_s"] == 1e8 and 0.85e8 <= tier["measured_bit_per_s"] <= 1.15e8
     assert "[launch] link: requested 100 Mbit/s, measured" in r.stdout
@@ -331,18 +332,20 @@ def test_slow_link_is_not_a_hang_but_a_stopped_peer_is(tmp_path, cache):
 
 def test_processes_read_the_link_and_min_bytes_auto_uses_it(monkeypatch):
     from taco_jax import perf
+    from taco_jax.cli import config_from_argv
     from taco_jax.collectives.policy import CommPolicy
     from taco_jax.train import distributed
 
-    monkeypatch.delenv(distributed.ENV_LINK, raising=False)
-    assert distributed.emulated_link() is None and distributed.tensor_link_bytes_per_s(None) is None
-    monkeypatch.setenv(distributed.ENV_LINK, "{not json")
-    with pytest.raises(ValueError, match="TACO_JAX_EMULATED_LINK is not JSON"):
-        distributed.emulated_link()
+    assert distributed.emulated_link("") is None and distributed.tensor_link_bytes_per_s(None) is None
+    with pytest.raises(ValueError, match="emulated_link is not JSON"):
+        distributed.emulated_link("{not json")
+    with pytest.raises(ValueError, match="emulated_link='{not json' must be a JSON object"):
+        config_from_argv(["train", "--emulated-link", "{not json"])
     link = {"tensor_tier": "intra",
             "tiers": {"intra": {"measured_bit_per_s": 8e8}, "inter": {"measured_bit_per_s": 1e8}}}
-    monkeypatch.setenv(distributed.ENV_LINK, json.dumps(link))
-    assert distributed.tensor_link_bytes_per_s(distributed.emulated_link()) == 1e8  # intra, bytes/s
+    cfg = config_from_argv(["train", "--emulated-link", json.dumps(link)])
+    assert cfg.to_dict()["emulated_link"] == json.dumps(link)  # recorded in config.json
+    assert distributed.tensor_link_bytes_per_s(distributed.emulated_link(cfg.emulated_link)) == 1e8  # intra, B/s
     policy = CommPolicy.taco().resolve_backends(n_devices=2)
     policy = dataclasses.replace(policy, min_bytes="auto")
     loopback = perf.resolve_min_bytes(policy, "cpu").min_bytes

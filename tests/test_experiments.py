@@ -80,3 +80,14 @@ def test_light_import_loads_a_module_file_and_names_a_missing_one():
     assert callable(jsonio.write) and common.light_import("taco_jax.train.jsonio") is jsonio
     with pytest.raises(FileNotFoundError, match="taco_jax.train.nothing"):
         common.light_import("taco_jax.train.nothing")
+
+
+def test_studies_start_the_cli_shadow_proof():
+    """No study spells its own `python -m taco_jax.cli` command: each starts the CLI through
+    `taco_jax.launch.cli_command` (`python -P`: a folder holding another taco_jax does not shadow it)."""
+    own = {str(p.relative_to(ROOT)): n.lineno for p in sorted((ROOT / "experiments").glob("*.py"))
+           for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant) and n.value == "taco_jax.cli"}
+    assert own == {}, f"own CLI command lines at {own}: use taco_jax.launch.cli_command"
+    from taco_jax.launch import cli_command
+
+    assert cli_command("train", "--steps", "1")[1:] == ["-P", "-m", "taco_jax.cli", "train", "--steps", "1"]

@@ -381,7 +381,7 @@ ASYNC_ARGS = ["train", *TINY, "--steps", "6", "--checkpoint-every", "2", "--comm
 
 
 def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, cache):
-    """Saves slowed on purpose (`checkpoint.ENV_SLOW_SAVE`, a test-only hook: each background save
+    """Saves slowed on purpose (`testing.faults.ENV_SLOW_SAVE`, a test-only hook: each background save
     sleeps 20 s before its meta is written). SIGKILL while the save of step 4 is in flight: its
     temporary folder is no checkpoint, checkpoint 2 is the latest complete one, and --resume from it
     reproduces the uninterrupted run bit for bit."""
@@ -391,7 +391,7 @@ def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, c
 
     from _procs import metrics, start, wait_for
 
-    from taco_jax.train.checkpoint import ENV_SLOW_SAVE
+    from taco_jax.testing.faults import ENV_SLOW_SAVE
 
     def records(out):
         return [{k: v for k, v in r.items() if k not in ("step_s", "tokens_per_s")} for r in metrics(out)]

@@ -144,3 +144,34 @@ def test_watchdog_guard_limits():
             assert w._limit == 3.0
     finally:
         w.close()
+
+
+def test_make_train_twice_replaces_its_own_compare_outputs(tmp_path):
+    """`make train` a second time removes the previous run's compare outputs (one printed line) and
+    keeps other files; the `compare` it runs gets the same --out. (`install` is taken as done; the
+    venv's `taco-jax` is a script recording what it saw.)"""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    script = venv / "bin" / "taco-jax"
+    script.write_text('#!/bin/sh\necho "$@" > "$SEEN"; ls -A "$3" >> "$SEEN"; mkdir -p "$3/none/checkpoints"\n')
+    script.chmod(0o755)
+    out = tmp_path / "cmp"
+    seen = tmp_path / "seen.txt"
+
+    def make_train():
+        return subprocess.run(["make", "--no-print-directory", "-o", "install", "train", f"VENV={venv}",
+                               f"OUT={out}", "ARGS=--steps 3"], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "SEEN": str(seen)}, timeout=60)
+
+    first = make_train()
+    assert first.returncode == 0, first.stderr
+    assert "replacing" not in first.stdout
+    for name in ("taco/checkpoints", "summary.json", "loss.png", "notes.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x") if "." in name else (out / name).mkdir()
+    second = make_train()
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.count(f"make train: replacing the previous run in {out}") == 1
+    args, *listing = seen.read_text().splitlines()
+    assert args == f"compare --out {out} --steps 3"
+    assert listing == ["notes.txt"]  # what compare found: the earlier outputs gone, the other file kept

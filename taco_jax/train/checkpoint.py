@@ -23,10 +23,12 @@ import math
 import os
 import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from taco_jax.testing import faults
 
 FORMAT = 1  # bump when the meta layout changes
 #: Run-config fields that must match to resume (the model's structure and its tokenizer).
@@ -87,26 +89,29 @@ def _why(e: Exception) -> str:
     return f"{array[1]}: {reason}" if array else reason
 
 
-#: Test hook (tests only): seconds to sleep inside every background save, before its arrays are
-#: written (tests/test_resume_faults.py kills a run while a save is in flight).
-ENV_SLOW_SAVE = "TACO_JAX_TEST_SLOW_SAVE"
-
-
-def _slow_json_handler(seconds: float):
-    """Orbax's JSON handler whose background write sleeps `seconds` first (`ENV_SLOW_SAVE`, tests only):
-    the save stays in flight, its temporary folder not yet renamed to `<step>`."""
-    import asyncio
-
+def _state_handler():
+    """Orbax's `StandardCheckpointHandler`; in a one-process run its jax.Array leaves are written without
+    replica-parallel slicing (`ArrayHandler(use_replica_parallel=False)`: each shard by its replica 0).
+    Replica-parallel saving compiles a slicing program per shard shape on the first save (seconds on
+    CPU) and, in one process, spreads the writes over nothing; with several processes it stays on (on
+    CPU), so each process writes its share of the replicated arrays. The files are the same OCDBT +
+    zarr layout, read by any `StandardRestore`. The registry is this handler's own: Orbax's global
+    type-handler registry is left as it is."""
     ocp = _ocp()
+    handler = ocp.StandardCheckpointHandler()
+    if jax.process_count() > 1:
+        return handler
+    from orbax.checkpoint._src.metadata import array_metadata_store
 
-    class SlowJson(ocp.JsonCheckpointHandler):
-        async def _save_fn(self, x, directory):
-            print(f"[taco-jax] {ENV_SLOW_SAVE}: the save into {directory} sleeps {seconds:g} s", file=sys.stderr,
-                  flush=True)
-            await asyncio.sleep(seconds)
-            await super()._save_fn(x, directory)
-
-    return SlowJson()
+    th = ocp.type_handlers
+    types = th.create_type_handler_registry(
+        *((t, th.ScalarHandler()) for t in (int, float, bytes, np.number)), (np.ndarray, th.NumpyHandler()),
+        (jax.Array, th.ArrayHandler(use_replica_parallel=False, array_metadata_store=array_metadata_store.Store())),
+        (str, th.StringHandler()))
+    # StandardCheckpointHandler's own PyTree handler (its concurrency limits), with `types`: it takes no registry
+    handler._impl = ocp.PyTreeCheckpointHandler(save_concurrent_gb=96, restore_concurrent_gb=96,
+                                                type_handler_registry=types)
+    return handler
 
 
 class Checkpoints:
@@ -121,17 +126,13 @@ class Checkpoints:
         self.directory = pathlib.Path(directory).absolute()
         # create=False: the folder appears with the first save (none for a run that never checkpoints)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=False)
-        slow = float(os.environ.get(ENV_SLOW_SAVE, 0) or 0)
-        if slow > 0:  # test hook: every save's background write of the meta starts `slow` seconds late
-            registry, state, meta = (ocp.handlers.DefaultCheckpointHandlerRegistry(), ocp.StandardCheckpointHandler(),
-                                     _slow_json_handler(slow))
-            for item, handler, args in (("state", state, (ocp.args.StandardSave, ocp.args.StandardRestore)),
-                                        ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore))):
-                for a in args:
-                    registry.add(item, a, handler)
-            self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
-        else:
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        meta = faults.meta_handler() or ocp.JsonCheckpointHandler()  # a test's slowed save, else Orbax's
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for item, handler, args in (("state", _state_handler(), (ocp.args.StandardSave, ocp.args.StandardRestore)),
+                                    ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore))):
+            for a in args:
+                registry.add(item, a, handler)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (temporary folders of unfinished saves excluded), ascending."""

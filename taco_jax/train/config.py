@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 
@@ -180,6 +181,7 @@ class TrainConfig:
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
     resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse
     step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
+    emulated_link: str = ""  # the emulated links as JSON, set by `taco-jax launch --link` ("": none)
     profile_steps: str = ""  # trace steps A:B (first:last, e.g. 3:5) with jax.profiler into --profile-dir
     profile_dir: str = ""  # folder of the --profile-steps trace (default <out>/profile)
     tensorboard: bool = False  # also write the metrics as TensorBoard event files to <out>/tensorboard
@@ -197,6 +199,14 @@ class TrainConfig:
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not timeout_ok:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0, keep_checkpoints="
                              f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout!r} >= 0 or 'auto'")
+        if self.emulated_link:
+            try:
+                ok = isinstance(json.loads(self.emulated_link), dict)
+            except json.JSONDecodeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"emulated_link={self.emulated_link[:80]!r} must be a JSON object (the link "
+                                 "description `taco-jax launch --link` passes), or empty")
         if self.log_every < 0:
             raise ValueError(f"log_every={self.log_every} must be >= 0 (0: no progress lines)")
         if self.monitor_every < 0:

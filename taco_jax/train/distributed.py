@@ -13,24 +13,19 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import threading
 import time
 
 import numpy as np
 
+from taco_jax.testing import faults
 from taco_jax.train.console import write_line
 
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
-#: Test hook: "PROCESS:WHEN:WHAT" makes that process sleep WHAT seconds, or stop itself (SIGSTOP) when WHAT
-#: is "stop", at WHEN: before step N ("N") or at the start of the evaluation after step N ("eval@N").
-ENV_STALL = "TACO_JAX_TEST_STALL"
 _STEP_KEY = "taco_jax/step/"  # coordinator key-value store: the last step each process started
 _BEAT_KEY = "taco_jax/alive/"  # ... and a counter each process advances every HEARTBEAT_S (watchdog on)
 HEARTBEAT_S = 0.5
-#: Set by `taco-jax launch --link` (taco_jax/emulate.py): the emulated links, requested and measured (JSON).
-ENV_LINK = "TACO_JAX_EMULATED_LINK"
 #: `--step-timeout auto`: a step may take AUTO_FACTOR × the slowest step so far (the first step's time
 #: until a second one finished), at least AUTO_FLOOR_S; the first step (gloo connections, caches):
 #: AUTO_FIRST_S, or AUTO_FACTOR × its wire bytes at the measured link rate where that is longer.
@@ -188,17 +183,18 @@ class StepWatchdog:
     timeout_s: seconds per step (<= 0: disabled); the first step a process runs gets
     `first_factor` × timeout_s (it also opens the collectives' connections, e.g. gloo's TCP mesh,
     and warms caches). "auto": from the steps measured so far (`AUTO_FACTOR`, `AUTO_FLOOR_S`,
-    `AUTO_FIRST_S`); `wire_bytes`, the step's wire bytes, and the link rate of `emulated_link()`
+    `AUTO_FIRST_S`); `wire_bytes`, the step's wire bytes, and the link rate of `link`
     lengthen the first step's limit on a slow link.
+    link: the run's emulated links (`emulated_link(cfg.emulated_link)`), None on real links.
     """
 
     def __init__(self, timeout_s: float | str, *, exit_status: int = 1, first_factor: float = 10.0,
-                 wire_bytes: float = 0.0):
+                 wire_bytes: float = 0.0, link: dict | None = None):
         import jax
 
         self.auto = timeout_s == "auto"
         if self.auto:
-            rate = tensor_link_bytes_per_s(emulated_link())
+            rate = tensor_link_bytes_per_s(link)
             self._first_limit = max(AUTO_FIRST_S, AUTO_FACTOR * wire_bytes / rate if rate else 0.0)
             timeout_s = self._first_limit
         else:
@@ -220,7 +216,7 @@ class StepWatchdog:
                 self._limit = self._first_limit if self._first else self.timeout_s
                 self._first = False
                 self._cond.notify()
-        self._stall(str(step), f"before step {step}")
+        faults.stall(str(step), self.process, f"before step {step}")
         if self.timeout_s > 0 and self.processes > 1:
             _client().key_value_set(f"{_STEP_KEY}{self.process}", str(step), allow_overwrite=True)
 
@@ -229,7 +225,7 @@ class StepWatchdog:
         """Arms the watchdog around `what` (e.g. "evaluation after step 5 (batch 2 of 8)"), done after
         step `step`: the current step limit plus `nbytes` at `IO_FLOOR_BYTES_PER_S`; the first work of
         its `kind` (e.g. "eval": it compiles, or opens files) gets the first step's limit instead of the
-        step limit. `stall`: the `ENV_STALL` point this work is (e.g. "eval@5")."""
+        step limit. `stall`: the `testing.faults.stall` point this work is (e.g. "eval@5")."""
         if self.timeout_s > 0:
             with self._cond:
                 first = self._first or kind not in self._kinds
@@ -238,7 +234,7 @@ class StepWatchdog:
                 self._limit = (self._first_limit if first else self.timeout_s) + nbytes / IO_FLOOR_BYTES_PER_S
                 self._cond.notify()
         if stall:
-            self._stall(stall, f"at the {what}")
+            faults.stall(stall, self.process, f"at the {what}")
         try:
             yield
         finally:
@@ -246,21 +242,6 @@ class StepWatchdog:
                 with self._cond:
                     self._step = None
                     self._cond.notify()
-
-    def _stall(self, when: str, where: str) -> None:
-        """The `ENV_STALL` test hook at point `when` ("N" or "eval@N")."""
-        stall = os.environ.get(ENV_STALL)
-        if not stall:
-            return
-        proc, at, what = stall.split(":")
-        if int(proc) != self.process or at != when:
-            return
-        if what == "stop":
-            write_line(f"[taco-jax] {ENV_STALL}: process {proc} stops itself (SIGSTOP) {where}")
-            os.kill(os.getpid(), signal.SIGSTOP)
-        else:
-            write_line(f"[taco-jax] {ENV_STALL}: process {proc} sleeps {what} s {where}")
-            time.sleep(float(what))
 
     def done(self) -> None:
         if self.timeout_s > 0:
@@ -369,17 +350,16 @@ class StepWatchdog:
 # emulated links (`taco-jax launch --link`, taco_jax/emulate.py)
 
 
-def emulated_link() -> dict | None:
-    """The run's link description from `$TACO_JAX_EMULATED_LINK` (set by `taco-jax launch --link`; it
-    goes into summary.json as "emulated_link"), None without it. Raises ValueError naming the
-    variable for malformed JSON."""
-    text = os.environ.get(ENV_LINK)
+def emulated_link(text: str) -> dict | None:
+    """The link description in `text`, a run's `TrainConfig.emulated_link` (JSON set by `taco-jax launch
+    --link`; it goes into summary.json as "emulated_link"), None for "". Raises ValueError naming the
+    field for malformed JSON."""
     if not text:
         return None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"${ENV_LINK} is not JSON: {e}") from None
+        raise ValueError(f"emulated_link is not JSON: {e}") from None
 
 
 def tensor_link_bytes_per_s(link: dict | None) -> float | None:

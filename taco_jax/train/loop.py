@@ -224,7 +224,8 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
         say("[taco-jax] --monitor-every: no tensor site is compressed (or no tensor axis); nothing to monitor")
     val = [dist.global_arrays(run.batch_sharding, x, y) for x, y in
            eval_batches(run.dataset.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]
-    watchdog = dist.StepWatchdog(cfg.step_timeout, wire_bytes=sum(acct.wire["by_axis"].values()))
+    watchdog = dist.StepWatchdog(cfg.step_timeout, wire_bytes=sum(acct.wire["by_axis"].values()),
+                                 link=dist.emulated_link(cfg.emulated_link))
 
     def evaluate(params, step):
         losses = []
@@ -285,7 +286,7 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
     }
     if "step_timeout_auto" in ends:  # --step-timeout auto: the watchdog's limit at the end of the run
         summary["step_timeout_auto"] = ends.pop("step_timeout_auto")
-    if link := dist.emulated_link():  # `taco-jax launch --link`: requested and measured rates
+    if link := dist.emulated_link(cfg.emulated_link):  # `taco-jax launch --link`: requested and measured rates
         summary["emulated_link"] = link
     if start:
         summary["resumed_from_step"] = start

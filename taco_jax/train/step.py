@@ -249,7 +249,7 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     policy = perf.resolve_min_bytes(policy, mesh.devices.flat[0].platform, tensor_size=cfg.mesh_axes.get(TENSOR, 1),
                                     itemsize=jnp.dtype(cfg.model_config.dtype).itemsize,
                                     sequence_parallel=cfg.sequence_parallel,  # min_bytes "auto"
-                                    link_bytes_per_s=tensor_link_bytes_per_s(emulated_link()))  # launch --link
+                                    link_bytes_per_s=tensor_link_bytes_per_s(emulated_link(cfg.emulated_link)))
     if cfg.policy.min_bytes == "auto":
         say(f"taco-jax: --min-bytes auto -> {policy.min_bytes} bytes (the cost model's break-even size on "
             f"{mesh.devices.flat[0].platform}, docs/cost_model.md): smaller messages run the exact collective; "

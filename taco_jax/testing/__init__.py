@@ -1,0 +1,1 @@
+"""Support for the project's tests: `faults` (fault injection into real training processes)."""
