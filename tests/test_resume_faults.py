@@ -232,7 +232,8 @@ def test_cli_resume_with_a_corrupt_newest_checkpoint(two_checkpoints, tmp_path, 
     err = capsys.readouterr().err
     assert f"[taco-jax] warning: checkpoint {tmp_path / 'checkpoints' / '5'}: its meta cannot be read" in err
     assert "resumed from" in err and "(step 3)" in err
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "5.corrupt"]
+    # the corrupt one set aside, the run's final checkpoint beside the intact one it resumed from
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "4", "5.corrupt"]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     (rec,) = jsonio.read_metrics(tmp_path / "metrics.jsonl")
