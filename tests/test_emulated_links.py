@@ -26,12 +26,7 @@ from taco_jax import cli as taco_cli
 from taco_jax import emulate
 from taco_jax.launch import launch
 
-try:
-    emulate.check_available()
-    NO_NETNS = ""
-except emulate.EmulationUnavailable as e:
-    NO_NETNS = str(e)
-needs_netns = pytest.mark.skipif(bool(NO_NETNS), reason=NO_NETNS or "-")
+needs_netns = pytest.mark.netns  # skipped with the reason where namespaces cannot be made (conftest.py)
 
 #: A 2-process tensor=2 run: every step's TP messages cross the link.
 SHORT = ["train", *TINY, "--steps", "3", "--mesh", "data=1,tensor=2", "--no-progress"]

@@ -16,13 +16,14 @@ END_MARKERS = {"00_quickstart.ipynb": "quickstart OK", "01_codec_and_collectives
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, tmp_path):
+def test_notebook_runs(path, tmp_path, cache):
     cells = json.loads(path.read_text())["cells"]
     src = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     script = tmp_path / "nb.py"
     script.write_text("import matplotlib\nmatplotlib.use('Agg')\n" + src)
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
+           "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     r = subprocess.run([sys.executable, str(script)], cwd=path.parent, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
