@@ -42,7 +42,7 @@ def test_strict_json_writes_nonfinite_as_strings():
 
 
 def test_diverging_run_stops_naming_the_step_with_strict_json(tmp_path, capsys):
-    """Issue 16's input: `taco-jax train --lr 1e6 --warmup-steps 0 --steps 4` (gpt2-tiny)."""
+    """A diverging run: `taco-jax train --lr 1e6 --warmup-steps 0 --steps 4` (gpt2-tiny)."""
     out = tmp_path / "run"
     assert main(["train", "--lr", "1e6", "--warmup-steps", "0", "--steps", "4", "--out", str(out), *TINY]) == 1
     err = capsys.readouterr().err
@@ -74,7 +74,7 @@ def test_run_asked_to_continue_writes_strict_json_resolved_policy_and_progress_l
     assert not math.isfinite(float(shown["val loss"]))  # as in summary.json
     assert shown["full summary"].strip() == str(out / "summary.json")
     assert (out / "loss.png").exists()  # `train` writes its loss plot
-    assert not (out / "checkpoints").exists()  # checkpointing off: no empty checkpoints/ folder (issue 25)
+    assert not (out / "checkpoints").exists()  # checkpointing off: no empty checkpoints/ folder
 
     concrete = kernels.resolve("auto")
     assert summary["backend"] == concrete != "auto"

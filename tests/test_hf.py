@@ -20,7 +20,7 @@ from taco_jax.train.step import make_steps
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MODELS = ("gpt2", "qwen2", "qwen3")
-TOL = 1e-4  # max abs, float32 (acceptance of issue 11)
+TOL = 1e-4  # max abs, float32
 
 
 def _golden(name):

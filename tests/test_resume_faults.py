@@ -1,4 +1,4 @@
-"""Issue 25 (resume anywhere, fail cleanly): a busy coordinator port, flag abbreviations, a corrupt
+"""Resume anywhere, fail cleanly: a busy coordinator port, flag abbreviations, a corrupt
 latest checkpoint, another vocabulary padding, x64, another process count (SIGKILL during an async save:
 test_checkpoint.py). Process tests run real `taco_jax.cli` processes (bounded by timeouts; `_procs`)."""
 
@@ -281,9 +281,9 @@ VOCAB_RUN = ["train", *TINY, "--vocab-size", "300", "--steps", "4", "--checkpoin
 
 
 def test_resume_on_another_tensor_size_with_other_vocabulary_padding(tmp_path, cache):
-    """Issue 25's input: vocab 300, saved on data=2,tensor=2 (512 rows), resumed on data=4,tensor=1
-    (384 rows; exit 2 "checkpoint [512, 128] vs this run [384, 128]" before). The resumed steps 3-4
-    equal the uninterrupted run on the saving mesh (= a resume there: bit-exact, test_checkpoint.py)
+    """Vocab 300, saved on data=2,tensor=2 (512 rows), resumed on data=4,tensor=1 (384 rows: the zero
+    padding rows trimmed, not refused as "checkpoint [512, 128] vs this run [384, 128]"). The resumed
+    steps 3-4 equal the uninterrupted run on the saving mesh (= a resume there: bit-exact, test_checkpoint.py)
     to <= 1e-6 relative (float32, exact collectives: only the mesh's summation order differs)."""
     import json
     import shutil
@@ -339,7 +339,7 @@ def _dtypes_and_wire(model: str = "gpt2-tiny") -> dict:
 def test_x64_changes_no_dtype_and_no_wire_byte(cache):
     """With JAX_ENABLE_X64=1 (a subprocess) gpt2-tiny's parameters and optimizer state, the train step's
     collectives (FP8 codes as u8 + float32 scales) and its outputs have the dtypes of an x64-off run,
-    and the wire bytes per axis are identical (before: 17 float64 leaves, f64 collective operands)."""
+    and the wire bytes per axis are identical (no float64 leaf, no f64 collective operand)."""
     import json
 
     code = "import json; import test_resume_faults as t; print('RESULT ' + json.dumps(t._dtypes_and_wire()))"
