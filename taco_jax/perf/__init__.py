@@ -1,4 +1,4 @@
-"""Cost model of compressed communication (issue 13): α–β links, codec throughput, per-layer FLOPs
+"""Cost model of compressed communication: α–β links, codec throughput, per-layer FLOPs
 and an MFU give predicted collective and training-step times, the break-even message size
 (`min_bytes="auto"`) and an `auto_policy` that compresses only the sites predicted to gain.
 
