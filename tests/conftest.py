@@ -24,6 +24,7 @@ import sys
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _procs  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -207,11 +208,13 @@ def pytest_configure(config):
     if config.getoption("per_file") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_PerFile(config), "taco-per-file")
     folder = str(_compilation_cache(config))
-    # this process, and every child process that inherits the environment (tests/_procs.py sets the same)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=folder, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    # this process, and every child process that inherits the environment (tests/_procs.py sets the same);
+    # source locations in the key: a program is taken from the cache only with its own op names (named
+    # scopes, which tests read in compiled HLO), not those of an equal program traced elsewhere
+    os.environ.update(_procs.CACHE_ENV, JAX_COMPILATION_CACHE_DIR=folder)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_compilation_cache_max_size", 4 << 30)  # least recently used entries go beyond 4 GiB
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import CACHE_ENV
 
 ROOT = pathlib.Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -23,7 +24,7 @@ def test_notebook_runs(path, tmp_path, cache):
     script.write_text("import matplotlib\nmatplotlib.use('Agg')\n" + src)
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
-           "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+           "JAX_COMPILATION_CACHE_DIR": str(cache), **CACHE_ENV}
     r = subprocess.run([sys.executable, str(script)], cwd=path.parent, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
