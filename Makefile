@@ -44,12 +44,13 @@ train: install
 ## CUDA export, CUDA FFI build, gpu_check.sh --dry-run). 2 workers, one line per file, the time at the end.
 ## Which command when: docs/development.md.
 TEST_ARGS ?=
+PYTEST    := $(PY) -m pytest -q --per-file -n 2 --dist loadfile --no-loadscope-reorder
 test: install gpu-sim cuda
-	$(PY) -m pytest -q --per-file -n 2 --dist loadfile --durations=15 $(TEST_ARGS)
+	$(PYTEST) --durations=15 $(TEST_ARGS)
 
 ## The inner loop: in-process tests only (marker `fast`: no child processes, namespaces, notebooks or `slow`).
 test-fast: install gpu-sim
-	$(PY) -m pytest -q --per-file -n 2 --dist loadfile -m fast $(TEST_ARGS)
+	$(PYTEST) -m fast $(TEST_ARGS)
 
 ## Only the CPU checks of the GPU path (docs/results.md "GPU path").
 test-gpu-sim: install gpu-sim cuda

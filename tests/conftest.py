@@ -11,10 +11,11 @@ test that can run here. A test is outside `fast` when it carries one of these ma
 - `slow`: in-process but long (a training run, a sweep of compilations): marked in its file or
   listed in `SLOW`.
 - `gpu`: needs a CUDA GPU (the device machine; `pytest -m gpu`), in no tier here.
-A new test is in `fast` unless one of these applies. The files with `procs` tests run first (under
-pytest-xdist's `--dist loadfile` the long files start early).
+A new test is in `fast` unless one of these applies. The files with `procs` tests run first, then
+the others by number of tests (under pytest-xdist the long files start early).
 """
 
+import collections
 import os
 import pathlib
 import resource
@@ -76,8 +77,12 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=netns_reason))
         if not any(item.get_closest_marker(m) for m in OUT_OF_FAST):
             item.add_marker(pytest.mark.fast)
+    # long files first (pytest-xdist, `--dist loadfile --no-loadscope-reorder`, hands them out in this
+    # order): those with process tests, then by number of tests; each file's tests stay in their order
     first = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("procs")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in first)  # stable: file order kept
+    count = collections.Counter(item.nodeid.split("::")[0] for item in items)
+    items.sort(key=lambda item: (item.nodeid.split("::")[0] not in first, -count[item.nodeid.split("::")[0]],
+                                 item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(autouse=True)
