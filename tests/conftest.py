@@ -21,6 +21,7 @@ import pathlib
 import resource
 import subprocess
 import sys
+import warnings
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -212,6 +213,10 @@ def _compilation_cache(config):
 def pytest_configure(config):
     if config.getoption("per_file") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_PerFile(config), "taco-per-file")
+    if hasattr(config, "workerinput"):  # execnet ends a pytest-xdist worker by KeyboardInterrupt, which
+        # may land in jax's garbage-collection callback at exit: not a test's warning
+        warnings.filterwarnings("ignore", message=".*_xla_gc_callback",
+                                category=pytest.PytestUnraisableExceptionWarning)
     folder = str(_compilation_cache(config))
     # this process, and every child process that inherits the environment (tests/_procs.py sets the same);
     # source locations in the key: a program is taken from the cache only with its own op names (named
