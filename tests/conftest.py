@@ -45,8 +45,26 @@ PROCS = (
 )
 #: Notebook tests.
 NOTEBOOK = ("tests/test_notebooks.py",)
-#: In-process tests too long for the inner loop, besides those marked `slow` in their file.
-SLOW = ()
+#: In-process tests too long for the inner loop, besides those marked `slow` in their file: the files
+#: that build and train models (seconds of compilation per test on 2 cores). The inner loop keeps the
+#: layers below them: codec, collectives, kernels, policy, cost model, data, configuration.
+SLOW = (
+    "tests/test_3d.py",
+    "tests/test_capture.py",
+    "tests/test_cli.py",
+    "tests/test_fidelity_measure.py",
+    "tests/test_generate.py",
+    "tests/test_hf.py",
+    "tests/test_init_from.py",
+    "tests/test_mixed_precision.py",
+    "tests/test_model.py",
+    "tests/test_monitor.py",
+    "tests/test_pipeline.py",
+    "tests/test_qwen.py",
+    "tests/test_tp_overlap.py",
+    "tests/test_train.py",
+    "tests/test_trainer_tools.py",
+)
 
 OUT_OF_FAST = ("procs", "netns", "notebook", "slow", "gpu")
 
