@@ -51,6 +51,7 @@ NOTEBOOK = ("tests/test_notebooks.py",)
 SLOW = (
     "tests/test_3d.py",
     "tests/test_capture.py",
+    "tests/test_checkpoint.py",
     "tests/test_cli.py",
     "tests/test_fidelity_measure.py",
     "tests/test_generate.py",
@@ -61,6 +62,7 @@ SLOW = (
     "tests/test_monitor.py",
     "tests/test_pipeline.py",
     "tests/test_qwen.py",
+    "tests/test_resume_faults.py",
     "tests/test_tp_overlap.py",
     "tests/test_train.py",
     "tests/test_trainer_tools.py",
