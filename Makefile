@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SIM    := $(VENV)/.gpu-sim
 OUT    ?= runs/compare
 
-.PHONY: ffi cuda gpu-sim install train test test-gpu-sim test-slow bench bench-e2e fidelity fidelity-long lint clean
+.PHONY: ffi cuda gpu-sim install train test test-fast test-gpu-sim bench bench-e2e fidelity fidelity-long lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,18 +45,22 @@ train: install
 	  rm -rf $(foreach f,$(COMPARE_OUTPUTS),"$(OUT)/$(f)"); fi
 	$(VENV)/bin/taco-jax compare --out $(OUT) $(ARGS)
 
-## Default test suite (simulated 8-device CPU mesh; slow and GPU tests excluded). Includes the GPU path
-## checked on CPU: Triton interpreter, CUDA export, CUDA FFI build, gpu_check.sh --dry-run.
+## The whole test suite: everything that runs here (simulated 8-device CPU mesh; real processes, network
+## namespaces and notebooks included; `gpu` tests excluded), the GPU path checked on CPU (Triton interpreter,
+## CUDA export, CUDA FFI build, gpu_check.sh --dry-run). 2 workers, one line per file, the time at the end.
+## Which command when: docs/development.md.
+TEST_ARGS ?=
+PYTEST    := $(PY) -m pytest -q --per-file -n 2 --dist loadfile --no-loadscope-reorder
 test: install gpu-sim cuda
-	$(PY) -m pytest -q --durations=30
+	$(PYTEST) --durations=15 $(TEST_ARGS)
+
+## The inner loop: in-process tests only (marker `fast`: no child processes, namespaces, notebooks or `slow`).
+test-fast: install gpu-sim
+	$(PYTEST) -m fast $(TEST_ARGS)
 
 ## Only the CPU checks of the GPU path (docs/results.md "GPU path").
 test-gpu-sim: install gpu-sim cuda
 	$(PY) -m pytest -q tests/test_triton_interpret.py tests/test_gpu_export.py tests/test_gpu_check.py
-
-## Heavier tests (marked `slow`).
-test-slow: install
-	$(PY) -m pytest -q -m slow
 
 ## The collective benchmark as docs/results.md "Every compressed collective, measured" runs it (2 processes over
 ## gloo, taco vs exact, 64 KB to 64 MB per rank, 9 interleaved rounds): JSON, PNG and

@@ -36,7 +36,7 @@ def main(argv=None):
                  "encode_s": r.get("encode_s_min", r.get("encode_s")),
                  "decode_s": r.get("decode_s_min", r.get("decode_s"))} for r in rows]
     cmd = "python -m experiments.costmodel_calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
-    cal = perf.calibrate(rows, codec_from=a.codec_from, command=cmd,
+    cal = perf.fit_calibration(rows, codec_from=a.codec_from, command=cmd,
                          machine=f"{platform.node()} {platform.machine()} ({a.stat})")
     print(f"link: alpha = {cal.link.alpha_s * 1e6:.1f} us, beta = {cal.link.beta_s_per_byte * 1e9:.3f} ns/B "
           f"({cal.link.bandwidth_GBps:.3f} GB/s)")

@@ -19,13 +19,17 @@ TINY = ["--model", "gpt2-tiny", "--batch-size", "8", "--seq-len", "32", "--eval-
         "--log-every", "1", "--no-final-checkpoint", "--seed", "0"]
 
 
+#: The persistent compilation cache settings of the test process and its children (tests/conftest.py).
+CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY": "1"}
+
+
 def env(cache_dir, **extra) -> dict:
     """Environment of a child: this worktree first on the path, CPU only, the shared compilation
     cache, and no XLA_FLAGS device count (the CLI / launcher set it from the mesh)."""
     e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
                                                            "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
     e.update({"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONUNBUFFERED": "1", **extra})
+              **CACHE_ENV, "PYTHONUNBUFFERED": "1", **extra})
     return e
 
 

@@ -1,22 +1,258 @@
-"""Test setup: an 8-device simulated CPU mesh (set before jax is imported) and shared fixtures."""
+"""Test setup: an 8-device simulated CPU mesh (set before jax is imported), the test tiers, and shared
+fixtures.
 
+Tiers (docs/development.md): `make test-fast` runs the tests marked `fast`, `make test` runs every
+test that can run here. A test is outside `fast` when it carries one of these markers, set here:
+- `procs`: it starts child processes. Set for every test that takes the `cache` fixture (the child
+  processes' compilation cache; directly or through another fixture) and for the tests in `PROCS`.
+  A test marked `fast` that starts a Python child fails (`_no_children_in_fast`) naming this rule.
+- `netns`: it makes network namespaces (root; skipped with the reason where they cannot be made).
+- `notebook`: it runs a notebook.
+- `slow`: in-process but long (a training run, a sweep of compilations): marked in its file or
+  listed in `SLOW`.
+- `gpu`: needs a CUDA GPU (the device machine; `pytest -m gpu`), in no tier here.
+A new test is in `fast` unless one of these applies. The files with `procs` tests run first, then
+the others by number of tests (under pytest-xdist the long files start early).
+"""
+
+import collections
 import os
+import pathlib
+import resource
+import subprocess
+import sys
+import warnings
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _procs  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+#: Tests (node-id prefixes: a file, a test, or a parametrization) that start child processes without
+#: taking the `cache` fixture.
+PROCS = (
+    "tests/test_notebooks.py",
+    "tests/test_gpu_check.py",  # gpu_check.sh --dry-run (a module fixture)
+    "tests/test_gpu_export.py::test_triton_kernels_compile_for_sm90",
+    "tests/test_distributed.py::test_run_local_waits_names_the_failure_and_bounds_the_time",
+    "tests/test_distributed.py::test_malloc_keep_takes_effect_in_glibc",
+    "tests/test_distributed.py::test_exact_reduce_scatter_avoids_gloo_reduce_scatter",
+    "tests/test_emulated_links.py::test_stale_namespaces_are_removed_by_prefix_and_live_ones_kept",
+)
+#: Notebook tests.
+NOTEBOOK = ("tests/test_notebooks.py",)
+#: In-process tests too long for the inner loop, besides those marked `slow` in their file: the files
+#: that build and train models (seconds of compilation per test on 2 cores). The inner loop keeps the
+#: layers below them: codec, collectives, kernels, policy, cost model, data, configuration.
+SLOW = (
+    "tests/test_3d.py",
+    "tests/test_capture.py",
+    "tests/test_checkpoint.py",
+    "tests/test_cli.py",
+    "tests/test_fidelity_measure.py",
+    "tests/test_generate.py",
+    "tests/test_hf.py",
+    "tests/test_init_from.py",
+    "tests/test_mixed_precision.py",
+    "tests/test_model.py",
+    "tests/test_monitor.py",
+    "tests/test_pipeline.py",
+    "tests/test_qwen.py",
+    "tests/test_resume_faults.py",
+    "tests/test_tp_overlap.py",
+    "tests/test_train.py",
+    "tests/test_trainer_tools.py",
+)
+
+OUT_OF_FAST = ("procs", "netns", "notebook", "slow", "gpu")
+
+
+def _listed(item, prefixes) -> bool:
+    return any(item.nodeid == p or item.nodeid.startswith((p + "::", p + "[")) for p in prefixes)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    netns_reason = None
+    for item in items:
+        if "cache" in item.fixturenames or _listed(item, PROCS):
+            item.add_marker(pytest.mark.procs)
+        if _listed(item, NOTEBOOK):
+            item.add_marker(pytest.mark.notebook)
+        if _listed(item, SLOW):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("netns"):
+            if netns_reason is None:
+                from taco_jax import emulate
+
+                try:
+                    emulate.check_available()
+                    netns_reason = ""
+                except emulate.EmulationUnavailable as e:
+                    netns_reason = str(e)
+            if netns_reason:
+                item.add_marker(pytest.mark.skip(reason=netns_reason))
+        if not any(item.get_closest_marker(m) for m in OUT_OF_FAST):
+            item.add_marker(pytest.mark.fast)
+    # long files first (pytest-xdist, `--dist loadfile --no-loadscope-reorder`, hands them out in this
+    # order): those with process tests, then by number of tests; each file's tests stay in their order
+    first = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("procs")}
+    count = collections.Counter(item.nodeid.split("::")[0] for item in items)
+    items.sort(key=lambda item: (item.nodeid.split("::")[0] not in first, -count[item.nodeid.split("::")[0]],
+                                 item.nodeid.split("::")[0]))
+
+
+@pytest.fixture(autouse=True)
+def _no_children_in_fast(request, monkeypatch):
+    """A test marked `fast` may not start a Python child (it would slow the inner loop down): it fails
+    naming the tier rule (take the `cache` fixture, or list the test in conftest.PROCS)."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+    popen = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **k):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        prog = os.path.basename(str(argv[0])) if argv else ""
+        if str(argv[0]) == sys.executable or prog.startswith(("python", "bash")):
+            raise AssertionError(f"{request.node.nodeid} is in the `fast` tier but starts {argv[:3]}: take the "
+                                 "`cache` fixture (tests/_procs.py) or list it in tests/conftest.py PROCS")
+        popen(self, args, *a, **k)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--per-file", action="store_true",
+                     help="one line per test file once its tests have run (outcomes, wall and CPU seconds) "
+                          "instead of one character per test, and a table of the slowest files at the end")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location):
+    _CPU_AT_START[nodeid] = _cpu()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """CPU seconds of the test (setup to teardown, this process and its finished child processes) on
+    its teardown report, as the user property `cpu_s` (it crosses to pytest-xdist's controller)."""
+    outcome = yield
+    if call.when == "teardown" and item.nodeid in _CPU_AT_START:
+        outcome.get_result().user_properties.append(("cpu_s", _cpu() - _CPU_AT_START.pop(item.nodeid)))
+
+
+_CPU_AT_START: dict[str, float] = {}
+
+
+def _cpu() -> float:
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+class _PerFile:
+    """`--per-file`: a line per test file once all its tests have reported (in pytest-xdist's
+    controller too), and the slowest files at the end."""
+
+    def __init__(self, config):
+        self.config = config
+        self.expected: dict[str, int] = {}
+        self.files: dict[str, dict] = {}
+        self.done = 0
+        self.total = 0
+
+    def _count(self, nodeids):
+        if self.expected:
+            return  # every xdist worker collects the same items
+        for nodeid in nodeids:
+            path = nodeid.split("::")[0]
+            self.expected[path] = self.expected.get(path, 0) + 1
+        self.total = len(nodeids)
+
+    def pytest_collection_finish(self, session):
+        if not hasattr(self.config, "workerinput"):
+            self._count([item.nodeid for item in session.items])
+
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        self._count(ids)
+
+    def pytest_report_teststatus(self, report, config):
+        """No character for a passed or skipped test (failures and xfails print as usual)."""
+        if hasattr(report, "wasxfail"):
+            return None
+        if report.when == "call" and report.passed:
+            return "passed", "", ""
+        if report.skipped:
+            return "skipped", "", ""
+        return None
+
+    def pytest_runtest_logreport(self, report):
+        path = report.nodeid.split("::")[0]
+        rec = self.files.setdefault(path, {"wall": 0.0, "cpu": 0.0, "n": 0, "outcomes": {}})
+        rec["wall"] += report.duration
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+            rec["outcomes"][outcome] = rec["outcomes"].get(outcome, 0) + 1
+        elif report.when == "teardown" and report.outcome != "passed":
+            rec["outcomes"]["error"] = rec["outcomes"].get("error", 0) + 1
+        if report.when != "teardown":
+            return
+        rec["cpu"] += dict(report.user_properties).get("cpu_s", 0.0)
+        rec["n"] += 1
+        self.done += 1
+        if rec["n"] == self.expected.get(path, -1):
+            outcomes = ", ".join(f"{n} {k}" for k, n in sorted(rec["outcomes"].items()))
+            tr = self.config.pluginmanager.get_plugin("terminalreporter")
+            tr.ensure_newline()
+            tr.write_line(f"[{self.done:4d}/{self.total}] {path:<40} {outcomes:<24} "
+                          f"{rec['wall']:6.1f} s wall {rec['cpu']:6.1f} s CPU")
+
+    def pytest_terminal_summary(self, terminalreporter):
+        tr = terminalreporter
+        tr.section("slowest files (wall and CPU seconds, child processes included)")
+        rows = sorted(self.files.items(), key=lambda kv: -kv[1]["wall"])
+        for path, rec in rows[:15]:
+            tr.write_line(f"{rec['wall']:7.1f} {rec['cpu']:7.1f}  {path}")
+        wall, cpu = sum(r["wall"] for _, r in rows), sum(r["cpu"] for _, r in rows)
+        tr.write_line(f"{wall:7.1f} {cpu:7.1f}  all {len(rows)} files (sums over tests)")
+
+
+def _compilation_cache(config):
+    """JAX's persistent compilation cache of the test runs: under pytest's cache folder
+    (.pytest_cache/d/jax-compilation-cache, kept between runs: a rerun compiles only what changed), or
+    a folder of this run's temporary files under `-p no:cacheprovider`."""
+    if getattr(config, "cache", None) is not None:
+        return config.cache.mkdir("jax-compilation-cache")
+    return config._tmp_path_factory.mktemp("jax-compilation-cache")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    if config.getoption("per_file") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_PerFile(config), "taco-per-file")
+    if hasattr(config, "workerinput"):  # execnet ends a pytest-xdist worker by KeyboardInterrupt, which
+        # may land in jax's garbage-collection callback at exit: not a test's warning
+        warnings.filterwarnings("ignore", message=".*_xla_gc_callback",
+                                category=pytest.PytestUnraisableExceptionWarning)
+    folder = str(_compilation_cache(config))
+    # this process, and every child process that inherits the environment (tests/_procs.py sets the same);
+    # source locations in the key: a program is taken from the cache only with its own op names (named
+    # scopes, which tests read in compiled HLO), not those of an equal program traced elsewhere
+    os.environ.update(_procs.CACHE_ENV, JAX_COMPILATION_CACHE_DIR=folder)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
+
 
 @pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    """One persistent compilation cache for every child process of the session (tests/_procs.py): a
-    configuration that several tests run (the TINY runs of the multi-process, checkpoint and
-    emulated-link tests) compiles once."""
-    return tmp_path_factory.mktemp("jax-cache")
+def cache(pytestconfig):
+    """The compilation cache folder for child processes (tests/_procs.py): the one of this test process
+    (`_compilation_cache`), so that a configuration compiled once, here or in any child, is not
+    compiled again. Taking this fixture marks a test `procs`."""
+    return pathlib.Path(jax.config.jax_compilation_cache_dir)
 
 
 @pytest.fixture(scope="session")

@@ -17,16 +17,16 @@ CASES = {("psum", "two_shot"), ("psum", "one_shot"), ("all_gather", "default"), 
          ("ppermute", "default")}
 
 
-@pytest.mark.parametrize(("transport", "donate"), [("sim", False), ("gloo", False), ("sim", True)])
-def test_quick_run(tmp_path, transport, donate):
-    """sim: 1 process × 2 devices (and the PNG); gloo: 2 processes × 1 device over 127.0.0.1;
-    --donate: every call consumes a fresh copy of the input, with the same results."""
+@pytest.mark.parametrize(("transport", "donate"), [("sim", False), ("gloo", True)])
+def test_quick_run(tmp_path, cache, transport, donate):
+    """sim: 1 process × 2 devices (and the PNG); gloo: 2 processes × 1 device over 127.0.0.1, with
+    --donate (every call consumes a fresh copy of the input, with the same results)."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "experiments.bench_collectives", "--out", str(out), "--quick",
            "--transports", transport, "--ranks", "2", "--sizes", "16K", "--codecs", "none,taco",
            "--backends", "ffi", "--dtypes", "float32", "--warmup", "0", "--timeout", "240",
            *(["--no-plot"] if transport == "gloo" or donate else []), *(["--donate"] if donate else [])]
-    res = run(cmd, tmp_path / "cache", timeout=300)
+    res = run(cmd, cache, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((out / "bench_collectives.json").read_text())  # strict JSON: json reads it
     assert doc["schema"] == "taco_jax.bench_collectives/1"

@@ -43,7 +43,7 @@ def test_strict_json_writes_nonfinite_as_strings():
 
 
 def test_diverging_run_stops_naming_the_step_with_strict_json(tmp_path, capsys):
-    """Issue 16's input: `taco-jax train --lr 1e6 --warmup-steps 0 --steps 4` (gpt2-tiny)."""
+    """A diverging run: `taco-jax train --lr 1e6 --warmup-steps 0 --steps 4` (gpt2-tiny)."""
     out = tmp_path / "run"
     assert main(["train", "--lr", "1e6", "--warmup-steps", "0", "--steps", "4", "--out", str(out), *TINY]) == 1
     err = capsys.readouterr().err

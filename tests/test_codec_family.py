@@ -272,7 +272,7 @@ ZERO_SIZE_CODECS = [CodecConfig(kind=k) for k in KINDS] + [
 @pytest.mark.parametrize("cfg", ZERO_SIZE_CODECS, ids=lambda c: c.name)
 @pytest.mark.parametrize(("shape", "batch_dims"), [((0, 128), 0), ((0,), 0), ((3, 0, 4), 1), ((0, 4, 64), 1)])
 def test_zero_size_input_encodes_to_empty_buffers_and_decodes_to_its_shape(cfg, shape, batch_dims):
-    """Issue 16: an empty message (or an empty batch of messages) is no error: zero wire bytes, and
+    """An empty message (or an empty batch of messages) is no error: zero wire bytes, and
     decode gives back the empty shape and dtype; buffers have the layout a non-empty input gets."""
     x = jnp.zeros(shape, jnp.bfloat16)
     enc = jax.jit(lambda v: encode(v, cfg, batch_dims=batch_dims))(x)

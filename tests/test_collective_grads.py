@@ -1,5 +1,5 @@
 """Derivatives of the compressed collectives: the transpose of the exact collective, with the backward
-message through `bwd_codec` (issue 16), and zero-size messages (no communication).
+message through `bwd_codec`, and zero-size messages (no communication).
 
 Error yardstick: `rt(kind)`, the relative error of one encode/decode round trip of the test's own
 data (`codec.roundtrip`). A collective quantizes each message once (two-shot all-reduce: twice),

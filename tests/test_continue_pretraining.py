@@ -1,4 +1,4 @@
-"""Acceptance of issue 24, end to end on the fixtures (no network): a tiny Qwen3 checkpoint with its own
+"""Continued pre-training end to end on the fixtures (no network): a tiny Qwen3 checkpoint with its own
 tokenizer -> `prepare-data` on a text file -> `train --init-from --data --comm taco` on 2 processes
 (and on 1, the reference) with `--export-hf` -> the exports are byte-identical, `transformers` loads
 them with logits equal to taco_jax's, the validation loss falls, the recorded model is the

@@ -275,14 +275,11 @@ def _check_quiet(log: str, steps: int, model: str) -> None:
 
 @pytest.mark.parametrize("mesh_spec, extra", [
     ("data=2,tensor=4", ["--comm", "taco"]),  # tensor axis inside each process, data axis across them
-    pytest.param("tensor=4,data=2", ["--comm", "none"], marks=pytest.mark.slow),  # each tensor group spans both
-    # sequence parallel, exact: the reduce-scatters run as all-to-all + sum under gloo (compressed.py)
-    pytest.param("tensor=4,data=2", ["--comm", "none", "--sequence-parallel"], marks=pytest.mark.slow),
-    pytest.param("tensor=2,data=4", ["--model", "qwen3-tiny", "--comm", "taco"], marks=pytest.mark.slow),
-    pytest.param("stage=2,tensor=4", ["--microbatches", "2", "--comm", "taco", "--pp-comm", "taco"],
-                 marks=pytest.mark.slow),  # pipeline: stage 0 on process 0, stage 1 on process 1
-], ids=["tensor-in-process-taco", "tensor-spans-processes-none", "tensor-spans-processes-sp-none",
-        "qwen3-tensor-spans-taco", "stage-spans-taco"])
+    # each tensor group spans both processes (exact communication spanning them, ± sequence parallelism:
+    # tests/test_exact_transport.py)
+    ("tensor=2,data=4", ["--model", "qwen3-tiny", "--comm", "taco"]),
+    ("stage=2,tensor=4", ["--microbatches", "2", "--comm", "taco", "--pp-comm", "taco"]),  # stage s on process s
+], ids=["tensor-in-process-taco", "qwen3-tensor-spans-taco", "stage-spans-taco"])
 def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra, capsys):
     """2 processes × 4 devices give the 1 process × 8 devices per-step losses and gradient norms bit
     for bit (both on gloo collectives); the files are written once (process 0). The finished run keeps
@@ -316,7 +313,6 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra, capsys):
     assert text.startswith("ROMEO:") and len(text.strip()) > len("ROMEO:"), text
 
 
-@pytest.mark.slow  # make test-slow (~40 s); the default suite keeps the gloo 2-vs-1 process test
 def test_two_processes_vs_in_process_collectives(tmp_path, cache):
     """Known answer from another implementation: a plain one-process run (XLA's in-process CPU
     all-reduce, no gloo) gives per-step losses within 1e-5 relative: gloo's ring all-reduce adds the
@@ -334,7 +330,6 @@ def test_two_processes_vs_in_process_collectives(tmp_path, cache):
         assert abs(la - lb) <= 1e-5 * abs(la) and abs(ga - gb) <= 1e-4 * abs(ga), (a, b)
 
 
-@pytest.mark.slow  # 36 s: a stalled process and a 10 s timeout (make test-slow)
 def test_watchdog_names_the_late_process(tmp_path, cache):
     """Process 1 stalls before step 2: the run ends with an error naming step 2 and process 1 within
     --step-timeout + 10 s, and the launcher fails as a whole."""
@@ -355,7 +350,6 @@ def test_watchdog_names_the_late_process(tmp_path, cache):
     assert len(metrics(tmp_path / "run")) == 1  # step 1 logged, nothing after
 
 
-@pytest.mark.slow  # make test-slow (~70 s); default: tests/test_checkpoint.py's SIGTERM and reshard tests
 def test_sigterm_to_the_launcher_then_resume_on_another_mesh(tmp_path, cache):
     """SIGTERM to `launch` (a preemption) reaches both processes; JAX's preemption sync point makes
     them stop at the same step with one checkpoint (each process writing its shards) and exit 0.
@@ -381,7 +375,6 @@ def test_sigterm_to_the_launcher_then_resume_on_another_mesh(tmp_path, cache):
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == stopped
 
 
-@pytest.mark.slow  # make test-slow (two runs of 3 steps in 2 processes: 153 s wall, 70 s CPU, on 2 cores at load ~20)
 def test_launch_compare_with_the_tensor_axis_spanning_two_processes(tmp_path, cache):
     """`launch --processes 2 -- compare` with tensor=2 over 2 processes × 1 device: both runs (exact,
     then TACO) on the distributed runtime; process 0 writes one summary.json naming both runs, with

@@ -20,7 +20,7 @@ from taco_jax.train.step import make_steps
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MODELS = ("gpt2", "qwen2", "qwen3")
-TOL = 1e-4  # max abs, float32 (acceptance of issue 11)
+TOL = 1e-4  # max abs, float32
 
 
 def _golden(name):
@@ -43,7 +43,7 @@ def _cross_entropy(logits, ids):  # float64 mean next-token loss of the golden l
 
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_match_transformers_unsharded(name):
-    cfg, params = hf.load_hf(FIXTURES / name)
+    cfg, params = hf.load_checkpoint(FIXTURES / name)
     ids, want = _golden(name)
     graphdef, state = nnx.split(make_model(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     got = np.asarray(jax.jit(lambda p, x: _merge(graphdef, state, p)(x))(params, jnp.asarray(ids)))
@@ -113,9 +113,9 @@ def test_round_trip_is_bit_identical(name, tmp_path):
     bit for bit (padding dropped on export; sharded input written as one file)."""
     from safetensors.numpy import load_file
 
-    cfg, params = hf.load_hf(FIXTURES / name, vocab_multiple=64)
+    cfg, params = hf.load_checkpoint(FIXTURES / name, vocab_multiple=64)
     hf.save_hf(tmp_path, cfg, params)
-    cfg2, params2 = hf.load_hf(tmp_path, vocab_multiple=64)
+    cfg2, params2 = hf.load_checkpoint(tmp_path, vocab_multiple=64)
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params2, params)
     exported = load_file(str(tmp_path / "model.safetensors"))
@@ -141,21 +141,21 @@ def test_errors_name_the_tensor_and_shapes(tmp_path):
     w = tensors.pop("model.layers.1.mlp.up_proj.weight")
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]"):
-        hf.load_hf(d)
+        hf.load_checkpoint(d)
     save_file({**tensors, "model.layers.1.mlp.up_proj.weight": w[:, :16]}, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj.weight' has shape \(64, 16\), expected "
                                          r"\(64, 32\)"):
-        hf.load_hf(d)
+        hf.load_checkpoint(d)
     save_file({**tensors, "model.layers.1.mlp.up_proj.weight": w, "model.extra.weight": w},
               str(d / "model.safetensors"))
     with pytest.raises(ValueError, match=r"unexpected \['model.extra.weight'\]"):
-        hf.load_hf(d)
+        hf.load_checkpoint(d)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="LlamaForCausalLM.*not supported"):
-        hf.load_hf(d)
+        hf.load_checkpoint(d)
     with pytest.raises(ValueError, match="no config.json"):
-        hf.load_hf(tmp_path / "nowhere")
+        hf.load_checkpoint(tmp_path / "nowhere")
 
 
 def test_stored_tied_head_must_equal_embedding(tmp_path):
@@ -164,10 +164,10 @@ def test_stored_tied_head_must_equal_embedding(tmp_path):
     d = _copy("gpt2", tmp_path)
     tensors = load_file(str(d / "model.safetensors"))
     save_file({**tensors, "lm_head.weight": tensors["transformer.wte.weight"]}, str(d / "model.safetensors"))
-    hf.load_hf(d)  # a stored copy of the tied head is accepted
+    hf.load_checkpoint(d)  # a stored copy of the tied head is accepted
     save_file({**tensors, "lm_head.weight": tensors["transformer.wte.weight"] + 1}, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="'lm_head.weight' differs from 'transformer.wte.weight'"):
-        hf.load_hf(d)
+        hf.load_checkpoint(d)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -175,7 +175,7 @@ def test_transformers_loads_the_export(name, tmp_path):
     """`transformers` (dev extra; skipped without it) loads the export and reproduces the golden logits."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    cfg, params = hf.load_hf(FIXTURES / name, vocab_multiple=256)
+    cfg, params = hf.load_checkpoint(FIXTURES / name, vocab_multiple=256)
     hf.save_hf(tmp_path, cfg, params)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
                                                               dtype=torch.float32).eval()
@@ -194,8 +194,8 @@ def test_gpt2_hub_naming_without_prefix_and_mask_buffers(tmp_path):
     tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(d / "model.safetensors")).items()}
     tensors.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 64, 64), np.float32)) for i in range(2)})
     save_file(tensors, str(d / "model.safetensors"))
-    _, want = hf.load_hf(FIXTURES / "gpt2")
-    _, got = hf.load_hf(d)
+    _, want = hf.load_checkpoint(FIXTURES / "gpt2")
+    _, got = hf.load_checkpoint(d)
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
@@ -219,7 +219,7 @@ def test_bfloat16_checkpoint_is_read_exactly(tmp_path):
         offset += len(b)
     h = json.dumps(header).encode()
     (d / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
-    _, want = hf.load_hf(FIXTURES / "qwen3")
-    _, got = hf.load_hf(d)
+    _, want = hf.load_checkpoint(FIXTURES / "qwen3")
+    _, got = hf.load_checkpoint(d)
     jax.tree.map(lambda g, w: np.testing.assert_array_equal(g, w.astype(ml_dtypes.bfloat16).astype(np.float32)),
                  got, want)

@@ -19,8 +19,8 @@ from taco_jax.train.step import compiled_memory, make_steps, make_trainer, shard
 
 
 def test_norms_compute_in_f32_and_return_the_compute_dtype():
-    """GPT-2's LayerNorm and Qwen's RMSNorm take bf16 rows with a mean far from 0 (the cancellation case
-    of issue 11, at a mean bf16 still resolves) and give bf16 (not flax's promoted f32: the TP message
+    """GPT-2's LayerNorm and Qwen's RMSNorm take bf16 rows with a mean far from 0 (the cancellation case,
+    at a mean bf16 still resolves) and give bf16 (not flax's promoted f32: the TP message
     after a norm stays bf16), equal to the float32 norm rounded to bf16."""
     x = (30 + jax.random.normal(jax.random.key(0), (4, 128))).astype(jnp.bfloat16)
     ln16, ln32 = layer_norm(128, "bfloat16", rngs=nnx.Rngs(0)), layer_norm(128, "float32", rngs=nnx.Rngs(0))

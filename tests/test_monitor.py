@@ -22,14 +22,14 @@ SMALL = dict(model="gpt2-tiny", dtype="float32", vocab_size=512, batch_size=8, s
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def tokenizer_dir(tmp_path_factory):
     """The tokenizer cache test_cli.py uses (the vocabulary-512 tokenizer is trained once)."""
     return tmp_path_factory.getbasetemp() / "tokenizer_cache"
 
 
 @pytest.fixture(scope="module")
-def dataset(cache):
-    return load_shakespeare(512, cache_dir=str(cache))
+def dataset(tokenizer_dir):
+    return load_shakespeare(512, cache_dir=str(tokenizer_dir))
 
 
 def _monitor_and_capture(dataset, tmp_path, **flags):
@@ -77,11 +77,11 @@ def test_monitor_matches_numpy_on_the_captured_messages(dataset, tmp_path):
         assert 20 < got[site]["min_sqnr_db"] <= got[site]["sqnr_db"] < 40  # E4M3: ~30 dB
 
 
-def test_bad_codec_under_min_sqnr_stops_the_run_naming_site_and_step(cache, tmp_path, capsys, monkeypatch):
+def test_bad_codec_under_min_sqnr_stops_the_run_naming_site_and_step(tokenizer_dir, tmp_path, capsys, monkeypatch):
     """int4 with one scale per 512 values (~15 dB) on ar_fwd (the other sites exact: a smaller
     program) against --monitor-min-sqnr 25: exit 1 at step 1, after that step's record (with the
     monitor's numbers) is written."""
-    monkeypatch.setenv("TACO_JAX_CACHE", str(cache))
+    monkeypatch.setenv("TACO_JAX_CACHE", str(tokenizer_dir))
     out = tmp_path / "run"
     argv = ["train", "--comm", "none", "--site", "ar_fwd:kind=int4,group_size=512", "--steps", "2",
             "--monitor-every", "1",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import CACHE_ENV
 
 ROOT = pathlib.Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -18,12 +19,13 @@ END_MARKERS = {"00_quickstart.ipynb": "quickstart OK", "01_codec_and_collectives
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, tmp_path):
+def test_notebook_runs(path, tmp_path, cache):
     cells = json.loads(path.read_text())["cells"]
     src = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     script = tmp_path / "nb.py"
     script.write_text("import matplotlib\nmatplotlib.use('Agg')\n" + src)
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
+           "JAX_COMPILATION_CACHE_DIR": str(cache), **CACHE_ENV}  # no XLA_FLAGS: each notebook sets its devices
     r = subprocess.run([sys.executable, str(script)], cwd=path.parent, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

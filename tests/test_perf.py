@@ -44,7 +44,7 @@ def test_fit_codec_and_validate_recover_the_generating_model():
             rows.append({"collective": "psum", "codec": codec.kind, "backend": codec.backend if codec.kind != "none"
                          else "none", "transport": "gloo", "dtype": "float32", "processes": 2, "size_bytes": n,
                          "time_s_median": t})
-    cal = perf.calibrate(rows)
+    cal = perf.fit_calibration(rows)
     got = cal.codec["ffi"]
     assert got.encode_GBps == pytest.approx(4.0, rel=1e-6) and got.decode_GBps == pytest.approx(2.0, rel=1e-6)
     assert got.overhead_s == pytest.approx(5e-5, rel=1e-6)
@@ -192,7 +192,7 @@ def test_fit_codec_sim_recovers_the_local_work_of_the_collective():
     with pytest.raises(ValueError, match="backend='ffi'|at >= 2 sizes"):
         perf.fit_codec_sim(rows[:2], "ffi")
     with pytest.raises(ValueError, match="codec_from='x'"):
-        perf.calibrate(rows, codec_from="x")
+        perf.fit_calibration(rows, codec_from="x")
 
 
 def test_trainer_resolves_min_bytes_auto_before_tracing():

@@ -165,7 +165,7 @@ TIE_CANDIDATES = [CodecConfig(kind="fp8_tensor"), CodecConfig(kind="int8"), Code
 
 
 def test_calibrate_infinite_ties_go_to_fewest_bytes(tmp_path):
-    """Issue 16: a site whose messages are all zeros (every codec exact, SQNR +inf) takes the fewest
+    """A site whose messages are all zeros (every codec exact, SQNR +inf) takes the fewest
     bytes (int4-G512, 0.5078 B/elt), not the first candidate (fp8_tensor, 1.0002 B/elt)."""
     def zero_bwd(step, arrays):
         for k in arrays:
@@ -187,7 +187,8 @@ def test_calibrate_infinite_ties_go_to_fewest_bytes(tmp_path):
 
 
 def test_calibrate_reports_and_excludes_a_nonfinite_message(tmp_path, capsys):
-    """Issue 16: one calibration message with a NaN made every candidate score -inf (first one taken)."""
+    """One calibration message with a NaN is reported and left out: the candidates are scored on the
+    finite messages (not every one -inf, which would take the first candidate)."""
     def nan_once(step, arrays):
         if step == 10:
             arrays["ar_fwd__exit01"][2, 0, 3, 5] = np.nan

@@ -1,4 +1,4 @@
-"""Two-shot all-reduce options for real transports (issue 13): the transform-domain reduction
+"""Two-shot all-reduce options for real transports: the transform-domain reduction
 (`reduce_domain="hadamard"`), K-chunk pipelining (`chunks`), and the fused FFI reduction kernel.
 
 Simulated 8-device mesh (data=2 x tensor=4). Error bound of a two-shot sum (tests/test_collectives.py):

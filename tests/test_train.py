@@ -138,7 +138,7 @@ def test_every_train_flag_has_help():
 
 
 
-# --- optimizer: weight decay by role, learning-rate schedule (issue 11, faults 1 and 3)
+# --- optimizer: weight decay by role, learning-rate schedule
 
 
 def _set_biases(params, value):

@@ -159,10 +159,6 @@ def resolve_auto() -> str:
     return resolve_backend("auto")
 
 
-def registered_backends() -> tuple[str, ...]:
-    return tuple(_LOADERS)
-
-
 def get_backend(name: str) -> GroupBackend:
     """The backend registered as `name` (loaded once per process); "auto" is `resolve_auto()`'s.
 

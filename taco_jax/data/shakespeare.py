@@ -62,8 +62,9 @@ def markdown_to_text(md: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
+@functools.cache
 def play_text(name: str) -> str:
-    """Plain text of one play, e.g. play_text('hamlet')."""
+    """Plain text of one play, e.g. play_text('hamlet') (converted once per process)."""
     plays = _play_files()
     if name not in plays:
         raise ValueError(f"unknown play {name!r}; available: {', '.join(sorted(plays))}")

@@ -46,8 +46,7 @@ Training-level rule (a backend vs `reference`, same config and seed):
     weights by float noise, which training amplifies like any other reordering of float sums;
   * so the run-level check is against seed noise: over two or more seeds, the backend's mean
     final validation loss lies within two standard errors of the difference from the reference's
-    mean (a removed probe, `experiments/backend_repro.py` at commit 569f56f; 4 seeds measured for
-    ffi, numbers in docs/results.md).
+    mean (4 seeds measured for ffi, numbers in docs/results.md).
 """
 
 from __future__ import annotations

@@ -68,9 +68,9 @@ def _logits(model: InferenceModel, params, tokens):
 def load_hf(path, *, dtype: str = "float32") -> tuple[InferenceModel, dict]:
     """(model, params) of the Hugging Face checkpoint folder `path` (GPT-2, Qwen2.5, Qwen3;
     `models.hf.config_from_hf`), parameters as float32 jax arrays on the default device; `dtype`
-    is the compute dtype. Raises ValueError as `models.hf.load_hf` (unknown architecture, tensor
+    is the compute dtype. Raises ValueError as `models.hf.load_checkpoint` (unknown architecture, tensor
     mismatch)."""
-    from taco_jax.models.hf import load_hf as load_checkpoint
+    from taco_jax.models.hf import load_checkpoint
 
     cfg, params = load_checkpoint(path, dtype=dtype)
     return InferenceModel.from_config(cfg), jax.tree.map(jnp.asarray, params)

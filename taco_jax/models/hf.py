@@ -1,6 +1,6 @@
 """Hugging Face `transformers` checkpoint interchange (safetensors): GPT-2, Qwen2.5, Qwen3.
 
-`load_hf(dir)` reads a local checkpoint directory (`config.json` + `model.safetensors`, or shards
+`load_checkpoint(dir)` reads a local checkpoint directory (`config.json` + `model.safetensors`, or shards
 listed by `model.safetensors.index.json`) into this package's model; `save_hf(dir, cfg, params)`
 writes one that `transformers.AutoModelForCausalLM.from_pretrained(dir)` loads. Nothing is
 downloaded.
@@ -383,8 +383,8 @@ def load_params(path, cfg: CausalLMConfig, *, shardings=None, stacked_key: str |
     return jax.tree.map(build, host, shardings, is_leaf=is_leaf)
 
 
-def load_hf(path, *, vocab_multiple: int = 1, dtype: str = "float32", shardings=None,
-            stacked_key: str | None = None):
+def load_checkpoint(path, *, vocab_multiple: int = 1, dtype: str = "float32", shardings=None,
+                    stacked_key: str | None = None):
     """(model config, parameters) of the HF checkpoint directory `path` (see `config_from_hf`, `load_params`)."""
     cfg = config_from_hf(path, vocab_multiple=vocab_multiple, dtype=dtype)
     return cfg, load_params(path, cfg, shardings=shardings, stacked_key=stacked_key)

@@ -1,4 +1,4 @@
-"""Cost model of compressed communication (issue 13): α–β links, codec throughput, per-layer FLOPs
+"""Cost model of compressed communication: α–β links, codec throughput, per-layer FLOPs
 and an MFU give predicted collective and training-step times, the break-even message size
 (`min_bytes="auto"`) and an `auto_policy` that compresses only the sites predicted to gain.
 
@@ -10,7 +10,7 @@ the shipped CPU/gloo calibration, `resolve_min_bytes`), `paper` (the paper's set
 from taco_jax.perf.calibration import (
            CPU_CALIBRATION,
            Calibration,
-           calibrate,
+           fit_calibration,
            fit_codec,
            fit_codec_sim,
            fit_link,
@@ -44,6 +44,7 @@ from taco_jax.perf.model import (
 )
 
 __all__ = ["CPU_CALIBRATION", "H200", "H800", "IB_NDR", "NEVER", "NVLINK4", "NVLINK_H800", "Calibration", "CodecSpeed",
-           "Hardware", "Layout", "Link", "auto_policy", "break_even_bytes", "calibrate", "collective_time", "comm_time",
-           "fit_codec", "fit_codec_sim", "fit_link", "flops", "load_rows", "param_count", "resolve_min_bytes",
-           "sim_times", "site_break_even", "site_messages", "speedup", "step_time", "validate", "wire_ratio"]
+           "Hardware", "Layout", "Link", "auto_policy", "break_even_bytes", "collective_time", "comm_time",
+           "fit_calibration", "fit_codec", "fit_codec_sim", "fit_link", "flops", "load_rows", "param_count",
+           "resolve_min_bytes", "sim_times", "site_break_even", "site_messages", "speedup", "step_time", "validate",
+           "wire_ratio"]

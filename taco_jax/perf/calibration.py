@@ -179,7 +179,7 @@ def fit_codec_sim(rows, backend: str, *, codec: str = "taco", source: str = "") 
     return CodecSpeed(tp, tp, max(0.0, float(c0)), source or f"sim psum compressed - exact, {len(pts)} sizes")
 
 
-def calibrate(rows, *, codec_from: str = "auto", command: str = "", machine: str = "") -> Calibration:
+def fit_calibration(rows, *, codec_from: str = "auto", command: str = "", machine: str = "") -> Calibration:
     """`Calibration` of the rows: `fit_link` on the exact gloo all-reduces; per backend, the codec
     speed from `codec_from`: "sim" (`fit_codec_sim`, the local work of the collective), "codec"
     (`fit_codec`, encode / decode timed alone) or "auto" (sim where such rows exist, else codec).

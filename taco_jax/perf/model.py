@@ -18,7 +18,7 @@ message itemsize (TACO, G=128, dual scales: 1.0625/4 = 0.266 for FP32, 0.531 for
 codec's own time (`CodecSpeed`: a fixed cost per call plus bytes / throughput) of the work the
 algorithm does (`codec_bytes`): two-shot all-reduce encodes n(1+1/p) and decodes 2n; all-gather
 encodes n/p and decodes n; reduce-scatter encodes n and decodes n; send encodes n and decodes n.
-With `chunks` K > 1 (overlap of codec work and transfers, issue 13) the model takes
+With `chunks` K > 1 (overlap of codec work and transfers) the model takes
 max(comm, codec) + min(comm, codec)/K, each chunk paying its α.
 
 The step (Megatron-LM layout: Shoeybi et al. 2019, Narayanan et al. 2021) is `step_time`.

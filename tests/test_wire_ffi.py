@@ -27,7 +27,7 @@ from taco_jax.kernels._platform import default_platform
 FFI_REASON = ffi_codec.unavailable_reason("cpu") if default_platform() == "cpu" else "not running on CPU"
 pytestmark = pytest.mark.skipif(FFI_REASON is not None,
                                 reason=f"fused wire path needs the CPU FFI codec library: {FFI_REASON}")
-# the scalar kernel is bit-identical to the AVX2 one (tests/test_kernels.py); here in `make test-slow`
+# the scalar kernel is bit-identical to the AVX2 one (tests/test_kernels.py); here in `make test` (not `make test-fast`)
 IMPLS = (ffi_codec.IMPL_AUTO, pytest.param(ffi_codec.IMPL_SCALAR, marks=pytest.mark.slow, id="1"))
 
 
@@ -337,7 +337,7 @@ def _sp_fn(kind, dim, cfg):
 SP_SHAPES = [((2, 8, 64), 1), ((3, 4, 40), 1), ((2, 3, 8, 32), 2), ((2, 8, 16), 2)]
 
 
-@pytest.mark.parametrize("p,dtype", [(2, jnp.float32), (4, jnp.bfloat16),  # the other two in `make test-slow`
+@pytest.mark.parametrize("p,dtype", [(2, jnp.float32), (4, jnp.bfloat16),  # the other two not in `make test-fast`
                                      pytest.param(2, jnp.bfloat16, marks=pytest.mark.slow),
                                      pytest.param(4, jnp.float32, marks=pytest.mark.slow)],
                          ids=lambda v: jnp.dtype(v).name if not isinstance(v, int) else str(v))
