@@ -359,6 +359,7 @@ def main(argv=None) -> int:
             if args.processes < 1:
                 raise ValueError(f"--processes {args.processes} must be >= 1")
             return launch(args.processes, args.argv[1:] if args.argv[:1] == ["--"] else args.argv,
+                          config_of=config_from_argv,
                           malloc=args.malloc, link=args.link, nodes=args.nodes, verbose=args.verbose)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)

@@ -37,6 +37,7 @@ import os
 import pathlib
 import re
 import shutil
+import site
 import socket
 import subprocess
 import sys
@@ -318,8 +319,6 @@ class Cluster:
         try:
             cleanup_stale()
             if reaper:  # removes the namespaces when this process dies, however it dies
-                from taco_jax.launch import child_env
-
                 self._reaper = subprocess.Popen(  # -P: this taco_jax, whatever the working directory holds
                     [sys.executable, "-P", "-c", "import sys; from taco_jax.emulate import _reap; _reap(sys.argv[1:])",
                      *self.names], stdin=subprocess.PIPE, start_new_session=True,
@@ -434,3 +433,23 @@ def _reap(names: list[str]) -> None:
             pass
     finally:
         remove(names)
+
+
+def cli_command(*args: str) -> list[str]:
+    """The command line of a child running `taco-jax ARGS` with this interpreter: `python -P -m
+    taco_jax.cli ARGS...` (-P: the working folder is not on sys.path, so a folder holding another
+    `taco_jax` does not shadow this one). Start it with `child_env(...)` as its environment."""
+    return [sys.executable, "-P", "-m", "taco_jax.cli", *args]
+
+
+def child_env(env: dict) -> dict:
+    """A copy of `env` for a `python -P` child that imports this taco_jax: the folder holding the package
+    first on PYTHONPATH, unless it is a site-packages folder (where the child finds it anyway) or
+    already on PYTHONPATH."""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(env)
+    sites = {str(pathlib.Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in sites and root not in {str(pathlib.Path(p).resolve()) for p in paths}:
+        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return env

@@ -43,10 +43,8 @@ import ctypes
 import json
 import math
 import os
-import pathlib
 import re
 import signal
-import site
 import socket
 import subprocess
 import sys
@@ -54,6 +52,7 @@ import threading
 import time
 
 from taco_jax import emulate
+from taco_jax.emulate import child_env, cli_command
 
 
 def _die_with_parent() -> None:
@@ -72,15 +71,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(argv: list[str]):
-    """The `TrainConfig` that `taco-jax ARGV` runs (`cli.config_from_argv`: its flags and `--config` file,
-    resolved as `train` resolves them), or None when ARGV is not a `train` / `compare` command. Raises
-    ValueError naming a bad value; SystemExit for a malformed command line (argparse's message)."""
+def run_config(argv: list[str], config_of):
+    """The `TrainConfig` that `taco-jax ARGV` runs (`config_of(argv)`, e.g. `cli.config_from_argv`: its
+    flags and `--config` file, resolved as `train` resolves them), or None when ARGV is not a `train` /
+    `compare` command. Raises ValueError naming a bad value; SystemExit for a malformed command line
+    (argparse's message)."""
     if not argv or argv[0] not in ("train", "compare"):
         return None
-    from taco_jax.cli import config_from_argv
-
-    return config_from_argv(argv)
+    return config_of(argv)
 
 
 def check_mesh_fits(mesh: dict[str, int], processes: int) -> None:
@@ -92,26 +90,6 @@ def check_mesh_fits(mesh: dict[str, int], processes: int) -> None:
         raise ValueError(f"mesh {spec} has {n} devices, not divisible by --processes {processes}: each process "
                          f"holds an equal share of the mesh; give a process count that divides {n}, or another "
                          "--mesh")
-
-
-def cli_command(*args: str) -> list[str]:
-    """The command line of a child running `taco-jax ARGS` with this interpreter: `python -P -m
-    taco_jax.cli ARGS...` (-P: the working folder is not on sys.path, so a folder holding another
-    `taco_jax` does not shadow this one). Start it with `child_env(...)` as its environment."""
-    return [sys.executable, "-P", "-m", "taco_jax.cli", *args]
-
-
-def child_env(env: dict) -> dict:
-    """A copy of `env` for a `python -P` child that imports this taco_jax: the folder holding the package
-    first on PYTHONPATH, unless it is a site-packages folder (where the child finds it anyway) or
-    already on PYTHONPATH."""
-    root = str(pathlib.Path(__file__).resolve().parents[1])
-    env = dict(env)
-    sites = {str(pathlib.Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in sites and root not in {str(pathlib.Path(p).resolve()) for p in paths}:
-        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
-    return env
 
 
 #: glibc tunables of `malloc="keep"`: no mmap below 4 GiB, no trimming of the heap below 4 GiB free.
@@ -131,14 +109,16 @@ def malloc_env(env: dict, malloc: str = "keep") -> dict:
     return env
 
 
-def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, out=None,
+def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0, env=None, out=None,
            malloc: str = "keep", link: str = "", nodes: int = 0, verbose: bool = False) -> int:
     """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
     the first failure's; the others then get `FAILED_GRACE_S` after SIGTERM). `out`: stream for the
     prefixed lines (default stdout). `malloc`: the processes' allocator setting ("keep" or
     "default", see the module docstring). `link`, `nodes`: an emulated cluster (module docstring;
     "" = plain local processes on 127.0.0.1). `verbose`: every line of the processes, gloo's
-    connection lines included.
+    connection lines included. `config_of`: argv -> the `TrainConfig` the command runs
+    (`cli.config_from_argv`, passed in by the CLI: this module sits below it), checked before any
+    process starts.
     Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, a
     configuration `train` would refuse, a mesh size not divisible by `processes`, an unknown
     `malloc`, a malformed `link` / `nodes` or a tensor axis spanning nodes;
@@ -153,7 +133,7 @@ def launch(processes: int, argv: list[str], *, grace_s: float = 10.0, env=None, 
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise ValueError(f"{flag} is set by the launcher; remove it from the command")
     out = out or sys.stdout
-    cfg = run_config(argv)  # the mesh of the command as `train` resolves it (--mesh, --config, default)
+    cfg = run_config(argv, config_of)  # the mesh of the command as `train` resolves it (--mesh, --config, default)
     axes = cfg.mesh_axes if cfg is not None else None
     if axes:
         check_mesh_fits(axes, processes)

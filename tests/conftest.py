@@ -37,7 +37,9 @@ from jax.sharding import Mesh  # noqa: E402
 PROCS = (
     "tests/test_notebooks.py",
     "tests/test_gpu_check.py",  # gpu_check.sh --dry-run (a module fixture)
-    "tests/test_gpu_export.py::test_triton_kernels_compile_for_sm90",
+    "tests/test_gpu_export.py::test_triton_kernels_compile_for_sm90_without_spills_and_with_128bit_accesses",
+    "tests/test_prepared.py::test_rewrite_under_a_running_reader",  # a reader process holds the memory map
+    "tests/test_runs_and_launcher.py::test_launch_from_a_folder_holding_another_taco_jax",
     "tests/test_distributed.py::test_run_local_waits_names_the_failure_and_bounds_the_time",
     "tests/test_distributed.py::test_malloc_keep_takes_effect_in_glibc",
     "tests/test_distributed.py::test_exact_reduce_scatter_avoids_gloo_reduce_scatter",

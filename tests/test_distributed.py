@@ -24,6 +24,7 @@ from _procs import TINY, cli, losses, metrics, run, start, wait_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from taco_jax.cli import config_from_argv
 from taco_jax.data import TokenStream, batch_iterator
 from taco_jax.launch import MALLOC_KEEP, free_port, launch, malloc_env, run_local
 from taco_jax.train import distributed
@@ -55,13 +56,13 @@ def test_dist_config_flags_env_and_errors(monkeypatch):
 
 def test_launch_refuses_bad_commands():
     with pytest.raises(ValueError, match="processes=0"):
-        launch(0, ["train"])
+        launch(0, ["train"], config_of=config_from_argv)
     with pytest.raises(ValueError, match="no command"):
-        launch(2, [])
+        launch(2, [], config_of=config_from_argv)
     with pytest.raises(ValueError, match="--process-id is set by the launcher"):
-        launch(2, ["train", "--process-id", "1"])
+        launch(2, ["train", "--process-id", "1"], config_of=config_from_argv)
     with pytest.raises(ValueError, match="--emulated-link is set by the launcher"):  # --link measures it
-        launch(2, ["train", "--emulated-link", "{}"], link="1gbit")
+        launch(2, ["train", "--emulated-link", "{}"], config_of=config_from_argv, link="1gbit")
     assert 0 < free_port() < 65536
 
 
@@ -73,7 +74,7 @@ def test_launch_malloc_setting():
     with pytest.raises(ValueError, match="malloc='tcmalloc'"):
         malloc_env({}, "tcmalloc")
     with pytest.raises(ValueError, match="malloc='x'"):
-        launch(2, ["train"], malloc="x")
+        launch(2, ["train"], config_of=config_from_argv, malloc="x")
 
 
 def test_run_local_waits_names_the_failure_and_bounds_the_time():

@@ -24,6 +24,7 @@ from _procs import ROOT, TINY, cli, env, losses, run, start, wait_for
 
 from taco_jax import cli as taco_cli
 from taco_jax import emulate
+from taco_jax.cli import config_from_argv
 from taco_jax.launch import launch
 
 needs_netns = pytest.mark.netns  # skipped with the reason where namespaces cannot be made (conftest.py)
@@ -98,11 +99,12 @@ def test_tensor_groups_must_stay_inside_a_node():
 
 def test_launch_refuses_bad_links_before_anything_runs(capsys):
     with pytest.raises(ValueError, match="'10parsec'"):
-        launch(2, ["train"], link="10parsec")
+        launch(2, ["train"], config_of=config_from_argv, link="10parsec")
     with pytest.raises(ValueError, match="--nodes 2 needs --link"):
-        launch(2, ["train"], nodes=2)
+        launch(2, ["train"], config_of=config_from_argv, nodes=2)
     with pytest.raises(ValueError, match="different nodes"):
-        launch(4, ["train", "--mesh", "tensor=2,data=2"], link="intra=8gbit,inter=1gbit", nodes=2)
+        launch(4, ["train", "--mesh", "tensor=2,data=2"], config_of=config_from_argv,
+               link="intra=8gbit,inter=1gbit", nodes=2)
     assert taco_cli.main(["launch", "--processes", "2", "--link", "1gbit/s", "--", "train"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("taco-jax: error: link rate '1gbit/s'"), err
@@ -162,7 +164,7 @@ def test_links_slower_than_the_minimum_are_refused():
     """A rate below `emulate.MIN_RATE_BPS` is refused before anything runs, naming it and the minimum;
     the link test's probe grows with the rate's slowness."""
     with pytest.raises(ValueError, match=r"link rate '50kbit' is below the slowest accepted, 100kbit"):
-        launch(2, ["train"], link="50kbit")
+        launch(2, ["train"], config_of=config_from_argv, link="50kbit")
     with pytest.raises(ValueError, match=r"link rate '10kbit' is below the slowest accepted, 100kbit"):
         emulate.LinkSpec.parse("intra=8gbit,inter=10kbit", nodes=2)
     assert emulate.probe_bytes(1e5) == (32 * 1024, emulate.MIN_PROBE_BYTES)

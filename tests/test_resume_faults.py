@@ -10,7 +10,7 @@ import time
 import pytest
 from _procs import ROOT, TINY, cli, run
 
-from taco_jax.cli import _parser, main
+from taco_jax.cli import _parser, config_from_argv, main
 
 # -----------------------------------------------------------------------------
 # flags: no abbreviations; --policy FILE is the flag (--policy-file its other name)
@@ -74,8 +74,9 @@ def test_launch_retries_a_taken_port_and_the_coordinator_binds_the_address_given
         busy = ports[0]
         monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0))
         out = io.StringIO()
-        status = launch.launch(1, ["train", *TINY, "--steps", "1", "--mesh", "data=1,tensor=2", "--no-progress",
-                                   "--out", str(tmp_path / "run")], env=env(cache), out=out)
+        argv = ["train", *TINY, "--steps", "1", "--mesh", "data=1,tensor=2", "--no-progress",
+                "--out", str(tmp_path / "run")]
+        status = launch.launch(1, argv, config_of=config_from_argv, env=env(cache), out=out)
     text = out.getvalue()
     assert status == 0, text[-3000:]
     assert f"coordinator 127.0.0.1:{busy} is in use" in text

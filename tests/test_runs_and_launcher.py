@@ -82,11 +82,13 @@ def test_launch_reads_the_mesh_of_a_config_file(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('mesh = "tensor=2,data=4"\n')
     with pytest.raises(ValueError, match=r"mesh tensor=2,data=4 puts a tensor group on processes of different nodes"):
-        launch_mod.launch(4, ["train", "--config", str(toml)], link="intra=8gbit,inter=1gbit", nodes=2)
+        launch_mod.launch(4, ["train", "--config", str(toml)], config_of=config_from_argv,
+                          link="intra=8gbit,inter=1gbit", nodes=2)
     with pytest.raises(ValueError, match=r"mesh data=2,tensor=4 has 8 devices, not divisible by --processes 3"):
-        launch_mod.launch(3, ["train"])
+        launch_mod.launch(3, ["train"], config_of=config_from_argv)
     with pytest.raises(ValueError, match=r"mesh data=1,tensor=2 has 2 devices, not divisible by --processes 4"):
-        launch_mod.launch(4, ["train", "--config", str(toml), "--mesh", "data=1,tensor=2"])  # the flag wins
+        launch_mod.launch(4, ["train", "--config", str(toml), "--mesh", "data=1,tensor=2"],
+                          config_of=config_from_argv)  # the flag wins
 
 
 def test_peer_stopped_during_evaluation_is_named_within_the_auto_limit(tmp_path, cache):
