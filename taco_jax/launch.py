@@ -194,16 +194,27 @@ def _retry_ports(run_on, out) -> int:
 FAILED_GRACE_S = 2.0
 
 
-#: A line of gloo's TCP transport once its connections are made (stdout; no setting silences it).
-GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected "
-                            r"peer ranks is : (\d+)\s*")
+#: Gloo's TCP transport's message once its connections are made (stdout; no setting silences it). Its
+#: threads write it unsynchronised, so one line may hold pieces of two ("[Gloo] Rank [Gloo] Rank 1 is
+#: connected ...", then "0 is connected ..."): `_gloo_connected_only` accepts those too.
+GLOO_CONNECTED = re.compile(r"(?:\[Gloo\] Rank )?\d+ is connected to (\d+) peer ranks\. Expected number of "
+                            r"connected peer ranks is : (\d+)")
+GLOO_PREFIX = "[Gloo] Rank "
+
+
+def _gloo_connected_only(text: str) -> bool:
+    """Whether `text` holds nothing but gloo's connection messages (or pieces of them), each with every
+    expected peer connected."""
+    found = GLOO_CONNECTED.findall(text)
+    rest = GLOO_CONNECTED.sub("", text).replace(GLOO_PREFIX, "").strip()
+    return bool(found) and not rest and all(a == b for a, b in found)
 
 
 def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out,
          busy: threading.Event | None = None, verbose: bool = False) -> int:
     """Starts the processes (`wrap(i) + python -P -m taco_jax.cli ...`) and waits (see `launch`). `busy`
     is set when process 0 reports `coordinator` in use. Without `verbose`, gloo's connection lines
-    are left out when every peer connected (`GLOO_CONNECTED`)."""
+    are left out when every peer connected (`_gloo_connected_only`)."""
     from taco_jax.train.distributed import PORT_IN_USE
 
     busy_line = f"coordinator {coordinator} {PORT_IN_USE}"
@@ -220,7 +231,7 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
             text = line.decode(errors="replace")
             if i == 0 and busy is not None and busy_line in text:
                 busy.set()
-            if not verbose and (m := GLOO_CONNECTED.fullmatch(text)) and m[1] == m[2]:
+            if not verbose and _gloo_connected_only(text):
                 continue
             with lock:
                 out.write(f"[{i}] {text}")

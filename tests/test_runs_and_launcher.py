@@ -91,6 +91,18 @@ def test_launch_reads_the_mesh_of_a_config_file(tmp_path):
                           config_of=config_from_argv)  # the flag wins
 
 
+def test_gloo_connection_lines_are_dropped_even_when_interleaved():
+    """Gloo's threads write their connection message unsynchronised: a line holding pieces of two, or
+    the rest of one, is still recognised; a line with a missing peer, or anything else, is kept."""
+    msg = "is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    for line in (f"[Gloo] Rank 1 {msg}\n", f"[Gloo] Rank [Gloo] Rank 1 {msg}\n", f"0 {msg}\n",
+                 f"[Gloo] Rank 0 {msg}[Gloo] Rank 1 {msg}\n"):
+        assert launch_mod._gloo_connected_only(line), line
+    for line in ("[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1\n",
+                 f"[Gloo] Rank 1 {msg} step 3\n", "[taco-jax] step 1/3 loss 7.6\n", "\n"):
+        assert not launch_mod._gloo_connected_only(line), line
+
+
 def test_peer_stopped_during_evaluation_is_named_within_the_auto_limit(tmp_path, cache):
     """2 processes launched from a folder holding another `taco_jax`, their mesh from a `--config` file
     (data=1,tensor=2: one device each), `--step-timeout auto`. Process 1 stops itself (SIGSTOP) at the
