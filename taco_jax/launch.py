@@ -194,20 +194,21 @@ def _retry_ports(run_on, out) -> int:
 FAILED_GRACE_S = 2.0
 
 
-#: Gloo's TCP transport's message once its connections are made (stdout; no setting silences it). Its
-#: threads write it unsynchronised, so one line may hold pieces of two ("[Gloo] Rank [Gloo] Rank 1 is
-#: connected ...", then "0 is connected ..."): `_gloo_connected_only` accepts those too.
-GLOO_CONNECTED = re.compile(r"(?:\[Gloo\] Rank )?\d+ is connected to (\d+) peer ranks\. Expected number of "
+#: Gloo's TCP transport's message once its connections are made (stdout; no setting silences it):
+#: "[Gloo] Rank I is connected to N peer ranks. Expected number of connected peer ranks is : M". Its
+#: threads write it unsynchronised, so a line may hold pieces of several ("[Gloo] Rank 1 is connected
+#: to [Gloo] Rank 3 is connected to 7 peer ranks. ...", then "7Expected number ... : 7").
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
                             r"connected peer ranks is : (\d+)")
-GLOO_PREFIX = "[Gloo] Rank "
+GLOO_PIECES = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :")
 
 
 def _gloo_connected_only(text: str) -> bool:
-    """Whether `text` holds nothing but gloo's connection messages (or pieces of them), each with every
-    expected peer connected."""
-    found = GLOO_CONNECTED.findall(text)
-    rest = GLOO_CONNECTED.sub("", text).replace(GLOO_PREFIX, "").strip()
-    return bool(found) and not rest and all(a == b for a, b in found)
+    """Whether `text` holds nothing but gloo's connection messages or pieces of them (numbers between),
+    and no whole message in it has fewer peers connected than expected."""
+    if not GLOO_PIECES.search(text) or any(a != b for a, b in GLOO_CONNECTED.findall(text)):
+        return False
+    return not re.sub(r"[\d\s]", "", GLOO_PIECES.sub("", text))
 
 
 def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out,
