@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SIM    := $(VENV)/.gpu-sim
 OUT    ?= runs/compare
 
-.PHONY: ffi cuda gpu-sim install train test test-fast test-gpu-sim bench bench-e2e fidelity fidelity-long lint clean
+.PHONY: ffi cuda gpu-sim install train test test-fast test-gpu-sim bench bench-e2e bench-e2e-link fidelity fidelity-long lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,17 @@ E2E_OUT  ?= runs/e2e_study
 E2E_ARGS ?=
 bench-e2e: install
 	$(PY) -m experiments.e2e_study --out $(E2E_OUT) $(E2E_ARGS)
+
+## One link, exact vs TACO (gpt2-narrow, TP=2 + SP, 2 processes, 2 rounds; ~3 min at 250 Mbit/s; root for a shaped
+## link): `make bench-e2e-link LINK=150mbit` (LINK: a rate, none = loopback, or intra=RATE,inter=RATE with
+## LINK_ARGS='--launch-args "--nodes 2"'). Table and JSON in runs/bench_e2e/<link> (LINK_OUT=DIR elsewhere); other options:
+## LINK_ARGS (python -m experiments.bench_e2e --help). Both bench-e2e targets refuse a busy machine (docs/emulated.md).
+comma    := ,
+LINK     ?= 250mbit
+LINK_OUT ?= runs/bench_e2e/$(subst =,-,$(subst $(comma),_,$(LINK)))
+LINK_ARGS ?=
+bench-e2e-link: install
+	$(PY) -m experiments.bench_e2e --links '$(LINK)' --sequence-parallel --out $(LINK_OUT) $(LINK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check taco_jax tests experiments

@@ -13,6 +13,7 @@
   hlo_dump             compiled train-step HLO (metadata stripped), two steps' losses, wire bytes: diff two checkouts
   gpu_check            one JSON report of the GPU path (run by gpu_check.sh on a lent GPU)
   triton_aot           the Triton kernels compiled ahead of time for a GPU architecture
+  load_guard           is the machine quiet enough for the emulated-cluster studies (probe, load; --calibrate-probe)
 
 `veth_bytes.sh` (root) counts a 2-process training step's bytes on a veth pair between two network
 namespaces (docs/results.md, "Honest exact baselines").

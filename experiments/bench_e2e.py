@@ -27,7 +27,13 @@ links other than `none`; see docs/distributed.md, "Emulated links".
   python -m experiments.bench_e2e --links 250mbit --sequence-parallel --no-local \\
       --variant taco="--comm taco" --variant taco_c4="--comm taco --chunks 4"
 
-Timings on a shared or loaded machine are not results: rerun on a quiet one before quoting them.
+Timings on a shared or loaded machine are not results. A load guard (experiments/load_guard.py)
+measures the machine before the study, before every round and over every run (other processes' CPU,
+a compute probe against its calibration, the load average) and warns on stderr when it is busier than
+the study allows; then it does not start, or writes `<out>/bench_e2e.loaded.json` and `.md` (marked
+`loaded`, never read as a result) instead of `bench_e2e.json` and exits with status 3.
+`--allow-loaded` runs and writes the result anyway, labelled loaded wherever it is printed.
+`--calibrate-probe` times the probe on a quiet machine (experiments/load_probe.json).
 The whole study (models, TP 2/4, SP on/off, bf16/f32, the link sweep, the cost model):
 experiments/e2e_study.py, `make bench-e2e`.
 """
@@ -44,6 +50,7 @@ import subprocess
 import sys
 import time
 
+from experiments import load_guard
 from taco_jax.emulate import LinkSpec
 from taco_jax.launch import child_env, cli_command
 from taco_jax.models import PRESETS
@@ -103,7 +110,10 @@ def _bytes(run: dict) -> float:
     return float(sum(run["wire_bytes_per_step"].values()))
 
 
-def main(argv=None) -> dict:
+def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
+    """Runs the study of `argv` and returns its result. `guard`: a study's load guard whose first
+    check was made (experiments/e2e_study.py); by default one of this command's own. Raises
+    load_guard.Loaded (exit status 3) when the machine was busier than allowed and --allow-loaded is off."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--links", nargs="+", default=["250mbit", "1gbit", "none"],
@@ -128,7 +138,13 @@ def main(argv=None) -> dict:
                    help="rounds per link, variant order rotated each round (default: 2)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run, then it fails")
     p.add_argument("--out", default="runs/bench_e2e")
+    load_guard.add_arguments(p)
     a = p.parse_args(argv)
+    if a.calibrate_probe:
+        cal = load_guard.calibrate()
+        print(f"[bench_e2e] compute probe: {cal['probe_s']:.3f} s (median of {len(cal['runs_s'])}) on "
+              f"{cal['machine']}, written to {load_guard.PROBE_CALIBRATION}")
+        return cal
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds} must be >= 1")
     if a.warmup < 0 or a.steps <= a.warmup:
@@ -149,6 +165,13 @@ def main(argv=None) -> dict:
     variants = _variants(a.variant or list(DEFAULT_VARIANTS), p)
     names = list(variants)
     out = pathlib.Path(a.out)
+    if guard is None:
+        guard = load_guard.Guard(processes=a.processes, allow_loaded=a.allow_loaded, tag="[bench_e2e]")
+    if not guard.started:
+        guard.check("before the study", start=True)
+        guard.refuse_start()
+    elif guard.runs_since_check:
+        guard.check(f"before {out}")
     out.mkdir(parents=True, exist_ok=True)
     env = child_env(os.environ)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str((out / ".jax_cache").resolve()))
@@ -159,20 +182,25 @@ def main(argv=None) -> dict:
     if not a.no_local:
         for v, flags in variants.items():
             d = out / f"local_{v}"
-            local[v] = _run(cli_command("train", *train, *flags, "--out", str(d)), d, a.timeout, a.warmup, env)
-            print(f"[bench_e2e] one process {v}: {local[v]['step_s']:.4f} s/step", flush=True)
+            with guard.watch(f"one process {v}"):
+                local[v] = _run(cli_command("train", *train, *flags, "--out", str(d)), d, a.timeout, a.warmup, env)
+            print(f"[bench_e2e] one process {v}: {local[v]['step_s']:.4f} s/step{guard.label}", flush=True)
     rows = []
     for link in links:
         runs = {v: [] for v in names}
         for rnd in range(a.rounds):
+            if guard.runs_since_check:
+                guard.check(f"before {link} round {rnd}")
             k = rnd % len(names)
             for v in names[k:] + names[:k]:
                 d = out / f"{link.replace(',', '_').replace('=', '-')}_{v}_r{rnd}"
                 launch = (["launch", "--processes", str(a.processes), *shlex.split(a.launch_args)]
                           + ([] if link == "none" else ["--link", link]))
-                runs[v].append(_run(cli_command(*launch, "--", "train", *train, *variants[v], "--out", str(d)), d,
-                                    a.timeout, a.warmup, env))
-                print(f"[bench_e2e] {link} round {rnd} {v}: {runs[v][-1]['step_s']:.4f} s/step", flush=True)
+                with guard.watch(f"{link} round {rnd} {v}"):
+                    runs[v].append(_run(cli_command(*launch, "--", "train", *train, *variants[v], "--out", str(d)),
+                                        d, a.timeout, a.warmup, env))
+                print(f"[bench_e2e] {link} round {rnd} {v}: {runs[v][-1]['step_s']:.4f} s/step{guard.label}",
+                      flush=True)
         base = names[0]
         t_base = statistics.median(r["step_s"] for r in runs[base])
         f_raw = 1.0 - local[base]["step_s"] / t_base if local else float("nan")
@@ -200,9 +228,16 @@ def main(argv=None) -> dict:
                                                                         *(argv if argv is not None else sys.argv[1:])]),
               "config": {**vars(a), "variant": {v: shlex.join(f) for v, f in variants.items()}},
               "local": {v: {k: x for k, x in r.items() if k != "emulated_link"} for v, r in local.items()},
-              "rows": rows, "note": "timings of a shared/loaded machine are not results; rerun on a quiet one"}
-    jsonio.write(out / "bench_e2e.json", result)
-    lines = [f"`{result['command']}`", "",
+              "rows": rows, "note": "timings of a shared/loaded machine are not results; rerun on a quiet one",
+              "loaded": guard.loaded, "load_guard": guard.summary()}
+    refused = guard.loaded and not guard.allow_loaded
+    name = "bench_e2e.loaded" if refused else "bench_e2e"
+    jsonio.write(out / f"{name}.json", result)
+    busy = [c for c in result["load_guard"]["checks"] if c["busy"]]
+    head = [] if not guard.loaded else [
+        f"**LOADED machine: not a result.** {len(busy)} of {len(result['load_guard']['checks'])} load checks were "
+        f"busier than the study allows (first, {busy[0]['where']}: {'; '.join(busy[0]['reasons'])}).", ""]
+    lines = [*head, f"`{result['command']}`", "",
              "| link | measured Mbit/s | variant | s/step | tokens/s | speedup (median [min, max]) | f | r | bound |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -213,8 +248,15 @@ def main(argv=None) -> dict:
                      f"{r['speedup_median']:.2f}× [{r['speedup_min']:.2f}, {r['speedup_max']:.2f}] | "
                      f"{'-' if r['local_s_per_step'] is None else format(r['comm_fraction'], '.2f')} | "
                      f"{r['byte_ratio']:.3f} | {bound} |")
-    (out / "bench_e2e.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    guard.next_result()
+    if refused:
+        kept = f"; {out / 'bench_e2e.json'} of an earlier run is kept" if (out / "bench_e2e.json").exists() else ""
+        load_guard.refuse(f"[bench_e2e] NOT A RESULT: the machine was busier than the study allows "
+                          f"({busy[0]['where']}: {'; '.join(busy[0]['reasons'])}). Wrote {out / name}.json "
+                          f"(loaded: true), not {out / 'bench_e2e.json'}{kept}. Rerun on a quiet machine, or "
+                          "pass --allow-loaded to write it labelled loaded")
     return result
 
 

@@ -31,7 +31,12 @@ bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP
   python -m experiments.e2e_study --out runs/e2e_study --analyze    # tables and plot only
 
 Needs root (network namespaces; docs/distributed.md "Emulated links"). Run on a quiet machine:
-timings of a loaded machine are not results.
+timings of a loaded machine are not results. The load guard (experiments/load_guard.py) checks the
+machine before the study and during every configuration: busier than allowed before the start, the
+study does not start; during a configuration, its result goes to `bench_e2e.loaded.json` (never read
+here) and the study stops with exit status 3, keeping the configurations finished before it.
+`--allow-loaded` runs on and labels loaded configurations in study.json, study.md and the terminal;
+`--calibrate-probe` times the guard's probe on a quiet machine.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import sys
 
 import numpy as np
 
-from experiments import bench_e2e
+from experiments import bench_e2e, load_guard
 from taco_jax.train import jsonio
 
 MAIN_LINKS = ["50mbit", "250mbit", "500mbit", "1gbit", "2gbit", "4gbit", "none"]
@@ -147,6 +152,7 @@ def analyze(out: pathlib.Path) -> dict:
     loopback = (cal["alpha_s"], cal["beta_s_per_byte"])
     studies = {n: json.loads((out / n / "bench_e2e.json").read_text()) for n in CONFIGS
                if (out / n / "bench_e2e.json").exists()}
+    loaded = [n for n, s in studies.items() if s.get("loaded")]
     # every row with a one-process step gets the model; (α, κ0, κ1) from the link sweep's exact rows on
     # shaped links (FIT_CONFIGS); every other row is a prediction
     rows = [dict(r, config=n) for n, s in studies.items() for r in s["rows"]]
@@ -175,11 +181,15 @@ def analyze(out: pathlib.Path) -> dict:
               "loopback_alpha_s": loopback[0], "loopback_bytes_per_s": 1.0 / loopback[1],
               "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} CPUs, Linux {platform.release()}",
-              "commands": {n: s["command"] for n, s in studies.items()}, "rows": rows, "gpu_predictions": gpu}
+              "commands": {n: s["command"] for n, s in studies.items()}, "rows": rows, "gpu_predictions": gpu,
+              "loaded": loaded}
     jsonio.write(out / "study.json", result)
     (out / "study.md").write_text(markdown(result))
     plot(result, out / "speedup_vs_link.png")
     print(markdown(result))
+    if loaded:
+        print(f"[e2e_study] LOADED: {', '.join(loaded)} ran on a machine busier than the study allows "
+              "(--allow-loaded): not results", file=sys.stderr, flush=True)
     return result
 
 
@@ -229,7 +239,10 @@ def _rate_label(r: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    L = [f"Machine: {res['machine']}. Fitted on the exact rows of {', '.join(FIT_CONFIGS)} on shaped links: "
+    loaded = res.get("loaded", [])
+    L = [f"**LOADED machine: {', '.join(loaded)} ran busier than the study allows (--allow-loaded); "
+         "not results.**", ""] if loaded else []
+    L += [f"Machine: {res['machine']}. Fitted on the exact rows of {', '.join(FIT_CONFIGS)} on shaped links: "
          f"α = {1e3 * res['alpha_s']:.2f} ms per collective, κ = {res['kappa0']:.2f} + {res['kappa1_per_mb']:.2f} × "
          "mean message MB (a step's "
          "transfer time / its bytes at the measured rate). "
@@ -241,7 +254,8 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         by_cfg.setdefault(r["config"], []).append(r)
     for name, rows in by_cfg.items():
-        L += [f"### {name}", "", f"`{res['commands'][name]}`", "",
+        tag = " (LOADED machine: not a result)" if name in loaded else ""
+        L += [f"### {name}{tag}", "", f"`{res['commands'][name]}`", "",
               "| link (measured Mbit/s) | variant | s/step | tokens/s | speedup vs exact (median [min, max]) | f | r | "
               "byte bound | f_bw | bandwidth bound | model s/step (error) | model speedup |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -312,20 +326,31 @@ def main(argv=None) -> dict:
     p.add_argument("--force", action="store_true", help="rerun configurations that have results")
     p.add_argument("--analyze", action="store_true", help="only tables and plot from existing results")
     p.add_argument("--rounds", type=int, help="override every configuration's rounds")
+    load_guard.add_arguments(p)
     a = p.parse_args(argv)
+    if a.calibrate_probe:
+        return bench_e2e.main(["--calibrate-probe"])
     if a.rounds is not None and a.rounds < 1:
         p.error(f"--rounds {a.rounds} must be >= 1")
     out = pathlib.Path(a.out)
     if a.analyze and not any((out / n / "bench_e2e.json").exists() for n in CONFIGS):
         p.error(f"no results under {out} (no <configuration>/bench_e2e.json); run without --analyze first")
-    if not a.analyze:
-        for name in a.only or CONFIGS:
-            if (out / name / "bench_e2e.json").exists() and not a.force:
-                print(f"[e2e_study] {name}: results exist, skipped (--force reruns)", flush=True)
-                continue
+    todo = [] if a.analyze else [n for n in a.only or CONFIGS if a.force or not (out / n / "bench_e2e.json").exists()]
+    for name in [] if a.analyze else [n for n in a.only or CONFIGS if n not in todo]:
+        print(f"[e2e_study] {name}: results exist, skipped (--force reruns)", flush=True)
+    if todo:
+        procs = max(int(CONFIGS[n][CONFIGS[n].index("--processes") + 1]) for n in todo)
+        guard = load_guard.Guard(processes=procs, allow_loaded=a.allow_loaded, tag="[e2e_study]")
+        guard.check("before the study", start=True)
+        guard.refuse_start()
+        for name in todo:
             args = CONFIGS[name] + (["--rounds", str(a.rounds)] if a.rounds is not None else [])
             print(f"[e2e_study] {name}: python -m experiments.bench_e2e {shlex.join(args)}", flush=True)
-            bench_e2e.main([*args, "--out", str(out / name)])
+            try:
+                bench_e2e.main([*args, "--out", str(out / name)], guard=guard)
+            except load_guard.Loaded:
+                load_guard.refuse(f"[e2e_study] stopped: {name} ran on a busy machine and was not added to the study "
+                                  f"in {out}; rerun on a quiet machine (finished configurations are kept and skipped)")
     try:
         return analyze(out)
     except ValueError as e:

@@ -44,6 +44,7 @@ PROCS = (
     "tests/test_distributed.py::test_malloc_keep_takes_effect_in_glibc",
     "tests/test_distributed.py::test_exact_reduce_scatter_avoids_gloo_reduce_scatter",
     "tests/test_emulated_links.py::test_stale_namespaces_are_removed_by_prefix_and_live_ones_kept",
+    "tests/test_e2e_study.py::test_a_cpu_burner_makes_the_study_warn_and_not_start",  # busy-loop processes
 )
 #: Notebook tests.
 NOTEBOOK = ("tests/test_notebooks.py",)

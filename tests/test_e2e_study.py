@@ -1,13 +1,18 @@
 """The emulated-link study's bookkeeping (experiments/bench_e2e.py, experiments/e2e_study.py): argument
-parsing, the α fit and the step-time model of docs/emulated.md, and the GPU predictions table. The
+parsing, the α fit and the step-time model of docs/emulated.md, the GPU predictions table, and the load
+guard (experiments/load_guard.py) that keeps a busy machine's timings out of the results. The
 runs themselves need network namespaces and a quiet machine (`make bench-e2e`); the emulated cluster
 is tested in tests/test_emulated_links.py."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
-from experiments import bench_e2e, e2e_study
+from experiments import bench_e2e, e2e_study, load_guard
 
 
 def test_links_split_rates_but_keep_a_two_tier_link_whole():
@@ -78,9 +83,10 @@ def test_emulated_rate_of_a_transfer_fraction_inverts_the_model():
         assert e2e_study._comm_s(row, link, LOOPBACK)[1] / t == pytest.approx(f)
 
 
-def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch):
+def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch, capsys):
     """A study folder with one configuration (rows built from the model with a known α) gives study.json,
-    study.md (every row, the model's error, the GPU table) and the plot."""
+    study.md (every row, the model's error, the GPU table) and the plot; a configuration run on a loaded
+    machine is labelled so in both and on the terminal."""
     monkeypatch.setattr(e2e_study, "CONFIGS", {"gpt2_tp2_sp_bf16": []})
     alpha, rows = 2e-4, []
     for bits, n in ((50e6, 200), (1e9, 100), (250e6, 150), (500e6, 120)):
@@ -94,8 +100,10 @@ def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch):
         rows += [ex, tc]
     d = tmp_path / "gpt2_tp2_sp_bf16"
     d.mkdir()
-    (d / "bench_e2e.json").write_text(json.dumps({"command": "python -m experiments.bench_e2e ...", "rows": rows}))
+    (d / "bench_e2e.json").write_text(json.dumps({"command": "python -m experiments.bench_e2e ...", "rows": rows,
+                                                  "loaded": True}))  # written under --allow-loaded
     res = e2e_study.analyze(tmp_path)
+    assert res["loaded"] == ["gpt2_tp2_sp_bf16"] and "LOADED: gpt2_tp2_sp_bf16" in capsys.readouterr().err
     assert (res["alpha_s"], res["kappa0"], res["kappa1_per_mb"]) == pytest.approx((alpha, 1.4, 0.3), rel=1e-6)
     assert all(abs(r["model_error"]) < 1e-6 for r in res["rows"])
     taco = [r for r in res["rows"] if r["variant"] == "taco"]
@@ -106,6 +114,7 @@ def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch):
     assert len(links) == 4 and all(g["taco_tp"] > 0.5 for g in res["gpu_predictions"])
     md = (tmp_path / "study.md").read_text()
     assert md.count("| taco |") == 4 and "Predicted on GPU clusters" in md
+    assert md.startswith("**LOADED machine") and "### gpt2_tp2_sp_bf16 (LOADED machine: not a result)" in md
     assert (tmp_path / "speedup_vs_link.png").stat().st_size > 10_000
 
 
@@ -126,3 +135,143 @@ def test_study_refuses_bad_rounds_and_an_empty_results_folder(args, message, tmp
     with pytest.raises(SystemExit) as e:
         e2e_study.main([*args, "--out", str(tmp_path)])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# The load guard (experiments/load_guard.py): its decision with injected measurements, the studies'
+# handling of a loaded run with injected runs, and one real CPU burner.
+
+def _calibration(path, probe_s, **machine):
+    path.write_text(json.dumps({"probe_s": probe_s, "probe_size": load_guard.PROBE_SIZE, "date": "today",
+                                "probe_matmuls": load_guard.PROBE_MATMULS,
+                                "machine": {**load_guard.machine(), **machine}}))
+    return path
+
+
+def _measured(other=0.0, probe=0.3, load=0.0):
+    return {"other_cpu_cores": other, "probe_s": probe, "load_average_1min": load}
+
+
+def test_load_guard_judges_each_limit_and_warns_on_the_terminal(tmp_path, capsys):
+    cores = os.cpu_count()
+    guard = load_guard.Guard(processes=cores, calibration=_calibration(tmp_path / "cal.json", 0.3), tag="[t]")
+    lim = guard.limits
+    assert not guard.judge("quiet", _measured(lim.other_cpu_cores, 0.3 * lim.probe_slowdown, lim.load_tolerance),
+                           start=True)["busy"]
+    assert capsys.readouterr().err == "" and not guard.loaded and guard.label == ""
+    c = guard.judge("busy core", _measured(other=1.0), start=False)
+    assert c["busy"] and "other processes used 1.00 cores" in capsys.readouterr().err
+    c = guard.judge("slow probe", _measured(probe=0.45), start=False)
+    assert c["probe_ratio"] == pytest.approx(1.5)
+    err = capsys.readouterr().err
+    assert err.startswith("[t] WARNING: the machine is busier than the study allows (slow probe)") and "1.50x" in err
+    # the load average counts before the study only (later it holds the study's own runs)
+    assert not guard.judge("during", _measured(load=cores + 5), start=False)["busy"]
+    c = guard.judge("start", _measured(load=lim.load_tolerance + 0.1), start=True)
+    assert c["busy"] and "load average" in capsys.readouterr().err
+    assert guard.loaded and guard.label == " [LOADED]"
+    assert [c["where"] for c in guard.summary()["checks"] if c["busy"]] == ["busy core", "slow probe", "start"]
+    guard.next_result()
+    assert not guard.loaded and guard.summary()["checks"] == []
+    with pytest.raises(ValueError, match="probe_slowdown=0"):
+        load_guard.Limits(probe_slowdown=0)
+
+
+def test_the_probe_calibration_belongs_to_its_machine_and_needs_a_quiet_one(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "cal.json"
+    assert load_guard.load_calibration(path) == (None, f"no probe calibration ({path} missing)")
+    assert load_guard.load_calibration(_calibration(path, 0.3, cpu="another CPU"))[0] is None
+    assert "another machine" in load_guard.load_calibration(path)[1]
+    path.write_text(path.read_text().replace(f'"probe_size": {load_guard.PROBE_SIZE}', '"probe_size": 7'))
+    assert "another probe" in load_guard.load_calibration(path)[1]
+    guard = load_guard.Guard(processes=2, calibration=path, measure=lambda where: _measured(probe=10.0))
+    assert not guard.check("start", start=True)["busy"]  # an uncalibrated probe is not judged, and said so
+    assert "the compute probe is not judged" in capsys.readouterr().err
+    # calibrating: refused on a busy machine (file untouched), written on a quiet one
+    monkeypatch.setattr(load_guard, "probe", lambda: 0.25)
+    monkeypatch.setattr(load_guard.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(load_guard._Window, "other_cores", lambda self: (1.2, 0.25))
+    before = path.read_text()
+    with pytest.raises(load_guard.Loaded) as e:
+        load_guard.calibrate(path)
+    assert e.value.code == load_guard.LOADED_EXIT and "not quiet" in capsys.readouterr().err
+    assert path.read_text() == before
+    monkeypatch.setattr(load_guard._Window, "other_cores", lambda self: (0.0, 0.25))
+    assert load_guard.calibrate(path)["machine"] == load_guard.machine()
+    assert load_guard.load_calibration(path)[0] == 0.25
+
+
+def _fake_run(cmd, out, timeout, warmup, env):
+    """bench_e2e._run without processes: a step time per variant, the byte counts of a tiny step."""
+    taco = "taco" in cmd
+    return {"step_s": 0.3 if taco else 0.4, "steps_s": [0.5, 0.4, 0.4], "wall_s": 1.0,
+            "wire_bytes_per_step": {"tensor": 500 if taco else 1000}, "tensor_messages_per_step": 10,
+            "emulated_link": None, "final_train_loss": 7.0}
+
+
+def test_a_run_on_a_loaded_machine_is_written_as_not_a_result(tmp_path, monkeypatch, capsys):
+    """The machine turns busy during a run: bench_e2e warns at once, writes bench_e2e.loaded.json, no
+    bench_e2e.json, and exits with status 3; with --allow-loaded the result is written labelled."""
+    monkeypatch.setattr(bench_e2e, "_run", _fake_run)
+
+    def measure(where):
+        return _measured(other=1.5 if where == "none round 1 taco" else 0.0)
+
+    args = ["--links", "none", "--rounds", "2", "--out", str(tmp_path / "a")]
+    with pytest.raises(load_guard.Loaded) as e:
+        bench_e2e.main(args, guard=load_guard.Guard(processes=2, measure=measure, tag="[bench_e2e]"))
+    assert e.value.code == 3
+    out = capsys.readouterr()
+    assert "[bench_e2e] WARNING: the machine is busier than the study allows (none round 1 taco): other " \
+           "processes used 1.50 cores" in out.err and "NOT A RESULT" in out.err
+    assert "round 0 taco: 0.3000 s/step\n" in out.out and "round 1 taco: 0.3000 s/step [LOADED]" in out.out
+    assert not (tmp_path / "a" / "bench_e2e.json").exists()
+    res = json.loads((tmp_path / "a" / "bench_e2e.loaded.json").read_text())
+    assert res["loaded"] and [c["where"] for c in res["load_guard"]["checks"] if c["busy"]] == ["none round 1 taco"]
+    assert (tmp_path / "a" / "bench_e2e.loaded.md").read_text().startswith("**LOADED machine: not a result.**")
+
+    args[-1] = str(tmp_path / "b")
+    res = bench_e2e.main(args, guard=load_guard.Guard(processes=2, allow_loaded=True, measure=measure))
+    assert res["loaded"] and json.loads((tmp_path / "b" / "bench_e2e.json").read_text())["loaded"]
+    assert capsys.readouterr().out.count("LOADED") == 3  # one run line, the last round's other run, the table
+
+
+def test_the_study_stops_at_a_loaded_configuration_and_keeps_the_finished_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_e2e, "_run", _fake_run)
+    cfg = ["--processes", "2", "--links", "none", "--rounds", "1"]
+    monkeypatch.setattr(e2e_study, "CONFIGS", {"one": cfg, "two": cfg, "three": cfg})
+
+    def measure(where):  # busy once the first configuration is written
+        return _measured(other=1.0 if (tmp_path / "one" / "bench_e2e.json").exists() else 0.0)
+
+    guard = load_guard.Guard
+    monkeypatch.setattr(load_guard, "Guard", lambda **k: guard(**k, measure=measure))
+    with pytest.raises(load_guard.Loaded) as e:
+        e2e_study.main(["--out", str(tmp_path)])
+    assert e.value.code == 3
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "[e2e_study] stopped: two ran on a busy machine and was not added" in err
+    assert (tmp_path / "one" / "bench_e2e.json").exists() and (tmp_path / "two" / "bench_e2e.loaded.json").exists()
+    assert not (tmp_path / "two" / "bench_e2e.json").exists() and not (tmp_path / "three").exists()
+    assert not (tmp_path / "study.json").exists()
+    with pytest.raises(load_guard.Loaded):  # busy before the start: nothing runs
+        e2e_study.main(["--out", str(tmp_path), "--only", "three"])
+    assert "[e2e_study] not started: other processes used 1.00 cores" in capsys.readouterr().err
+    assert not (tmp_path / "three").exists()
+
+
+def test_a_cpu_burner_makes_the_study_warn_and_not_start(tmp_path, capsys):
+    """A real busy machine: 3 busy-loop processes on this machine's cores; the one-rate command warns on
+    the terminal naming the measurement and writes nothing."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        time.sleep(0.5)
+        with pytest.raises(load_guard.Loaded) as e:
+            bench_e2e.main(["--links", "none", "--out", str(tmp_path / "out")])
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    err = capsys.readouterr().err
+    assert e.value.code == 3 and "[bench_e2e] WARNING: the machine is busier than the study allows" in err
+    assert "[bench_e2e] not started: other processes used" in err
+    assert not (tmp_path / "out").exists()
