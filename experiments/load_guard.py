@@ -153,13 +153,13 @@ def calibrate(path: pathlib.Path = PROBE_CALIBRATION, limits: Limits = Limits())
     Raises Loaded (printed; nothing written) when other processes used more than `limits.other_cpu_cores`
     during any run or the load average exceeds the machine's cores: a calibration needs a quiet machine."""
     load1 = os.getloadavg()[0]
-    runs, others = [], []
-    for _ in range(CALIBRATION_RUNS):
+    runs, others, worst = [], [], 0.0
+    while len(runs) < CALIBRATION_RUNS and worst <= limits.other_cpu_cores and load1 <= (os.cpu_count() or 1):
         w = _Window()
         runs.append(probe())
         others.append(w.other_cores()[0])
-    worst = max((o for o in others if o is not None), default=0.0)
-    if worst > limits.other_cpu_cores or load1 > (os.cpu_count() or 1):
+        worst = max(worst, others[-1] or 0.0)
+    if len(runs) < CALIBRATION_RUNS or worst > limits.other_cpu_cores:
         refuse(f"[load guard] not calibrated: the machine is not quiet (other processes used up to {worst:.2f} cores "
                      f"during the probe, limit {limits.other_cpu_cores:.2f}; load average {load1:.2f}); "
                      f"{path} left as it was")
