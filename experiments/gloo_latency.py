@@ -1,18 +1,20 @@
 """What one gloo collective costs between two processes of an emulated cluster beyond its bytes:
 a 2-process `jax.distributed` run (gloo, one CPU device each) timing psum (all-reduce) and ppermute
 (a swap: one message each way) of one f32 message, on shaped links or loopback (JSON + table).
+`--shaping` replaces the emulator's qdiscs by a variant of experiments/link_latency.py.
 
 Run as root from the repository root (the cluster's namespaces are always removed again):
 
     python -m experiments.gloo_latency --link 1gbit --out runs/gloo_latency
     python -m experiments.gloo_latency --link none --out runs/gloo_latency_lo     # 127.0.0.1
 
-Each worker runs SCHED_FIFO (`--rt-prio`; set before JAX starts, so its threads inherit it), warms
-each function up, then times `--reps` calls per (collective, size): `--gap` s idle, then the call to
-the ready result. The two processes' times of a call are paired by index; a call's time is the larger
-of the two. Ideal: the message's bytes over the link's measured payload rate once (a 2-rank psum and
-a ppermute each move SIZE bytes each way; gloo's ring all-reduce for 2 ranks: a reduce-scatter and an
-all-gather of SIZE / 2 each). Fit: t = α + SIZE / R_eff over the sizes' medians.
+The launcher (its link test) and each worker run SCHED_FIFO (`--rt-prio`, 0: off; set before JAX
+starts, so its threads inherit it). Each worker warms each function up, then times `--reps` calls
+per (collective, size): `--gap` s idle, then the call to the ready result. The two processes' times
+of a call are paired by index; a call's time is the larger of the two. Ideal: the message's bytes
+over the link's measured payload rate once (a 2-rank psum and a ppermute each move SIZE bytes each
+way; gloo's ring all-reduce for 2 ranks: a reduce-scatter and an all-gather of SIZE / 2 each).
+Fit: t = α + SIZE / R_eff over the sizes' medians.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--gap", type=float, default=0.005)
     p.add_argument("--rt-prio", type=int, default=50)
+    p.add_argument("--shaping", default="base", help="a variant of experiments.link_latency (default: the emulator's)")
     p.add_argument("--out", default="runs/gloo_latency")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -83,12 +86,17 @@ def main(argv=None):
         return worker(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.rt_prio:  # the link test's threads too (a starved receiver reads a low rate)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.rt_prio))
     env = emulate.child_env({**os.environ, "JAX_PLATFORMS": "cpu"})
     load0 = os.getloadavg()
     bulk = None
     cl = emulate.Cluster(2, emulate.LinkSpec.parse(args.link)) if args.link != "none" else None
     try:
         if cl is not None:
+            from experiments.link_latency import apply_variant
+
+            apply_variant(cl, args.shaping, cl.spec.inter)
             bulk = emulate.measure(cl.names[0], cl.names[1], cl.addrs[1], cl.spec.inter, seconds=0.3)
             host = cl.addrs[0]
         else:
@@ -126,11 +134,12 @@ def main(argv=None):
         my = sum(y for _, y in pts) / len(pts)
         slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
         fits[name] = {"alpha_ms": my - slope * mx, "r_eff_mbit": 8 / slope / 1e3}
-    doc = {"schema": "taco_jax.gloo_latency/1", "link": args.link, "bulk_bit_per_s": bulk,
+    doc = {"schema": "taco_jax.gloo_latency/1", "link": args.link, "shaping": args.shaping, "bulk_bit_per_s": bulk,
            "load_before": load0, "load_after": os.getloadavg(), "uname": " ".join(os.uname()),
            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gap_s": args.gap, "rows": rows, "fits": fits}
     (out / "gloo_latency.json").write_text(json.dumps(doc, indent=1))
-    md = [f"link {args.link} (bulk {bulk / 1e6 if bulk else float('nan'):.0f} Mbit/s); load {load0[0]:.1f} -> "
+    md = [f"link {args.link}, shaping {args.shaping} (bulk {bulk / 1e6 if bulk else float('nan'):.0f} Mbit/s); "
+          f"load {load0[0]:.1f} -> "
           f"{doc['load_after'][0]:.1f}; gap {args.gap * 1e3:g} ms", "",
           "| collective | size | n | median ms | p10 | p90 | ideal ms |", "|---|---|---|---|---|---|---|"]
     md += [f"| {r['collective']} | {r['size'] >> 10} KB | {r['n']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | "

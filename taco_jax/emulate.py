@@ -16,12 +16,13 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
     messages of a step are shaped too (at high rates the bucket must cover the timer's granularity
     or the rate is not reached). Receive side (the switch port toward the process): B_rx =
     max(32 KB, R × 1 ms). Its input is already shaped to R by the sender's tbf, whose timer fires
-    late when the cores are busy; a bucket as small as the sender's then idles through that delay and
-    loses the tokens, and two such queues in series delivered 0.74–0.83 of R on a loaded 2-core
-    machine (one: 0.95). B_rx holds 1 ms of the delay, so the link keeps its rate; the receive cap
-    still holds for traffic from several senders, which may exceed R by B_rx after an idle period.
-    Per message, a shaped link costs what an unshaped veth does, ~0.3–0.5 ms under load (docs/
-    emulated.md, "The per-message cost of an emulated link").
+    late when the cores are busy; a bucket as small as the sender's then idles through that delay
+    and loses the tokens: two such queues in series delivered 0.74–0.83 of 1 Gbit/s on a loaded
+    2-core machine (the sender's alone: 0.95). B_rx holds 1 ms of the delay, so the link keeps its
+    rate (0.93–0.96 from 250 Mbit/s to 4 Gbit/s under the same load); the receive cap still holds
+    for traffic from several senders, which may exceed R by B_rx after an idle period. Per message,
+    a shaped link costs what an unshaped veth does, ~0.3–0.5 ms under load (docs/emulated.md, "The
+    per-message cost of an emulated link").
 Two tiers (`--link intra=8gbit,inter=1gbit --nodes K`): processes 0..N/K-1 are node 0, the next
 N/K node 1, ... . Devices of process i are global devices i·d .. (i+1)·d-1 and a mesh spec
 takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nodes of 2
