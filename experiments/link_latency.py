@@ -25,7 +25,7 @@ Variants (`--variants`; every egress of the link: x0 of both processes, both swi
              both sides)
   tbf5ms     the same with latency 5ms (a short queue)
   tbfburst   burst max(256 KB, R·2 ms) (a bigger bucket: short messages pass unshaped)
-  nogso      tbf as `tbf`, and gso_max_size 1500 / gro off-equivalent: no 64 KB super-packets
+  nogso      tbf as `tbf`, and gso_max_size 1500 on the veths: no 64 KB super-packets
   ackbypass  htb root: packets of IP length < 128 B (pure ACKs, gloo's small control messages) go
              to htb's direct queue (unshaped, served first); everything else to a tbf leaf as `tbf`
   rxburst    `tbf` on the processes' x0 (sender egress); the switch ports (receive side) with the
