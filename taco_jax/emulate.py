@@ -11,9 +11,18 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
     that node's processes. No interface is made in the caller's namespace.
   - Routes are per peer (/32): a peer on the same node via `i0`, any other via `x0`.
   - Every interface is shaped on egress on both sides (process side and switch side, so a
-    process neither sends nor receives faster than its link): `tbf rate R burst B latency 100ms`,
-    B = max(32 KB, R × 250 µs) (a small bucket: messages of a step are shaped too; at high rates
-    the bucket must cover the timer's granularity or the rate is not reached).
+    process neither sends nor receives faster than its link): `tbf rate R burst B latency 100ms`.
+    Send side (the process's interface): B = max(32 KB, R × 250 µs), a small bucket, so the
+    messages of a step are shaped too (at high rates the bucket must cover the timer's granularity
+    or the rate is not reached). Receive side (the switch port toward the process): B_rx =
+    max(32 KB, R × 1 ms). Its input is already shaped to R by the sender's tbf, whose timer fires
+    late when the cores are busy; a bucket as small as the sender's then idles through that delay
+    and loses the tokens: two such queues in series delivered 0.74–0.83 of 1 Gbit/s on a loaded
+    2-core machine (the sender's alone: 0.95). B_rx holds 1 ms of the delay, so the link keeps its
+    rate (0.93–0.96 from 250 Mbit/s to 4 Gbit/s under the same load); the receive cap still holds
+    for traffic from several senders, which may exceed R by B_rx after an idle period. Per message,
+    a shaped link costs what an unshaped veth does, ~0.3–0.5 ms under load (docs/emulated.md, "The
+    per-message cost of an emulated link").
 Two tiers (`--link intra=8gbit,inter=1gbit --nodes K`): processes 0..N/K-1 are node 0, the next
 N/K node 1, ... . Devices of process i are global devices i·d .. (i+1)·d-1 and a mesh spec
 takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nodes of 2
@@ -214,7 +223,13 @@ def _addr(i: int) -> str:
 
 
 def _burst(rate_bps: float) -> int:
+    """Bytes of the send side's tbf bucket at `rate_bps`: max(32 KB, 250 µs of the rate)."""
     return max(32 * 1024, int(rate_bps / 8 * 250e-6))
+
+
+def _receive_burst(rate_bps: float) -> int:
+    """Bytes of the receive side's (switch port's) tbf bucket at `rate_bps`: max(32 KB, 1 ms of the rate)."""
+    return max(32 * 1024, int(rate_bps / 8 * 1e-3))
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -350,10 +365,10 @@ class Cluster:
                 port = f"p{i}{dev[0]}"
                 _sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", sw)
                 _sh("ip", "-n", sw, "link", "set", port, "master", bridge)
-                for where, d in ((sw, port), (ns, dev)):
+                for where, d, burst in ((sw, port, _receive_burst(rate)), (ns, dev, _burst(rate))):
                     _sh("ip", "-n", where, "link", "set", d, "up")
                     _sh("tc", "-n", where, "qdisc", "add", "dev", d, "root", "tbf", "rate", f"{int(rate)}bit",
-                        "burst", str(_burst(rate)), "latency", "100ms")
+                        "burst", str(burst), "latency", "100ms")
             _sh("ip", "-n", ns, "addr", "add", f"{self.addrs[i]}/32", "dev", "x0")
             for j in range(self.processes):
                 if j != i:
@@ -396,12 +411,14 @@ class Cluster:
         for tier in dict.fromkeys(x["tier"] for x in links):
             got = sorted(x["measured_bit_per_s"] for x in links if x["tier"] == tier)
             tiers[tier] = {"requested_bit_per_s": rates[tier], "measured_bit_per_s": got[len(got) // 2],
-                           "measured_min_bit_per_s": got[0], "burst_bytes": _burst(rates[tier])}
+                           "measured_min_bit_per_s": got[0], "burst_bytes": _burst(rates[tier]),
+                           "receive_burst_bytes": _receive_burst(rates[tier])}
         tensor_tier = "intra" if "intra" in tiers else next(iter(tiers), None)
         return {"link": self.spec.text, "processes": self.processes, "nodes": self.spec.nodes or self.processes,
                 "node_of_process": self.node_of, "addresses": self.addrs, "tiers": tiers, "links": links,
                 "tensor_tier": tensor_tier,
-                "method": "tbf on each interface's egress, both sides; TCP bulk transfer per link, payload bits/s"}
+                "method": "tbf on each interface's egress, both sides (send bucket burst_bytes, receive bucket "
+                          "receive_burst_bytes); TCP bulk transfer per link, payload bits/s"}
 
     def close(self) -> None:
         """Removes every namespace, interface and hosts file of the run; ends the reaper."""
