@@ -19,7 +19,7 @@ from taco_jax.data.shakespeare import (
     available_plays,
     load_shakespeare,
 )
-from taco_jax.data.stream import TokenStream, batch_iterator, eval_batches, global_batch
+from taco_jax.data.stream import TokenStream, eval_batches, global_batch
 
 __all__ = [
     "DEFAULT_VAL_PLAYS",
@@ -28,7 +28,6 @@ __all__ = [
     "TextDataset",
     "TokenStream",
     "available_plays",
-    "batch_iterator",
     "check_data",
     "check_resumed_data",
     "eval_batches",
