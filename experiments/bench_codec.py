@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from taco_jax import kernels
-from taco_jax.codec.backends import get_native
+from taco_jax.codec.backends import get_backend, get_native
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.dispatch import clip_to_dtype
 
@@ -153,7 +153,7 @@ def make_cases(x: jax.Array, cfg: CodecConfig, backends: list[str]) -> list[Case
 def _as_dispatched(name: str, dtype):
     """Backend `name`'s (encode, decode) for messages of `dtype`, with the casts `codec.dispatch`
     adds for a dtype the backend does not read and write natively."""
-    enc, dec = kernels.get_backend(name)
+    enc, dec = get_backend(name)
     if jnp.dtype(dtype).name in get_native(name).dtypes:
         return enc, lambda c, s, a: dec(c, s, a, dtype=dtype)
     return (lambda t, cfg, **kw: enc(t.astype(jnp.float32), cfg, **kw),

@@ -12,7 +12,7 @@
 set -euo pipefail
 out=$1; shift
 STEPS_A=${STEPS_A:-2}; STEPS_B=${STEPS_B:-6}
-PY=${PYTHON:-python}
+PY=${PYTHON:-python}  # started with -P: a folder named taco_jax in the working folder cannot shadow the package
 PFX=${NS_PREFIX:-tacoA}  # another prefix runs a second measurement beside this one
 NS=("$PFX-0" "$PFX-1"); IP=(198.18.0.1 198.18.0.2); DEV=("$PFX-v0" "$PFX-v1")
 cleanup() { for n in "${NS[@]}"; do ip netns del "$n" 2>/dev/null || true; rm -rf "/etc/netns/$n"; done; }
@@ -36,7 +36,7 @@ port=$((20000 + RANDOM % 20000))
 run() {  # steps -> prints "tx0 tx1"
   local steps=$1 a0 a1; shift; a0=$(tx 0); a1=$(tx 1)
   for i in 1 0; do
-    ip netns exec "${NS[$i]}" env JAX_PLATFORMS=cpu $PY -m taco_jax.cli train "$@" --steps "$steps" \
+    ip netns exec "${NS[$i]}" env JAX_PLATFORMS=cpu $PY -P -m taco_jax.cli train "$@" --steps "$steps" \
       --eval-every 100000 --coordinator "${IP[0]}:$((port + steps))" --num-processes 2 --process-id "$i" --no-progress \
       --out "$tmpd/run$steps" > "$tmpd/log$steps.$i" 2>&1 &
   done

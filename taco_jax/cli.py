@@ -64,12 +64,13 @@ def _int_or_auto(name: str, low: int):
 _seconds_or_auto = _or_auto("step_timeout", float, lambda v: 0 <= v < float("inf"), "seconds >= 0", show=None)
 
 
-def _add_flag(sp, cls, f, helps, explicit: bool = False) -> None:
-    """Adds `f`'s flag to `sp`; `explicit`: no default (the namespace then holds only given flags)."""
+def _add_flag(sp, cls, f, helps, explicit: bool = False, hidden: bool = False) -> None:
+    """Adds `f`'s flag to `sp` (a parser or an argument group); `explicit`: no default (the namespace
+    then holds only given flags); `hidden`: accepted but not listed by --help."""
     from taco_jax.models import PRESETS
 
     flag = "--" + f.name.replace("_", "-")
-    help_ = helps[cls].get(f.name, "")
+    help_ = argparse.SUPPRESS if hidden else helps[cls].get(f.name, "")
     default = argparse.SUPPRESS if explicit else ([] if f.name == "site" else f.default)
     if f.name == "site":
         sp.add_argument(flag, action="append", default=default, metavar="SITE:FIELD=VALUE,...", help=help_)
@@ -85,7 +86,7 @@ def _add_flag(sp, cls, f, helps, explicit: bool = False) -> None:
         sp.add_argument(flag, type=_seconds_or_auto, default=default, metavar="S|auto", help=help_)
     elif f.name == "model":
         sp.add_argument(flag, default=default, choices=sorted(PRESETS), metavar="PRESET",
-                        help=f"{help_}: {', '.join(sorted(PRESETS))}")
+                        help=help_ if hidden else f"{help_}: {', '.join(sorted(PRESETS))}")
     else:
         sp.add_argument(flag, type=type(f.default), default=default, help=help_)
 
@@ -166,38 +167,54 @@ def _positive_int(name: str):
     return parse
 
 
+#: `train` flags that `plan` / `predict` accept (a train --config file works as it is) but do not use
+#: (steps, optimization, evaluation, checkpoints, logging, monitoring): not listed by their --help.
+PLAN_UNUSED = frozenset({
+    "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "seed", "eval_every",
+    "eval_batches", "export_hf", "allow_nonfinite", "log_every", "capture", "monitor_every", "monitor_warn_sqnr",
+    "monitor_min_sqnr", "checkpoint_every", "final_checkpoint", "keep_checkpoints", "resume", "resume_fallback",
+    "step_timeout", "emulated_link", "profile_steps", "profile_dir", "tensorboard"})
+
+
 def _add_plan(sub, helps, explicit: bool) -> None:
-    """The `plan` and `predict` subcommands: `train`'s flags plus the hardware and layout (docs/plan.md)."""
+    """The `plan` and `predict` subcommands: `train`'s flags that shape the run (listed; the others
+    accepted, `PLAN_UNUSED`) plus the hardware and layout (docs/plan.md)."""
     for name, help_ in (("plan", "compile a run on a simulated mesh without allocating it: per-device memory, wire "
                                  "bytes per axis and site, TACO ops per site, predicted speedup on GPUs"),
                         ("predict", "the cost model alone (about a second): step time exact vs the policy per axis, "
                                     "speedup with its range, --min-bytes auto per site")):
         sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                            allow_abbrev=False, epilog="Takes train's flags (those about steps, data, evaluation and "
-                            "checkpoints are accepted and unused; plan writes plan.json and plan.md to --out). "
-                            "docs/plan.md")
+                            allow_abbrev=False, epilog="train's other flags (steps, optimization, evaluation, "
+                            "checkpoints, logging) are accepted and unused, so a train --config file works as it is"
+                            + ("; plan writes plan.json and plan.md to --out" if name == "plan" else "")
+                            + ". docs/plan.md")
         sp.add_argument("--config", default="", metavar="FILE", help="flag values from a TOML file (as train)")
+        run = sp.add_argument_group("the run (train's flags that shape the program)")
+        comm = sp.add_argument_group("communication (as train)")
+        own = sp.add_argument_group(f"{name}: hardware and output")
         for cls, f in _flag_fields():
-            _add_flag(sp, cls, f, helps, explicit)
-        sp.add_argument("--hardware", default="", metavar="NAME",
-                        help="declared hardware (taco_jax/perf/hardware.toml: h100, h200, h800, a100, b200, l40s; "
-                             "or an entry of --hardware-file); empty: h200, or the file's one entry")
-        sp.add_argument("--hardware-file", default="", metavar="FILE",
-                        help="your own cluster: a TOML file with hardware.toml's schema (docs/plan.md)")
-        sp.add_argument("--tp-span-nodes", type=_positive_int("tp_span_nodes"), default=None, metavar="K",
-                        help="tensor-parallel groups span K nodes (TP over the inter-node link); default: "
-                             "inside a node while they fit")
-        sp.add_argument("--layers", type=_positive_int("layers"), default=None, metavar="L",
-                        help="override the model's depth (decoder layers)")
-        sp.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+            hidden = f.name in PLAN_UNUSED or (f.name == "out" and name == "predict")
+            _add_flag(own if f.name == "out" else comm if cls.__name__ == "CommFlags" else run, cls, f, helps,
+                      explicit, hidden=hidden)
+        own.add_argument("--hardware", default="", metavar="NAME",
+                         help="declared hardware (taco_jax/perf/hardware.toml: h100, h200, h800, a100, b200, l40s; "
+                              "or an entry of --hardware-file); empty: h200, or the file's one entry")
+        own.add_argument("--hardware-file", default="", metavar="FILE",
+                         help="your own cluster: a TOML file with hardware.toml's schema (docs/plan.md)")
+        own.add_argument("--tp-span-nodes", type=_positive_int("tp_span_nodes"), default=None, metavar="K",
+                         help="tensor-parallel groups span K nodes (TP over the inter-node link); default: "
+                              "inside a node while they fit")
+        own.add_argument("--layers", type=_positive_int("layers"), default=None, metavar="L",
+                         help="override the model's depth (decoder layers)")
+        own.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
         if name == "plan":
-            sp.add_argument("--devices", type=_positive_int("devices"), default=None, metavar="N",
-                            help="simulated CPU devices (default: the mesh size; must equal it)")
-            sp.add_argument("--no-compile", action="store_true", help="the cost model only (= predict)")
+            own.add_argument("--devices", type=_positive_int("devices"), default=None, metavar="N",
+                             help="simulated CPU devices (default: the mesh size; must equal it)")
+            own.add_argument("--no-compile", action="store_true", help="the cost model only (= predict)")
             sp.set_defaults(out="runs/plan")
         else:
-            sp.add_argument("--paper", action="store_true",
-                            help="the model's GPU table of docs/emulated.md (the paper's settings on each TP link)")
+            own.add_argument("--paper", action="store_true",
+                             help="the model's GPU table of docs/emulated.md (the paper's settings on each TP link)")
 
 
 def _config_values(sp: argparse.ArgumentParser, path: str) -> tuple[dict, dict | None]:
@@ -399,10 +416,7 @@ def _plan(args, file_policy: dict | None) -> int:
     try:
         if args.command == "predict" and args.paper:
             rows = planner.paper_table()
-            print(json.dumps(rows, indent=2) if args.json else "\n".join(
-                f"{r['setting']:34s} {r['tp_link']:34s} TP share {r['tp_comm_fraction']:.2f}  TACO TP "
-                f"{r['taco_tp']:.2f}x [{r['range'][0]:.2f}, {r['range'][1]:.2f}]  +DP+PP {r['taco_tp+dp+pp']:.2f}x  "
-                f"{r['published']}" for r in rows))
+            print(json.dumps(rows, indent=2) if args.json else "\n".join(planner.paper_lines(rows)))
             return 0
         spec = get_hardware(args.hardware, args.hardware_file or None)
         cfg = planner.with_layers(_train_config(args, file_policy), args.layers)

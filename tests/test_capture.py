@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from taco_jax.data import batch_iterator, load_shakespeare
+from taco_jax.data import TokenStream, load_shakespeare
 from taco_jax.models import GPT
 from taco_jax.train.capture import capture_steps, gpt_roles, load_captures
 from taco_jax.train.config import TrainConfig
@@ -23,7 +23,7 @@ def dataset(tmp_path_factory):
 
 
 def _first_batch(cfg, ds):
-    return next(batch_iterator(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed))
+    return next(TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed))
 
 
 def _unsharded_h_and_grad(cfg, ids, targets):

@@ -43,6 +43,20 @@ def saved(tmp_path_factory):
     return d, cfg, jax.device_get(params), jax.device_get(opt_state)
 
 
+def test_sample_reads_a_run_checkpoint_without_orbax_warnings(saved, tmp_path, caplog):
+    """`sample --from RUN` loads the latest checkpoint's parameters onto one device, equal to the saved
+    ones, and logs no warning (the step-level _CHECKPOINT_METADATA is not asked for at the item level)."""
+    from taco_jax.train.sample import _checkpoint_params
+
+    d, cfg, params0, _ = saved
+    shutil.copytree(d, tmp_path / "checkpoints")
+    with caplog.at_level("WARNING"):
+        _, params = _checkpoint_params(tmp_path, cfg.to_dict())
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(params0), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_restore_onto_another_mesh_is_exact(saved):
     """Saved on data=2,tensor=4, restored on data=4,tensor=2: Orbax reshards to the target's
     shardings; every array equal bit for bit; the mesh change is reported."""
@@ -211,7 +225,7 @@ def uninterrupted(tmp_path_factory, cache):
     r = run(cli(*ARGS, "--out", out), cache)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4", "6"]  # keep 3
-    return _records(out)
+    return out, _records(out)
 
 
 def _resume(out, cache) -> dict:
@@ -236,7 +250,7 @@ def test_sigkill_during_an_async_save_then_resume_is_bit_exact(tmp_path, cache, 
     assert sorted(d.name for d in ck.iterdir() if not d.name.startswith("4.orbax-checkpoint-tmp")) == ["2"]
     summary = _resume(out, cache)
     assert summary["resumed_from_step"] == 2
-    assert _records(out) == uninterrupted  # every step's loss, grad norm and val loss, bit for bit
+    assert _records(out) == uninterrupted[1]  # every step's loss, grad norm and val loss, bit for bit
 
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, cache, uninterrupted):
@@ -253,7 +267,21 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, cache, uninterr
     assert [r["step"] for r in metrics(out)] == list(range(1, stopped + 1))
     summary = _resume(out, cache)  # the remaining steps, --checkpoint-every 2 again
     assert summary["resumed_from_step"] == stopped
-    assert _records(out) == uninterrupted
+    assert _records(out) == uninterrupted[1]
+
+
+def test_resume_of_a_finished_run_leaves_its_summary(uninterrupted, capsys):
+    """`train --resume` of a run that reached its --steps trains nothing, says so and leaves
+    summary.json (its tokens/s) as the run wrote it."""
+    from taco_jax.cli import main
+
+    out = uninterrupted[0]
+    before = (out / "summary.json").read_bytes()
+    assert json.loads(before)["tokens_per_s"] > 0
+    assert main([*ARGS, "--out", str(out), "--resume", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoints/6 is at step 6 of steps=6; the run is finished, nothing to do" in err
+    assert (out / "summary.json").read_bytes() == before
 
 
 def test_cli_refuses_a_checkpoint_of_another_model(saved, tmp_path, capsys):

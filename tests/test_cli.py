@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -117,6 +118,17 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
     assert "compressed (data: int8-G128-had, tensor: taco-e4m3-G128-dual)" in info["Description"]
 
 
+def test_summary_block_gives_throughput_and_compile_time_with_units(tmp_path):
+    """The printed summary names each speed and time with its unit (train: one run; compare: per run)."""
+    train = {"comm": "taco", "steps": 3, "tokens_per_s": 123456.7, "compile_s": 12.345, "final_val_loss": 4.25}
+    shown = dict(line.strip().split(": ", 1) for line in summary_block(train, tmp_path).splitlines()[1:])
+    assert shown["throughput"].strip() == "123,457 tokens/s" and shown["compile time"].strip() == "12.3 s"
+    assert shown["val loss"].strip() == "4.25" and shown["steps"].strip() == "3"
+    both = {"val_loss_none": 4.0, "val_loss_taco": 4.1, "tokens_per_s": {"none": 24.845, "taco": 23.5}}
+    shown = dict(line.strip().split(": ", 1) for line in summary_block(both, tmp_path).splitlines()[1:])
+    assert shown["throughput"].strip() == "none 24.8 tokens/s, taco 23.5 tokens/s"
+
+
 def test_flags_map_to_one_policy(tmp_path):
     cfg = TrainConfig.from_flags(comm="int8", dp_comm="taco", pp_comm="tah", backend="ffi", group_size=64)
     assert {getattr(cfg.policy, s).kind for s in TENSOR_SITES} == {"int8"}
@@ -163,6 +175,24 @@ def test_out_that_cannot_be_a_folder_is_one_clear_error(tmp_path, capsys):
         assert main(["train", "--steps", "1", "--out", str(out), *TINY]) == 2
         err = capsys.readouterr().err
         assert err.startswith("taco-jax: error: ") and match in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["plan", "predict"])
+def test_plan_help_lists_the_flags_it_uses_and_accepts_train_s_others(command, tmp_path, capsys):
+    """`plan` / `predict --help` list the run's shape, communication and hardware flags, not train's
+    steps / optimization / checkpoint flags; those are still accepted (a train config works as it is)."""
+    from taco_jax.cli import PLAN_UNUSED
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert all(flag in text for flag in ("--mesh", "--batch-size", "--comm", "--site", "--hardware"))
+    listed = {f.replace("-", "_") for f in re.findall(r"^\s+--([\w-]+)", text, flags=re.M)}
+    assert listed.isdisjoint(PLAN_UNUSED) and "lr" not in listed and "checkpoint_every" not in listed
+    assert ("out" in listed) == (command == "plan")
+    own = ["--no-compile", "--out", str(tmp_path)] if command == "plan" else []
+    assert main([command, "--steps", "7", "--lr", "0.1", "--checkpoint-every", "2", "--json", *own]) == 0
+    assert json.loads(capsys.readouterr().out)["predict"]["speedup"] > 0
 
 
 def test_help_lists_presets_and_axis_flags(capsys):

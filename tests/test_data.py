@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from taco_jax.data import DEFAULT_VAL_PLAYS, EOT, available_plays, batch_iterator, eval_batches, load_shakespeare
+from taco_jax.data import DEFAULT_VAL_PLAYS, EOT, TokenStream, available_plays, eval_batches, load_shakespeare
 from taco_jax.data.shakespeare import play_text
 
 
@@ -77,9 +77,9 @@ def test_cache_hit_and_rebuild_on_change(ds, cache_dir, tmp_path, monkeypatch):
     assert other.decode(other.val) == play_text("macbeth") + EOT
 
 
-def test_batch_iterator_deterministic(ds):
+def test_token_stream_deterministic(ds):
     def take(seed, n=3):
-        it = batch_iterator(ds.train, 4, 32, seed=seed)
+        it = TokenStream(ds.train, 4, 32, seed=seed)
         return [next(it) for _ in range(n)]
 
     a, b, c = take(0), take(0), take(1)
@@ -90,9 +90,9 @@ def test_batch_iterator_deterministic(ds):
     assert not np.array_equal(a[0][0], a[1][0])  # successive batches differ
 
 
-def test_batch_iterator_windows():
+def test_token_stream_windows():
     tokens = np.arange(100, dtype=np.uint16)
-    it = batch_iterator(tokens, 8, 10, seed=0)
+    it = TokenStream(tokens, 8, 10, seed=0)
     for _ in range(50):
         x, y = next(it)
         assert x.shape == y.shape == (8, 10) and x.dtype == y.dtype == np.int32
@@ -100,7 +100,7 @@ def test_batch_iterator_windows():
         np.testing.assert_array_equal(np.diff(x, axis=1), 1)  # contiguous windows
         assert x.min() >= 0 and y.max() <= 99
     # the shortest valid input has exactly one window
-    x, y = next(batch_iterator(np.arange(11), 2, 10, seed=0))
+    x, y = next(TokenStream(np.arange(11), 2, 10, seed=0))
     np.testing.assert_array_equal(x, [np.arange(10)] * 2)
 
 
@@ -143,10 +143,10 @@ def test_load_shakespeare_bad_args(kwargs, match, tmp_path):
 @pytest.mark.parametrize(
     "fn, args, kwargs, match",
     [
-        (batch_iterator, (np.arange(100), 4, 0), {"seed": 0}, "seq_len=0"),
-        (batch_iterator, (np.arange(100), 0, 8), {"seed": 0}, "batch_size=0"),
-        (batch_iterator, (np.arange(8), 4, 8), {"seed": 0}, "seq_len=8"),
-        (batch_iterator, (np.zeros((10, 10)), 4, 8), {"seed": 0}, "1-D"),
+        (TokenStream, (np.arange(100), 4, 0), {"seed": 0}, "seq_len=0"),
+        (TokenStream, (np.arange(100), 0, 8), {"seed": 0}, "batch_size=0"),
+        (TokenStream, (np.arange(8), 4, 8), {"seed": 0}, "seq_len=8"),
+        (TokenStream, (np.zeros((10, 10)), 4, 8), {"seed": 0}, "1-D"),
         (eval_batches, (np.arange(100), 4, -1), {}, "seq_len=-1"),
         (eval_batches, (np.arange(100), 4, 8), {"max_batches": 0}, "max_batches=0"),
         (eval_batches, (np.arange(20), 4, 8), {}, "batch_size=4"),  # too short for one full batch
@@ -154,4 +154,4 @@ def test_load_shakespeare_bad_args(kwargs, match, tmp_path):
 )
 def test_batching_bad_args(fn, args, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        fn(*args, **kwargs)  # batch_iterator validates eagerly, before the first next()
+        fn(*args, **kwargs)  # TokenStream validates eagerly, before the first next()

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from PIL import Image
 from tokenizers import Tokenizer
 
 from taco_jax.data import load_prepared, prepare_data
@@ -95,6 +96,24 @@ def test_sample_draws_only_the_tokenizers_ids(tmp_path):
     np.testing.assert_array_equal(ids, masked)
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (dict(final_checkpoint=False), "kept no checkpoint: it ran with --no-final-checkpoint and --checkpoint-every 0"),
+    (dict(final_checkpoint=False, checkpoint_every=9, steps=4), "--checkpoint-every 9 (more than its 4 steps)"),
+    (dict(), "has no --export-hf folder and no complete checkpoint"),
+])
+def test_sample_names_why_a_run_has_no_weights(tmp_path, flags, says):
+    """`sample --from RUN` of a run folder without weights says why (its checkpoint flags) and which
+    flags keep them."""
+    from taco_jax.train.sample import load_for_sampling
+
+    (tmp_path / "config.json").write_text(json.dumps(TrainConfig(out=str(tmp_path), **flags).to_dict()))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="train it with --export-hf DIR, --checkpoint-every N or a final checkpoint") \
+            as e:
+        load_for_sampling(tmp_path)
+    assert says in str(e.value)
+
+
 def test_resume_refuses_another_tokenizer_and_notes_other_data(bpe300, tmp_path, capsys):
     """A run on `--data` with a checkpoint: resuming with data of another tokenizer is refused naming
     both tokenizers (the run's tokenizer.json untouched); data with the same tokenizer is accepted,
@@ -110,6 +129,7 @@ def test_resume_refuses_another_tokenizer_and_notes_other_data(bpe300, tmp_path,
     summary = train(TrainConfig(data=str(bpe300), out=str(out), checkpoint_every=2, **one), progress=False,
                     devices=jax.devices()[:1])
     assert np.isfinite(summary["final_val_loss"])
+    assert Image.open(out / "loss.png").info["Title"].startswith(f"gpt2-narrow on data='{bpe300}', mesh data=1")
     run_tok = (out / "tokenizer.json").read_bytes()
 
     (tmp_path / "b.txt").write_text(play_text("othello")[:20000])

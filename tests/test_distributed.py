@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from taco_jax.cli import config_from_argv
-from taco_jax.data import TokenStream, batch_iterator
+from taco_jax.data import TokenStream
 from taco_jax.launch import MALLOC_KEEP, free_port, launch, malloc_env, run_local
 from taco_jax.train import distributed
 from taco_jax.train.distributed import DistConfig
@@ -219,11 +219,11 @@ def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
 
 def test_token_stream_sharded_rows_match_host_windows_and_resume(mesh):
     """The one training stream (`data.TokenStream`) gives the same windows built as global arrays on a
-    sharding (each process reads its own rows) as iterated on the host (`batch_iterator`, same seed),
+    sharding (each process reads its own rows) as iterated on the host (same seed),
     and its saved state continues it exactly."""
     tokens = np.arange(1000, dtype=np.int32) * 7 % 503
     sharding = NamedSharding(mesh, P("data"))
-    ref = batch_iterator(tokens, 8, 16, seed=3)
+    ref = TokenStream(tokens, 8, 16, seed=3)
     stream = TokenStream(tokens, 8, 16, seed=3)
     for _ in range(2):
         x, y = stream.next(sharding)

@@ -40,7 +40,7 @@ def test_every_study_imports_as_a_package_module_with_a_main(name):
 
 def test_doc_commands_name_existing_studies():
     """`python -m experiments.NAME` names a study; `python experiments/NAME.py` is left only for a
-    probe that was removed (the doc says so next to it)."""
+    probe that experiments/ does not hold (the doc says so next to it)."""
     for doc in DOCS:
         text = doc.read_text()
         for name in re.findall(r"-m experiments\.(\w+)", text):
@@ -91,3 +91,12 @@ def test_studies_start_the_cli_shadow_proof():
     from taco_jax.launch import cli_command
 
     assert cli_command("train", "--steps", "1")[1:] == ["-P", "-m", "taco_jax.cli", "train", "--steps", "1"]
+
+
+def test_shell_scripts_start_the_package_without_the_working_folder():
+    """A script's `python -m taco_jax...` runs with -P: a `taco_jax` folder in the working folder
+    cannot shadow the installed package."""
+    bare = [f"{p.name}:{i}" for p in sorted((ROOT / "experiments").glob("*.sh"))
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(r"-m taco_jax\b", line) and not re.search(r"\s-P\s+-m taco_jax\b", line)]
+    assert bare == [], f"start the package with `python -P -m taco_jax...` at {bare}"

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from taco_jax.codec import TACO, decode, encode, reference
+from taco_jax.codec.backends import default_platform
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.dispatch import clip_to_dtype
 from taco_jax.kernels import ffi_codec, ffi_wire
-from taco_jax.kernels._platform import default_platform
 from taco_jax.kernels.conformance import assert_conforms, assert_decode_conforms, make_groups
 
 ON_GPU = default_platform() == "cuda"

@@ -18,11 +18,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from taco_jax import kernels  # noqa: E402
 from taco_jax.codec import backends as codec_backends  # noqa: E402
 from taco_jax.codec import decode, encode, reference  # noqa: E402
+from taco_jax.codec.backends import default_platform  # noqa: E402
 from taco_jax.codec.config import CodecConfig  # noqa: E402
 from taco_jax.codec.vma import vma_of  # noqa: E402
 from taco_jax.collectives.policy import CommPolicy  # noqa: E402
 from taco_jax.kernels import ffi_codec  # noqa: E402
-from taco_jax.kernels._platform import default_platform  # noqa: E402
 from taco_jax.kernels.conformance import (  # noqa: E402
     assert_conforms,
     assert_decode_conforms,
@@ -57,7 +57,7 @@ def test_unavailable_backend_named_explicitly_raises_listing_available():
 
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="unknown codec backend"):
-        kernels.get_backend("cuda-magic")
+        kernels.resolve("cuda-magic")
 
 
 def test_unknown_backend_name_rejected_by_codec_config():
@@ -69,7 +69,7 @@ def test_unknown_backend_name_rejected_by_codec_config():
 def test_pallas_on_cpu_warns_it_is_the_interpreter():
     kernels._warn_pallas_interpret.cache_clear()
     with pytest.warns(UserWarning, match="Pallas interpreter"):
-        kernels.get_backend("pallas")
+        assert kernels.resolve("pallas", "cpu") == "pallas"
 
 
 def test_auto_picks_ffi_on_cpu_when_built_else_reference():
@@ -78,7 +78,7 @@ def test_auto_picks_ffi_on_cpu_when_built_else_reference():
 
 
 def test_reference_backend_is_the_reference():
-    assert kernels.get_backend("reference") == (reference.encode_groups, reference.decode_groups)
+    assert codec_backends.get_backend("reference") == (reference.encode_groups, reference.decode_groups)
 
 
 def test_resolve_codec_makes_auto_concrete_and_names_reference_for_other_kinds():
@@ -168,7 +168,7 @@ def test_every_site_of_the_train_step_runs_the_requested_backend(monkeypatch, co
 
 def test_pallas_encode_exports_for_cuda_from_a_cpu_host():
     """Interpret mode follows the lowering platform: a CUDA export lowers the Triton kernels."""
-    enc, dec = kernels.get_backend("pallas")
+    enc, dec = codec_backends.get_backend("pallas")
     cfg = CodecConfig(group_size=64)
 
     def f(x):
@@ -384,7 +384,7 @@ def test_backend_inside_shard_map_matches_reference(name):
     g = 32
     cfg = CodecConfig(group_size=g)
     x, lc = make_groups(g, n_groups=3, batch=8, seed=6)
-    enc, dec = kernels.get_backend(name)
+    enc, dec = codec_backends.get_backend(name)
 
     def body(xb):  # [1, n_groups, G] per device
         codes, s, a = enc(xb, cfg, last_count=lc)

@@ -99,6 +99,12 @@ def test_predict_reproduces_the_emulated_gpu_table():
         assert f"{row['taco_tp+dp+pp']:.2f}×" == cells[4]
         assert row["published"] == cells[6]
         assert row["range"][0] <= row["taco_tp"] <= row["range"][1]
+    head, *body = planner.paper_lines(rows)  # what `predict --paper` prints: a header over aligned columns
+    assert head.split()[:2] == ["setting", "TP"] and "TP share" in head and head.endswith("published")
+    assert len(body) == len(rows)
+    for line, row in zip(body, rows, strict=True):
+        assert line.index(row["published"]) == head.index("published")
+        assert line.index(f"{row['taco_tp']:.2f}x") + 5 == head.index("TACO TP ") + len("TACO TP")
 
 
 def test_predict_places_tp_over_infiniband_across_two_nodes(capsys):
@@ -236,6 +242,14 @@ def test_plan_cli_writes_json_and_markdown_without_compiling(tmp_path, capsys):
                  "--seq-len", "4096", "--layers", "8", "--hardware", "h100", "--no-compile", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert re.search(r"predicted speedup [\d.]+x, range [\d.]+-[\d.]+x", text)
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("cost model on "))
+    assert lines[at].endswith(", per step:")
+    head, rows = lines[at + 1], lines[at + 2:at + 8]
+    assert [r.split()[0] for r in rows] == ["step", "compute", "tensor", "data", "stage", "throughput"]
+    for r in rows:  # each value right-aligned under its column's header, with its unit
+        assert r.endswith(" ms") or r.endswith(" tok/s")
+        assert len(r) == len(head) and r[head.index("exact") + 4] != " " and r[:head.index("exact") - 3].strip()
     data = json.loads((out / "plan.json").read_text())
     assert data["predict"]["n_layers"] == 8 and "compiled" not in data
     assert "--min-bytes auto" in (out / "plan.md").read_text()

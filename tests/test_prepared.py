@@ -11,7 +11,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from taco_jax.data import (
     TokenStream,
-    batch_iterator,
     check_data,
     load_prepared,
     prepare_data,
@@ -130,11 +129,11 @@ def test_bad_inputs_are_named(corpus, tmp_path):
 
 
 def test_memmap_stream_is_the_stream_and_resumes(corpus, tmp_path):
-    """The trainer's stream over the memory-mapped file draws the windows `batch_iterator` draws from
+    """The trainer's stream over the memory-mapped file draws the windows a `TokenStream` draws from
     the same tokens in memory (same seed), and its state continues it exactly."""
     prepare_data([str(corpus)], tmp_path, init_from=str(QWEN3), progress=False)
     ds = load_prepared(tmp_path)
-    ref = batch_iterator(np.asarray(ds.train, np.int32).copy(), 4, 16, seed=5)
+    ref = TokenStream(np.asarray(ds.train, np.int32).copy(), 4, 16, seed=5)
     stream = TokenStream(ds.train, 4, 16, seed=5)
     for _ in range(3):
         (x, y), (rx, ry) = next(stream), next(ref)

@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 from taco_jax import collectives as C
 from taco_jax import kernels
 from taco_jax.codec import NONE, TACO, encode, reduce_groups
+from taco_jax.codec.backends import default_platform
 from taco_jax.collectives import compressed
 from taco_jax.kernels import ffi_codec
-from taco_jax.kernels._platform import default_platform
 
 EPS = 2.0**-4 + 3e-5
 FFI_REASON = ffi_codec.unavailable_reason(default_platform())

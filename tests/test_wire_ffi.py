@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax.codec import TACO, decode, encode, reduce_encoded, resolve_codec, wire_for
 from taco_jax.codec import wire as generic_wire
+from taco_jax.codec.backends import default_platform
 from taco_jax.collectives import compressed
 from taco_jax.kernels import ffi_codec
-from taco_jax.kernels._platform import default_platform
 
 FFI_REASON = ffi_codec.unavailable_reason("cpu") if default_platform() == "cpu" else "not running on CPU"
 pytestmark = pytest.mark.skipif(FFI_REASON is not None,

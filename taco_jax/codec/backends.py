@@ -6,7 +6,8 @@ and `taco_jax.codec.wire` the "generic" wire codec; `taco_jax.kernels` registers
 "triton" and "ffi" group backends, the "ffi" wire codec (CPU) and the resolver of backend names
 (`register_resolver`: which backend "auto" stands for, and whether a named one can run here)
 when it is imported. Every "auto" of a `CodecConfig` is resolved in one place,
-`taco_jax.codec.dispatch.resolve_codec`, which asks these registries.
+`taco_jax.codec.dispatch.resolve_codec`, which asks these registries, for the platform the codec is
+traced for (`default_platform`: jax's, or the one `kernels.pallas_codec.lowering_platform` pins).
 
 Contract of a group backend (spec §2 steps 1-5 and their inverse):
   encode_groups(xg, cfg, *, last_count) -> (codes, s, a)
@@ -58,8 +59,11 @@ its dtype; the rows' leading axes index messages.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import NamedTuple
+
+import jax
 
 
 class GroupBackend(NamedTuple):
@@ -89,6 +93,8 @@ class WireCodec(NamedTuple):
 _LOADERS: dict[str, Callable[[], GroupBackend]] = {}
 _LOADED: dict[str, GroupBackend] = {}
 _RESOLVER: list[Callable] = []  # at most one (`register_resolver`)
+#: (platform, gpu_lowering) pinned by `taco_jax.kernels.pallas_codec.lowering_platform`, else None.
+PINNED: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("taco_platform", default=None)
 _REDUCERS: dict[str, Callable] = {}
 _NATIVE: dict[str, NativeSupport] = {}
 _WIRE_LOADERS: dict[str, tuple[Callable[[], WireCodec], tuple[str, ...]]] = {}
@@ -132,17 +138,29 @@ def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
     _NATIVE.pop(name, None)
 
 
-def register_resolver(resolver: Callable, platform: Callable[[], str]) -> None:
+def register_resolver(resolver: Callable) -> None:
     """Registers `resolver(name, platform, *, n_devices) -> concrete backend name` (it raises
-    ValueError for a backend that cannot run on `platform`) and `platform() -> str`, the platform
-    traced for by default; `taco_jax.kernels` registers `resolve` and `default_platform`.
-    Re-registering replaces them."""
-    _RESOLVER[:] = [(resolver, platform)]
+    ValueError for a backend that cannot run on `platform`); `taco_jax.kernels` registers `resolve`.
+    Re-registering replaces it."""
+    _RESOLVER[:] = [resolver]
+
+
+def pinned_platform() -> str | None:
+    """The platform pinned by an enclosing `taco_jax.kernels.pallas_codec.lowering_platform(...)`,
+    else None."""
+    pinned = PINNED.get()
+    return None if pinned is None else pinned[0]
 
 
 def default_platform() -> str:
-    """The platform the codec is traced for: the registered one (`taco_jax.kernels`), else "cpu"."""
-    return _RESOLVER[0][1]() if _RESOLVER else "cpu"
+    """The platform the codec and its kernels are traced for (name as `jax.export` spells it): the
+    pinned one (`pinned_platform`), else jax's default platform: "cpu", "cuda", "rocm" or "tpu"
+    ("gpu" is reported as "cuda")."""
+    pinned = pinned_platform()
+    if pinned is not None:
+        return pinned
+    p = jax.default_backend()
+    return "cuda" if p == "gpu" else p
 
 
 def resolve_backend(name: str, platform: str | None = None, *, n_devices: int = 1) -> str:
@@ -150,7 +168,7 @@ def resolve_backend(name: str, platform: str | None = None, *, n_devices: int = 
     the registered resolver's answer; without one (`taco_jax.kernels` not imported), "reference"
     for "auto" and the name itself otherwise. Raises ValueError from the resolver."""
     if _RESOLVER:
-        return _RESOLVER[0][0](name, platform, n_devices=n_devices)
+        return _RESOLVER[0](name, platform, n_devices=n_devices)
     return "reference" if name == "auto" else name
 
 

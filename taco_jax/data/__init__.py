@@ -6,6 +6,7 @@ from taco_jax.data.prepared import (
     PreparedData,
     check_data,
     check_resumed_data,
+    data_label,
     load_prepared,
     prepare_data,
     tokenizer_hash,
@@ -19,7 +20,7 @@ from taco_jax.data.shakespeare import (
     available_plays,
     load_shakespeare,
 )
-from taco_jax.data.stream import TokenStream, batch_iterator, eval_batches, global_batch
+from taco_jax.data.stream import TokenStream, eval_batches, global_batch
 
 __all__ = [
     "DEFAULT_VAL_PLAYS",
@@ -28,9 +29,9 @@ __all__ = [
     "TextDataset",
     "TokenStream",
     "available_plays",
-    "batch_iterator",
     "check_data",
     "check_resumed_data",
+    "data_label",
     "eval_batches",
     "global_batch",
     "load_prepared",

@@ -424,7 +424,7 @@ def check_resumed_data(ds, run_dir, data: str) -> str:
         before = json.loads((run_dir / "config.json").read_text()).get("data", "")
     except (OSError, ValueError):
         before = None  # the run's data is not recorded: only its tokenizer is compared
-    name = lambda d: f"data={d!r}" if d else "Shakespeare"  # noqa: E731
+    name = data_label
     if tokenizer_hash(theirs) != tokenizer_hash(ds.tokenizer_path):
         raise ValueError(f"--resume: the data's tokenizer {ds.tokenizer_path} ({name(data)}) differs from the run's "
                          f"tokenizer {theirs}" + (f" ({name(before)})" if before is not None else "")
@@ -433,6 +433,12 @@ def check_resumed_data(ds, run_dir, data: str) -> str:
     if before is None or _same_folder(before, data):
         return ""
     return f"--resume with {name(data)}: the run trained on {name(before)} (the same tokenizer); it continues on it"
+
+
+def data_label(data: str) -> str:
+    """How messages and plot titles name a run's data: "Shakespeare" for "" (the default), else
+    "data='<folder as given>'"."""
+    return f"data={data!r}" if data else "Shakespeare"
 
 
 def _same_folder(a: str, b: str) -> bool:

@@ -30,7 +30,7 @@ class TokenStream:
     """Infinite stream of random training windows of `tokens` (int array [n], e.g. a np.memmap),
     deterministic given `seed`.
 
-    Host side (iterator protocol, `batch_iterator`): `next(stream)` -> (inputs, targets), int32 numpy
+    Host side (iterator protocol): `next(stream)` -> (inputs, targets), int32 numpy
     [batch_size, seq_len], targets = inputs shifted left by one.
     Device side (the trainer): `stream.next(sharding)` -> the same windows as global int32
     `jax.Array`s on `sharding`, each process reading only its own devices' rows.
@@ -74,14 +74,6 @@ class TokenStream:
                              f"{type(self.rng.bit_generator).__name__!r}")
         self.rng.bit_generator.state = bg
         self.position = int(state["position"])
-
-
-def batch_iterator(tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int) -> TokenStream:
-    """Infinite stream of random training windows, deterministic given `seed` (a host `TokenStream`).
-
-    Yields (inputs, targets), both int32 [batch_size, seq_len], with targets = inputs shifted left by one.
-    """
-    return TokenStream(tokens, batch_size, seq_len, seed=seed)
 
 
 def global_batch(tokens, starts, seq_len: int, sharding):

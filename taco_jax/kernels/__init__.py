@@ -60,16 +60,15 @@ from pathlib import Path
 
 from taco_jax.codec.backends import (
     GroupBackend,
+    default_platform,
     register_backend,
     register_native,
     register_reducer,
     register_resolver,
     register_wire,
 )
-from taco_jax.codec.backends import get_backend as _registered
 from taco_jax.codec.config import BACKENDS
 from taco_jax.codec.dispatch import resolve_codec
-from taco_jax.kernels._platform import default_platform
 
 #: Backends whose implementation lives in this package: name -> module.
 _MODULES = {"pallas": "pallas_codec", "triton": "triton_codec", "ffi": "ffi_codec"}
@@ -170,6 +169,8 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
     if name == "pallas" and platform == "cpu" and n_devices > 1:
         raise ValueError(f"backend='pallas' runs the Pallas interpreter on CPU, which stalls in a {n_devices}-device "
                          "program; use backend 'ffi', 'auto' or 'reference'")
+    if name == "pallas" and platform == "cpu":
+        _warn_pallas_interpret()
     return name
 
 
@@ -194,9 +195,7 @@ def _warn_pallas_interpret():
 
 def _loader(name: str):
     def load() -> GroupBackend:
-        resolve(name)  # a clear ValueError if it cannot run here (checked once: the registry caches)
-        if name == "pallas" and default_platform() == "cpu":
-            _warn_pallas_interpret()
+        resolve(name)  # a clear ValueError (or the interpreter warning) if it cannot run well here
         mod = importlib.import_module(f"taco_jax.kernels.{_MODULES[name]}")
         if hasattr(mod, "reduce_groups"):
             register_reducer(name, mod.reduce_groups)
@@ -206,21 +205,9 @@ def _loader(name: str):
     return load
 
 
-def get_backend(name: str) -> GroupBackend:
-    """`(encode_groups, decode_groups)` of backend `name` (resolved for jax's default platform).
-
-    Raises:
-      ValueError: if `name` is unknown or not available here, listing the available ones.
-    """
-    name = resolve(name)
-    if name == "pallas" and default_platform() == "cpu":
-        _warn_pallas_interpret()
-    return _registered(name)
-
-
 for _name in _MODULES:
     register_backend(_name, _loader(_name))
-register_resolver(resolve, default_platform)
+register_resolver(resolve)
 register_wire("ffi", lambda: importlib.import_module("taco_jax.kernels.ffi_wire").FFI_WIRE, platforms=("cpu",))
 
-__all__ = ["available_backends", "get_backend", "gpu_rank", "gpu_speed_table", "resolve", "resolve_codec"]
+__all__ = ["available_backends", "gpu_rank", "gpu_speed_table", "resolve", "resolve_codec"]

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from taco_jax.codec import reference
+from taco_jax.codec.backends import get_backend
 from taco_jax.codec.config import CodecConfig
 
 
@@ -118,11 +119,11 @@ def check_backend(name: str, g: int, fmt: str, **data_kw) -> None:
     ("e4m3" / "e5m2") and group size `g`, on `make_groups(g, **data_kw)`: encode conforms, and
     decoding the same codes (dual and folded scale layout) conforms. Raises AssertionError, or
     the backend's own error (e.g. ValueError for a backend that is not available)."""
-    from taco_jax import kernels  # the backends register on import
+    import taco_jax.kernels  # noqa: F401, PLC0415  (the backends register on import)
 
     cfg = CodecConfig(fmt=fmt, group_size=g)
     x, last_count = make_groups(g, **data_kw)
-    enc, dec = kernels.get_backend(name)
+    enc, dec = get_backend(name)
     got = enc(jnp.asarray(x), cfg, last_count=last_count)
     assert_conforms(got, reference.encode_groups(jnp.asarray(x), cfg, last_count=last_count), g)
     codes, s, a = got

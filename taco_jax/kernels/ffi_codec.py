@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from taco_jax.codec.backends import default_platform
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.vma import pvary, vma_of
-from taco_jax.kernels._platform import default_platform
 
 LIB_DIR = Path(os.environ.get("TACO_KERNELS_LIB_DIR", Path(__file__).parent / "_lib"))
 LIBS = {"cpu": "libtaco_codec_cpu.so", "cuda": "libtaco_codec_cuda.so"}

@@ -34,9 +34,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from taco_jax.codec import constants as C
+from taco_jax.codec.backends import PINNED, pinned_platform  # noqa: F401  (pinned_platform: public here)
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.vma import pvary, shape_dtype, vma_of
-from taco_jax.kernels._platform import PINNED, pinned_platform  # noqa: F401  (pinned_platform: public here)
 
 #: Message dtypes the kernels read and write as they are (no convert around the kernel).
 NATIVE_DTYPES = ("float32", "bfloat16", "float16")

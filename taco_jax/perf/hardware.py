@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
-import tomllib
 
 from taco_jax.perf import model
 
@@ -122,18 +121,10 @@ def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
 def load_hardware(path=None) -> dict[str, HardwareSpec]:
     """The hardware of a TOML (or ".json") file, default the shipped `hardware.toml`.
     Raises ValueError naming the file when it cannot be read or parsed, or holds a bad entry."""
-    import json
+    from taco_jax.train.jsonio import read_table  # same floor; jsonio imports nothing of taco_jax
 
     path = pathlib.Path(path or HARDWARE_FILE)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"hardware file {str(path)!r}: cannot read it ({e.strerror or e})") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"hardware file {str(path)!r}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: "
-                         f"{e}") from None
+    data = read_table(path, "hardware file")
     return parse_hardware(data, f"hardware file {str(path)!r}")
 
 

@@ -286,11 +286,6 @@ def _model(cfg) -> CausalLMConfig:
     return cfg
 
 
-def hidden_size(cfg: CausalLMConfig) -> int:
-    """Hidden size D of a model config (the width of every tensor-parallel message)."""
-    return _model(cfg).d_model
-
-
 def param_count(cfg: CausalLMConfig) -> int:
     """Parameters of `cfg`'s model without vocabulary padding (`cfg.n_params()`, exact).
     Raises ValueError for an object that is not a model config."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from taco_jax.collectives.policy import CommPolicy
-from taco_jax.data import training_data
+from taco_jax.data import data_label, training_data
 from taco_jax.train import distributed as dist
 from taco_jax.train import jsonio
 from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
@@ -71,5 +71,5 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     taco_label = f"compressed ({codecs})" if axes else "taco (nothing compressed)"
     plot_losses(out / "loss.png", {"exact (every axis)": out / "none" / "metrics.jsonl",
                                    taco_label: out / "taco" / "metrics.jsonl"},
-                title=f"{cfg.model} on Shakespeare, mesh {cfg.mesh}: exact vs compressed")
+                title=f"{cfg.model} on {data_label(cfg.data)}, mesh {cfg.mesh}: exact vs compressed")
     return summary

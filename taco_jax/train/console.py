@@ -39,13 +39,16 @@ def rel(path, run_dir) -> str:
 
 #: Keys of a `train` summary shown by `summary_block` (label, key); the rest stays in summary.json.
 TRAIN_KEYS = (("comm", "comm"), ("mesh", "mesh"), ("steps", "steps"), ("train loss", "final_train_loss"),
-              ("val loss", "final_val_loss"), ("tokens/s", "tokens_per_s"), ("compile s", "compile_s"),
+              ("val loss", "final_val_loss"), ("throughput", "tokens_per_s"), ("compile time", "compile_s"),
               ("wire bytes/step", "wire_bytes_per_step"), ("resumed from step", "resumed_from_step"),
               ("preempted at step", "preempted_at_step"))
 #: The same for a `compare` summary.
 COMPARE_KEYS = (("mesh", "mesh"), ("val loss none", "val_loss_none"), ("val loss taco", "val_loss_taco"),
                 ("relative diff", "val_loss_rel_diff"), ("wire ratio compiled", "wire_ratio_taco_over_none"),
-                ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("tokens/s", "tokens_per_s"))
+                ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("throughput", "tokens_per_s"))
+#: The unit of a shown number (summary key -> how one value is written).
+UNITS = {"tokens_per_s": lambda v: f"{v:,.1f} tokens/s" if v < 1000 else f"{v:,.0f} tokens/s",
+         "compile_s": lambda v: f"{v:,.1f} s"}
 #: What a shown number is measured against (summary key -> note after it; `{dtype}`: the summary's).
 NOTES = {"wire_ratio_taco_over_none": "(taco / exact bytes per step as compiled; XLA:CPU widens the exact "
                                       "step's bf16 all-reduces to f32)",
@@ -60,13 +63,17 @@ def summary_block(summary: dict, out_dir) -> str:
     for label, key in keys:
         if summary.get(key) is not None:
             note = " " + NOTES[key].format_map(summary) if key in NOTES else ""
-            lines.append(f"  {label + ':':<20} {_fmt(summary[key])}{note}")
+            lines.append(f"  {label + ':':<20} {_fmt(summary[key], UNITS.get(key))}{note}")
     return "\n".join(["summary", *lines, f"  {'full summary:':<20} {pathlib.Path(out_dir) / 'summary.json'}"])
 
 
-def _fmt(v) -> str:
+def _fmt(v, unit=None) -> str:
+    """`v` as shown: `unit(v)` for a number with a unit, floats to 5 significant digits, a dict as
+    "key value, ..."."""
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_fmt(x, unit)}" for k, x in v.items()) or "-"
+    if unit is not None and isinstance(v, int | float):
+        return unit(v)
     if isinstance(v, float):
         return f"{v:.5g}"
-    if isinstance(v, dict):
-        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items()) or "-"
     return str(v)

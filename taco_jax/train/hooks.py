@@ -228,14 +228,15 @@ class Progress(Hook):
 
     def __init__(self, label: str, start: int, steps: int, log_every: int, show: bool):
         self.label, self.steps, self.log_every = label, steps, log_every
-        self.bar = tqdm(desc=f"train[{label}]", dynamic_ncols=True, initial=start, total=steps,
+        self.bar = tqdm(desc=f"train[{label}]", dynamic_ncols=True, initial=start, total=steps, unit="step",
                         disable=None if show else True)  # None: no bar off a terminal
         self.lines = show and log_every and not sys.stderr.isatty()
 
     def on_step(self, state, step, rec):
         val = state.val_loss
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", val=f"{val:.3f}" if val else "-")
+        self.bar.set_postfix({"loss": f"{rec['loss']:.3f}", "val": f"{val:.3f}" if val else "-",
+                              "tokens/s": f"{rec['tokens_per_s']:.0f}"})
         if self.lines and (step % self.log_every == 0 or step == self.steps):
             say(f"[train {self.label}] step {step}/{self.steps} loss {rec['loss']:.4f} val "
                 f"{f'{val:.4f}' if val is not None else '-'} {rec['tokens_per_s']:.0f} tokens/s")

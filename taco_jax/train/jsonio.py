@@ -1,4 +1,5 @@
-"""Strict JSON (RFC 8259) for every file and line the project writes: non-finite floats become strings.
+"""Strict JSON (RFC 8259) for every file and line the project writes: non-finite floats become strings;
+and `read_table`, the one reader of the TOML / JSON files a user hands in (`--config`, `--hardware`).
 
 Python's `json` writes NaN / ±Inf as the bare tokens `NaN`, `Infinity`, `-Infinity`, which are not
 JSON (`jq`, browsers and most parsers reject them). Here a non-finite float is written as the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import tomllib
 
 import numpy as np
 
@@ -57,3 +59,26 @@ def read_metrics(path) -> list[dict]:
     with open(path) as f:
         recs = [json.loads(line) for line in f]
     return [{k: float(v) if k in ("loss", "val_loss", "grad_norm") else v for k, v in r.items()} for r in recs]
+
+
+def read_table(path, what: str) -> dict:
+    """The top-level table of TOML file `path`, or of JSON file `path` when its suffix is ".json".
+    `what` names the file in errors (e.g. "--config", "hardware file").
+
+    Raises ValueError naming `what` and the file when it cannot be read, does not parse, or does not
+    hold a table / object at the top.
+    """
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"{what} {str(path)!r}: cannot read it ({e.strerror or e})") from None
+    as_json = path.suffix == ".json"
+    try:
+        values = json.loads(text) if as_json else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        kind = "JSON" if as_json else "TOML (.json files are read as JSON)"
+        raise ValueError(f"{what} {str(path)!r}: not valid {kind}: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{what} {str(path)!r}: must hold a table / object at the top, not {type(values).__name__}")
+    return values

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -24,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES, CommPolicy
-from taco_jax.data import TokenStream, check_data, check_resumed_data, eval_batches, training_data
+from taco_jax.data import TokenStream, check_data, check_resumed_data, data_label, eval_batches, training_data
 from taco_jax.models import count_params
 from taco_jax.models.hf import read_config, save_hf
 from taco_jax.parallel.mesh import DATA, MESH_AXES, STAGE
@@ -41,7 +42,7 @@ from taco_jax.train.step import Trainer, compiled_memory, make_trainer
 
 
 def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
-    """Trains `cfg.model` on Shakespeare; writes `config.json`, `metrics.jsonl`, `summary.json` and
+    """Trains `cfg.model` on Shakespeare or `cfg.data`; writes `config.json`, `metrics.jsonl`, `summary.json` and
     `loss.png` to `cfg.out` (strict JSON: non-finite numbers as strings, `train/jsonio.py`).
 
     Returns the summary: final train/validation loss, tokens/s, the policy that ran (backends
@@ -67,6 +68,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     """
     run = prepare(cfg, dataset, devices)  # 1. everything checked before anything is compiled
     state = initial_state(run)  # same initial parameters for every --comm (same seed)
+    if (done := finished_summary(run)) is not None:  # --resume of a run that reached cfg.steps
+        return done
     acct = compile_step(run, state)  # 2. compile once; wire bytes and memory from the compiled program
     resume(run, acct, state)  # from the latest checkpoint with --resume; the first batch
     with make_hooks(run, acct, state, progress) as run_hooks:  # 3. the loop
@@ -173,6 +176,25 @@ def initial_state(run: Run) -> hooks.RunState:
         run.ckpt.resume(run.cfg.to_dict(), params, opt_state, vocab=run.vocab, fallback=run.cfg.resume_fallback,
                         arrays=False)
     return hooks.RunState(params, opt_state, None, None)
+
+
+def finished_summary(run: Run) -> dict | None:
+    """With `--resume` of a run whose newest checkpoint is at `cfg.steps` or later (nothing to train):
+    its `summary.json`, left as it is (said on stderr). None for a run with steps to train.
+
+    Raises ValueError when such a run has no summary.json (give a larger --steps to continue it).
+    """
+    latest = run.ckpt.steps()[-1] if run.resuming else 0
+    if not run.resuming or latest < run.cfg.steps:
+        return None
+    run.ckpt.close()
+    summary = run.out / "summary.json"
+    done = (f"--resume: {rel(run.ckpt.directory / str(latest), run.out)} is at step {latest} of "
+            f"steps={run.cfg.steps}; the run is finished, nothing to do")
+    if not summary.exists():
+        raise ValueError(f"{done}, and it wrote no {summary}; give a larger --steps to continue it")
+    say(f"[taco-jax] {done} ({rel(summary, run.out)} left as it is; a larger --steps continues it)")
+    return json.loads(summary.read_text())
 
 
 def compile_step(run: Run, state: hooks.RunState) -> Accounting:
@@ -306,8 +328,8 @@ def write_outputs(run: Run, summary: dict, history: list[dict]) -> None:
     """`summary.json`, `loss.png` and (with monitor records) `monitor.png` in the run folder."""
     cfg, out = run.cfg, run.out
     jsonio.write(out / "summary.json", summary)
-    plot_losses(out / "loss.png", {cfg.comm: out / "metrics.jsonl"}, title=f"{cfg.model} on Shakespeare, mesh "
-                f"{cfg.mesh}; compressed axes: {', '.join(summary['compressed_axes']) or 'none'}")
+    plot_losses(out / "loss.png", {cfg.comm: out / "metrics.jsonl"}, title=f"{cfg.model} on {data_label(cfg.data)}, "
+                f"mesh {cfg.mesh}; compressed axes: {', '.join(summary['compressed_axes']) or 'none'}")
     if any("monitor" in r for r in history):
         plot_monitor(out / "monitor.png", out / "metrics.jsonl", title=f"{cfg.model}, mesh {cfg.mesh}, {cfg.comm}: "
                      "SQNR of the compressed TP collectives")

@@ -404,6 +404,32 @@ def _ms(s) -> str:
     return f"{s * 1e3:,.1f} ms"
 
 
+def _tokens_per_s(v) -> str:
+    return f"{v / 1e3:,.1f}k tok/s" if v >= 1e4 else f"{v:,.0f} tok/s"
+
+
+#: Columns of `paper_lines`: (header, width, format of a row's value).
+_PAPER_COLUMNS = (("TP share", 8, lambda r: f"{r['tp_comm_fraction']:.2f}"),
+                  ("TACO TP", 7, lambda r: f"{r['taco_tp']:.2f}x"),
+                  ("range", 12, lambda r: f"{r['range'][0]:.2f}-{r['range'][1]:.2f}x"),
+                  ("TACO TP+DP+PP", 13, lambda r: f"{r['taco_tp+dp+pp']:.2f}x"))
+
+
+def paper_lines(rows: list[dict]) -> list[str]:
+    """`paper_table()`'s rows as a text table: a header naming each column, then one aligned line per
+    row (setting, TP link, TP share of the exact step, TACO TP speedup with its range, TACO TP+DP+PP
+    speedup, the published figure)."""
+    ws = max(len(r["setting"]) for r in rows), max(len(r["tp_link"]) for r in rows)
+    head = [f"{'setting':{ws[0]}s}", f"{'TP link':{ws[1]}s}", *(f"{h:>{w}s}" for h, w, _ in _PAPER_COLUMNS),
+            "published"]
+    out = ["  ".join(head)]
+    for r in rows:
+        cells = [f"{r['setting']:{ws[0]}s}", f"{r['tp_link']:{ws[1]}s}",
+                 *(f"{fmt(r):>{w}s}" for _, w, fmt in _PAPER_COLUMNS), str(r["published"])]
+        out.append("  ".join(cells))
+    return out
+
+
 def lines(result: dict) -> list[str]:
     """The plan as short text lines (the terminal table; plan.md holds the same in Markdown)."""
     p = result["predict"]
@@ -450,10 +476,12 @@ def lines(result: dict) -> list[str]:
         else:
             L.append("wire dtypes: every site moves what its policy declares")
     e, t = p["exact"], p["policy"]
-    L.append(f"cost model on {hw['name']} (s per step): {'':8s}{'exact':>10s} {'policy':>10s}")
-    for k, name in (("step_s", "step"), ("compute_s", "compute"), ("tensor_s", "tensor"), ("data_s", "data"),
-                    ("stage_s", "stage")):
-        L.append(f"  {name:36s} {_ms(e[k]):>10s} {_ms(t[k]):>10s}")
+    L.append(f"cost model on {hw['name']}, per step:")
+    L.append(f"  {'':26s} {'exact':>13s} {'policy':>13s}")
+    for k, name in (("step_s", "step time"), ("compute_s", "compute"), ("tensor_s", "tensor axis"),
+                    ("data_s", "data axis"), ("stage_s", "stage axis")):
+        L.append(f"  {name:26s} {_ms(e[k]):>13s} {_ms(t[k]):>13s}")
+    L.append(f"  {'throughput':26s} {_tokens_per_s(e['tokens_per_s']):>13s} {_tokens_per_s(t['tokens_per_s']):>13s}")
     L.append(f"predicted speedup {p['speedup']:.2f}x, range {r['all'][0]:.2f}-{r['all'][1]:.2f}x (emulated "
              f"cluster {r['emulated'][0]:.2f}-{r['emulated'][1]:.2f}x; COCCL on 32 H800 "
              f"{r['coccl'][0]:.2f}-{r['coccl'][1]:.2f}x)")
@@ -509,6 +537,7 @@ def markdown(result: dict) -> str:
     L += [f"| {n} | {_ms(e[k])} | {_ms(t[k])} |" for k, n in (
         ("step_s", "step"), ("compute_s", "compute"), ("tensor_s", "tensor axis"), ("data_s", "data axis"),
         ("stage_s", "stage axis"))]
+    L.append(f"| throughput | {_tokens_per_s(e['tokens_per_s'])} | {_tokens_per_s(t['tokens_per_s'])} |")
     L += ["", f"Predicted speedup **{p['speedup']:.2f}×**, range {r['all'][0]:.2f}–{r['all'][1]:.2f}× "
           f"(emulated cluster {r['emulated'][0]:.2f}–{r['emulated'][1]:.2f}×, {p['errors']['emulated']['points']} "
           f"points; COCCL's 32 H800 {r['coccl'][0]:.2f}–{r['coccl'][1]:.2f}×, {p['errors']['coccl']['points']} "

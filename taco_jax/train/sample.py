@@ -29,6 +29,7 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
     """(InferenceModel, params) of a run's latest complete checkpoint. Raises ValueError when it has none."""
     import jax
     import orbax.checkpoint as ocp
+    from etils import epath
 
     from taco_jax.models.generate import InferenceModel
     from taco_jax.train.checkpoint import Checkpoints
@@ -43,9 +44,11 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
     finally:
         ckpt.close()
     if not steps:
-        raise ValueError(f"run {run} has no --export-hf folder and no complete checkpoint in {run / 'checkpoints'}")
+        raise ValueError(_no_checkpoint(run, cfg))
     path = (run / "checkpoints" / str(steps[-1]) / "state").resolve()  # Orbax reads no metadata from a relative path
-    tree = ocp.StandardCheckpointer().metadata(path).item_metadata["params"]
+    # the item's metadata from its handler: a Checkpointer would also read the step's _CHECKPOINT_METADATA, which
+    # the CheckpointManager keeps one folder up (absl warns "Metadata file does not exist"; nothing here uses it)
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(path))["params"]
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
     args = ocp.args.PyTreeRestore(item={"params": target}, partial_restore=True,
@@ -61,10 +64,22 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
     return InferenceModel.from_config(model_cfg), params
 
 
+def _no_checkpoint(run: pathlib.Path, cfg) -> str:
+    """Why run `run` (its config `cfg`) has no weights to sample from, and what keeps them."""
+    where = f"no --export-hf folder and no complete checkpoint in {run / 'checkpoints'}"
+    keep = ("to sample from a run, train it with --export-hf DIR, --checkpoint-every N or a final checkpoint "
+            "(the default)")
+    if not cfg.final_checkpoint and not 0 < cfg.checkpoint_every <= cfg.steps:
+        every = f"--checkpoint-every {cfg.checkpoint_every}" + (" (none)" if not cfg.checkpoint_every else
+                                                                f" (more than its {cfg.steps} steps)")
+        return f"run {run} kept no checkpoint: it ran with --no-final-checkpoint and {every}: {where}; {keep}"
+    return f"run {run} has {where} (a run that has not finished, or whose checkpoints were removed); {keep}"
+
+
 def _recorded_folder(run: pathlib.Path, conf: dict, key: str) -> pathlib.Path | None:
-    """Folder `key` of run `run`'s config.json `conf` (recorded absolute). A relative one (recorded
-    by an older run, against the folder the run was started from) is resolved against that folder,
-    told by the recorded relative `out` that ends `run`'s path; None when not recorded or not told."""
+    """Folder `key` of run `run`'s config.json `conf` (recorded absolute). A relative one (relative to
+    the folder the run was started from) is resolved against that folder, told by the recorded
+    relative `out` that ends `run`'s path; None when not recorded or not told."""
     if not conf.get(key):
         return None
     path, out = pathlib.Path(conf[key]), pathlib.Path(conf.get("out") or "")
