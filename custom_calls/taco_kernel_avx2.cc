@@ -46,11 +46,18 @@ TACO_AVX2 inline __m256 widen8(__m128i h) {
   }
 }
 
-// 8 message values -> 8 floats, exact.
+// 8 message values -> 8 floats, exact. bfloat16: the 16 bytes broadcast to both 128-bit lanes
+// (a load, no ALU uop) and one in-lane byte shuffle into each float's high half (rather than
+// vpmovzxwd, a lane-crossing shuffle, plus a shift).
 template <int DT>
 TACO_AVX2 inline __m256 load8(const Elem<DT>* p) {
   if constexpr (DT == kF32) {
     return _mm256_loadu_ps(p);
+  } else if constexpr (DT == kBF16) {
+    const __m256i hi16 = _mm256_setr_epi8(-128, -128, 0, 1, -128, -128, 2, 3, -128, -128, 4, 5, -128, -128, 6, 7,
+                                          -128, -128, 8, 9, -128, -128, 10, 11, -128, -128, 12, 13, -128, -128, 14, 15);
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(b, hi16));
   } else {
     return widen8<DT>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -159,6 +166,18 @@ TACO_AVX2 inline __m256 wht8(__m256 x) {
   x = _mm256_fmadd_ps(x, sg2, _mm256_permute_ps(x, 0x4E));
   x = _mm256_fmadd_ps(x, sg4, _mm256_permute2f128_ps(x, x, 0x01));
   return x;
+}
+
+// max |y[j]| over N vectors (lane-wise), as a tree of depth log2(N) rather than a chain of N
+// dependent maxima: max is exact, so any order gives the same result (for the non-NaN values
+// the encoder uses it on).
+template <int N>
+TACO_AVX2 inline __m256 abs_max_tree(const __m256* y) {
+  if constexpr (N == 1) {
+    return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y[0]);
+  } else {
+    return _mm256_max_ps(abs_max_tree<N / 2>(y), abs_max_tree<N / 2>(y + N / 2));
+  }
 }
 
 // Butterflies across vectors (element strides 8, 16, ..., 8 (V/2)).
@@ -326,9 +345,9 @@ TACO_AVX2 inline void fp8x16_to_f32_scaled(__m128i c16, __m256* lo, __m256* hi) 
 // (2) for the block, the adaptive scales a and quantization scales s as vectors (div / sqrt off
 // each group's critical path), with a folded into k = a / (sqrt(G) s); (3) quantize and store.
 // Groups whose sum of squares is not finite take the exact path (NaN codes, or y = WHT(a x)).
-template <int V, int FMT, int DT>
-TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float* a_out, int64_t g0,
-                                int64_t g1, const EncodeParams& p, bool stream) {
+template <int V, int FMT, int DT, bool STREAM>
+TACO_AVX2 void encode_range_t(const void* x_v, uint8_t* q, float* s_out, float* a_out, int64_t g0,
+                              int64_t g1, const EncodeParams& p) {
   constexpr int G = 8 * V;
   const Elem<DT>* x = static_cast<const Elem<DT>*>(x_v);
   // Groups per block: 8 (one vector lane each), 4 for G = 512 so that the block's transforms
@@ -361,11 +380,9 @@ TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float
           y[j] = wht8(v);
         }
         wht_cross<V>(y);
+        mx = abs_max_tree<V>(y);
 #pragma GCC unroll 64
-        for (int j = 0; j < V; ++j) {
-          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
-          _mm256_store_ps(ybuf[b] + 8 * j, y[j]);
-        }
+        for (int j = 0; j < V; ++j) _mm256_store_ps(ybuf[b] + 8 * j, y[j]);
       } else if constexpr (V == 16) {
         // G = 128: the stride-64 butterfly first, straight from the loads (x[i] +- x[i + 64]),
         // then each 64-element half in registers; absmax from registers, one store per vector.
@@ -389,11 +406,9 @@ TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float
         }
         sq = _mm256_add_ps(sq, sq2);
         wht_cross<8>(y);
+        mx = abs_max_tree<8>(y);
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
-          _mm256_store_ps(yb + 8 * j, y[j]);
-        }
+        for (int j = 0; j < 8; ++j) _mm256_store_ps(yb + 8 * j, y[j]);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
           if constexpr (DT == kF32) {
@@ -403,11 +418,9 @@ TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float
           }
         }
         wht_cross<8>(y);
+        mx = _mm256_max_ps(mx, abs_max_tree<8>(y));
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_mask, y[j]));
-          _mm256_store_ps(yb + 64 + 8 * j, y[j]);
-        }
+        for (int j = 0; j < 8; ++j) _mm256_store_ps(yb + 64 + 8 * j, y[j]);
       } else {  // 64-element blocks in registers, then the wider strides through L1
         float* yb = ybuf[b];
         for (int j0 = 0; j0 < V; j0 += 8) {
@@ -480,7 +493,7 @@ TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float
           c[t] = fp8_quantize_pre_avx<FMT>(_mm256_mul_ps(yv, vk), vr);
         }
         const __m256i packed = pack4_signed_fp8<FMT>(c, sgn);
-        if (stream) {
+        if constexpr (STREAM) {
           _mm256_stream_si256(reinterpret_cast<__m256i*>(qp + 8 * j), packed);
         } else {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + 8 * j), packed);
@@ -488,7 +501,19 @@ TACO_AVX2 void encode_range_avx(const void* x_v, uint8_t* q, float* s_out, float
       }
     }
   }
-  if (stream) _mm_sfence();  // streaming stores are weakly ordered: fence on this thread
+  if constexpr (STREAM) _mm_sfence();  // streaming stores are weakly ordered: fence on this thread
+}
+
+// The encoder with the store kind fixed at compile time, so that no branch splits the unrolled
+// quantize-and-pack loop (and its constants stay in registers).
+template <int V, int FMT, int DT>
+TACO_AVX2 void encode_range_avx(const void* x, uint8_t* q, float* s_out, float* a_out, int64_t g0, int64_t g1,
+                                const EncodeParams& p, bool stream) {
+  if (stream) {
+    encode_range_t<V, FMT, DT, true>(x, q, s_out, a_out, g0, g1, p);
+  } else {
+    encode_range_t<V, FMT, DT, false>(x, q, s_out, a_out, g0, g1, p);
+  }
 }
 
 template <int V, int FMT, int DT, bool ACC>

@@ -138,9 +138,13 @@ _FMT_OF_DTYPE = {jnp.dtype(jnp.float8_e4m3fn): 0, jnp.dtype(jnp.float8_e5m2): 1}
 
 
 def _codes_as_u8() -> bool:
-    """Whether the handlers exchange codes as uint8 (CPU): the FP8 bytes, typed uint8 so that the
-    wire codec's own uint8 view of them (`codec.wire.pack_rows`) cancels against ours and XLA
-    moves them without an elementwise bitcast-convert copy. The CUDA handlers take FP8 types."""
+    """Whether the decoding and reducing handlers take codes as uint8 (CPU): the FP8 bytes, typed
+    uint8 so that the wire codec's own uint8 view of received codes (`codec.wire.unpack_rows`)
+    cancels against ours and XLA moves them without an elementwise bitcast-convert copy. The CUDA
+    handlers take FP8 types. The encoder writes the FP8 type on every platform: XLA:CPU compiles a
+    bitcast-convert that does not cancel against another as an elementwise copy, so uint8 codes
+    returned as FP8 (the encoder's result) would take a second pass over the codes, into a
+    temporary buffer rather than the (donated) result."""
     return default_platform() == "cpu"
 
 
@@ -172,11 +176,10 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
     *lead, n_groups, g = xg.shape
     x2 = _native(xg).reshape(-1, g)  # [N, G]
     n = x2.shape[0]
-    u8 = _codes_as_u8()
     call = jax.ffi.ffi_call(
         "taco_encode",
         (
-            jax.ShapeDtypeStruct((n, g), jnp.uint8 if u8 else cfg.code_dtype),
+            jax.ShapeDtypeStruct((n, g), cfg.code_dtype),
             jax.ShapeDtypeStruct((n,), jnp.float32),
             jax.ShapeDtypeStruct((n,), jnp.float32),
         ),
@@ -193,8 +196,6 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
         impl=np.int32(impl),
     )
     codes, s, a = _revary(outs, vma_of(x2))
-    if u8:
-        codes = jax.lax.bitcast_convert_type(codes, cfg.code_dtype)
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
 
