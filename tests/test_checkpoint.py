@@ -175,7 +175,7 @@ def test_state_sharded_like_the_parameters_at_init_restore_and_export(tmp_path):
     held = _device_bytes(params, opt_state)
     even = sum(held.values()) / len(jax.devices())
     assert len(held) == 8 and max(held.values()) <= 1.1 * even, {d.id: b for d, b in held.items()}
-    eager = nnx.to_pure_dict(nnx.split(make_model(cfg.model_config, rngs=nnx.Rngs(cfg.seed)), nnx.Param)[1])
+    eager = nnx.to_pure_dict(nnx.split(make_model(cfg.model_config, rngs=nnx.Rngs(cfg.training.seed)), nnx.Param)[1])
     jax.tree.map(np.testing.assert_array_equal, params, trainer.staged.stack_layers(eager))
     hf.save_hf(tmp_path / "stacked", cfg.model_config, params, stacked_key=trainer.staged.layer_key)
     hf.save_hf(tmp_path / "model", cfg.model_config, eager)
