@@ -17,6 +17,7 @@ from taco_jax.cli import config_from_argv, main
 from taco_jax.data.shakespeare import EOT
 from taco_jax.models import load_hf
 from taco_jax.train import jsonio
+from taco_jax.train.config import flag_values
 from taco_jax.train.sample import load_for_sampling
 
 QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
@@ -153,7 +154,8 @@ def test_toml_config_profile_tensorboard_and_export(tmp_path, capsys, monkeypatc
     export, params = load_hf(tmp_path / "hf")
     shutil.copytree(QWEN3, tmp_path / "elsewhere" / "hf")
     monkeypatch.chdir(tmp_path / "elsewhere")
-    for conf in (written, {**written, "export_hf": "hf", "out": "run"}):  # as recorded; relative (older runs)
+    older = {**flag_values(written), "export_hf": "hf", "out": "run"}  # flat, relative: as older runs wrote it
+    for conf in (written, older):
         (out / "config.json").write_text(json.dumps(conf))
         model, got, _ = load_for_sampling(out)
         assert model.config == export.config

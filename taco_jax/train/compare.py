@@ -35,7 +35,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     configs = {"none": cfg.replace(policy=CommPolicy.none(), out=str(out / "none")),
                "taco": cfg.replace(out=str(out / "taco"))}
     for c in configs.values():
-        check_out_dir(c.out)
+        check_out_dir(c.checkpoint.out)
     runs = {c: train(run_cfg, dataset=ds, progress=progress) for c, run_cfg in configs.items()}
     base, taco = runs["none"]["final_val_loss"], runs["taco"]["final_val_loss"]
     wire = {c: r["wire_bytes_per_step"] for c, r in runs.items()}
@@ -66,7 +66,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     if not dist.is_writer():
         return summary
     jsonio.write(out / "summary.json", summary)
-    codecs = ", ".join(f"{a}: {policy_label(configs['taco'].policy, AXIS_SITES[a])}" for a in axes)
+    codecs = ", ".join(f"{a}: {policy_label(configs['taco'].communication.policy, AXIS_SITES[a])}" for a in axes)
     taco_label = f"compressed ({codecs})" if axes else "taco (nothing compressed)"
     plot_losses(out / "loss.png", {"exact (every axis)": out / "none" / "metrics.jsonl",
                                    taco_label: out / "taco" / "metrics.jsonl"},

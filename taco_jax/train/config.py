@@ -141,6 +141,7 @@ def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
 
 
 def _positive(section: str, obj, names) -> None:
+    """Raises ValueError naming the first field of `names` of `obj` that is not > 0."""
     for f in names:
         if getattr(obj, f) <= 0:
             raise ValueError(f"{f}={getattr(obj, f)} must be positive ([{section}] {f})")
@@ -151,11 +152,11 @@ class ModelSection:
     """`[model]`: the architecture and its numerics. `name` is the `--model` flag."""
 
     name: str = ""  # preset name (taco_jax.models.PRESETS); default gpt2-tiny, with --init-from the checkpoint's
-    vocab_size: int = 0  # model vocabulary (and Shakespeare's BPE); 0: --data's, a published preset's own, else 2048
     init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
+    vocab_size: int = 0  # model vocabulary (and Shakespeare's BPE); 0: --data's, a published preset's own, else 2048
+    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
     dtype: str = "bfloat16"  # compute dtype: bfloat16 (bf16 TP messages; FP32 weights, Adam, norms, loss) | float32
     remat: str = "none"  # rematerialise each decoder layer: none | block (keep matmul outputs) | full (keep input)
-    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
 
     def __post_init__(self):
         if self.vocab_size < 0:
@@ -169,9 +170,9 @@ class ModelSection:
 class DataSection:
     """`[data]`: what a step reads. `path` is the `--data` flag."""
 
+    path: str = ""  # token folder of `taco-jax prepare-data` (train.bin, val.bin, meta.json); default: Shakespeare
     batch_size: int = 16  # global batch (sequences); divided over the data axis
     seq_len: int = 128  # tokens per sequence
-    path: str = ""  # token folder of `taco-jax prepare-data` (train.bin, val.bin, meta.json); default: Shakespeare
 
     def __post_init__(self):
         _positive("data", self, ("batch_size", "seq_len"))
@@ -268,13 +269,13 @@ class CommunicationSection:
 class CheckpointSection:
     """`[checkpoint]`: the output folder, Orbax checkpoints, resuming and the Hugging Face export."""
 
-    export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
     out: str = "runs/default"  # output folder (created; must not be a file)
     checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps (0: the final one, SIGTERM's)
     final_checkpoint: bool = True  # checkpoint at the end of a run that ends normally (--no-final-checkpoint: none)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
     resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse
+    export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
 
     def __post_init__(self):
         if self.checkpoint_every < 0:
@@ -551,23 +552,21 @@ class TrainConfig:
         groups = _grouped(flags, "TrainConfig.replace")
         return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in groups.items()})
 
-    def flags(self) -> dict:
-        """{flag: value} of every flag of `FLAGS` (plus "policy", the `CommPolicy`)."""
-        return {flag: getattr(getattr(self, s), f) for (s, f), flag in FIELD_FLAGS.items()}
-
     def to_dict(self) -> dict:
         """JSON-ready sections {section: {field: value}} (`communication.policy` as
         `CommPolicy.to_dict()`): the `config.json` of a run, and a `--config` file. The folders of
         `PATH_FLAGS` absolute (resolved against the current folder; "" stays "")."""
         out = {}
-        for (s, f), flag in FIELD_FLAGS.items():
-            value = getattr(getattr(self, s), f)
-            if flag == "policy":
-                value = value.to_dict()
-            elif flag in PATH_FLAGS and value:
-                value = os.path.abspath(value)
-            out.setdefault(s, {})[f] = value
-        return {s: out[s] for s in SECTIONS}
+        for name in SECTIONS:
+            section = out[name] = {}
+            for f in dataclasses.fields(getattr(self, name)):
+                value, flag = getattr(getattr(self, name), f.name), FIELD_FLAGS[name, f.name]
+                if flag == "policy":
+                    value = value.to_dict()
+                elif flag in PATH_FLAGS and value:
+                    value = os.path.abspath(value)
+                section[f.name] = value
+        return out
 
     def profile_range(self) -> tuple[int, int] | None:
         """`logging.profile_steps` "A:B" as (A, B), 1 <= A <= B <= steps; None when not set."""
