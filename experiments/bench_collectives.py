@@ -371,13 +371,14 @@ def worker(cfg_path: str, process_id: int) -> None:
             c = kernels.resolve_codec(dataclasses.replace(base, backend=b), n_devices=p)
             codecs.setdefault((name, c.backend), c)
     from taco_jax.codec.config import NONE
+    from taco_jax.codec.dispatch import GLOO_REDUCE_SCATTER
 
     cases = []
     t_start = time.monotonic()
     env = dict(process_id=process_id, process_count=jax.process_count(), devices=[str(d) for d in devices],
                jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
                backend_platform=jax.default_backend(), glibc_tunables=os.environ.get("GLIBC_TUNABLES"),
-               gloo_reduce_scatter=os.environ.get("TACO_GLOO_REDUCE_SCATTER", "all_to_all"))
+               gloo_reduce_scatter=GLOO_REDUCE_SCATTER[0])  # the library's default (resolve_transport)
 
     def save(complete: bool) -> None:
         """This process's results so far (rewritten after every case: a run stopped by --timeout keeps

@@ -47,7 +47,6 @@ the monitor and one validation batch), and the study's estimated hours; nothing 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import pathlib
 import shutil
@@ -88,13 +87,13 @@ def run_config(study: dict, model: str, variant: str, seed: int, out):
     """The `TrainConfig` of one run of `study` (the study.json dict)."""
     from taco_jax.train.config import TrainConfig
 
-    return TrainConfig(model=model, mesh=study["mesh"], sequence_parallel=True, steps=study["steps"],
-                       batch_size=study["batch_size"], seq_len=study["seq_len"], lr=study["lr"], dtype=study["dtype"],
-                       seed=seed, eval_every=study["eval_every"], eval_batches=study["eval_batches"],
-                       data=study["corpus"], monitor_every=study["monitor_every"], monitor_warn_sqnr=-math.inf,
-                       checkpoint_every=study["checkpoint_every"], keep_checkpoints=1, resume=True,
-                       log_every=study["log_every"], out=str(run_dir(out, model, variant, seed)),
-                       policy=variant_policy(variant, study["backend"]))
+    return TrainConfig.from_flags(
+        model=model, mesh=study["mesh"], sequence_parallel=True, steps=study["steps"], batch_size=study["batch_size"],
+        seq_len=study["seq_len"], lr=study["lr"], dtype=study["dtype"], seed=seed, eval_every=study["eval_every"],
+        eval_batches=study["eval_batches"], data=study["corpus"], monitor_every=study["monitor_every"],
+        monitor_warn_sqnr=-math.inf, checkpoint_every=study["checkpoint_every"], keep_checkpoints=1, resume=True,
+        log_every=study["log_every"], out=str(run_dir(out, model, variant, seed)),
+        policy=variant_policy(variant, study["backend"]))
 
 
 def run_complete(path, steps: int) -> bool:
@@ -437,10 +436,10 @@ def probe(study: dict, models, steps: int = 4) -> list[dict]:
     for model in models:
         row = {"model": model}
         for variant in VARIANTS:
-            cfg = dataclasses.replace(run_config(study, model, variant, 0, "/tmp/unused"), eval_batches=1, resume=False)
+            cfg = run_config(study, model, variant, 0, "/tmp/unused").replace(eval_batches=1, resume=False)
             runner = SeedRunner(cfg, ds, devices)
             params, opt = runner.init(0)
-            batches = TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=0)
+            batches = TokenStream(ds.train, cfg.data.batch_size, cfg.data.seq_len, seed=0)
             walls, cpus = [], []
             for i in range(steps + 1):
                 x, y = batches.next(runner.batch_sharding)

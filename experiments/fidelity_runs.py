@@ -110,10 +110,10 @@ class SeedRunner:
         mesh = self.trainer.mesh
         self.batch_sharding = NamedSharding(mesh, P(*(a for a in (DATA,) if a in mesh.axis_names)))
         self.val = [dist.global_arrays(self.batch_sharding, x, y) for x, y in
-                    eval_batches(ds.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]
+                    eval_batches(ds.val, cfg.data.batch_size, cfg.data.seq_len, max_batches=cfg.logging.eval_batches)]
         t0 = time.perf_counter()
         params, opt_state = self.trainer.init()
-        batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=self.batch_sharding)
+        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), np.int32, sharding=self.batch_sharding)
         self.train_step = self.trainer.train_step.lower(params, opt_state, batch, batch).compile()
         self.eval_step = self.trainer.eval_step
         self.compile_s = time.perf_counter() - t0
@@ -133,16 +133,16 @@ class SeedRunner:
 
         t0 = time.perf_counter()
         params, opt_state = self.init(seed)
-        batches = TokenStream(self.ds.train, self.cfg.batch_size, self.cfg.seq_len, seed=seed)
+        batches = TokenStream(self.ds.train, self.cfg.data.batch_size, self.cfg.data.seq_len, seed=seed)
         host = functools.partial(np.array, copy=True)  # a copy: the next step donates the buffers
         kept = {0: jax.tree.map(host, params)} if 0 in keep_at else {}
         loss = float("nan")
-        for step in range(1, self.cfg.steps + 1):
+        for step in range(1, self.cfg.training.steps + 1):
             x, y = batches.next(self.batch_sharding)
             params, opt_state, m = self.train_step(params, opt_state, x, y)
             loss = float(m["loss"])
             if not math.isfinite(loss):
-                raise FloatingPointError(f"seed {seed}: loss {loss} at step {step} ({self.cfg.comm})")
+                raise FloatingPointError(f"seed {seed}: loss {loss} at step {step} ({self.cfg.communication.label})")
             if step in keep_at:
                 kept[step] = jax.tree.map(host, params)
         val = self.evaluate(params)
@@ -153,9 +153,9 @@ class SeedRunner:
 def base_config(args, model: str):
     from taco_jax.train.config import TrainConfig
 
-    return TrainConfig(model=model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size,
-                       seq_len=args.seq_len, eval_batches=args.eval_batches, lr=args.lr, dtype=args.dtype,
-                       out=str(pathlib.Path(args.out) / "unused"))
+    return TrainConfig.from_flags(model=model, mesh=args.mesh, steps=args.steps, batch_size=args.batch_size,
+                                  seq_len=args.seq_len, eval_batches=args.eval_batches, lr=args.lr, dtype=args.dtype,
+                                  out=str(pathlib.Path(args.out) / "unused"))
 
 
 def _read_done(path: pathlib.Path) -> dict:
@@ -301,7 +301,7 @@ def main(argv=None) -> dict:
             for s in todo:
                 r = runner.run(s)
                 r.pop("params")
-                rec = {"model": model, "variant": v, "codec": cfg.comm, **r,
+                rec = {"model": model, "variant": v, "codec": cfg.communication.label, **r,
                        "tokens_per_batch": args.batch_size * args.seq_len}
                 done[(model, v, s)] = rec
                 with open(runs_path, "a") as f:

@@ -229,7 +229,7 @@ def training(dry: bool, n_steps: int = 30) -> dict:
             t0 = time.perf_counter()
     s_per_step = (time.perf_counter() - t0) / max(1, steps - warm)
     note = "" if tp > 1 else "1 device: no tensor-parallel message; dp_comm=taco on a 1-device data axis"
-    return dict(mesh=mesh, backend=backend, dp_comm=cfg.policy.dp_grads.name, steps=steps, losses=losses,
+    return dict(mesh=mesh, backend=backend, dp_comm=cfg.communication.policy.dp_grads.name, steps=steps, losses=losses,
                 s_per_step=s_per_step,
                 tokens_per_s=b * t / s_per_step, loss_fell=losses[-1] < losses[0], note=note)
 

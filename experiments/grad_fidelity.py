@@ -147,14 +147,15 @@ def measure(cfg, ds, devices, checkpoints, codec_map: dict, site_sets: dict, *, 
     from taco_jax.collectives.policy import CommPolicy
     from taco_jax.data import TokenStream
 
-    if max(checkpoints) > cfg.steps:
-        raise ValueError(f"checkpoints={checkpoints} go beyond the run's steps={cfg.steps}")
+    if max(checkpoints) > cfg.training.steps:
+        raise ValueError(f"checkpoints={checkpoints} go beyond the run's steps={cfg.training.steps}")
     runner = SeedRunner(cfg, ds, devices)
     kept = runner.run(seed, keep_at=set(checkpoints))["params"]
     mesh, model_cfg = runner.trainer.mesh, cfg.model_config
     shard = jax.tree.map(lambda s: NamedSharding(mesh, s), runner.trainer.specs)
     params = {c: jax.device_put(kept[c], shard) for c in checkpoints}
-    batches = {c: TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=10_000 + c).next(runner.batch_sharding)
+    data = cfg.data
+    batches = {c: TokenStream(ds.train, data.batch_size, data.seq_len, seed=10_000 + c).next(runner.batch_sharding)
                for c in checkpoints}
     rows, refs = [], {}
     for sp in sorted({sp for _, sp in site_sets.values()} | ({False} if floor else set())):
@@ -165,7 +166,7 @@ def measure(cfg, ds, devices, checkpoints, codec_map: dict, site_sets: dict, *, 
         for c in checkpoints:
             loss, grads = f(params[c], *batches[c])
             ref_loss, ref_grads = refs[False][c]
-            rows.append({"model": cfg.model, "checkpoint": c, "sites": "all (no SP)", "codec": FLOOR,
+            rows.append({"model": cfg.model.name, "checkpoint": c, "sites": "all (no SP)", "codec": FLOOR,
                          "config": "none, float32 compute", "bytes_per_elt": 4.0, "loss": float(loss),
                          "exact_loss": float(ref_loss), "loss_rel_diff": float((loss - ref_loss) / ref_loss),
                          "groups": grad_compare(ref_grads, jax.tree.map(np.asarray, grads))})
@@ -180,14 +181,15 @@ def measure(cfg, ds, devices, checkpoints, codec_map: dict, site_sets: dict, *, 
             for c in checkpoints:
                 loss, grads = f(params[c], *batches[c])
                 ref_loss, ref_grads = refs[sp][c]
-                rows.append({"model": cfg.model, "checkpoint": c, "sites": name, "codec": cname, "config": codec.name,
+                rows.append({"model": cfg.model.name, "checkpoint": c, "sites": name, "codec": cname,
+                             "config": codec.name,
                              "bytes_per_elt": codec.wire_bytes_per_element(), "loss": float(loss),
                              "exact_loss": float(ref_loss),
                              "loss_rel_diff": float((loss - ref_loss) / ref_loss),
                              "groups": grad_compare(ref_grads, jax.tree.map(np.asarray, grads))})
                 if sink:
                     sink(rows[-1])
-            log(f"[grad_fidelity] {cfg.model} {name} {cname}: all-group SQNR "
+            log(f"[grad_fidelity] {cfg.model.name} {name} {cname}: all-group SQNR "
                 + ", ".join(f"{r['groups']['all']['sqnr_db']:.1f}" for r in rows[-len(checkpoints):])
                 + f" dB ({time.perf_counter() - t0:.0f} s)")
     return rows

@@ -56,21 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     from taco_jax.train.config import TrainConfig
     from taco_jax.train.step import make_trainer
 
-    cfg = TrainConfig.from_flags(**{f.name: getattr(args, f.name) for _, f in cli._flag_fields()})
+    cfg = TrainConfig.from_flags(**{flag: getattr(args, flag) for flag, _, _ in cli._flag_fields()})
     trainer = make_trainer(cfg)
     params, opt_state = trainer.init()
     axes = tuple(a for a in ("data",) if a in trainer.mesh.axis_names)
     sharding = NamedSharding(trainer.mesh, P(*axes))
-    spec = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=sharding)
+    spec = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), np.int32, sharding=sharding)
     compiled = trainer.train_step.lower(params, opt_state, spec, spec).compile()
     hlo = compiled.as_text()
     (out / "step.hlo").write_text(strip_metadata(hlo))
     rng = np.random.default_rng(0)
-    vocab = min(cfg.vocab_size, cfg.model_config.vocab_size)
+    vocab = min(cfg.model.vocab_size, cfg.model_config.vocab_size)
     numbers = {"wire_bytes": collective_bytes(hlo, trainer.mesh), "steps": []}
     for _ in range(2):
-        tok = jax.device_put(rng.integers(0, vocab, (cfg.batch_size, cfg.seq_len + 1), dtype=np.int32)[:, :-1],
-                             sharding)
+        shape = (cfg.data.batch_size, cfg.data.seq_len + 1)
+        tok = jax.device_put(rng.integers(0, vocab, shape, dtype=np.int32)[:, :-1], sharding)
         params, opt_state, metrics = compiled(params, opt_state, tok, tok)
         numbers["steps"].append({k: float(np.asarray(v, np.float64)).hex() for k, v in metrics.items()
                                  if np.ndim(v) == 0})

@@ -44,6 +44,8 @@ def main(argv=None) -> dict:
     p.add_argument("--algorithm", default="two_shot")
     p.add_argument("--reduce-domain", default="signal", help="two-shot taco all-reduce: signal | hadamard")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism on the tensor axis")
+    p.add_argument("--gloo-reduce-scatter", default="all_to_all", choices=("all_to_all", "lax"),
+                   help="exact reduce-scatter under gloo (as `taco-jax train --gloo-reduce-scatter`)")
     p.add_argument("--variants", default="none,taco", help="comma-separated --comm values; the first is the base")
     p.add_argument("--steps", type=int, default=20, help="timed rounds (after 2 warm-up rounds)")
     p.add_argument("--json", default="", help="write the result here (process 0)")
@@ -98,7 +100,8 @@ def main(argv=None) -> dict:
                                      seq_len=args.seq_len, dtype=args.dtype, backend=args.backend,
                                      vocab_size=args.vocab_size,
                                      algorithm=args.algorithm, reduce_domain=args.reduce_domain,
-                                     sequence_parallel=args.sequence_parallel)
+                                     sequence_parallel=args.sequence_parallel,
+                                     gloo_reduce_scatter=args.gloo_reduce_scatter)
         tr = make_trainer(cfg)
         sharding = NamedSharding(tr.mesh, P(*(a for a in (DATA,) if a in tr.mesh.axis_names)))
         rng = np.random.default_rng(0)
@@ -129,7 +132,7 @@ def main(argv=None) -> dict:
         "dtype": args.dtype, "sequence_parallel": args.sequence_parallel,
         "reduce_domain": args.reduce_domain, "processes": jax.process_count(), "devices": len(jax.devices()),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-        "gloo_reduce_scatter": os.environ.get("TACO_GLOO_REDUCE_SCATTER", "all_to_all"),
+        "gloo_reduce_scatter": args.gloo_reduce_scatter,
         "tensor_codec": {v: f"{state[v][6].ar_fwd.name}[{state[v][6].ar_fwd.backend}]" for v in variants},
         "compile_s": {v: state[v][5] for v in variants},
         "median_step_s": {v: statistics.median(times[v]) for v in variants},

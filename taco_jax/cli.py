@@ -29,12 +29,14 @@ def _field_help(cls) -> dict[str, str]:
 
 
 def _flag_fields():
-    """(dataclass, field) of every `train` / `compare` flag: `TrainConfig`'s fields but `policy`, then
-    `CommFlags`'s (mapped to the policy by `TrainConfig.from_flags`)."""
-    from taco_jax.train.config import CommFlags, TrainConfig
+    """(flag, dataclass, field) of every `train` / `compare` flag, in the order of `--help`: those
+    `TrainConfig` stores (`config.FLAGS`: a field of one of its sections), then `CommFlags`'s
+    (mapped to the policy by `TrainConfig.from_flags`)."""
+    from taco_jax.train.config import FLAGS, SECTIONS, CommFlags
 
-    return [(TrainConfig, f) for f in dataclasses.fields(TrainConfig) if f.name != "policy"] + \
-        [(CommFlags, f) for f in dataclasses.fields(CommFlags)]
+    fields = {cls: {f.name: f for f in dataclasses.fields(cls)} for cls in SECTIONS.values()}
+    return [(flag, SECTIONS[s], fields[SECTIONS[s]][f]) for flag, (s, f) in FLAGS.items()] + \
+        [(f.name, CommFlags, f) for f in dataclasses.fields(CommFlags)]
 
 
 def _or_auto(name: str, convert, ok, need: str, show=repr):
@@ -64,27 +66,27 @@ def _int_or_auto(name: str, low: int):
 _seconds_or_auto = _or_auto("step_timeout", float, lambda v: 0 <= v < float("inf"), "seconds >= 0", show=None)
 
 
-def _add_flag(sp, cls, f, helps, explicit: bool = False, hidden: bool = False) -> None:
-    """Adds `f`'s flag to `sp` (a parser or an argument group); `explicit`: no default (the namespace
-    then holds only given flags); `hidden`: accepted but not listed by --help."""
+def _add_flag(sp, name, cls, f, helps, explicit: bool = False, hidden: bool = False) -> None:
+    """Adds flag `name` (field `f` of `cls`) to `sp` (a parser or an argument group); `explicit`: no
+    default (the namespace then holds only given flags); `hidden`: accepted but not listed by --help."""
     from taco_jax.models import PRESETS
 
-    flag = "--" + f.name.replace("_", "-")
+    flag = "--" + name.replace("_", "-")
     help_ = argparse.SUPPRESS if hidden else helps[cls].get(f.name, "")
-    default = argparse.SUPPRESS if explicit else ([] if f.name == "site" else f.default)
-    if f.name == "site":
+    default = argparse.SUPPRESS if explicit else ([] if name == "site" else f.default)
+    if name == "site":
         sp.add_argument(flag, action="append", default=default, metavar="SITE:FIELD=VALUE,...", help=help_)
     elif f.type in ("bool", bool):
         sp.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
-    elif f.name == "min_bytes":  # an integer or "auto" (taco_jax.perf.resolve_min_bytes)
+    elif name == "min_bytes":  # an integer or "auto" (taco_jax.perf.resolve_min_bytes)
         sp.add_argument(flag, type=_int_or_auto("min_bytes", 0), default=default, metavar="BYTES|auto", help=help_)
-    elif f.name == "chunks":  # an integer or "auto" (collectives.compressed.auto_chunks)
+    elif name == "chunks":  # an integer or "auto" (collectives.compressed.auto_chunks)
         sp.add_argument(flag, type=_int_or_auto("chunks", 1), default=default, metavar="K|auto", help=help_)
-    elif f.name == "policy_file":  # `train --policy FILE`; --policy-file: the same flag (field name)
-        sp.add_argument("--policy", flag, dest=f.name, default=default, metavar="FILE", help=help_)
-    elif f.name == "step_timeout":  # seconds or "auto" (train.distributed.StepWatchdog)
+    elif name == "policy_file":  # `train --policy FILE`; --policy-file: the same flag (field name)
+        sp.add_argument("--policy", flag, dest=name, default=default, metavar="FILE", help=help_)
+    elif name == "step_timeout":  # seconds or "auto" (train.distributed.StepWatchdog)
         sp.add_argument(flag, type=_seconds_or_auto, default=default, metavar="S|auto", help=help_)
-    elif f.name == "model":
+    elif name == "model":
         sp.add_argument(flag, default=default, choices=sorted(PRESETS), metavar="PRESET",
                         help=help_ if hidden else f"{help_}: {', '.join(sorted(PRESETS))}")
     else:
@@ -95,11 +97,11 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     """The command line. `explicit`: the `train` / `compare` flags without defaults (which were given)."""
     from taco_jax import __version__
     from taco_jax.train.calibrate import DEFAULT_BUDGET
-    from taco_jax.train.config import CommFlags, TrainConfig
+    from taco_jax.train.config import SECTIONS, CommFlags
 
     p = argparse.ArgumentParser(prog="taco-jax", description=__doc__, allow_abbrev=False)  # a typo is no other flag
     p.add_argument("--version", action="version", version=f"taco-jax {__version__}")
-    helps = {TrainConfig: _field_help(TrainConfig), CommFlags: _field_help(CommFlags)}
+    helps = {cls: _field_help(cls) for cls in (*SECTIONS.values(), CommFlags)}
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "train one model"),
                         ("compare", "train exact (every axis), then with the codec flags' policy; plot both")):
@@ -112,8 +114,8 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         sp.add_argument("--config", default="", metavar="FILE",
                         help="flag values from a TOML file (flag = value; or a run's config.json): the flags "
                              "given on the command line win; docs/training.md")
-        for cls, f in _flag_fields():
-            _add_flag(sp, cls, f, helps, explicit)
+        for flag, cls, f in _flag_fields():
+            _add_flag(sp, flag, cls, f, helps, explicit)
         sp.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
         sp.add_argument("--distributed", action="store_true",
                         help="multi-process run; unset --coordinator / --num-processes / --process-id are "
@@ -192,10 +194,10 @@ def _add_plan(sub, helps, explicit: bool) -> None:
         run = sp.add_argument_group("the run (train's flags that shape the program)")
         comm = sp.add_argument_group("communication (as train)")
         own = sp.add_argument_group(f"{name}: hardware and output")
-        for cls, f in _flag_fields():
-            hidden = f.name in PLAN_UNUSED or (f.name == "out" and name == "predict")
-            _add_flag(own if f.name == "out" else comm if cls.__name__ == "CommFlags" else run, cls, f, helps,
-                      explicit, hidden=hidden)
+        for flag, cls, f in _flag_fields():
+            hidden = flag in PLAN_UNUSED or (flag == "out" and name == "predict")
+            group = own if flag == "out" else comm if cls.__name__ in ("CommFlags", "CommunicationSection") else run
+            _add_flag(group, flag, cls, f, helps, explicit, hidden=hidden)
         own.add_argument("--hardware", default="", metavar="NAME",
                          help="declared hardware (taco_jax/perf/hardware.toml: h100, h200, h800, a100, b200, l40s; "
                               "or an entry of --hardware-file); empty: h200, or the file's one entry")
@@ -476,7 +478,7 @@ def _train_config(args, file_policy: dict | None):
     from taco_jax.collectives.policy import CommPolicy
     from taco_jax.train.config import CommFlags, TrainConfig
 
-    flags = {f.name: getattr(args, f.name) for _, f in _flag_fields()}  # the one mapping: flags -> TrainConfig
+    flags = {name: getattr(args, name) for name, _, _ in _flag_fields()}  # the one mapping: flags -> TrainConfig
     if file_policy is not None:  # a run's config.json: its policy as it was
         flags = {k: v for k, v in flags.items() if k not in {f.name for f in dataclasses.fields(CommFlags)}}
         flags["policy"] = CommPolicy.from_dict(file_policy, where=f"--config {args.config!r}: policy")
@@ -524,7 +526,7 @@ def _train_or_compare(args, file_policy: dict | None) -> int:
     except FloatingPointError as e:  # non-finite loss, or a codec with nonfinite="error"
         return _error(e, EXIT_RUN_FAILED)
     if jax.process_index() == 0:  # one summary per run: its key numbers (the rest in summary.json)
-        sys.stdout.write(summary_block(result, cfg.out) + "\n")
+        sys.stdout.write(summary_block(result, cfg.checkpoint.out) + "\n")
         sys.stdout.flush()
     return 0
 

@@ -134,7 +134,7 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
             raise ValueError(f"{flag} is set by the launcher; remove it from the command")
     out = out or sys.stdout
     cfg = run_config(argv, config_of)  # the mesh of the command as `train` resolves it (--mesh, --config, default)
-    axes = cfg.mesh_axes if cfg is not None else None
+    axes = cfg.parallelism.axes if cfg is not None else None
     if axes:
         check_mesh_fits(axes, processes)
     spec = emulate.LinkSpec.parse(link, nodes) if link else None

@@ -1,7 +1,6 @@
 """3D parallelism (data × stage × tensor): explicit DP gradient sync, per-axis compression in the HLO,
 bad configs, and (slow) 20-step agreement with a one-device run on the real text."""
 
-import dataclasses
 import json
 
 import jax
@@ -104,10 +103,10 @@ def test_3d_run_matches_one_device_after_20_steps(tmp_path, model, schedule):
     base = TrainConfig.from_flags(model=model, comm="none", dtype="float32", vocab_size=512, batch_size=8,
                                   seq_len=64, steps=20, warmup_steps=2, eval_every=20, eval_batches=2)
     runs = {}
-    for name, cfg in (("one", dataclasses.replace(base, mesh="data=1")),
-                      ("3d", dataclasses.replace(base, mesh="data=2,stage=2,tensor=2", microbatches=2,
-                                                 schedule=schedule))):
-        cfg = dataclasses.replace(cfg, out=str(tmp_path / name))
+    for name, cfg in (("one", base.replace(mesh="data=1")),
+                      ("3d", base.replace(mesh="data=2,stage=2,tensor=2", microbatches=2,
+                                  schedule=schedule))):
+        cfg = cfg.replace(out=str(tmp_path / name))
         devices = jax.devices()[:1] if name == "one" else None
         runs[name] = train(cfg, dataset=ds, progress=False, devices=devices)
     losses = {k: [json.loads(line)["loss"] for line in open(tmp_path / k / "metrics.jsonl")] for k in runs}

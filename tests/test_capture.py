@@ -23,12 +23,12 @@ def dataset(tmp_path_factory):
 
 
 def _first_batch(cfg, ds):
-    return next(TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed))
+    return next(TokenStream(ds.train, cfg.data.batch_size, cfg.data.seq_len, seed=cfg.training.seed))
 
 
 def _unsharded_h_and_grad(cfg, ids, targets):
     """Initial GPT without a mesh: final-LayerNorm output h and d(mean loss)/dh (the lm head's input)."""
-    model = GPT(cfg.model_config, rngs=nnx.Rngs(cfg.seed))
+    model = GPT(cfg.model_config, rngs=nnx.Rngs(cfg.training.seed))
     x = model.wte(jnp.asarray(ids)) + model.wpe[...][: ids.shape[1]][None]
     for block in model.h:
         x = block(x)

@@ -75,14 +75,20 @@ def test_restore_onto_another_mesh_is_exact(saved):
     ck.close()
 
 
+def _with(cfg, **model):
+    """`cfg.to_dict()` with these `[model]` fields replaced (unchecked, as a recorded config.json)."""
+    d = cfg.to_dict()
+    return {**d, "model": {**d["model"], **model}}
+
+
 def test_other_model_or_vocab_refused_naming_it(saved, tmp_path):
     d, cfg, _, _ = saved
     _, _, params, opt_state = _state("data=2,tensor=4")
     ck = Checkpoints(d, keep=2)
     with pytest.raises(CheckpointError, match=r"is of model='gpt2-tiny', this run has model='gpt2-mini'"):
-        ck.restore(3, {**cfg.to_dict(), "model": "gpt2-mini"}, params, opt_state)
+        ck.restore(3, _with(cfg, name="gpt2-mini"), params, opt_state)
     with pytest.raises(CheckpointError, match=r"vocab_size=2048, this run has vocab_size=4096"):
-        ck.restore(3, {**cfg.to_dict(), "vocab_size": 4096}, params, opt_state)
+        ck.restore(3, _with(cfg, vocab_size=4096), params, opt_state)
     # same names, other shapes (e.g. a preset edited in between): the parameter is named
     wide = TrainConfig.from_flags(mesh="data=2,tensor=4", batch_size=8, seq_len=32, comm="none", vocab_size=4096)
     p2, o2 = make_trainer(wide).init()
@@ -189,7 +195,7 @@ def test_state_sharded_like_the_parameters_at_init_restore_and_export(tmp_path):
     held = _device_bytes(params, opt_state)
     even = sum(held.values()) / len(jax.devices())
     assert len(held) == 8 and max(held.values()) <= 1.1 * even, {d.id: b for d, b in held.items()}
-    eager = nnx.to_pure_dict(nnx.split(make_model(cfg.model_config, rngs=nnx.Rngs(cfg.seed)), nnx.Param)[1])
+    eager = nnx.to_pure_dict(nnx.split(make_model(cfg.model_config, rngs=nnx.Rngs(cfg.training.seed)), nnx.Param)[1])
     jax.tree.map(np.testing.assert_array_equal, params, trainer.staged.stack_layers(eager))
     hf.save_hf(tmp_path / "stacked", cfg.model_config, params, stacked_key=trainer.staged.layer_key)
     hf.save_hf(tmp_path / "model", cfg.model_config, eager)

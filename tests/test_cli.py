@@ -131,24 +131,25 @@ def test_summary_block_gives_throughput_and_compile_time_with_units(tmp_path):
 
 def test_flags_map_to_one_policy(tmp_path):
     cfg = TrainConfig.from_flags(comm="int8", dp_comm="taco", pp_comm="tah", backend="ffi", group_size=64)
-    assert {getattr(cfg.policy, s).kind for s in TENSOR_SITES} == {"int8"}
+    assert {getattr(cfg.communication.policy, s).kind for s in TENSOR_SITES} == {"int8"}
     # every site's codec gets the requested backend (--dp-comm / --pp-comm included)
-    assert {getattr(cfg.policy, s).backend for s in SITES} == {"ffi"}
-    assert cfg.policy.pp_send == CodecConfig(kind="tah", group_size=64, backend="ffi")
+    assert {getattr(cfg.communication.policy, s).backend for s in SITES} == {"ffi"}
+    assert cfg.communication.policy.pp_send == CodecConfig(kind="tah", group_size=64, backend="ffi")
     # the policy file is read once, when the config is built
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"sites": {"ar_fwd": {"kind": "int4"}}}))
     cfg = TrainConfig.from_flags(policy_file=str(path), site=["ar_fwd:group_size=256", "ar_bwd:kind=int8"])
     path.unlink()
-    assert cfg.policy.ar_fwd == CodecConfig(kind="int4", group_size=256)  # file, then --site
-    assert cfg.policy.ar_bwd == CodecConfig(kind="int8") and cfg.policy.all_gather == CodecConfig()
-    assert _strict_loads(jsonio.dumps(cfg.to_dict()))["policy"]["sites"]["ar_fwd"] == {"kind": "int4",
-                                                                                       "group_size": 256}
+    assert cfg.communication.policy.ar_fwd == CodecConfig(kind="int4", group_size=256)  # file, then --site
+    pol = cfg.communication.policy
+    assert pol.ar_bwd == CodecConfig(kind="int8") and pol.all_gather == CodecConfig()
+    sites = _strict_loads(jsonio.dumps(cfg.to_dict()))["communication"]["policy"]["sites"]
+    assert sites["ar_fwd"] == {"kind": "int4", "group_size": 256}
 
 
 def test_default_flags_give_the_default_policy():
     assert TrainConfig.from_flags() == TrainConfig()  # --comm taco: TACO on the tensor sites, other axes exact
-    assert TrainConfig().policy == CommPolicy.taco()
+    assert TrainConfig().communication.policy == CommPolicy.taco()
     with pytest.raises(TypeError, match="not both"):
         TrainConfig.from_flags(policy=CommPolicy.none(), comm="int8")
 

@@ -130,7 +130,7 @@ def _flags(codec):
 
     cfg = TrainConfig.from_flags(comm=NAME, group_size=G, dp_comm=NAME, site=(f"pp_send:kind={NAME},group_size={G}",
                                                                            f"ar_bwd:kind={NAME},fmt=e5m2"))
-    pol = cfg.policy
+    pol = cfg.communication.policy
     assert pol.ar_fwd == pol.dp_grads == pol.pp_send == codec
     assert pol.ar_bwd == CodecConfig(kind=NAME, group_size=G, fmt="e5m2")
     with pytest.raises(ValueError, match=rf"group_size=64: kind='{NAME}' takes group sizes"):

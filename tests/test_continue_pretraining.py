@@ -72,10 +72,11 @@ def test_continue_pretraining_qwen3_on_two_processes(tmp_path, cache):
     assert f"[taco-jax] {label} from {QWEN3} on mesh data=2,tensor=2" in log
     summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
     config = json.loads((tmp_path / "p2" / "config.json").read_text())
-    assert summary["model"] == config["model"] == label and config["init_from"] == summary["init_from"] == str(QWEN3)
+    assert summary["model"] == config["model"]["name"] == label
+    assert config["model"]["init_from"] == summary["init_from"] == str(QWEN3)
     ckpt = Checkpoints(tmp_path / "p2" / "checkpoints", keep=3)
     try:
-        assert ckpt.read_meta(9)["config"]["model"] == label
+        assert ckpt.read_meta(9)["config"]["model"]["name"] == label
     finally:
         ckpt.close()
     assert (tmp_path / "p2" / "tokenizer.json").read_bytes() == (QWEN3 / "tokenizer.json").read_bytes()
@@ -99,7 +100,7 @@ def test_continue_pretraining_qwen3_on_two_processes(tmp_path, cache):
     ck = tmp_path / "ck"
     shutil.copytree(tmp_path / "p2" / "checkpoints", ck / "checkpoints")
     shutil.copy(tmp_path / "p2" / "tokenizer.json", ck)
-    (ck / "config.json").write_text(json.dumps({**config, "export_hf": ""}))
+    (ck / "config.json").write_text(json.dumps({**config, "checkpoint": {**config["checkpoint"], "export_hf": ""}}))
     r = run(cli("sample", "--from", os.path.relpath(ck, ROOT), "--prompt", "MACBETH:", "--max-new-tokens", "8"),
             cache, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -29,11 +29,11 @@ def bpe300(tmp_path_factory):
 def test_data_sets_the_model_vocabulary(bpe300):
     """`--data` without `--vocab-size`: the model's vocabulary is meta.json's (300), its rows padded
     for the tensor axis (512 at tensor=4); config.json records 300."""
-    cfg = TrainConfig(data=str(bpe300), **RUN)
-    assert (cfg.vocab_size, cfg.model_config.vocab_size, cfg.model_config.padded_vocab_size) == (300, 300, 512)
-    assert cfg.to_dict()["vocab_size"] == 300 and "vocabulary 300 (512 rows)" in cfg.vocab_note()
-    assert TrainConfig(data=str(bpe300), vocab_size=400, **RUN).model_config.vocab_size == 400  # given: kept
-    assert TrainConfig(**RUN).model_config.vocab_size == 2048  # Shakespeare: its 2048-entry BPE
+    cfg = TrainConfig.from_flags(data=str(bpe300), **RUN)
+    assert (cfg.model.vocab_size, cfg.model_config.vocab_size, cfg.model_config.padded_vocab_size) == (300, 300, 512)
+    assert cfg.to_dict()["model"]["vocab_size"] == 300 and "vocabulary 300 (512 rows)" in cfg.vocab_note()
+    assert TrainConfig.from_flags(data=str(bpe300), vocab_size=400, **RUN).model_config.vocab_size == 400  # given: kept
+    assert TrainConfig.from_flags(**RUN).model_config.vocab_size == 2048  # Shakespeare: its 2048-entry BPE
 
 
 def test_published_presets_keep_their_vocabulary_and_context(bpe300, tmp_path, capsys):
@@ -44,17 +44,17 @@ def test_published_presets_keep_their_vocabulary_and_context(bpe300, tmp_path, c
 
     for name, vocab, context in (("qwen3-8b", 151_936, 40_960), ("qwen2.5-7b", 152_064, 32_768),
                                  ("gpt2-124m", 50_257, 1024)):
-        cfg = TrainConfig(model=name, **RUN)
+        cfg = TrainConfig.from_flags(model=name, **RUN)
         assert (cfg.model_config.vocab_size, cfg.model_config.block_size, cfg.bpe_vocab_size) == (vocab, context, 2048)
         assert f"vocabulary {vocab:,}" in cfg.vocab_note() and f"context {context:,}: {name}'s own" in cfg.vocab_note()
-    assert TrainConfig(model="qwen3-8b", data=str(bpe300), **RUN).model_config.vocab_size == 151_936
-    assert TrainConfig(model="gpt2-tiny", **RUN).vocab_note() == ""  # CPU-sized: the BPE's vocabulary
-    small = TrainConfig(model="gpt2-124m", vocab_size=4096, **RUN)  # given: not the published vocabulary
+    assert TrainConfig.from_flags(model="qwen3-8b", data=str(bpe300), **RUN).model_config.vocab_size == 151_936
+    assert TrainConfig.from_flags(model="gpt2-tiny", **RUN).vocab_note() == ""  # CPU-sized: the BPE's vocabulary
+    small = TrainConfig.from_flags(model="gpt2-124m", vocab_size=4096, **RUN)  # given: not the published vocabulary
     assert (small.model_config.vocab_size, small.bpe_vocab_size) == (4096, 4096)
     from taco_jax.models import PRESETS, PUBLISHED
 
     assert set(PUBLISHED) <= set(PRESETS)
-    run = prepare(TrainConfig(model="gpt2-124m", out=str(tmp_path / "run"), **RUN))
+    run = prepare(TrainConfig.from_flags(model="gpt2-124m", out=str(tmp_path / "run"), **RUN))
     assert run.dataset.vocab_size == 2048 and run.cfg.model_config.padded_vocab_size == 50_688
     assert "[taco-jax] vocabulary 50,257 (50,688 rows) and context 1,024: gpt2-124m's own" in capsys.readouterr().err
 
@@ -65,7 +65,7 @@ def test_published_presets_keep_their_vocabulary_and_context(bpe300, tmp_path, c
                  progress=False)
     with pytest.raises(ValueError, match=r"vocabulary of 60,001 ids \(meta.json\) and gpt2-124m \(a published "
                                          r"model\) has 50,257"):
-        TrainConfig(model="gpt2-124m", data=str(tmp_path / "big"), **RUN)
+        TrainConfig.from_flags(model="gpt2-124m", data=str(tmp_path / "big"), **RUN)
 
 
 def test_sample_draws_only_the_tokenizers_ids(tmp_path):
@@ -106,7 +106,7 @@ def test_sample_names_why_a_run_has_no_weights(tmp_path, flags, says):
     flags keep them."""
     from taco_jax.train.sample import load_for_sampling
 
-    (tmp_path / "config.json").write_text(json.dumps(TrainConfig(out=str(tmp_path), **flags).to_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(TrainConfig.from_flags(out=str(tmp_path), **flags).to_dict()))
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match="train it with --export-hf DIR, --checkpoint-every N or a final checkpoint") \
             as e:
@@ -126,7 +126,7 @@ def test_resume_refuses_another_tokenizer_and_notes_other_data(bpe300, tmp_path,
     out = tmp_path / "run"
     one = dict(RUN, model="gpt2-narrow", mesh="data=1", policy=CommPolicy.none(), steps=2, eval_every=2,
                vocab_size=300)
-    summary = train(TrainConfig(data=str(bpe300), out=str(out), checkpoint_every=2, **one), progress=False,
+    summary = train(TrainConfig.from_flags(data=str(bpe300), out=str(out), checkpoint_every=2, **one), progress=False,
                     devices=jax.devices()[:1])
     assert np.isfinite(summary["final_val_loss"])
     assert Image.open(out / "loss.png").info["Title"].startswith(f"gpt2-narrow on data='{bpe300}', mesh data=1")
@@ -138,13 +138,15 @@ def test_resume_refuses_another_tokenizer_and_notes_other_data(bpe300, tmp_path,
     with pytest.raises(ValueError, match=rf"--resume: the data's tokenizer {tmp_path / 'other' / 'tokenizer.json'} "
                                          rf"\(data='{tmp_path / 'other'}'\) differs from the run's tokenizer "
                                          rf"{out / 'tokenizer.json'} \(data='{bpe300}'\)"):
-        prepare(TrainConfig(data=str(tmp_path / "other"), out=str(out), resume=True, **one), devices=jax.devices()[:1])
+        prepare(TrainConfig.from_flags(data=str(tmp_path / "other"), out=str(out), resume=True, **one),
+                devices=jax.devices()[:1])
     assert (out / "tokenizer.json").read_bytes() == run_tok
 
     prepare_data([str(tmp_path / "b.txt")], tmp_path / "same", tokenizer=str(bpe300 / "tokenizer.json"),
                  progress=False)
     capsys.readouterr()
-    run = prepare(TrainConfig(data=str(tmp_path / "same"), out=str(out), resume=True, **one), devices=jax.devices()[:1])
+    run = prepare(TrainConfig.from_flags(data=str(tmp_path / "same"), out=str(out), resume=True, **one),
+                  devices=jax.devices()[:1])
     assert run.resuming and run.dataset.tokenizer_path == str(tmp_path / "same" / "tokenizer.json")
     assert (f"[taco-jax] --resume with data='{tmp_path / 'same'}': the run trained on data='{bpe300}' (the same "
             "tokenizer)") in capsys.readouterr().err

@@ -123,21 +123,19 @@ def test_malloc_keep_takes_effect_in_glibc():
     assert mapped(malloc_env(base)) == 0
 
 
-def test_gloo_reduce_scatter_switch_from_the_environment(monkeypatch):
-    """TACO_GLOO_REDUCE_SCATTER is read when a codec's transport is resolved (policy resolution, or
-    a library call's unresolved codec at trace time); a resolved codec keeps its transport."""
+def test_gloo_reduce_scatter_switch_is_resolved_per_codec():
+    """`gloo_reduce_scatter` (a run's --gloo-reduce-scatter) is applied when a codec's transport is
+    resolved (policy resolution, or a library call's unresolved codec at trace time); a bad value
+    is named; a resolved codec keeps its transport."""
     from taco_jax.codec import NONE, resolve_codec
     from taco_jax.codec.dispatch import resolve_transport
     from taco_jax.collectives import CommPolicy
 
-    monkeypatch.setenv("TACO_GLOO_REDUCE_SCATTER", "bogus")
-    with pytest.raises(ValueError, match="TACO_GLOO_REDUCE_SCATTER='bogus' must be one of"):
-        resolve_transport()
-    with pytest.raises(ValueError, match="site ar_fwd: TACO_GLOO_REDUCE_SCATTER='bogus'"):
-        CommPolicy.none().resolve_backends()
-    monkeypatch.setenv("TACO_GLOO_REDUCE_SCATTER", "lax")
-    assert resolve_transport() == "xla"
-    monkeypatch.delenv("TACO_GLOO_REDUCE_SCATTER")
+    with pytest.raises(ValueError, match="gloo_reduce_scatter='bogus' must be one of"):
+        resolve_transport(gloo_reduce_scatter="bogus")
+    with pytest.raises(ValueError, match="site ar_fwd: gloo_reduce_scatter='bogus'"):
+        CommPolicy.none().resolve_backends(gloo_reduce_scatter="bogus")
+    assert resolve_transport(gloo_reduce_scatter="lax") == "xla"
     assert resolve_transport() == "xla"  # one process, jax.distributed not initialized: no gloo
     assert resolve_transport("gloo") == "gloo"
     assert resolve_codec(dataclasses.replace(NONE, transport="gloo")).transport == "gloo"
@@ -156,7 +154,7 @@ from taco_jax.codec import NONE
 from taco_jax.collectives import compressed as cc
 from taco_jax.codec import resolve_codec
 WORKAROUND = sys.argv[1] == "1"
-NONE = resolve_codec(NONE)  # after jax.distributed: transport "gloo" ("xla" with TACO_GLOO_REDUCE_SCATTER=lax)
+NONE = resolve_codec(NONE, gloo_reduce_scatter="all_to_all" if WORKAROUND else "lax")  # after jax.distributed
 assert NONE.transport == ("gloo" if WORKAROUND else "xla"), NONE
 mesh = jax.make_mesh((4,), ("t",), devices=jax.devices())
 x = np.random.default_rng(0).standard_normal((4, 3, 8, 5)).astype(np.float32)  # rank r: x[r] [3, 8, 5]
@@ -201,14 +199,13 @@ def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
     reduce-scatter (jax-ml/jax#40830), and give psum_scatter's values (bit for bit the sum in rank
     order; gloo's own reduce-scatter sums in another order) and gradient (8 s: 4 ranks, each with
     loss sum(s^2)), and forward mode (jax.jvp) works, also for a zero-size block; with
-    TACO_GLOO_REDUCE_SCATTER=lax (transport "xla"), the compiled step has the reduce-scatter again."""
+    gloo_reduce_scatter="lax" (transport "xla"), the compiled step has the reduce-scatter again."""
     import os
     import subprocess
 
     e = {k: v for k, v in os.environ.items() if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
                                                            "JAX_PROCESS_ID")}
-    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             TACO_GLOO_REDUCE_SCATTER="all_to_all" if workaround else "lax")
+    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _GLOO_RS, "1" if workaround else "0"], env=e, capture_output=True,
                          text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -125,10 +125,10 @@ def test_refusal_names_what_is_missing(monkeypatch, capsys):
 def test_step_timeout_auto_is_validated(capsys):
     from taco_jax.train.config import TrainConfig
 
-    assert TrainConfig(step_timeout="auto").step_timeout == "auto"
+    assert TrainConfig.from_flags(step_timeout="auto").communication.step_timeout == "auto"
     for bad in ("soon", -1.0, math.inf, True):
         with pytest.raises(ValueError, match="step_timeout="):
-            TrainConfig(step_timeout=bad)
+            TrainConfig.from_flags(step_timeout=bad)
     for bad in ("soon", "-1", "inf", "nan"):
         with pytest.raises(SystemExit) as e:
             taco_cli.main(["train", "--step-timeout", bad])
@@ -259,7 +259,8 @@ def test_shaped_link_gives_the_loopback_losses(tmp_path, cache):
     _finish(ref, tmp_path / "loopback.log")
     assert [s for s, _, _ in losses(out)] == [1, 2, 3] and losses(out) == losses(tmp_path / "loopback")
     link = json.loads((out / "summary.json").read_text())["emulated_link"]
-    assert json.loads(json.loads((out / "config.json").read_text())["emulated_link"]) == link  # a config field
+    recorded = json.loads((out / "config.json").read_text())["communication"]["emulated_link"]  # a config field
+    assert json.loads(recorded) == link
     tier = link["tiers"]["link"]
     assert tier["requested_bit_per_s"] == 1e8 and 0.85e8 <= tier["measured_bit_per_s"] <= 1.15e8
     assert "[launch] link: requested 100 Mbit/s, measured" in r.stdout
@@ -344,8 +345,9 @@ def test_processes_read_the_link_and_min_bytes_auto_uses_it(monkeypatch):
     link = {"tensor_tier": "intra",
             "tiers": {"intra": {"measured_bit_per_s": 8e8}, "inter": {"measured_bit_per_s": 1e8}}}
     cfg = config_from_argv(["train", "--emulated-link", json.dumps(link)])
-    assert cfg.to_dict()["emulated_link"] == json.dumps(link)  # recorded in config.json
-    assert distributed.tensor_link_bytes_per_s(distributed.emulated_link(cfg.emulated_link)) == 1e8  # intra, B/s
+    assert cfg.to_dict()["communication"]["emulated_link"] == json.dumps(link)  # recorded in config.json
+    link_ = distributed.emulated_link(cfg.communication.emulated_link)
+    assert distributed.tensor_link_bytes_per_s(link_) == 1e8  # intra, B/s
     policy = CommPolicy.taco().resolve_backends(n_devices=2)
     policy = dataclasses.replace(policy, min_bytes="auto")
     loopback = perf.resolve_min_bytes(policy, "cpu").min_bytes

@@ -20,8 +20,6 @@ ALLOWED = {
     "TACO_KERNELS_LIB_DIR": "where the built FFI libraries are (a folder; a missing library is an error naming it)",
     "TACO_FFI_THREADS": "the C++ codec library's own thread cap (it reads it; checked here): speed only, same bytes",
     "TACO_FFI_SPIN_US": "the C++ codec library's own helper-thread spin time (it reads it; checked here): speed only",
-    "TACO_GLOO_REDUCE_SCATTER": "library-level switch of the exact reduce-scatter under gloo, resolved per codec "
-                                "outside a run config too (docs/distributed.md)",
     "TACO_JAX_NETNS_PREFIX": "name prefix of the emulated cluster's network namespaces (keeps test runs apart)",
     "TACO_JAX_CACHE": "download cache folder of the Shakespeare text (the same bytes wherever it is)",
     "TACO_JAX_TEST_STALL": "test-only fault: a process stalls at a step or evaluation (taco_jax.testing.faults)",
@@ -98,7 +96,8 @@ def test_the_package_reads_only_allowlisted_environment_variables():
 def test_the_emulated_link_is_a_config_field_recorded_in_config_json():
     from taco_jax.train.config import TrainConfig
 
-    assert TrainConfig(emulated_link='{"tiers": {}}').to_dict()["emulated_link"] == '{"tiers": {}}'
+    recorded = TrainConfig.from_flags(emulated_link='{"tiers": {}}').to_dict()["communication"]
+    assert recorded["emulated_link"] == '{"tiers": {}}'
     assert "TACO_JAX_EMULATED_LINK" not in ALLOWED
 
 

@@ -106,6 +106,6 @@ def test_bad_dtype_or_remat_raises(kwargs, match):
 
 
 def test_train_config_sets_model_dtype_and_remat():
-    assert TrainConfig().dtype == "bfloat16" and TrainConfig().model_config.dtype == "bfloat16"
+    assert TrainConfig().model.dtype == "bfloat16" and TrainConfig().model_config.dtype == "bfloat16"
     cfg = TrainConfig.from_flags(model="qwen3-tiny", dtype="float32", remat="block", mesh="data=8")
     assert (cfg.model_config.dtype, cfg.model_config.remat) == ("float32", "block")

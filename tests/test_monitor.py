@@ -38,7 +38,7 @@ def _monitor_and_capture(dataset, tmp_path, **flags):
     cfg = TrainConfig.from_flags(comm="taco", steps=2, out=str(tmp_path), **SMALL, **flags)
     trainer = make_trainer(cfg)
     params, _ = trainer.init()
-    x, y = shard_batch(trainer, *next(TokenStream(dataset.train, cfg.batch_size, cfg.seq_len, seed=0)))
+    x, y = shard_batch(trainer, *next(TokenStream(dataset.train, cfg.data.batch_size, cfg.data.seq_len, seed=0)))
     loss_m, per_call = make_monitor_fn(trainer)(params, x, y)
     loss_c, msgs = make_capture_fn(trainer)(params, x, y)
     return trainer, loss_m, summarize({k: np.asarray(v) for k, v in per_call.items()}), loss_c, msgs

@@ -128,7 +128,7 @@ def test_cli_min_bytes_accepts_auto_and_integers():
             p.parse_args(["--min-bytes", bad])
     from taco_jax.train.config import TrainConfig
 
-    assert TrainConfig.from_flags(min_bytes="auto").policy.min_bytes == "auto"
+    assert TrainConfig.from_flags(min_bytes="auto").communication.policy.min_bytes == "auto"
 
 
 def test_auto_policy_exact_on_free_links_and_compressed_on_slow_ones():

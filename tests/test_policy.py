@@ -64,11 +64,11 @@ def test_train_config_uses_the_policy_file(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"sites": {"ar_fwd": {"kind": "int8", "group_axis": "token"}}}))
     cfg = TrainConfig.from_flags(comm="taco", policy_file=str(path), algorithm="one_shot")
-    assert cfg.policy.ar_fwd == CodecConfig(kind="int8", group_axis="token")
-    assert cfg.policy.ar_bwd == CommFlags().tensor_codec()  # from --comm taco
-    assert cfg.policy.all_reduce_algorithm == "one_shot"
+    assert cfg.communication.policy.ar_fwd == CodecConfig(kind="int8", group_axis="token")
+    assert cfg.communication.policy.ar_bwd == CommFlags().tensor_codec()  # from --comm taco
+    assert cfg.communication.policy.all_reduce_algorithm == "one_shot"
     none_cfg = TrainConfig.from_flags(comm="none", policy_file=str(path))
-    assert none_cfg.policy.ar_fwd.kind == "int8" and none_cfg.policy.ar_bwd.kind == "none"
+    assert none_cfg.communication.policy.ar_fwd.kind == "int8" and none_cfg.communication.policy.ar_bwd.kind == "none"
 
 
 def test_train_config_and_cli_reject_unknown_site(tmp_path, capsys):
@@ -84,7 +84,7 @@ def test_train_config_and_cli_reject_unknown_site(tmp_path, capsys):
 
 def test_train_config_codec_fields():
     cfg = TrainConfig.from_flags(codec_kind="int8", group_axis="token", group_size=64)
-    assert cfg.policy.ar_fwd == CodecConfig(kind="int8", group_axis="token", group_size=64)
+    assert cfg.communication.policy.ar_fwd == CodecConfig(kind="int8", group_axis="token", group_size=64)
     with pytest.raises(ValueError, match="kind='int3'"):
         TrainConfig.from_flags(codec_kind="int3")
     with pytest.raises(ValueError, match="capture=-1"):
@@ -145,7 +145,7 @@ def test_calibrate_writes_a_policy_at_least_as_good_as_every_fixed_choice(tmp_pa
     assert all(f["heldout_mean_sqnr_db"] <= h["calibrated"] for f in rep["fixed"] if f["feasible"])
     assert "int8-G32" in {f["codec"] for f in rep["fixed"] if not f["feasible"]}
     assert (tmp_path / "policy.report.md").read_text().startswith("Objective:")
-    assert TrainConfig.from_flags(policy_file=str(tmp_path / "policy.json")).policy.ar_fwd == pol.ar_fwd
+    assert TrainConfig.from_flags(policy_file=str(tmp_path / "policy.json")).communication.policy.ar_fwd == pol.ar_fwd
     assert set(json.loads((tmp_path / "policy.json").read_text())["sites"]) <= set(SITES)
 
 
@@ -208,7 +208,7 @@ def test_reduce_domain_and_chunks_flags_reach_the_policy_and_bad_values_name_the
     from taco_jax import cli
     from taco_jax.train.config import TrainConfig
 
-    pol = TrainConfig.from_flags(reduce_domain="hadamard", chunks=2).policy
+    pol = TrainConfig.from_flags(reduce_domain="hadamard", chunks=2).communication.policy
     assert (pol.reduce_domain, pol.chunks) == ("hadamard", 2)
     args = cli._parser().parse_args(["train", "--reduce-domain", "hadamard", "--chunks", "auto", "--min-bytes", "auto"])
     assert (args.reduce_domain, args.chunks, args.min_bytes) == ("hadamard", "auto", "auto")
@@ -219,4 +219,4 @@ def test_reduce_domain_and_chunks_flags_reach_the_policy_and_bad_values_name_the
             cli._parser().parse_args(["train", flag, value])
         assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(ValueError, match="reduce_domain='foo'"):
-        _ = TrainConfig.from_flags(reduce_domain="foo").policy
+        _ = TrainConfig.from_flags(reduce_domain="foo").communication.policy

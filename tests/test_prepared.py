@@ -228,8 +228,8 @@ def test_vocabulary_with_holes_counts_to_its_largest_id(tmp_path, capsys, eot_id
     ids, ds = _stream(tmp_path / "d")
     assert (meta["vocab_size"], meta["dtype"], ds.vocab_size, ds.train.dtype) == (eot_id + 1, dtype, eot_id + 1, dtype)
     assert ids[-1] == eot_id and int((ids == eot_id).sum()) == 1 and ids[:-1].max() < 300
-    cfg = TrainConfig(data=str(tmp_path / "d"), mesh="data=2,tensor=4", batch_size=8, seq_len=16)
-    assert cfg.vocab_size == cfg.model_config.vocab_size == eot_id + 1
+    cfg = TrainConfig.from_flags(data=str(tmp_path / "d"), mesh="data=2,tensor=4", batch_size=8, seq_len=16)
+    assert cfg.model.vocab_size == cfg.model_config.vocab_size == eot_id + 1
     with pytest.raises(ValueError, match=rf"tokenizer vocab {eot_id + 1} exceeds the model's vocab_size=2048"):
         check_data(ds, 2048)
     if eot_id < 1 << 16:  # the command: refused (exit 2) before compiling
@@ -344,7 +344,7 @@ def test_short_validation_split_is_refused_before_compiling(corpus, tmp_path):
                         progress=False)
     n_val = meta["val_tokens"]
     assert 2 <= n_val < 32 * 64 + 1
-    cfg = TrainConfig(data=str(tmp_path / "d"), mesh="data=2,tensor=4", batch_size=32, seq_len=64,
+    cfg = TrainConfig.from_flags(data=str(tmp_path / "d"), mesh="data=2,tensor=4", batch_size=32, seq_len=64,
                       out=str(tmp_path / "run"))
     with pytest.raises(ValueError, match=rf"{tmp_path / 'd' / 'val.bin'} holds {n_val} tokens; one validation "
                                          rf"batch of batch_size=32 × seq_len=64 needs 2049"):

@@ -28,9 +28,9 @@ def test_final_checkpoint_is_the_default_with_an_opt_out(tmp_path, capsys):
         main(["train", "--help"])
     assert "--no-final-checkpoint" in capsys.readouterr().out
     (tmp_path / "c.toml").write_text("final_checkpoint = false\n")
-    assert config_from_argv(["train"]).final_checkpoint is True
-    assert config_from_argv(["train", "--no-final-checkpoint"]).final_checkpoint is False
-    assert config_from_argv(["train", "--config", str(tmp_path / "c.toml")]).final_checkpoint is False
+    assert config_from_argv(["train"]).checkpoint.final_checkpoint is True
+    assert config_from_argv(["train", "--no-final-checkpoint"]).checkpoint.final_checkpoint is False
+    assert config_from_argv(["train", "--config", str(tmp_path / "c.toml")]).checkpoint.final_checkpoint is False
 
 
 def test_train_on_in_memory_tokens_without_a_tokenizer(tmp_path):
@@ -44,7 +44,7 @@ def test_train_on_in_memory_tokens_without_a_tokenizer(tmp_path):
     tokens = rng.integers(0, 300, size=4096).astype(np.int32)
     ds = TextDataset(train=tokens, val=tokens[:1024], vocab_size=300, eot_id=0, tokenizer_path="", val_plays=())
     out = tmp_path / "run"
-    cfg = TrainConfig(model="gpt2-tiny", batch_size=8, seq_len=32, steps=2, eval_every=100, eval_batches=1,
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", batch_size=8, seq_len=32, steps=2, eval_every=100, eval_batches=1,
                       out=str(out))
     summary = train(cfg, dataset=ds, progress=False)
     assert [r["step"] for r in metrics(out)] == [1, 2] and math.isfinite(summary["final_val_loss"])

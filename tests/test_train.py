@@ -25,7 +25,7 @@ def test_short_taco_run_loss_falls(dataset, tmp_path):
     cfg = TrainConfig.from_flags(comm="taco", out=str(tmp_path), **SMALL)
     summary = train(cfg, dataset=dataset, progress=False)
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert len(recs) == cfg.steps
+    assert len(recs) == cfg.training.steps
     first, last = recs[0]["loss"], np.mean([r["loss"] for r in recs[-3:]])  # step 1's loss: untrained model
     assert last < first - 0.8, (first, last)
     assert summary["final_val_loss"] < np.log(512)  # better than uniform over the vocabulary
@@ -131,10 +131,13 @@ def test_pallas_backend_refused_for_multi_device_cpu_training():
 def test_every_train_flag_has_help():
     from taco_jax.cli import _field_help, _flag_fields
 
-    helps = {cls: _field_help(cls) for cls, _ in _flag_fields()}
-    missing = [f.name for cls, f in _flag_fields() if not helps[cls].get(f.name)]
+    helps = {cls: _field_help(cls) for _, cls, _ in _flag_fields()}
+    missing = [flag for flag, cls, f in _flag_fields() if not helps[cls].get(f.name)]
     assert not missing, missing
-    assert "policy" in {f.name for f in dataclasses.fields(TrainConfig)}  # the one field that is no flag
+    from taco_jax.train.config import FIELD_FLAGS, SECTIONS
+
+    stored = {FIELD_FLAGS[s, f.name] for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert stored - {flag for flag, _, _ in _flag_fields()} == {"policy"}  # the one field that is no flag
 
 
 
@@ -160,7 +163,7 @@ def test_weight_decay_by_role_not_rank(model, stages):
     from taco_jax.parallel import pipeline as pp
     from taco_jax.train.step import _decay_mask, make_optimizer
 
-    cfg = TrainConfig(model=model, mesh="data=1", steps=10, warmup_steps=0, lr=1e-2, weight_decay=0.1,
+    cfg = TrainConfig.from_flags(model=model, mesh="data=1", steps=10, warmup_steps=0, lr=1e-2, weight_decay=0.1,
                       vocab_size=256)
     m = make_model(get_config(model, vocab_size=256), rngs=nnx.Rngs(0))
     state = nnx.split(m, nnx.Param)[1]
@@ -200,7 +203,7 @@ def test_lr_schedule_starts_at_step_one_and_ends_at_min():
     cosine down to exactly 1e-3 at step 10 (optax counts from 0 at step 1)."""
     from taco_jax.train.step import lr_schedule
 
-    cfg = TrainConfig(mesh="data=1", steps=10, warmup_steps=3, lr=1e-2, min_lr_ratio=0.1)
+    cfg = TrainConfig.from_flags(mesh="data=1", steps=10, warmup_steps=3, lr=1e-2, min_lr_ratio=0.1)
     got = np.array([float(lr_schedule(cfg)(c)) for c in range(10)])
     k = np.arange(1, 11)
     cos = 1e-3 + (1e-2 - 1e-3) * 0.5 * (1 + np.cos(np.pi * (k - 3) / 7))
@@ -208,7 +211,7 @@ def test_lr_schedule_starts_at_step_one_and_ends_at_min():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(got[:3], [1e-2 / 3, 2e-2 / 3, 1e-2], rtol=1e-6)
     assert got[0] > 0 and got.argmax() == 2 and abs(got[-1] - 1e-3) < 1e-9
-    no_warmup = lr_schedule(TrainConfig(mesh="data=1", steps=10, warmup_steps=0, lr=1e-2))
+    no_warmup = lr_schedule(TrainConfig.from_flags(mesh="data=1", steps=10, warmup_steps=0, lr=1e-2))
     assert float(no_warmup(0)) == pytest.approx(1e-2)
 
 
@@ -224,7 +227,7 @@ def test_real_gpt2_vocabulary_runs_tensor_parallel_with_padding():
     from taco_jax.models import get_config, make_model
     from taco_jax.train.step import make_steps
 
-    cfg = TrainConfig(model="gpt2-tiny", vocab_size=50257, mesh="data=2,tensor=4", seq_len=32)
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", vocab_size=50257, mesh="data=2,tensor=4", seq_len=32)
     assert cfg.model_config.padded_vocab_size == 50688
     small = get_config("gpt2-tiny", vocab_size=50257, n_layer=1)
     padded = get_config("gpt2-tiny", vocab_size=50257, n_layer=1, vocab_multiple=128 * 4)
@@ -251,7 +254,7 @@ def test_init_from_hf_checkpoint(dataset, tmp_path):
     params = nnx.to_pure_dict(nnx.split(make_model(src, rngs=nnx.Rngs(7)), nnx.Param)[1])
     hf.save_hf(tmp_path / "ckpt", src, params)
     run = dict(SMALL, model="", vocab_size=512, steps=2, warmup_steps=1, eval_every=2)  # the checkpoint's model
-    cfg = TrainConfig(init_from=str(tmp_path / "ckpt"), out=str(tmp_path / "run"), **run)
+    cfg = TrainConfig.from_flags(init_from=str(tmp_path / "ckpt"), out=str(tmp_path / "run"), **run)
     assert cfg.model_config == get_config("gpt2-tiny", vocab_size=520, n_layer=2, vocab_multiple=512,
                                          dtype="bfloat16")
     got, _ = make_trainer(cfg).init()
@@ -265,8 +268,8 @@ def test_init_from_hf_checkpoint(dataset, tmp_path):
     hf.save_hf(tmp_path / "small", small, nnx.to_pure_dict(nnx.split(make_model(small, rngs=nnx.Rngs(7)),
                                                                       nnx.Param)[1]))
     with pytest.raises(ValueError, match="tokenizer vocab 512 exceeds the model's vocab_size=500"):
-        train(TrainConfig(init_from=str(tmp_path / "small"), out=str(tmp_path / "run2"), **run), dataset=dataset,
-              progress=False)
+        train(TrainConfig.from_flags(init_from=str(tmp_path / "small"), out=str(tmp_path / "run2"), **run),
+              dataset=dataset, progress=False)
 
 
 def test_compressed_axes_reads_the_compiled_step():

@@ -17,6 +17,7 @@ from taco_jax.cli import config_from_argv, main
 from taco_jax.data.shakespeare import EOT
 from taco_jax.models import load_hf
 from taco_jax.train import jsonio
+from taco_jax.train.config import flag_values
 from taco_jax.train.sample import load_for_sampling
 
 QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
@@ -141,17 +142,20 @@ def test_toml_config_profile_tensorboard_and_export(tmp_path, capsys, monkeypatc
     assert scalars["monitor/ar_bwd/min_sqnr_db"][-1] == (3, f32(recs[-1]["monitor"]["ar_bwd"]["min_sqnr_db"]))
 
     written = json.loads((out / "config.json").read_text())
-    assert written["steps"] == 3 and written["out"] == str(out) and written["tensorboard"] is True
-    assert written["policy"]["sites"]["ar_bwd"]["fmt"] == "e5m2"
+    assert written["training"]["steps"] == 3 and written["checkpoint"]["out"] == str(out)
+    assert written["logging"]["tensorboard"] is True
+    assert written["communication"]["policy"]["sites"]["ar_bwd"]["fmt"] == "e5m2"
     again = config_from_argv(["train", "--config", str(out / "config.json")])
     assert jsonio.strict(again.to_dict()) == written  # the same run, policy included
-    assert (written["export_hf"], written["data"], written["init_from"]) == (str(tmp_path / "hf"), "", "")
+    assert (written["checkpoint"]["export_hf"], written["data"]["path"], written["model"]["init_from"]) == \
+        (str(tmp_path / "hf"), "", "")
 
     # sample --from the run, from another folder that has a model folder "hf" of its own
     export, params = load_hf(tmp_path / "hf")
     shutil.copytree(QWEN3, tmp_path / "elsewhere" / "hf")
     monkeypatch.chdir(tmp_path / "elsewhere")
-    for conf in (written, {**written, "export_hf": "hf", "out": "run"}):  # as recorded; relative (older runs)
+    older = {**flag_values(written), "export_hf": "hf", "out": "run"}  # flat, relative: as older runs wrote it
+    for conf in (written, older):
         (out / "config.json").write_text(json.dumps(conf))
         model, got, _ = load_for_sampling(out)
         assert model.config == export.config
@@ -178,15 +182,15 @@ def test_command_line_wins_over_the_config_file(tmp_path, capsys):
     toml.write_text('steps = 7\nlr = 1e-3\nmodel = "qwen3-tiny"\nmin_bytes = "auto"\nmonitor_min_sqnr = -inf\n'
                     'sequence_parallel = true\n')
     cfg = config_from_argv(["train", "--config", str(toml), "--steps", "9", "--no-sequence-parallel"])
-    assert (cfg.steps, cfg.lr, cfg.model, cfg.policy.min_bytes, cfg.sequence_parallel) == \
-        (9, 1e-3, "qwen3-tiny", "auto", False)
-    assert cfg.monitor_min_sqnr == float("-inf")
+    assert (cfg.training.steps, cfg.training.lr, cfg.model.name, cfg.communication.policy.min_bytes,
+            cfg.parallelism.sequence_parallel) == (9, 1e-3, "qwen3-tiny", "auto", False)
+    assert cfg.logging.monitor_min_sqnr == float("-inf")
     # a run's config.json holds its policy; communication flags on the command line replace it
     run = tmp_path / "config.json"
     jsonio.write(run, config_from_argv(["train", "--comm", "int8", "--dp-comm", "taco"]).to_dict())
-    assert config_from_argv(["train", "--config", str(run)]).policy.dp_grads.kind == "taco"
+    assert config_from_argv(["train", "--config", str(run)]).communication.policy.dp_grads.kind == "taco"
     cfg = config_from_argv(["train", "--config", str(run), "--comm", "none"])
-    assert cfg.comm == "none" and cfg.policy.dp_grads.kind == "none"
+    assert cfg.communication.label == "none" and cfg.communication.policy.dp_grads.kind == "none"
     assert "its policy is replaced by the command line's communication flags (--comm)" in capsys.readouterr().err
 
 

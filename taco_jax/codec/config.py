@@ -116,8 +116,8 @@ class CodecConfig:
         backward or below-threshold messages) move data, one of `TRANSPORTS`: "xla", "gloo" or
         "gloo_widened".
         Default "auto": "gloo" when XLA:CPU runs the collectives through gloo (`jax.distributed`
-        initialized, CPU backend) unless the environment variable TACO_GLOO_REDUCE_SCATTER=lax
-        (read when the codec is resolved) asks for XLA's own reduce-scatter; else "xla".
+        initialized, CPU backend) unless the run's `--gloo-reduce-scatter lax`
+        (`resolve_codec(..., gloo_reduce_scatter="lax")`) asks for XLA's own reduce-scatter; else "xla".
       All "auto" fields are resolved in one place, `taco_jax.codec.dispatch.resolve_codec`: once,
       before tracing, in training (`CommPolicy.resolve_backends`), or at trace time when a library
       call gets an unresolved codec.

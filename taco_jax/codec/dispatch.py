@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -280,10 +279,10 @@ def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
 # Resolution of "auto": the one place.
 # --------------------------------------------------------------------------------------
 
-#: Environment variable read by `resolve_transport` (when a codec is resolved, never while tracing a
-#: resolved one): "all_to_all" (default) keeps the gloo reduce-scatter workaround on, "lax" turns
-#: it off (XLA's own reduce-scatter, transport "xla").
-GLOO_REDUCE_SCATTER_ENV = "TACO_GLOO_REDUCE_SCATTER"
+#: Values of `resolve_transport`'s `gloo_reduce_scatter` (a run's `--gloo-reduce-scatter`):
+#: "all_to_all" (default) keeps the gloo reduce-scatter workaround on, "lax" turns it off (XLA's own
+#: reduce-scatter, transport "xla").
+GLOO_REDUCE_SCATTER = ("all_to_all", "lax")
 
 
 def gloo_collectives() -> bool:
@@ -292,17 +291,16 @@ def gloo_collectives() -> bool:
     return jax.default_backend() == "cpu" and jax.distributed.is_initialized()
 
 
-def resolve_transport(name: str = "auto") -> str:
+def resolve_transport(name: str = "auto", gloo_reduce_scatter: str = "all_to_all") -> str:
     """The concrete `CodecConfig.transport` `name` stands for here: "auto" -> "gloo" when
-    `gloo_collectives()` and TACO_GLOO_REDUCE_SCATTER (read now) is not "lax", else "xla"
-    (a concrete name comes back unchanged).
-    Raises ValueError naming a TACO_GLOO_REDUCE_SCATTER value other than all_to_all / lax."""
+    `gloo_collectives()` and `gloo_reduce_scatter` (one of `GLOO_REDUCE_SCATTER`; a run's
+    `--gloo-reduce-scatter`) is not "lax", else "xla" (a concrete name comes back unchanged).
+    Raises ValueError naming a `gloo_reduce_scatter` value other than all_to_all / lax."""
+    if gloo_reduce_scatter not in GLOO_REDUCE_SCATTER:
+        raise ValueError(f"gloo_reduce_scatter={gloo_reduce_scatter!r} must be one of {GLOO_REDUCE_SCATTER}")
     if name != "auto":
         return name
-    env = os.environ.get(GLOO_REDUCE_SCATTER_ENV, "all_to_all")
-    if env not in ("all_to_all", "lax"):
-        raise ValueError(f"{GLOO_REDUCE_SCATTER_ENV}={env!r} must be one of ('all_to_all', 'lax')")
-    return "gloo" if env == "all_to_all" and gloo_collectives() else "xla"
+    return "gloo" if gloo_reduce_scatter == "all_to_all" and gloo_collectives() else "xla"
 
 
 def _resolve_wire(cfg: CodecConfig, backend: str, platform: str) -> str:
@@ -318,7 +316,8 @@ def _resolve_wire(cfg: CodecConfig, backend: str, platform: str) -> str:
     return cfg.wire
 
 
-def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: int = 1) -> CodecConfig:
+def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: int = 1,
+                  gloo_reduce_scatter: str = "all_to_all") -> CodecConfig:
     """`cfg` with every "auto" made concrete, the one place where that is decided:
     `backend` (kind "taco": the registered resolver's choice for `platform`, default
     `backends.default_platform()`; other kinds always run the jnp reference: "reference"),
@@ -328,14 +327,15 @@ def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: i
 
     Args:
       cfg: the codec. platform: "cpu", "cuda", ... n_devices: devices of the program (the resolver
-        refuses backends that stall a multi-device program).
+        refuses backends that stall a multi-device program). gloo_reduce_scatter: how an "auto"
+        transport moves the exact reduce-scatter under gloo (`resolve_transport`).
     Raises: ValueError naming a backend or wire codec that cannot run here, or a bad
-      TACO_GLOO_REDUCE_SCATTER value.
+      `gloo_reduce_scatter` value.
     """
     platform = platform or default_platform()
     backend = resolve_backend(cfg.backend, platform, n_devices=n_devices) if _backends(cfg) else "reference"
     wire = _resolve_wire(cfg, backend, platform)
-    transport = resolve_transport(cfg.transport)
+    transport = resolve_transport(cfg.transport, gloo_reduce_scatter)
     if (backend, wire, transport) == (cfg.backend, cfg.wire, cfg.transport):
         return cfg
     return dataclasses.replace(cfg, backend=backend, wire=wire, transport=transport)

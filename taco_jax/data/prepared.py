@@ -421,7 +421,9 @@ def check_resumed_data(ds, run_dir, data: str) -> str:
     if not ds.tokenizer_path or not theirs.is_file():
         return ""
     try:
-        before = json.loads((run_dir / "config.json").read_text()).get("data", "")
+        from taco_jax.train.config import flag_values
+
+        before = flag_values(json.loads((run_dir / "config.json").read_text())).get("data", "")
     except (OSError, ValueError):
         before = None  # the run's data is not recorded: only its tokenizer is compared
     name = data_label

@@ -148,8 +148,8 @@ def make_message_fn(trainer) -> MessageFn:
         raise ValueError("capture supports data × tensor meshes without pipeline stages")
     cfg, mesh, abstract_state = trainer.cfg, trainer.mesh, trainer.abstract_state
     tap = Tap()  # the twin's model: the trainer's, with the tap in its ParallelContext
-    policy = trainer.policy or cfg.policy  # backends resolved as the real step's
-    graphdef = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
+    policy = trainer.policy or cfg.communication.policy  # backends resolved as the real step's
+    graphdef = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.parallelism.sequence_parallel,
                           pipelined=False, tap=tap).graphdef
     data_axes = tuple(a for a in (DATA,) if a in mesh.axis_names)
     batch_spec = P(data_axes or None)
@@ -172,7 +172,7 @@ def make_message_fn(trainer) -> MessageFn:
     abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(abstract_state))
     jax.eval_shape(jax.shard_map(discover, mesh=mesh, in_specs=(trainer.specs, batch_spec, batch_spec),
                                  out_specs=P()), abstract_params,
-                   *(jax.ShapeDtypeStruct((trainer.cfg.batch_size, trainer.cfg.seq_len), jnp.int32),) * 2)
+                   *(jax.ShapeDtypeStruct((trainer.cfg.data.batch_size, trainer.cfg.data.seq_len), jnp.int32),) * 2)
     probe_shapes = [jax.ShapeDtypeStruct((n_dev, *a.shape), a.dtype) for a in disc.probe_avals]
     fwd_keys = list(disc.fwd_keys)
 
@@ -231,7 +231,7 @@ def gpt_roles(n_layer: int) -> dict[str, str]:
 def model_roles(cfg) -> dict[str, str]:
     """`gpt_roles` for a GPT `TrainConfig`, else {} (roles then stay "exitNN" / "enterNN")."""
     n_layer = getattr(cfg.model_config, "n_layer", None)
-    return gpt_roles(n_layer) if n_layer and cfg.model.startswith("gpt") else {}
+    return gpt_roles(n_layer) if n_layer and cfg.model.name.startswith("gpt") else {}
 
 
 def capture_steps(steps: int, n: int) -> list[int]:
@@ -259,9 +259,11 @@ class Recorder:
     @classmethod
     def start(cls, cfg, out, trainer) -> Recorder:
         """Recorder for a `TrainConfig` with `capture > 0`, writing to `<out>/captures/`."""
-        meta = {"model": cfg.model, "mesh": cfg.mesh, "comm": cfg.comm, "sequence_parallel": cfg.sequence_parallel,
-                "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "steps": cfg.steps,
-                "captured_steps": capture_steps(cfg.steps, cfg.capture), "kept": "all tensor ranks, data rank 0"}
+        steps = cfg.training.steps
+        meta = {"model": cfg.model.name, "mesh": cfg.parallelism.mesh, "comm": cfg.communication.label,
+                "sequence_parallel": cfg.parallelism.sequence_parallel,
+                "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "steps": steps,
+                "captured_steps": capture_steps(steps, cfg.logging.capture), "kept": "all tensor ranks, data rank 0"}
         meta["roles"] = model_roles(cfg)
         rec = cls(trainer, pathlib.Path(out) / "captures", meta["captured_steps"], meta)
         rec.out_dir.mkdir(parents=True, exist_ok=True)

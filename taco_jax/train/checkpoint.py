@@ -187,7 +187,7 @@ class Checkpoints:
         CorruptCheckpointError for an unreadable meta."""
         where = self.directory / str(step)
         meta = self.read_meta(step)
-        saved = meta.get("config", {})
+        saved, config = _flags(meta.get("config", {})), _flags(config)
         for f in STRUCTURAL:
             if saved.get(f) != config.get(f):
                 began = saved.get("init_from") or ""
@@ -224,7 +224,7 @@ class Checkpoints:
         ocp = _ocp()
         where = self.directory / str(step)
         meta = self.check(step, config, params, opt_state, vocab=vocab)
-        saved = meta.get("config", {})
+        saved, config = _flags(meta.get("config", {})), _flags(config)
         state = {"params": params, "opt_state": opt_state}
         shardings = _mesh_shardings(state) if shardings is None else \
             {"params": shardings[0], "opt_state": shardings[1]}
@@ -322,6 +322,13 @@ class Checkpoints:
         barrier("set aside")
         self.manager.reload()
         return dst
+
+
+def _flags(config: dict) -> dict:
+    """{flag: value} of a recorded run config (`TrainConfig.to_dict()`, or flat as older runs wrote it)."""
+    from taco_jax.train.config import flag_values
+
+    return flag_values(config, "checkpoint config")
 
 
 def _saved_padded_vocab(saved: dict, vocab: tuple[int, int] | None) -> int | None:

@@ -3,13 +3,11 @@ and with the run's communication policy, with both runs' losses and wire bytes s
 
 from __future__ import annotations
 
-import dataclasses
-
 from taco_jax.collectives.policy import CommPolicy
 from taco_jax.data import data_label, training_data
 from taco_jax.train import distributed as dist
 from taco_jax.train import jsonio
-from taco_jax.train.config import AXIS_SITES, TrainConfig, policy_label
+from taco_jax.train.config import AXIS_SITES, TrainConfig, flag_values, policy_label
 from taco_jax.train.loop import check_out_dir, train
 from taco_jax.train.plots import plot_losses
 
@@ -22,7 +20,8 @@ def _ratio(runs: dict, key: str) -> float | None:
 
 def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Trains the same model twice (same seed and data order): exact on every axis ("none"), then
-    with `cfg.policy` ("taco": `--comm` and its codec flags, `--dp-comm`, `--pp-comm`, `--policy`, `--site`).
+    with `cfg.communication.policy` ("taco": `--comm` and its codec flags, `--dp-comm`, `--pp-comm`,
+    `--policy`, `--site`).
 
     Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and
     `<out>/summary.json`: both final validation losses, their relative difference, and the wire
@@ -31,20 +30,20 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     both runs on the distributed runtime and returns the summary; process 0 writes the files.
     Raises: as `train`; ValueError before any training when `<out>` cannot be written.
     """
-    out = check_out_dir(cfg.out)
-    ds = training_data(cfg.data, cfg.bpe_vocab_size)
-    configs = {"none": dataclasses.replace(cfg, policy=CommPolicy.none(), out=str(out / "none")),
-               "taco": dataclasses.replace(cfg, out=str(out / "taco"))}
+    out = check_out_dir(cfg.checkpoint.out)
+    ds = training_data(cfg.data.path, cfg.bpe_vocab_size)
+    configs = {"none": cfg.replace(policy=CommPolicy.none(), out=str(out / "none")),
+               "taco": cfg.replace(out=str(out / "taco"))}
     for c in configs.values():
-        check_out_dir(c.out)
+        check_out_dir(c.checkpoint.out)
     runs = {c: train(run_cfg, dataset=ds, progress=progress) for c, run_cfg in configs.items()}
     base, taco = runs["none"]["final_val_loss"], runs["taco"]["final_val_loss"]
     wire = {c: r["wire_bytes_per_step"] for c, r in runs.items()}
     ratio = {a: wire["taco"].get(a, 0) / n for a, n in wire["none"].items() if n}
     axes = runs["taco"]["compressed_axes"]
     summary = {
-        "model": cfg.model,
-        "mesh": cfg.mesh,
+        "model": cfg.model.name,
+        "mesh": cfg.parallelism.mesh,
         "val_loss_none": base,
         "val_loss_taco": taco,
         "val_loss_rel_diff": (taco - base) / base,
@@ -59,17 +58,18 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
         # they were FP32 (the uncompiled HLO; XLA:CPU's compiled exact all-reduces are f32 either way)
         "tensor_wire_ratio_vs_exact_issued": _ratio(runs, "wire_bytes_per_step_issued"),
         "tensor_wire_ratio_vs_exact_f32": _ratio(runs, "wire_bytes_per_step_issued_as_f32"),
-        "dtype": cfg.dtype,
+        "dtype": cfg.model.dtype,
         "tokens_per_s": {c: r["tokens_per_s"] for c, r in runs.items()},
-        "config": {k: v for k, v in cfg.to_dict().items() if k not in ("policy", "out")},
+        "config": {k: v for k, v in flag_values(cfg.to_dict()).items() if k not in ("policy", "out")},
         "processes": runs["taco"]["processes"],
     }
     if not dist.is_writer():
         return summary
     jsonio.write(out / "summary.json", summary)
-    codecs = ", ".join(f"{a}: {policy_label(configs['taco'].policy, AXIS_SITES[a])}" for a in axes)
+    codecs = ", ".join(f"{a}: {policy_label(configs['taco'].communication.policy, AXIS_SITES[a])}" for a in axes)
     taco_label = f"compressed ({codecs})" if axes else "taco (nothing compressed)"
     plot_losses(out / "loss.png", {"exact (every axis)": out / "none" / "metrics.jsonl",
                                    taco_label: out / "taco" / "metrics.jsonl"},
-                title=f"{cfg.model} on {data_label(cfg.data)}, mesh {cfg.mesh}: exact vs compressed")
+                title=f"{cfg.model.name} on {data_label(cfg.data.path)}, mesh {cfg.parallelism.mesh}: "
+                      "exact vs compressed")
     return summary

@@ -1,15 +1,19 @@
-"""Typed training configuration: `TrainConfig` (one run; its `policy` holds every codec setting) and
-`CommFlags` (the command line's communication flags, mapped to that policy in one place)."""
+"""Typed training configuration: `TrainConfig` (one run, in sections: model, data, training,
+parallelism, communication, checkpoint, logging; `communication.policy` holds every codec setting),
+`CommFlags` (the command line's communication flags, mapped to that policy in one place) and
+`read_config_file` (`--config FILE`: TOML tables mirror the sections)."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import math
 import os
 
 from taco_jax.codec import NONE, CodecConfig, codec_kinds, get_kind
+from taco_jax.codec.dispatch import GLOO_REDUCE_SCATTER
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.models import GPTConfig, get_config
 from taco_jax.parallel.context import check_tp_overlap
@@ -21,9 +25,6 @@ from taco_jax.parallel.pipeline import check_pipeline
 DEFAULT_MODEL = "gpt2-tiny"
 #: Entries of the Shakespeare BPE (and the vocabulary of a CPU-sized preset on it) without `--vocab-size`.
 DEFAULT_VOCAB = 2048
-#: Fields naming folders, recorded absolute (against the current folder) by `TrainConfig.to_dict`: a
-#: run's config.json names the same folders wherever it is read from (`taco-jax sample --from`, `--config`).
-PATH_FIELDS = ("init_from", "data", "export_hf")
 #: Mesh axis -> the policy sites whose messages travel on it.
 AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
 
@@ -139,66 +140,114 @@ def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
     return names.pop() if len(names) == 1 else "per-site"
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """One training run. Every field but `policy` is a CLI flag of `taco-jax train` (underscores -> dashes);
-    the communication flags are `CommFlags`'s, mapped into `policy` once (`TrainConfig.from_flags`)."""
+def _positive(section: str, obj, names) -> None:
+    """Raises ValueError naming the first field of `names` of `obj` that is not > 0."""
+    for f in names:
+        if getattr(obj, f) <= 0:
+            raise ValueError(f"{f}={getattr(obj, f)} must be positive ([{section}] {f})")
 
-    model: str = ""  # preset name (taco_jax.models.PRESETS); default gpt2-tiny, with --init-from the checkpoint's
-    mesh: str = "data=2,tensor=4"  # mesh axes and sizes; product = device count
-    sequence_parallel: bool = False  # Megatron sequence parallelism on the tensor axis
-    tp_overlap: str = "none"  # with --sequence-parallel: none | collective-matmul (SP collectives as matmul rings)
-    microbatches: int = 1  # pipeline microbatches per data shard (>= stages; > 1 without stages: accumulation)
-    schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b (parallel/pipeline.py)
-    steps: int = 300  # optimizer steps
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """`[model]`: the architecture and its numerics. `name` is the `--model` flag."""
+
+    name: str = ""  # preset name (taco_jax.models.PRESETS); default gpt2-tiny, with --init-from the checkpoint's
+    init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
+    vocab_size: int = 0  # model vocabulary (and Shakespeare's BPE); 0: --data's, a published preset's own, else 2048
+    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
+    dtype: str = "bfloat16"  # compute dtype: bfloat16 (bf16 TP messages; FP32 weights, Adam, norms, loss) | float32
+    remat: str = "none"  # rematerialise each decoder layer: none | block (keep matmul outputs) | full (keep input)
+
+    def __post_init__(self):
+        if self.vocab_size < 0:
+            raise ValueError(f"vocab_size={self.vocab_size} must be >= 0 (0: from the data or the preset)")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
+        check_compute(self.dtype, self.remat)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """`[data]`: what a step reads. `path` is the `--data` flag."""
+
+    path: str = ""  # token folder of `taco-jax prepare-data` (train.bin, val.bin, meta.json); default: Shakespeare
     batch_size: int = 16  # global batch (sequences); divided over the data axis
     seq_len: int = 128  # tokens per sequence
-    vocab_size: int = 0  # model vocabulary (and Shakespeare's BPE); 0: --data's, a published preset's own, else 2048
+
+    def __post_init__(self):
+        _positive("data", self, ("batch_size", "seq_len"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSection:
+    """`[training]`: the optimization (AdamW, cosine schedule) and its length."""
+
+    steps: int = 300  # optimizer steps
     lr: float = 3e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = -1  # linear warmup steps; -1 = 10% of --steps
     weight_decay: float = 0.1  # on matrices only (not biases / LayerNorm)
     grad_clip: float = 1.0  # global-norm clipping
     seed: int = 0  # init and data order (same for every --comm)
-    eval_every: int = 50  # steps between validation evaluations (and at the last step)
-    eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
-    init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
-    data: str = ""  # token folder of `taco-jax prepare-data` (train.bin, val.bin, meta.json); default: Shakespeare
-    export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
-    dtype: str = "bfloat16"  # compute dtype: bfloat16 (bf16 TP messages; FP32 weights, Adam, norms, loss) | float32
-    remat: str = "none"  # rematerialise each decoder layer: none | block (keep matmul outputs) | full (keep input)
-    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
     allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
-    log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
-    capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
-    monitor_every: int = 0  # log per-site SQNR of compressed vs exact TP collectives on steps k % N == 0 and the last
-    monitor_warn_sqnr: float = 15.0  # monitor: warn on stderr when a site's worst call is below this SQNR (dB)
-    monitor_min_sqnr: float = float("-inf")  # monitor: stop the run (exit 1) when a site's worst call is below this dB
-    out: str = "runs/default"  # output folder (created; must not be a file)
-    checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps (0: the final one, SIGTERM's)
-    final_checkpoint: bool = True  # checkpoint at the end of a run that ends normally (--no-final-checkpoint: none)
-    keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
-    resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
-    resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse
+
+    def __post_init__(self):
+        _positive("training", self, ("steps",))
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be positive")
+        if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be -1 (10% of steps) or in [0, steps={self.steps})"
+            )
+
+    @property
+    def warmup(self) -> int:
+        """Warmup steps actually used (`warmup_steps`, or 10% of `steps` when it is -1)."""
+        return self.steps // 10 if self.warmup_steps == -1 else self.warmup_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismSection:
+    """`[parallelism]`: the device mesh and how the model is split over it."""
+
+    mesh: str = "data=2,tensor=4"  # mesh axes and sizes; product = device count
+    sequence_parallel: bool = False  # Megatron sequence parallelism on the tensor axis
+    tp_overlap: str = "none"  # with --sequence-parallel: none | collective-matmul (SP collectives as matmul rings)
+    microbatches: int = 1  # pipeline microbatches per data shard (>= stages; > 1 without stages: accumulation)
+    schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b (parallel/pipeline.py)
+
+    def __post_init__(self):
+        self.axes  # noqa: B018  (ValueError naming a malformed mesh)
+        check_tp_overlap(self.tp_overlap, self.sequence_parallel)
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """`mesh` as {axis: size}, e.g. {"data": 2, "tensor": 4}."""
+        return parse_mesh(self.mesh)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether steps run the pipeline layout (stage > 1 or microbatches > 1)."""
+        return self.axes.get(STAGE, 1) > 1 or self.microbatches > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationSection:
+    """`[communication]`: the codec of every communication site (`policy`, built from `CommFlags`:
+    the same table takes those flags) and how the processes' collectives run."""
+
     step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
     emulated_link: str = ""  # the emulated links as JSON, set by `taco-jax launch --link` ("": none)
-    profile_steps: str = ""  # trace steps A:B (first:last, e.g. 3:5) with jax.profiler into --profile-dir
-    profile_dir: str = ""  # folder of the --profile-steps trace (default <out>/profile)
-    tensorboard: bool = False  # also write the metrics as TensorBoard event files to <out>/tensorboard
+    gloo_reduce_scatter: str = "all_to_all"  # exact reduce-scatter under gloo: all_to_all (+ local sum) | lax (XLA's)
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 
     def __post_init__(self):
-        object.__setattr__(self, "model", self._resolve_model())  # what the run records as its model
-        object.__setattr__(self, "vocab_size", self._resolve_vocab())  # and as its vocabulary
         if not isinstance(self.policy, CommPolicy):
             raise ValueError(f"policy={self.policy!r} must be a CommPolicy (use TrainConfig.from_flags for flags)")
-        if self.capture < 0:
-            raise ValueError(f"capture={self.capture} must be >= 0 (number of steps to record)")
         timeout_ok = self.step_timeout == "auto" or (type(self.step_timeout) in (int, float)
                                                      and 0 <= self.step_timeout < math.inf)
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or not timeout_ok:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0, keep_checkpoints="
-                             f"{self.keep_checkpoints} >= 1 and step_timeout={self.step_timeout!r} >= 0 or 'auto'")
+        if not timeout_ok:
+            raise ValueError(f"step_timeout={self.step_timeout!r} must be >= 0 or 'auto'")
         if self.emulated_link:
             try:
                 ok = isinstance(json.loads(self.emulated_link), dict)
@@ -207,169 +256,64 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"emulated_link={self.emulated_link[:80]!r} must be a JSON object (the link "
                                  "description `taco-jax launch --link` passes), or empty")
-        if self.log_every < 0:
-            raise ValueError(f"log_every={self.log_every} must be >= 0 (0: no progress lines)")
-        if self.monitor_every < 0:
-            raise ValueError(f"monitor_every={self.monitor_every} must be >= 0 (0: no monitor)")
-        for f in ("monitor_warn_sqnr", "monitor_min_sqnr"):
-            if math.isnan(getattr(self, f)):
-                raise ValueError(f"{f}={getattr(self, f)} must be a number of dB (-inf: never)")
-        for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f}={getattr(self, f)} must be positive")
-        check_compute(self.dtype, self.remat)
-        check_tp_overlap(self.tp_overlap, self.sequence_parallel)
-        if self.profile_steps:
-            self.profile_range  # noqa: B018  (ValueError naming a malformed A:B)
-        elif self.profile_dir:
-            raise ValueError(f"profile_dir={self.profile_dir!r} is given without profile_steps (e.g. 3:5)")
-        if self.make_vocab_size_divisible_by < 1:
-            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be positive")
-        if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
-            raise ValueError(
-                f"warmup_steps={self.warmup_steps} must be -1 (10% of steps) or in [0, steps={self.steps})"
-            )
-        axes = self.mesh_axes
-        data = axes.get(DATA, 1)
-        if self.batch_size % data:
-            raise ValueError(f"batch_size={self.batch_size} is not divisible by data={data}")
-        check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), self.microbatches, self.schedule)
-        if self.capture and (axes.get(STAGE, 1) > 1 or self.microbatches > 1):
-            raise ValueError(f"capture={self.capture} needs the unpipelined layout (stage=1, microbatches=1); "
-                             "capture on pipelined meshes is not supported")
-        if self.monitor_every and (axes.get(STAGE, 1) > 1 or self.microbatches > 1):
-            raise ValueError(f"monitor_every={self.monitor_every} needs the unpipelined layout (stage=1, "
-                             "microbatches=1); the monitor on pipelined meshes is not supported")
-        if self.batch_size % (data * self.microbatches):
-            raise ValueError(f"batch_size={self.batch_size} is not divisible by data × microbatches = "
-                             f"{data} × {self.microbatches}")
-        if self.seq_len > self.model_config.block_size:
-            raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={self.model_config.block_size}")
-        self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), sequence_parallel=self.sequence_parallel,
-                                                seq_len=self.seq_len)
-
-    def _resolve_model(self) -> str:
-        """`model` as recorded: the preset (default gpt2-tiny); with `init_from` the checkpoint's
-        architecture (`models.hf.architecture_label`). A preset given with `init_from` must describe
-        the checkpoint's architecture (vocabulary aside). Raises ValueError naming both otherwise."""
-        if not self.init_from:
-            return self.model or DEFAULT_MODEL
-        from taco_jax.models import PRESETS
-        from taco_jax.models.hf import architecture_label
-
-        ckpt = self.model_config
-        label = architecture_label(ckpt)
-        if self.model in ("", label):
-            return label
-        if self.model in PRESETS:
-            same = {f: getattr(ckpt, f) for f in ("vocab_size", "vocab_multiple", "dtype", "remat", "init_std")}
-            if get_config(self.model, **same) == ckpt:
-                return label
-        raise ValueError(f"model={self.model!r} disagrees with init_from={self.init_from!r}, a {label}; "
-                         "leave --model out (the checkpoint sets the model)")
-
-    def _resolve_vocab(self) -> int:
-        """`vocab_size` as recorded: the given one; else with `init_from` 2048 (the Shakespeare BPE's:
-        the model's vocabulary is the checkpoint's), with a published preset (`models.PUBLISHED`)
-        its own, with `data` the prepared folder's (meta.json: its tokenizer's largest id + 1),
-        else 2048. Raises ValueError for a negative value, a `data` folder without meta.json, or a
-        published preset's own vocabulary smaller than `data`'s (naming both)."""
-        from taco_jax.models import PRESETS, PUBLISHED
-
-        if self.vocab_size < 0:
-            raise ValueError(f"vocab_size={self.vocab_size} must be >= 0 (0: from the data or the preset)")
-        if self.vocab_size:
-            return self.vocab_size
-        if self.init_from:
-            return DEFAULT_VOCAB
-        from taco_jax.data.prepared import read_meta
-
-        if self.model in PUBLISHED:
-            own = PRESETS[self.model].vocab_size
-            theirs = int(read_meta(self.data)["vocab_size"]) if self.data else 0
-            if theirs > own:
-                raise ValueError(f"data={self.data!r} has a vocabulary of {theirs:,} ids (meta.json) and {self.model} "
-                                 f"(a published model) has {own:,}; prepare the data with the model's tokenizer, "
-                                 f"or give --vocab-size {theirs} (then the model is not the published one)")
-            return own
-        if self.data:
-            return int(read_meta(self.data)["vocab_size"])
-        return DEFAULT_VOCAB
+        if self.gloo_reduce_scatter not in GLOO_REDUCE_SCATTER:
+            raise ValueError(f"gloo_reduce_scatter={self.gloo_reduce_scatter!r} must be one of {GLOO_REDUCE_SCATTER}")
 
     @property
-    def own_vocab(self) -> bool:
-        """Whether the model runs with a published preset's own vocabulary (`models.PUBLISHED`)."""
-        from taco_jax.models import PRESETS, PUBLISHED
-
-        return not self.init_from and self.model in PUBLISHED and self.vocab_size == PRESETS[self.model].vocab_size
-
-    @property
-    def bpe_vocab_size(self) -> int:
-        """Entries of the Shakespeare BPE of a run without `data`: `vocab_size`, or 2048 when that is a
-        published preset's own vocabulary (no BPE of that size can be trained on the plays; the
-        model keeps its vocabulary, of which the BPE's ids are the first 2048)."""
-        return DEFAULT_VOCAB if self.own_vocab else self.vocab_size
-
-    def vocab_note(self) -> str:
-        """The line a run prints about its vocabulary when the tokenizer does not plainly set it (a
-        published preset's own; `data`'s); "" otherwise (Shakespeare on a CPU-sized preset, `init_from`)."""
-        if self.init_from or not (self.own_vocab or self.data):
-            return ""
-        from taco_jax.data.prepared import read_meta
-
-        cfg = self.model_config
-        rows = f" ({cfg.padded_vocab_size:,} rows)" if cfg.padded_vocab_size != cfg.vocab_size else ""
-        if self.data:
-            theirs = int(read_meta(self.data)["vocab_size"])
-            tokens = f"the tokenizer of data={self.data!r} ({theirs:,} ids)"
-        else:
-            theirs, tokens = self.bpe_vocab_size, f"the Shakespeare BPE ({self.bpe_vocab_size:,} ids)"
-        if self.own_vocab:
-            return (f"vocabulary {cfg.vocab_size:,}{rows} and context {cfg.block_size:,}: {self.model}'s own "
-                    f"(a published model); {tokens} uses a part of it; `sample` draws only the tokenizer's ids")
-        if cfg.vocab_size == theirs:
-            return f"vocabulary {cfg.vocab_size:,}{rows}: {tokens}"
-        return f"vocabulary {cfg.vocab_size:,}{rows} (--vocab-size); {tokens} uses a part of it"
-
-    @classmethod
-    def from_flags(cls, **kwargs) -> TrainConfig:
-        """A config from flag values: `TrainConfig`'s fields plus `CommFlags`'s (mapped to `policy` by
-        `CommFlags.policy()`), e.g. `TrainConfig.from_flags(comm="int8", dp_comm="taco", steps=20)`.
-
-        Raises: ValueError naming a bad value; TypeError for a name that is no flag, or for `policy`
-        given together with communication flags.
-        """
-        comm_names = {f.name for f in dataclasses.fields(CommFlags)}
-        comm = {k: kwargs.pop(k) for k in list(kwargs) if k in comm_names}
-        if comm and "policy" in kwargs:
-            raise TypeError(f"give policy= or the communication flags {sorted(comm)}, not both")
-        if "site" in comm:
-            comm["site"] = tuple(comm["site"] or ())
-        if "policy" not in kwargs:
-            kwargs["policy"] = CommFlags(**comm).policy()
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict:
-        """JSON-ready fields, `policy` as `CommPolicy.to_dict()` (the `config.json` of a run); the
-        folders of `PATH_FIELDS` absolute (resolved against the current folder; "" stays "")."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy"}
-        out.update({f: os.path.abspath(out[f]) for f in PATH_FIELDS if out[f]})
-        return {**out, "policy": self.policy.to_dict()}
-
-    @property
-    def comm(self) -> str:
+    def label(self) -> str:
         """Label of the tensor-axis codec: "none", its name (e.g. "taco-e4m3-G128-dual") or "per-site"."""
         return policy_label(self.policy)
 
-    @property
-    def warmup(self) -> int:
-        """Warmup steps actually used (`warmup_steps`, or 10% of `steps` when it is -1)."""
-        return self.steps // 10 if self.warmup_steps == -1 else self.warmup_steps
 
-    @property
-    def profile_range(self) -> tuple[int, int] | None:
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    """`[checkpoint]`: the output folder, Orbax checkpoints, resuming and the Hugging Face export."""
+
+    out: str = "runs/default"  # output folder (created; must not be a file)
+    checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps (0: the final one, SIGTERM's)
+    final_checkpoint: bool = True  # checkpoint at the end of a run that ends normally (--no-final-checkpoint: none)
+    keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
+    resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
+    resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse
+    export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
+
+    def __post_init__(self):
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0 (0: the final checkpoint only)")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSection:
+    """`[logging]`: what a run measures and writes besides checkpoints: evaluations, progress lines,
+    captures, the SQNR monitor, profiles and TensorBoard."""
+
+    eval_every: int = 50  # steps between validation evaluations (and at the last step)
+    eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
+    log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
+    capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
+    monitor_every: int = 0  # log per-site SQNR of compressed vs exact TP collectives on steps k % N == 0 and the last
+    monitor_warn_sqnr: float = 15.0  # monitor: warn on stderr when a site's worst call is below this SQNR (dB)
+    monitor_min_sqnr: float = float("-inf")  # monitor: stop the run (exit 1) when a site's worst call is below this dB
+    profile_steps: str = ""  # trace steps A:B (first:last, e.g. 3:5) with jax.profiler into --profile-dir
+    profile_dir: str = ""  # folder of the --profile-steps trace (default <out>/profile)
+    tensorboard: bool = False  # also write the metrics as TensorBoard event files to <out>/tensorboard
+
+    def __post_init__(self):
+        _positive("logging", self, ("eval_every", "eval_batches"))
+        for f in ("capture", "log_every", "monitor_every"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be >= 0 (0: off)")
+        for f in ("monitor_warn_sqnr", "monitor_min_sqnr"):
+            if math.isnan(getattr(self, f)):
+                raise ValueError(f"{f}={getattr(self, f)} must be a number of dB (-inf: never)")
+        if self.profile_steps:
+            self.profile_range(math.inf)  # ValueError naming a malformed A:B
+        elif self.profile_dir:
+            raise ValueError(f"profile_dir={self.profile_dir!r} is given without profile_steps (e.g. 3:5)")
+
+    def profile_range(self, steps) -> tuple[int, int] | None:
         """`profile_steps` "A:B" as (A, B), 1 <= A <= B <= steps ("A": one step); None when not set.
         Raises ValueError naming a malformed value."""
         if not self.profile_steps:
@@ -380,37 +324,318 @@ class TrainConfig:
         except ValueError:
             raise ValueError(f"profile_steps={self.profile_steps!r} must be A:B (first and last step traced, "
                              "e.g. 3:5)") from None
-        if not 1 <= first <= last <= self.steps:
-            raise ValueError(f"profile_steps={self.profile_steps!r} must satisfy 1 <= A <= B <= steps={self.steps}")
+        if not 1 <= first <= last <= steps:
+            raise ValueError(f"profile_steps={self.profile_steps!r} must satisfy 1 <= A <= B <= steps={steps}")
         return first, last
 
+
+#: Section of `TrainConfig` (its attribute and `--config` TOML table) -> its class.
+SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSection,
+            "parallelism": ParallelismSection, "communication": CommunicationSection,
+            "checkpoint": CheckpointSection, "logging": LoggingSection}
+
+#: Every flag of `taco-jax train` stored in `TrainConfig` -> (section, field), in the order of
+#: `--help`. A field's name is its flag's (underscores -> dashes) except `--model` (`model.name`)
+#: and `--data` (`data.path`). `CommFlags`' flags are not stored: they build `communication.policy`.
+FLAGS = {
+    "model": ("model", "name"), "mesh": ("parallelism", "mesh"),
+    "sequence_parallel": ("parallelism", "sequence_parallel"), "tp_overlap": ("parallelism", "tp_overlap"),
+    "microbatches": ("parallelism", "microbatches"), "schedule": ("parallelism", "schedule"),
+    "steps": ("training", "steps"), "batch_size": ("data", "batch_size"), "seq_len": ("data", "seq_len"),
+    "vocab_size": ("model", "vocab_size"), "lr": ("training", "lr"), "min_lr_ratio": ("training", "min_lr_ratio"),
+    "warmup_steps": ("training", "warmup_steps"), "weight_decay": ("training", "weight_decay"),
+    "grad_clip": ("training", "grad_clip"), "seed": ("training", "seed"), "eval_every": ("logging", "eval_every"),
+    "eval_batches": ("logging", "eval_batches"), "init_from": ("model", "init_from"), "data": ("data", "path"),
+    "export_hf": ("checkpoint", "export_hf"), "dtype": ("model", "dtype"), "remat": ("model", "remat"),
+    "make_vocab_size_divisible_by": ("model", "make_vocab_size_divisible_by"),
+    "allow_nonfinite": ("training", "allow_nonfinite"), "log_every": ("logging", "log_every"),
+    "capture": ("logging", "capture"), "monitor_every": ("logging", "monitor_every"),
+    "monitor_warn_sqnr": ("logging", "monitor_warn_sqnr"), "monitor_min_sqnr": ("logging", "monitor_min_sqnr"),
+    "out": ("checkpoint", "out"), "checkpoint_every": ("checkpoint", "checkpoint_every"),
+    "final_checkpoint": ("checkpoint", "final_checkpoint"), "keep_checkpoints": ("checkpoint", "keep_checkpoints"),
+    "resume": ("checkpoint", "resume"), "resume_fallback": ("checkpoint", "resume_fallback"),
+    "step_timeout": ("communication", "step_timeout"), "emulated_link": ("communication", "emulated_link"),
+    "gloo_reduce_scatter": ("communication", "gloo_reduce_scatter"),
+    "profile_steps": ("logging", "profile_steps"), "profile_dir": ("logging", "profile_dir"),
+    "tensorboard": ("logging", "tensorboard"),
+}
+#: (section, field) -> its flag; `policy` is `communication.policy`.
+FIELD_FLAGS = {**{v: k for k, v in FLAGS.items()}, ("communication", "policy"): "policy"}
+#: Flags naming folders, recorded absolute (against the current folder) by `TrainConfig.to_dict`: a
+#: run's config.json names the same folders wherever it is read from (`taco-jax sample --from`, `--config`).
+PATH_FLAGS = ("init_from", "data", "export_hf")
+
+
+def _grouped(flags: dict, what: str) -> dict[str, dict]:
+    """{flag: value} (flags of `FLAGS` and "policy") -> {section: {field: value}}. Raises TypeError
+    naming a name that is no such flag (`what`: the caller, for the message)."""
+    out = {}
+    for name, value in flags.items():
+        where = ("communication", "policy") if name == "policy" else FLAGS.get(name)
+        if where is None:
+            close = difflib.get_close_matches(name, [*FLAGS, "policy"], n=1)
+            raise TypeError(f"{what}: {name!r} is not a flag of TrainConfig" + (f" (did you mean {close[0]!r}?)"
+                                                                               if close else ""))
+        out.setdefault(where[0], {})[where[1]] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run, in sections (`SECTIONS`; each validates its own fields on construction,
+    this class the rules that join sections). Every field but `communication.policy` is a CLI flag
+    of `taco-jax train` (`FLAGS`); the communication flags are `CommFlags`'s, mapped into the
+    policy once. Build one from flag values with `TrainConfig.from_flags(steps=20, comm="int8")`,
+    change flags with `cfg.replace(out=...)`, read `cfg.training.steps`, `cfg.model.name`, ...
+
+    Raises: ValueError naming the bad value (and its flag) of any section, or of a rule joining
+    sections (batch vs data axis, pipeline layout, seq_len vs the model's block_size, ...).
+    """
+
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    training: TrainingSection = TrainingSection()
+    parallelism: ParallelismSection = ParallelismSection()
+    communication: CommunicationSection = CommunicationSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"TrainConfig.{name} must be a {cls.__name__}, not {getattr(self, name)!r} "
+                                "(flag values: TrainConfig.from_flags)")
+        model = dataclasses.replace(self.model, name=self._resolve_model())  # what the run records as its model
+        object.__setattr__(self, "model", dataclasses.replace(model, vocab_size=self._resolve_vocab(model.name)))
+        steps = self.training.steps
+        self.logging.profile_range(steps)  # ValueError naming A:B beyond the run's steps
+        axes, microbatches = self.parallelism.axes, self.parallelism.microbatches
+        data, batch = axes.get(DATA, 1), self.data.batch_size
+        if batch % data:
+            raise ValueError(f"batch_size={batch} is not divisible by data={data}")
+        check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), microbatches, self.parallelism.schedule)
+        if self.logging.capture and self.parallelism.pipelined:
+            raise ValueError(f"capture={self.logging.capture} needs the unpipelined layout (stage=1, microbatches=1); "
+                             "capture on pipelined meshes is not supported")
+        if self.logging.monitor_every and self.parallelism.pipelined:
+            raise ValueError(f"monitor_every={self.logging.monitor_every} needs the unpipelined layout (stage=1, "
+                             "microbatches=1); the monitor on pipelined meshes is not supported")
+        if batch % (data * microbatches):
+            raise ValueError(f"batch_size={batch} is not divisible by data × microbatches = {data} × {microbatches}")
+        if self.data.seq_len > self.model_config.block_size:
+            raise ValueError(f"seq_len={self.data.seq_len} exceeds the model's "
+                             f"block_size={self.model_config.block_size}")
+        self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), seq_len=self.data.seq_len,
+                                                sequence_parallel=self.parallelism.sequence_parallel)
+
+    def _resolve_model(self) -> str:
+        """`model.name` as recorded: the preset (default gpt2-tiny); with `init_from` the checkpoint's
+        architecture (`models.hf.architecture_label`). A preset given with `init_from` must describe
+        the checkpoint's architecture (vocabulary aside). Raises ValueError naming both otherwise."""
+        name, init_from = self.model.name, self.model.init_from
+        if not init_from:
+            return name or DEFAULT_MODEL
+        from taco_jax.models import PRESETS
+        from taco_jax.models.hf import architecture_label
+
+        ckpt = self.model_config
+        label = architecture_label(ckpt)
+        if name in ("", label):
+            return label
+        if name in PRESETS:
+            same = {f: getattr(ckpt, f) for f in ("vocab_size", "vocab_multiple", "dtype", "remat", "init_std")}
+            if get_config(name, **same) == ckpt:
+                return label
+        raise ValueError(f"model={name!r} disagrees with init_from={init_from!r}, a {label}; "
+                         "leave --model out (the checkpoint sets the model)")
+
+    def _resolve_vocab(self, name: str) -> int:
+        """`model.vocab_size` as recorded (`name`: the resolved model): the given one; else with
+        `init_from` 2048 (the Shakespeare BPE's: the model's vocabulary is the checkpoint's), with a
+        published preset (`models.PUBLISHED`) its own, with `data` the prepared folder's (meta.json:
+        its tokenizer's largest id + 1), else 2048. Raises ValueError for a `data` folder without
+        meta.json, or a published preset's own vocabulary smaller than `data`'s (naming both)."""
+        from taco_jax.models import PRESETS, PUBLISHED
+
+        if self.model.vocab_size:
+            return self.model.vocab_size
+        if self.model.init_from:
+            return DEFAULT_VOCAB
+        from taco_jax.data.prepared import read_meta
+
+        data = self.data.path
+        if name in PUBLISHED:
+            own = PRESETS[name].vocab_size
+            theirs = int(read_meta(data)["vocab_size"]) if data else 0
+            if theirs > own:
+                raise ValueError(f"data={data!r} has a vocabulary of {theirs:,} ids (meta.json) and {name} "
+                                 f"(a published model) has {own:,}; prepare the data with the model's tokenizer, "
+                                 f"or give --vocab-size {theirs} (then the model is not the published one)")
+            return own
+        if data:
+            return int(read_meta(data)["vocab_size"])
+        return DEFAULT_VOCAB
+
     @property
-    def mesh_axes(self) -> dict[str, int]:
-        return parse_mesh(self.mesh)
+    def own_vocab(self) -> bool:
+        """Whether the model runs with a published preset's own vocabulary (`models.PUBLISHED`)."""
+        from taco_jax.models import PRESETS, PUBLISHED
+
+        m = self.model
+        return not m.init_from and m.name in PUBLISHED and m.vocab_size == PRESETS[m.name].vocab_size
+
+    @property
+    def bpe_vocab_size(self) -> int:
+        """Entries of the Shakespeare BPE of a run without `data`: `vocab_size`, or 2048 when that is a
+        published preset's own vocabulary (no BPE of that size can be trained on the plays; the
+        model keeps its vocabulary, of which the BPE's ids are the first 2048)."""
+        return DEFAULT_VOCAB if self.own_vocab else self.model.vocab_size
+
+    def vocab_note(self) -> str:
+        """The line a run prints about its vocabulary when the tokenizer does not plainly set it (a
+        published preset's own; `data`'s); "" otherwise (Shakespeare on a CPU-sized preset, `init_from`)."""
+        data = self.data.path
+        if self.model.init_from or not (self.own_vocab or data):
+            return ""
+        from taco_jax.data.prepared import read_meta
+
+        cfg = self.model_config
+        rows = f" ({cfg.padded_vocab_size:,} rows)" if cfg.padded_vocab_size != cfg.vocab_size else ""
+        if data:
+            theirs = int(read_meta(data)["vocab_size"])
+            tokens = f"the tokenizer of data={data!r} ({theirs:,} ids)"
+        else:
+            theirs, tokens = self.bpe_vocab_size, f"the Shakespeare BPE ({self.bpe_vocab_size:,} ids)"
+        if self.own_vocab:
+            return (f"vocabulary {cfg.vocab_size:,}{rows} and context {cfg.block_size:,}: {self.model.name}'s own "
+                    f"(a published model); {tokens} uses a part of it; `sample` draws only the tokenizer's ids")
+        if cfg.vocab_size == theirs:
+            return f"vocabulary {cfg.vocab_size:,}{rows}: {tokens}"
+        return f"vocabulary {cfg.vocab_size:,}{rows} (--vocab-size); {tokens} uses a part of it"
+
+    @classmethod
+    def from_flags(cls, **flags) -> TrainConfig:
+        """A config from flag values (`FLAGS`' names plus `CommFlags`'s, mapped to the policy by
+        `CommFlags.policy()`, or `policy=` a `CommPolicy`), e.g.
+        `TrainConfig.from_flags(comm="int8", dp_comm="taco", steps=20)`.
+
+        Raises: ValueError naming a bad value; TypeError for a name that is no flag, or for `policy`
+        given together with communication flags.
+        """
+        comm_names = {f.name for f in dataclasses.fields(CommFlags)}
+        comm = {k: flags.pop(k) for k in list(flags) if k in comm_names}
+        if comm and "policy" in flags:
+            raise TypeError(f"give policy= or the communication flags {sorted(comm)}, not both")
+        if "site" in comm:
+            comm["site"] = tuple(comm["site"] or ())
+        if "policy" not in flags:
+            flags["policy"] = CommFlags(**comm).policy()
+        groups = _grouped(flags, "TrainConfig.from_flags")
+        return cls(**{name: sec(**groups.get(name, {})) for name, sec in SECTIONS.items()})
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "config") -> TrainConfig:
+        """The config a `to_dict()` (a run's config.json, sectioned or flat: `flag_values`) describes;
+        floats recorded as strings ("-Infinity", strict JSON) are read back as floats. Raises
+        ValueError naming `where` and a bad key or value."""
+        flags = flag_values(values, where)
+        floats = {k for k, (s, f) in FLAGS.items()
+                  if isinstance(SECTIONS[s].__dataclass_fields__[f].default, float)} - {"step_timeout"}
+        flags = {k: float(v) if k in floats else v for k, v in flags.items() if k in FLAGS or k == "policy"}
+        if isinstance(flags.get("policy"), dict):
+            flags["policy"] = CommPolicy.from_dict(flags["policy"], where=f"{where}: policy")
+        return cls.from_flags(**flags)
+
+    def replace(self, **flags) -> TrainConfig:
+        """A copy with these flags (`FLAGS`' names, or `policy=` a `CommPolicy`) changed, checked
+        again. Raises TypeError for a name that is no such flag; ValueError as the constructor."""
+        groups = _grouped(flags, "TrainConfig.replace")
+        return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in groups.items()})
+
+    def to_dict(self) -> dict:
+        """JSON-ready sections {section: {field: value}} (`communication.policy` as
+        `CommPolicy.to_dict()`): the `config.json` of a run, and a `--config` file. The folders of
+        `PATH_FLAGS` absolute (resolved against the current folder; "" stays "")."""
+        out = {}
+        for name in SECTIONS:
+            section = out[name] = {}
+            for f in dataclasses.fields(getattr(self, name)):
+                value, flag = getattr(getattr(self, name), f.name), FIELD_FLAGS[name, f.name]
+                if flag == "policy":
+                    value = value.to_dict()
+                elif flag in PATH_FLAGS and value:
+                    value = os.path.abspath(value)
+                section[f.name] = value
+        return out
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """`logging.profile_steps` "A:B" as (A, B), 1 <= A <= B <= steps; None when not set."""
+        return self.logging.profile_range(self.training.steps)
 
     @functools.cached_property  # built once: with --init-from it reads config.json
     def model_config(self) -> GPTConfig:
         """The model: `--init-from`'s config.json, else the preset with our tokenizer's vocabulary; its
         vocabulary padded to a multiple of make_vocab_size_divisible_by × tensor size (Megatron); with
         this run's compute `dtype` and `remat`."""
-        multiple = self.make_vocab_size_divisible_by * self.mesh_axes.get(TENSOR, 1)
-        if self.init_from:
+        m = self.model
+        multiple = m.make_vocab_size_divisible_by * self.parallelism.axes.get(TENSOR, 1)
+        if m.init_from:
             from taco_jax.models.hf import config_from_hf
 
-            cfg = config_from_hf(self.init_from, vocab_multiple=multiple)
-            return dataclasses.replace(cfg, dtype=self.dtype, remat=self.remat)
-        return get_config(self.model, vocab_size=self.vocab_size, vocab_multiple=multiple, dtype=self.dtype,
-                          remat=self.remat)
+            cfg = config_from_hf(m.init_from, vocab_multiple=multiple)
+            return dataclasses.replace(cfg, dtype=m.dtype, remat=m.remat)
+        return get_config(m.name, vocab_size=m.vocab_size, vocab_multiple=multiple, dtype=m.dtype, remat=m.remat)
+
+
+def flag_values(values: dict, where: str = "config") -> dict:
+    """{flag: value} of a config mapping: sectioned (`TrainConfig.to_dict()`, a TOML file with
+    tables `[model]`, `[data]`, ...: each table's keys are its section's fields, plus `CommFlags`'
+    names in `[communication]`) or flat (flag names at the top level, as config files and run
+    folders' config.json were written before sections; each is mapped to its section). A flat
+    "policy" table is `communication.policy`. Keys may use dashes. Top-level keys that are neither
+    a section nor a flag come back unchanged (the caller names them).
+
+    Raises ValueError naming `where` and the key: a table that is no section, a key that is not in
+    its table (naming the table it belongs to), a flag given both flat and in its table.
+    """
+    comm = {f.name for f in dataclasses.fields(CommFlags)}
+    out = {}
+
+    def put(flag, value, key):
+        if flag in out:
+            raise ValueError(f"{where}: {key} gives {flag!r} a second time (flat and in its table); give it once")
+        out[flag] = value
+
+    for key, value in values.items():
+        key = key.replace("-", "_")
+        if key in SECTIONS and isinstance(value, dict):
+            for k, v in value.items():
+                k = k.replace("-", "_")
+                flag = FIELD_FLAGS.get((key, k)) or (k if key == "communication" and k in comm else None)
+                if flag is None:
+                    home = FLAGS.get(k) or (("communication", k) if k in comm else None)
+                    hint = (f"; it is {home[1]!r} in [{home[0]}]" if home else
+                            f"; [{key}] takes {sorted(f for s, f in FIELD_FLAGS if s == key)}")
+                    raise ValueError(f"{where}: [{key}] has no key {k!r}{hint}")
+                put(flag, v, f"[{key}] {k}")
+        elif key in SECTIONS and key not in FLAGS:
+            raise ValueError(f"{where}: {key} must be a table ([{key}]), not {value!r}")
+        else:
+            put(key, value, key)
+    return out
 
 
 def read_config_file(path) -> dict:
-    """The flag values of a `--config FILE`: a TOML file (as torchtitan's), or a JSON object (".json",
-    e.g. the `config.json` a run wrote). Top-level keys are flag names (underscores or dashes); the
-    only table allowed is "policy" (a `CommPolicy.to_dict()`, as config.json holds it).
+    """The flag values {flag: value} of a `--config FILE`: a TOML file (as torchtitan's), or a JSON
+    object (".json", e.g. the `config.json` a run wrote). Tables mirror `TrainConfig`'s sections
+    (`[model]`, `[data]`, `[training]`, `[parallelism]`, `[communication]`, `[checkpoint]`,
+    `[logging]`; keys are the fields, dashes allowed); flat flag names at the top level are read
+    too and mapped to their section (`flag_values`). "policy" (`[communication.policy]`, or a flat
+    "policy" table) is a `CommPolicy.to_dict()`, as config.json holds it.
 
-    Raises ValueError naming the file when it cannot be read or parsed, or is not a table / object.
+    Raises ValueError naming the file when it cannot be read or parsed, is not a table / object,
+    or has a key outside its table (`flag_values`).
     """
-    import json
     import pathlib
     import tomllib
 
@@ -426,4 +651,4 @@ def read_config_file(path) -> dict:
         raise ValueError(f"--config {str(path)!r}: not valid {kind}: {e}") from None
     if not isinstance(values, dict):
         raise ValueError(f"--config {str(path)!r}: must hold a table of flag = value, not {type(values).__name__}")
-    return {k.replace("-", "_"): v for k, v in values.items()}
+    return flag_values(values, f"--config {str(path)!r}")

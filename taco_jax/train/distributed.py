@@ -185,7 +185,7 @@ class StepWatchdog:
     and warms caches). "auto": from the steps measured so far (`AUTO_FACTOR`, `AUTO_FLOOR_S`,
     `AUTO_FIRST_S`); `wire_bytes`, the step's wire bytes, and the link rate of `link`
     lengthen the first step's limit on a slow link.
-    link: the run's emulated links (`emulated_link(cfg.emulated_link)`), None on real links.
+    link: the run's emulated links (`emulated_link(cfg.communication.emulated_link)`), None on real links.
     """
 
     def __init__(self, timeout_s: float | str, *, exit_status: int = 1, first_factor: float = 10.0,

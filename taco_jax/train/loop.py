@@ -42,39 +42,41 @@ from taco_jax.train.step import Trainer, compiled_memory, make_trainer
 
 
 def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
-    """Trains `cfg.model` on Shakespeare or `cfg.data`; writes `config.json`, `metrics.jsonl`, `summary.json` and
-    `loss.png` to `cfg.out` (strict JSON: non-finite numbers as strings, `train/jsonio.py`).
+    """Trains `cfg.model.name` on Shakespeare or `cfg.data.path`; writes `config.json`, `metrics.jsonl`,
+    `summary.json` and `loss.png` to `cfg.checkpoint.out` (strict JSON: non-finite numbers as strings,
+    `train/jsonio.py`).
 
     Returns the summary: final train/validation loss, tokens/s, the policy that ran (backends
     resolved), and the compiled train step's wire bytes per step by mesh axis
     (`collectives.hlo.collective_bytes`).
-    `progress`: a progress bar on a terminal; with stderr not a terminal, a line every `cfg.log_every` steps.
+    `progress`: a progress bar on a terminal; with stderr not a terminal, a line every
+    `cfg.logging.log_every` steps.
     `devices`: the mesh's devices (default all; `jax.devices()[:1]` for a one-device reference).
     Multi-process (`jax.distributed` initialized): every process runs this; each builds only its
     rows of the batches, process 0 writes the files and prints progress. Checkpoints
-    (`cfg.checkpoint_every`, `cfg.final_checkpoint`, SIGTERM, `cfg.resume`): `train/checkpoint.py`;
-    a run that ends normally leaves one at its last step (unless `cfg.final_checkpoint` is off), so
+    (`cfg.checkpoint`: `checkpoint_every`, `final_checkpoint`, SIGTERM, `resume`): `train/checkpoint.py`;
+    a run that ends normally leaves one at its last step (unless `final_checkpoint` is off), so
     `taco-jax sample --from` finds its weights; a SIGTERM ends the run at the next step boundary
     with a checkpoint and a summary holding "preempted_at_step". `dataset`: e.g. a `TextDataset`
     of the caller's own token arrays; with `tokenizer_path=""` the run folder gets no tokenizer.json.
-    `cfg.step_timeout`: `distributed.StepWatchdog`, around each step, evaluation batch, checkpoint
-    save and the export. `cfg.profile_steps`: a jax.profiler trace
-    (`train/profile.py`); `cfg.tensorboard`: TensorBoard events (`train/tensorboard.py`).
+    `cfg.communication.step_timeout`: `distributed.StepWatchdog`, around each step, evaluation batch, checkpoint
+    save and the export. `cfg.logging.profile_steps`: a jax.profiler trace
+    (`train/profile.py`); `cfg.logging.tensorboard`: TensorBoard events (`train/tensorboard.py`).
     Raises: ValueError for a configuration that cannot run, an output folder that cannot be
     written (before anything is compiled) or a checkpoint that cannot be resumed (CheckpointError,
     naming what differs); FloatingPointError when the loss or gradient norm of a
-    step is not finite (naming the step; unless `cfg.allow_nonfinite`) or, with a codec
+    step is not finite (naming the step; unless `cfg.training.allow_nonfinite`) or, with a codec
     `nonfinite="error"`, when a message held NaN/Inf (naming the site).
     """
     run = prepare(cfg, dataset, devices)  # 1. everything checked before anything is compiled
     state = initial_state(run)  # same initial parameters for every --comm (same seed)
-    if (done := finished_summary(run)) is not None:  # --resume of a run that reached cfg.steps
+    if (done := finished_summary(run)) is not None:  # --resume of a run that reached cfg.training.steps
         return done
     acct = compile_step(run, state)  # 2. compile once; wire bytes and memory from the compiled program
     resume(run, acct, state)  # from the latest checkpoint with --resume; the first batch
     with make_hooks(run, acct, state, progress) as run_hooks:  # 3. the loop
         t_start = time.perf_counter()
-        for step in range(state.start + 1, cfg.steps + 1):
+        for step in range(state.start + 1, cfg.training.steps + 1):
             extra = run_hooks.before_step(state, step)  # capture, monitor (this step's batch)
             t = time.perf_counter()
             state.params, state.opt_state, m = acct.train_step(state.params, state.opt_state, state.inputs,
@@ -86,18 +88,18 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
             run_hooks.on_step(state, step, rec)  # evaluate, log, checks, progress, checkpoint
             if state.preempted:
                 break
-            if step < cfg.steps:
+            if step < cfg.training.steps:
                 state.inputs, state.targets = run.batches.next(run.batch_sharding)
         ends = run_hooks.end(state)  # the final checkpoint complete
         wall = time.perf_counter() - t_start
-        if cfg.export_hf:  # model layout, vocabulary padding dropped (models/hf.py); multi-process: gathered
+        if cfg.checkpoint.export_hf:  # model layout, vocabulary padding dropped (models/hf.py); multi-process: gathered
             nbytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
-            with run_hooks.guard(f"export to {cfg.export_hf}", state.history[-1]["step"] if state.history else 0,
-                                 kind="export", nbytes=nbytes):
-                save_hf(cfg.export_hf, cfg.model_config, state.params,
+            last = state.history[-1]["step"] if state.history else 0
+            with run_hooks.guard(f"export to {cfg.checkpoint.export_hf}", last, kind="export", nbytes=nbytes):
+                save_hf(cfg.checkpoint.export_hf, cfg.model_config, state.params,
                         stacked_key=run.trainer.staged.layer_key if run.trainer.staged else None,  # a layer at a time
-                        base_config=read_config(cfg.init_from) if cfg.init_from else None,
-                        source=cfg.init_from or None, tokenizer=run.dataset.tokenizer_path or None,
+                        base_config=read_config(cfg.model.init_from) if cfg.model.init_from else None,
+                        source=cfg.model.init_from or None, tokenizer=run.dataset.tokenizer_path or None,
                         eos_token_id=run.dataset.eot_id)
     return summarize(run, acct, state, wall, ends)  # 4.
 
@@ -123,7 +125,7 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.batch_size * self.cfg.seq_len
+        return self.cfg.data.batch_size * self.cfg.data.seq_len
 
 
 @dataclasses.dataclass
@@ -140,32 +142,34 @@ class Accounting:
 def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
     """The output folder, mesh, model, optimizer, data and checkpoint folder of a run, each checked
     (raises ValueError / CheckpointError as `train`)."""
-    out = check_out_dir(cfg.out)
-    if cfg.capture and jax.process_count() > 1:
-        raise ValueError(f"capture={cfg.capture} records on one process; run it without --num-processes")
-    if cfg.tensorboard:
+    out = check_out_dir(cfg.checkpoint.out)
+    if cfg.logging.capture and jax.process_count() > 1:
+        raise ValueError(f"capture={cfg.logging.capture} records on one process; run it without --num-processes")
+    if cfg.logging.tensorboard:
         tensorboard.check_available()
     trainer = make_trainer(cfg, devices)
-    source = f" from {cfg.init_from}" if cfg.init_from else ""
-    say(f"[taco-jax] {cfg.model}{source} on mesh {cfg.mesh}: {describe_policy(trainer.policy)}"
+    source = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
+    say(f"[taco-jax] {cfg.model.name}{source} on mesh {cfg.parallelism.mesh}: {describe_policy(trainer.policy)}"
         + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""))
     if note := cfg.vocab_note():  # a published preset's own vocabulary, or --data's
         say(f"[taco-jax] {note}")
-    ds = dataset or training_data(cfg.data, cfg.bpe_vocab_size)  # --data DIR (memory-mapped) or Shakespeare
-    check_data(ds, cfg.model_config.vocab_size if cfg.data else min(cfg.vocab_size, cfg.model_config.vocab_size),
-               cfg.init_from, batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # vocabulary, tokenizer, split sizes
-    ckpt = Checkpoints(out / "checkpoints", keep=cfg.keep_checkpoints)
+    ds = dataset or training_data(cfg.data.path, cfg.bpe_vocab_size)  # --data DIR (memory-mapped) or Shakespeare
+    vocab = cfg.model_config.vocab_size
+    check_data(ds, vocab if cfg.data.path else min(cfg.model.vocab_size, vocab), cfg.model.init_from,
+               batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len)  # vocabulary, tokenizer, split sizes
+    ckpt = Checkpoints(out / "checkpoints", keep=cfg.checkpoint.keep_checkpoints)
     saved = ckpt.steps()
-    if saved and not cfg.resume:
+    if saved and not cfg.checkpoint.resume:
         raise ValueError(f"{ckpt.directory} holds checkpoints (latest step {saved[-1]}); give --resume to continue "
                          "that run, or another --out")
-    if cfg.resume and not saved:
+    if cfg.checkpoint.resume and not saved:
         say(f"[taco-jax] --resume: no checkpoint in {rel(ckpt.directory, out)}; starting from step 0")
-    if cfg.resume and saved and (note := check_resumed_data(ds, out, cfg.data)):  # the run's tokenizer
+    if cfg.checkpoint.resume and saved and (note := check_resumed_data(ds, out, cfg.data.path)):  # the run's tokenizer
         say(f"[taco-jax] {note}")
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
-    batches = TokenStream(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # the training batch stream
-    return Run(cfg, out, dist.is_writer(), trainer, ds, batches, batch_sharding, ckpt, bool(cfg.resume and saved))
+    batches = TokenStream(ds.train, cfg.data.batch_size, cfg.data.seq_len, seed=cfg.training.seed)  # training batches
+    resuming = bool(cfg.checkpoint.resume and saved)
+    return Run(cfg, out, dist.is_writer(), trainer, ds, batches, batch_sharding, ckpt, resuming)
 
 
 def initial_state(run: Run) -> hooks.RunState:
@@ -173,24 +177,24 @@ def initial_state(run: Run) -> hooks.RunState:
     resume, checked against it first (CheckpointError naming what differs)."""
     params, opt_state = run.trainer.init()
     if run.resuming:  # CheckpointError naming what differs, before compiling (checkpoint metas only)
-        run.ckpt.resume(run.cfg.to_dict(), params, opt_state, vocab=run.vocab, fallback=run.cfg.resume_fallback,
-                        arrays=False)
+        run.ckpt.resume(run.cfg.to_dict(), params, opt_state, vocab=run.vocab,
+                        fallback=run.cfg.checkpoint.resume_fallback, arrays=False)
     return hooks.RunState(params, opt_state, None, None)
 
 
 def finished_summary(run: Run) -> dict | None:
-    """With `--resume` of a run whose newest checkpoint is at `cfg.steps` or later (nothing to train):
+    """With `--resume` of a run whose newest checkpoint is at `cfg.training.steps` or later (nothing to train):
     its `summary.json`, left as it is (said on stderr). None for a run with steps to train.
 
     Raises ValueError when such a run has no summary.json (give a larger --steps to continue it).
     """
     latest = run.ckpt.steps()[-1] if run.resuming else 0
-    if not run.resuming or latest < run.cfg.steps:
+    if not run.resuming or latest < run.cfg.training.steps:
         return None
     run.ckpt.close()
     summary = run.out / "summary.json"
     done = (f"--resume: {rel(run.ckpt.directory / str(latest), run.out)} is at step {latest} of "
-            f"steps={run.cfg.steps}; the run is finished, nothing to do")
+            f"steps={run.cfg.training.steps}; the run is finished, nothing to do")
     if not summary.exists():
         raise ValueError(f"{done}, and it wrote no {summary}; give a larger --steps to continue it")
     say(f"[taco-jax] {done} ({rel(summary, run.out)} left as it is; a larger --steps continues it)")
@@ -202,7 +206,7 @@ def compile_step(run: Run, state: hooks.RunState) -> Accounting:
     and reads the collectives' wire bytes and the memory off the compiled program."""
     cfg, trainer = run.cfg, run.trainer
     t0 = time.perf_counter()
-    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=run.batch_sharding)
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), np.int32, sharding=run.batch_sharding)
     lowered = trainer.train_step.lower(state.params, state.opt_state, batch, batch)
     train_step = lowered.compile()
     compile_s = time.perf_counter() - t0
@@ -221,7 +225,7 @@ def resume(run: Run, acct: Accounting, state: hooks.RunState) -> None:
     if run.resuming:
         state.start, state.params, state.opt_state, meta, notes, warnings = run.ckpt.resume(
             run.cfg.to_dict(), state.params, state.opt_state, shardings=acct.train_step.output_shardings[:2],
-            vocab=run.vocab, fallback=run.cfg.resume_fallback)
+            vocab=run.vocab, fallback=run.cfg.checkpoint.resume_fallback)
         for w in warnings:  # corrupt newer checkpoints skipped (renamed aside, not deleted)
             say(f"[taco-jax] warning: {w}")
         run.batches.restore(meta["data"])
@@ -241,13 +245,13 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
     """The run's hooks, outermost first (`train/hooks.py`: `on_step` runs them innermost first)."""
     cfg, trainer = run.cfg, run.trainer
     metrics = run.out / "metrics.jsonl"
-    monitor = Monitor.start(cfg, trainer) if cfg.monitor_every else None  # train --monitor-every N
+    monitor = Monitor.start(cfg, trainer) if cfg.logging.monitor_every else None  # train --monitor-every N
     if monitor and not monitor.sites:
         say("[taco-jax] --monitor-every: no tensor site is compressed (or no tensor axis); nothing to monitor")
     val = [dist.global_arrays(run.batch_sharding, x, y) for x, y in
-           eval_batches(run.dataset.val, cfg.batch_size, cfg.seq_len, max_batches=cfg.eval_batches)]
-    watchdog = dist.StepWatchdog(cfg.step_timeout, wire_bytes=sum(acct.wire["by_axis"].values()),
-                                 link=dist.emulated_link(cfg.emulated_link))
+           eval_batches(run.dataset.val, cfg.data.batch_size, cfg.data.seq_len, max_batches=cfg.logging.eval_batches)]
+    watchdog = dist.StepWatchdog(cfg.communication.step_timeout, wire_bytes=sum(acct.wire["by_axis"].values()),
+                                 link=dist.emulated_link(cfg.communication.emulated_link))
 
     def evaluate(params, step):
         losses = []
@@ -258,20 +262,21 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
         return float(np.mean(losses))
 
     checked = any(getattr(trainer.policy, s).nonfinite == "error" for s in SITES)  # codec nonfinite="error"
+    steps = cfg.training.steps
     return hooks.Hooks([
-        hooks.Checkpoint(run.ckpt, run.batches, cfg.checkpoint_every, cfg.steps, cfg.to_dict(), run.out,
-                         final=cfg.final_checkpoint, guard=watchdog.guard),
+        hooks.Checkpoint(run.ckpt, run.batches, cfg.checkpoint.checkpoint_every, steps, cfg.to_dict(), run.out,
+                         final=cfg.checkpoint.final_checkpoint, guard=watchdog.guard),
         hooks.Preemption(),
-        hooks.Progress(cfg.comm, state.start, cfg.steps, cfg.log_every, progress and run.writer),
+        hooks.Progress(cfg.communication.label, state.start, steps, cfg.logging.log_every, progress and run.writer),
         tensorboard.TensorBoard(run.out / "tensorboard", acct.wire["by_axis"], start=state.start)
-        if cfg.tensorboard and run.writer else None,
+        if cfg.logging.tensorboard and run.writer else None,
         hooks.MonitorCheck(monitor, rel(metrics, run.out)) if monitor else None,
-        hooks.MetricsLog(metrics, run.out, state.history, run.writer, cfg.allow_nonfinite),
-        hooks.Evaluate(evaluate, cfg.eval_every, cfg.steps, cfg.allow_nonfinite),
+        hooks.MetricsLog(metrics, run.out, state.history, run.writer, cfg.training.allow_nonfinite),
+        hooks.Evaluate(evaluate, cfg.logging.eval_every, steps, cfg.training.allow_nonfinite),
         hooks.CodecErrors() if checked else None,
-        hooks.Capture(capture.Recorder.start(cfg, run.out, trainer)) if cfg.capture else None,
+        hooks.Capture(capture.Recorder.start(cfg, run.out, trainer)) if cfg.logging.capture else None,
         hooks.MonitorMeasure(monitor) if monitor else None,
-        ProfileSteps(*cfg.profile_range, profile_dir(cfg)) if cfg.profile_steps else None,
+        ProfileSteps(*cfg.profile_range(), profile_dir(cfg)) if cfg.logging.profile_steps else None,
         hooks.Watchdog(watchdog),
     ], guard=watchdog.guard)
 
@@ -282,22 +287,22 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
     cfg, policy, history, start = run.cfg, run.trainer.policy, state.history, state.start
     backends = sorted({getattr(policy, s).backend for s in SITES if getattr(policy, s).kind == "taco"})
     summary = {
-        "comm": cfg.comm,
+        "comm": cfg.communication.label,
         "backend": backends[0] if len(backends) == 1 else (backends or None),  # of the taco codecs, resolved
         "compressed_axes": compressed_axes(policy, acct.wire["detail"]),
         "policy": policy.to_dict(),
-        "model": cfg.model,
+        "model": cfg.model.name,
         "n_params": count_params(cfg.model_config),  # without vocabulary padding (published counts)
-        "init_from": cfg.to_dict()["init_from"] or None,  # absolute, as config.json records it
-        "mesh": cfg.mesh,
-        "steps": cfg.steps,
+        "init_from": cfg.to_dict()["model"]["init_from"] or None,  # absolute, as config.json records it
+        "mesh": cfg.parallelism.mesh,
+        "steps": cfg.training.steps,
         "final_train_loss": float(np.mean([r["loss"] for r in history[-10:]])),
         "final_val_loss": state.val_loss,
         "tokens_per_s": run.tokens_per_step * (len(history) and history[-1]["step"] - start) / wall,
         "train_wall_s": wall,
         "compile_s": acct.compile_s,
-        "dtype": cfg.dtype,  # compute dtype (TP messages); parameters and optimizer state are float32
-        "remat": cfg.remat,
+        "dtype": cfg.model.dtype,  # compute dtype (TP messages); parameters and optimizer state are float32
+        "remat": cfg.model.remat,
         "compiled_memory_bytes": acct.memory,  # per device, of the compiled train step (None: not reported)
         "wire_bytes_per_step": acct.wire["by_axis"],
         "wire_detail": acct.wire["detail"],
@@ -308,16 +313,17 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
     }
     if "step_timeout_auto" in ends:  # --step-timeout auto: the watchdog's limit at the end of the run
         summary["step_timeout_auto"] = ends.pop("step_timeout_auto")
-    if link := dist.emulated_link(cfg.emulated_link):  # `taco-jax launch --link`: requested and measured rates
+    if link := dist.emulated_link(cfg.communication.emulated_link):  # `launch --link`: requested and measured rates
         summary["emulated_link"] = link
     if start:
         summary["resumed_from_step"] = start
     if state.preempted:
         summary["preempted_at_step"] = state.preempted
-    stages = cfg.mesh_axes.get(STAGE, 1)
-    if stages > 1 or cfg.microbatches > 1:  # pipeline: schedule and its bubble (parallel/pipeline.py)
-        summary["pipeline"] = {"schedule": cfg.schedule, "stages": stages, "microbatches": cfg.microbatches,
-                               **schedule_stats(cfg.schedule, stages, cfg.microbatches)}
+    par = cfg.parallelism
+    stages = par.axes.get(STAGE, 1)
+    if stages > 1 or par.microbatches > 1:  # pipeline: schedule and its bubble (parallel/pipeline.py)
+        summary["pipeline"] = {"schedule": par.schedule, "stages": stages, "microbatches": par.microbatches,
+                               **schedule_stats(par.schedule, stages, par.microbatches)}
     summary.update(ends)
     if run.writer:
         write_outputs(run, summary, history)
@@ -327,11 +333,12 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
 def write_outputs(run: Run, summary: dict, history: list[dict]) -> None:
     """`summary.json`, `loss.png` and (with monitor records) `monitor.png` in the run folder."""
     cfg, out = run.cfg, run.out
+    model, mesh, comm = cfg.model.name, cfg.parallelism.mesh, cfg.communication.label
     jsonio.write(out / "summary.json", summary)
-    plot_losses(out / "loss.png", {cfg.comm: out / "metrics.jsonl"}, title=f"{cfg.model} on {data_label(cfg.data)}, "
-                f"mesh {cfg.mesh}; compressed axes: {', '.join(summary['compressed_axes']) or 'none'}")
+    plot_losses(out / "loss.png", {comm: out / "metrics.jsonl"}, title=f"{model} on {data_label(cfg.data.path)}, "
+                f"mesh {mesh}; compressed axes: {', '.join(summary['compressed_axes']) or 'none'}")
     if any("monitor" in r for r in history):
-        plot_monitor(out / "monitor.png", out / "metrics.jsonl", title=f"{cfg.model}, mesh {cfg.mesh}, {cfg.comm}: "
+        plot_monitor(out / "monitor.png", out / "metrics.jsonl", title=f"{model}, mesh {mesh}, {comm}: "
                      "SQNR of the compressed TP collectives")
 
 

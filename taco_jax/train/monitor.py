@@ -84,7 +84,7 @@ def make_monitor_fn(trainer):
 
     Raises: ValueError for a pipelined trainer (from `capture.make_message_fn`).
     """
-    policy = trainer.policy or trainer.cfg.policy
+    policy = trainer.policy or trainer.cfg.communication.policy
     sites = set(monitored_sites(policy))
     msg = capture.make_message_fn(trainer)
     picked = [(i, k) for i, k in enumerate(msg.fwd_keys + msg.bwd_keys) if k.split("__")[0] in sites]
@@ -150,13 +150,14 @@ class Monitor:
         self.warn_db, self.min_db = warn_db, min_db
         self.roles = roles or {}
         tp = trainer.mesh.shape.get(TENSOR, 1)  # no tensor axis (or size 1): no message is compressed
-        self.sites = monitored_sites(trainer.policy or trainer.cfg.policy) if tp > 1 else []
+        self.sites = monitored_sites(trainer.policy or trainer.cfg.communication.policy) if tp > 1 else []
         self._fn = None
 
     @classmethod
     def start(cls, cfg, trainer) -> Monitor:
         """Monitor for a `TrainConfig` with `monitor_every > 0`."""
-        return cls(trainer, cfg.monitor_every, cfg.steps, cfg.monitor_warn_sqnr, cfg.monitor_min_sqnr,
+        log = cfg.logging
+        return cls(trainer, log.monitor_every, cfg.training.steps, log.monitor_warn_sqnr, log.monitor_min_sqnr,
                    capture.model_roles(cfg))
 
     def due(self, step: int) -> bool:

@@ -50,7 +50,7 @@ def with_layers(cfg: TrainConfig, layers: int | None) -> TrainConfig:
 
     mc = cfg.model_config
     new = dataclasses.replace(mc, **{mc.DEPTH_FIELD: layers})
-    check_pipeline(layers, cfg.mesh_axes.get(STAGE, 1), cfg.microbatches, cfg.schedule)
+    check_pipeline(layers, cfg.parallelism.axes.get(STAGE, 1), cfg.parallelism.microbatches, cfg.parallelism.schedule)
     cfg.__dict__["model_config"] = new  # the cached model of this config (a frozen dataclass)
     return cfg
 
@@ -61,12 +61,12 @@ def layout_of(cfg: TrainConfig) -> model.Layout:
     the compute dtype's bytes on the TP / PP wire (FP32 gradients on the DP wire)."""
     import numpy as np
 
-    axes = cfg.mesh_axes
-    dp, micro = axes.get("data", 1), cfg.microbatches
+    axes = cfg.parallelism.axes
+    dp, micro = axes.get("data", 1), cfg.parallelism.microbatches
     return model.Layout(tp=axes.get("tensor", 1), dp=dp, pp=axes.get("stage", 1),
-                        micro_batch=cfg.batch_size // (dp * micro), seq_len=cfg.seq_len, n_micro=micro,
-                        sequence_parallel=cfg.sequence_parallel, act_bytes=np.dtype(cfg.model_config.dtype).itemsize,
-                        grad_bytes=4)
+                        micro_batch=cfg.data.batch_size // (dp * micro), seq_len=cfg.data.seq_len, n_micro=micro,
+                        sequence_parallel=cfg.parallelism.sequence_parallel,
+                        act_bytes=np.dtype(cfg.model_config.dtype).itemsize, grad_bytes=4)
 
 
 def _site_rows(cfg, layout: model.Layout, hw: model.Hardware, policy: CommPolicy) -> tuple[list[dict], int | None]:
@@ -123,18 +123,18 @@ def activation_estimate(cfg: TrainConfig) -> dict:
     models (no dropout; GQA and SwiGLU shift the constants). Returns {"per_layer", "layers",
     "in_flight", "activations" (bytes), "remat"}.
     """
-    axes = cfg.mesh_axes
+    axes = cfg.parallelism.axes
     mc = cfg.model_config
-    t, pp, dp, m = axes.get("tensor", 1), axes.get("stage", 1), axes.get("data", 1), cfg.microbatches
-    s, b, h, a = cfg.seq_len, cfg.batch_size // (dp * m), mc.d_model, getattr(mc, mc.HEADS_FIELD)
+    t, pp, dp, m = axes.get("tensor", 1), axes.get("stage", 1), axes.get("data", 1), cfg.parallelism.microbatches
+    s, b, h, a = cfg.data.seq_len, cfg.data.batch_size // (dp * m), mc.d_model, getattr(mc, mc.HEADS_FIELD)
     attn = 5 * a * s / (h * t)
     if mc.remat == "full":
-        per = 2 * s * b * h / (t if cfg.sequence_parallel else 1)
+        per = 2 * s * b * h / (t if cfg.parallelism.sequence_parallel else 1)
     else:
-        base = 34 / t if cfg.sequence_parallel else 10 + 24 / t
+        base = 34 / t if cfg.parallelism.sequence_parallel else 10 + 24 / t
         per = s * b * h * (base + (attn if mc.remat == "none" else 0))
     layers = -(-mc.n_layers // pp)
-    in_flight = m if cfg.schedule == "gpipe" else min(m, pp)
+    in_flight = m if cfg.parallelism.schedule == "gpipe" else min(m, pp)
     return {"per_layer": int(per), "layers": layers, "in_flight": in_flight,
             "activations": int(per * layers * in_flight), "remat": mc.remat}
 
@@ -167,7 +167,7 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     layout = layout_of(cfg)
     hw = with_tp_span(spec.hardware, layout.tp, tp_span_nodes)
     mcfg = cfg.model_config
-    policy = resolve_policy(cfg.policy, layout, hw)
+    policy = resolve_policy(cfg.communication.policy, layout, hw)
     slots = layout.n_micro + layout.pp - 1
 
     def times(pol):
@@ -181,14 +181,15 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     errors = uncertainty.summary()
     lk = model.links(layout, hw)
     auto = model.auto_policy(mcfg, layout, hw, dataclasses.replace(policy, min_bytes=0))
-    sites, threshold = _site_rows(mcfg, layout, hw, cfg.policy if cfg.policy.min_bytes != "auto" else
-                                  dataclasses.replace(cfg.policy, min_bytes=0))
+    given = cfg.communication.policy
+    sites, threshold = _site_rows(mcfg, layout, hw, given if given.min_bytes != "auto" else
+                                  dataclasses.replace(given, min_bytes=0))
     return {
         "hardware": spec.describe(),
         "layout": dataclasses.asdict(layout) | {"gpus": layout.gpus, "tp_span_nodes": tp_span_nodes
                                                 or -(-layout.tp // spec.hardware.gpus_per_node)},
         "links": {"tensor": lk["tp"].name, "data": lk["dp"].name, "stage": lk["pp"].name},
-        "model": cfg.model, "n_params": mcfg.n_params(), "n_layers": mcfg.n_layers,
+        "model": cfg.model.name, "n_params": mcfg.n_params(), "n_layers": mcfg.n_layers,
         "policy_min_bytes": policy.min_bytes,
         "exact": exact, "policy": comp, "speedup": speed,
         "range": uncertainty.speedup_range(speed, errors),
@@ -303,17 +304,17 @@ def compile_step(cfg: TrainConfig, devices=None) -> dict:
     from taco_jax.parallel.mesh import DATA
     from taco_jax.train.step import compiled_memory, make_trainer
 
-    n = int(np.prod(list(cfg.mesh_axes.values())))
+    n = int(np.prod(list(cfg.parallelism.axes.values())))
     if devices is None:
         devices = jax.devices() if len(jax.devices()) >= n else jax.devices("cpu")
     if len(devices) < n:
-        raise ValueError(f"mesh={cfg.mesh!r} needs {n} devices; {len(devices)} {devices[0].platform} devices here "
-                         f"(give --devices {n})")
+        raise ValueError(f"mesh={cfg.parallelism.mesh!r} needs {n} devices; {len(devices)} {devices[0].platform} "
+                         f"devices here (give --devices {n})")
     devices = devices[:n]
     trainer = make_trainer(cfg, devices)
     params, opt_state = abstract_state(trainer)
     axes = tuple(a for a in (DATA,) if a in trainer.mesh.axis_names)
-    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32,
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), np.int32,
                                  sharding=NamedSharding(trainer.mesh, P(axes or None)))
     t0 = time.perf_counter()
     lowered = trainer.train_step.lower(params, opt_state, batch, batch)
@@ -341,9 +342,9 @@ def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = No
     Raises ValueError as those two."""
     out = {"format": PLAN_FORMAT, "config": cfg.to_dict(), "predict": predict(cfg, spec, tp_span_nodes=tp_span_nodes)}
     if compile:
-        policy = resolve_policy(cfg.policy, layout_of(cfg), with_tp_span(spec.hardware, layout_of(cfg).tp,
+        policy = resolve_policy(cfg.communication.policy, layout_of(cfg), with_tp_span(spec.hardware, layout_of(cfg).tp,
                                                                           tp_span_nodes))
-        run_cfg = dataclasses.replace(cfg, policy=policy)
+        run_cfg = cfg.replace(policy=policy)
         run_cfg.__dict__["model_config"] = cfg.model_config  # keep a --layers override
         out["compiled"] = compile_step(run_cfg, devices)
     return out

@@ -21,7 +21,7 @@ from taco_jax.train.hooks import Hook
 
 def profile_dir(cfg) -> pathlib.Path:
     """Where the trace of a `TrainConfig` goes (see the module docstring)."""
-    base = pathlib.Path(cfg.profile_dir or pathlib.Path(cfg.out) / "profile")
+    base = pathlib.Path(cfg.logging.profile_dir or pathlib.Path(cfg.checkpoint.out) / "profile")
     return base / f"process{jax.process_index()}" if jax.process_count() > 1 else base
 
 

@@ -35,10 +35,8 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
     from taco_jax.train.checkpoint import Checkpoints
     from taco_jax.train.config import TrainConfig
 
-    floats = {f.name for f in dataclasses.fields(TrainConfig) if isinstance(f.default, float)}  # "-Infinity"
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"policy"}
-    cfg = TrainConfig(**{k: float(v) if k in floats else v for k, v in conf.items() if k in fields})
-    ckpt = Checkpoints(run / "checkpoints", keep=cfg.keep_checkpoints)
+    cfg = TrainConfig.from_dict({k: v for k, v in conf.items() if k != "policy"}, where=str(run / "config.json"))
+    ckpt = Checkpoints(run / "checkpoints", keep=cfg.checkpoint.keep_checkpoints)
     try:
         steps = ckpt.steps()
     finally:
@@ -56,7 +54,7 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
                                                                        target)})
     params = _int_keys(ocp.PyTreeCheckpointer().restore(path, args=args)["params"])
     model_cfg = dataclasses.replace(cfg.model_config, dtype="float32", remat="none")
-    if cfg.mesh_axes.get("stage", 1) > 1:  # pipeline layout: layers stacked along a leading axis
+    if cfg.parallelism.axes.get("stage", 1) > 1:  # pipeline layout: layers stacked along a leading axis
         key = "h" if "h" in params else "layers"
         stacked = params[key]
         n = jax.tree.leaves(stacked)[0].shape[0]
@@ -69,9 +67,10 @@ def _no_checkpoint(run: pathlib.Path, cfg) -> str:
     where = f"no --export-hf folder and no complete checkpoint in {run / 'checkpoints'}"
     keep = ("to sample from a run, train it with --export-hf DIR, --checkpoint-every N or a final checkpoint "
             "(the default)")
-    if not cfg.final_checkpoint and not 0 < cfg.checkpoint_every <= cfg.steps:
-        every = f"--checkpoint-every {cfg.checkpoint_every}" + (" (none)" if not cfg.checkpoint_every else
-                                                                f" (more than its {cfg.steps} steps)")
+    ck, steps = cfg.checkpoint, cfg.training.steps
+    if not ck.final_checkpoint and not 0 < ck.checkpoint_every <= steps:
+        every = f"--checkpoint-every {ck.checkpoint_every}" + (" (none)" if not ck.checkpoint_every else
+                                                               f" (more than its {steps} steps)")
         return f"run {run} kept no checkpoint: it ran with --no-final-checkpoint and {every}: {where}; {keep}"
     return f"run {run} has {where} (a run that has not finished, or whose checkpoints were removed); {keep}"
 
@@ -95,6 +94,7 @@ def load_for_sampling(source):
     """(InferenceModel, params, tokenizer path) of a run folder or an HF checkpoint folder `source`.
     Raises ValueError naming the folder when it is neither, or lacks its tokenizer or weights."""
     from taco_jax.models.generate import load_hf
+    from taco_jax.train.config import flag_values
 
     src = pathlib.Path(source)
     conf_file = src / "config.json"
@@ -107,6 +107,7 @@ def load_for_sampling(source):
     if "architectures" in conf:  # an HF checkpoint
         model, params = load_hf(src)
         return model, params, tokenizer
+    conf = flag_values(conf, str(conf_file))  # sectioned, or flat as older runs wrote it
     export = _recorded_folder(src, conf, "export_hf")
     if export is not None and (export / "config.json").is_file():
         model, params = load_hf(export)

@@ -52,25 +52,26 @@ class Trainer:
     train_step: callable
     eval_step: callable
     staged: pp.StagedModel | None = None
-    policy: CommPolicy | None = None  # cfg.policy with concrete backends (what the step runs)
+    policy: CommPolicy | None = None  # cfg.communication.policy with concrete backends (what the step runs)
 
     def init(self):
         """Initial (params, opt_state), created sharded over the mesh; same values for any --comm and mesh.
 
         Every array is created with its final sharding (`shardings`, `opt_shardings`): each device
-        computes and holds only its own shards. With `cfg.init_from` the
+        computes and holds only its own shards. With `cfg.model.init_from` the
         parameters are read from that HF checkpoint straight into the mesh sharding
-        (`models.hf.load_params`); otherwise initialised from `cfg.seed`, the values of the eager
-        `make_model(cfg.model_config, rngs=nnx.Rngs(cfg.seed))` bit for bit (`parallel.state.sharded_initializer`,
+        (`models.hf.load_params`); otherwise initialised from `cfg.training.seed`, the values of the
+        eager `make_model(cfg.model_config, rngs=nnx.Rngs(cfg.training.seed))` bit for bit
+        (`parallel.state.sharded_initializer`,
         compiled once per model, seed and shardings in a process)."""
-        if self.cfg.init_from:
+        if self.cfg.model.init_from:
             from taco_jax.models.hf import load_params
 
-            params = load_params(self.cfg.init_from, self.cfg.model_config, shardings=self.shardings,
+            params = load_params(self.cfg.model.init_from, self.cfg.model_config, shardings=self.shardings,
                                  stacked_key=self.staged.layer_key if self.staged else None)
         else:
             leaves, treedef = jax.tree.flatten(self.shardings)
-            params = _initializer(self.cfg.model_config, self.cfg.seed, self.staged is not None, tuple(leaves),
+            params = _initializer(self.cfg.model_config, self.cfg.training.seed, self.staged is not None, tuple(leaves),
                                   treedef)()
         return params, jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
 
@@ -83,7 +84,7 @@ class Trainer:
     def opt_shardings(self):
         """`NamedSharding`s of the optimizer state (`tx.init`'s tree): each tree of moments like the
         parameters (`shardings`), every other leaf (the step counts) replicated over the mesh."""
-        params = jax.eval_shape(functools.partial(_fresh_params, self.cfg.model_config, self.cfg.seed,
+        params = jax.eval_shape(functools.partial(_fresh_params, self.cfg.model_config, self.cfg.training.seed,
                                                   self.staged is not None))
         abstract = jax.eval_shape(self.tx.init, params)
         replicated = NamedSharding(self.mesh, P())
@@ -130,11 +131,12 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
     Linear warmup lr · k / W for k = 1..W (step 1 already moves the parameters; the peak first
     applies at step W), then cosine decay from lr at step W to exactly lr · min_lr_ratio at the
-    last step (`cfg.steps`). With W = 0 the first step runs at the peak. Source: nanoGPT
+    last step (`cfg.training.steps`). With W = 0 the first step runs at the peak. Source: nanoGPT
     `get_lr` / GPT-NeoX, which index the schedule by the step being taken (the off-by-one of
     `optax.warmup_cosine_decay_schedule(0, ...)`, whose step 1 runs at lr 0).
     """
-    peak, floor, w, n = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup, cfg.steps
+    t = cfg.training
+    peak, floor, w, n = t.lr, t.lr * t.min_lr_ratio, t.warmup, t.steps
     start = max(w, 1)  # the step the cosine starts at (the peak)
 
     def schedule(count):
@@ -156,8 +158,8 @@ def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransform
     if decay_mask is None:
         decay_mask = role_decay_mask
     return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(lr_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.clip_by_global_norm(cfg.training.grad_clip),
+        optax.adamw(lr_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.training.weight_decay, mask=decay_mask),
     )
 
 
@@ -244,18 +246,20 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     devices: the devices of the mesh (default: all; e.g. `jax.devices()[:1]` for a one-device run).
     Raises: ValueError (from `make_mesh`) if the mesh does not match the device count.
     """
-    mesh = make_mesh(cfg.mesh_axes, devices)
-    policy = cfg.policy.resolve_backends(n_devices=mesh.devices.size)  # concrete backends, before tracing
-    policy = perf.resolve_min_bytes(policy, mesh.devices.flat[0].platform, tensor_size=cfg.mesh_axes.get(TENSOR, 1),
+    par, comm = cfg.parallelism, cfg.communication
+    mesh = make_mesh(par.axes, devices)
+    policy = comm.policy.resolve_backends(n_devices=mesh.devices.size,  # concrete backends, before tracing
+                                          gloo_reduce_scatter=comm.gloo_reduce_scatter)
+    policy = perf.resolve_min_bytes(policy, mesh.devices.flat[0].platform, tensor_size=par.axes.get(TENSOR, 1),
                                     itemsize=jnp.dtype(cfg.model_config.dtype).itemsize,
-                                    sequence_parallel=cfg.sequence_parallel,  # min_bytes "auto"
-                                    link_bytes_per_s=tensor_link_bytes_per_s(emulated_link(cfg.emulated_link)))
-    if cfg.policy.min_bytes == "auto":
+                                    sequence_parallel=par.sequence_parallel,  # min_bytes "auto"
+                                    link_bytes_per_s=tensor_link_bytes_per_s(emulated_link(comm.emulated_link)))
+    if comm.policy.min_bytes == "auto":
         say(f"taco-jax: --min-bytes auto -> {policy.min_bytes} bytes (the cost model's break-even size on "
             f"{mesh.devices.flat[0].platform}, docs/cost_model.md): smaller messages run the exact collective; "
             "the compiled step's wire bytes in summary.json show what was compressed")
-    steps = make_steps(cfg.model_config, mesh, policy, sequence_parallel=cfg.sequence_parallel,
-                       microbatches=cfg.microbatches, schedule=cfg.schedule, tp_overlap=cfg.tp_overlap)
+    steps = make_steps(cfg.model_config, mesh, policy, sequence_parallel=par.sequence_parallel,
+                       microbatches=par.microbatches, schedule=par.schedule, tp_overlap=par.tp_overlap)
     tx = make_optimizer(cfg, _decay_mask(steps.abstract_state, steps.staged))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))

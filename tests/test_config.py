@@ -1,0 +1,146 @@
+"""`TrainConfig` in sections: TOML tables mirror them (`--config`), each section checks its own
+fields naming the bad value, flat keys (config files and config.json written before sections) map
+to their section, and `--gloo-reduce-scatter` reaches the codec resolution of the train step."""
+
+import dataclasses
+import json
+import re
+
+import jax
+import pytest
+
+from taco_jax.cli import config_from_argv, main
+from taco_jax.train import jsonio
+from taco_jax.train.config import (
+    FLAGS,
+    SECTIONS,
+    CheckpointSection,
+    CommunicationSection,
+    DataSection,
+    LoggingSection,
+    ModelSection,
+    ParallelismSection,
+    TrainConfig,
+    TrainingSection,
+    flag_values,
+)
+
+#: One key per section, and communication flags beside the section's own fields.
+TABLES = """\
+[model]
+name = "qwen3-tiny"
+vocab-size = 512
+[data]
+batch_size = 8
+seq_len = 32
+[training]
+steps = 7
+lr = 1e-3
+[parallelism]
+mesh = "data=2,tensor=2"
+sequence_parallel = true
+[communication]
+comm = "int8"
+dp_comm = "taco"
+gloo_reduce_scatter = "lax"
+[checkpoint]
+keep_checkpoints = 2
+[logging]
+eval_batches = 1
+monitor_min_sqnr = -inf
+"""
+
+
+def test_every_flag_is_one_field_of_one_section():
+    fields = {(s, f.name) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert set(FLAGS.values()) | {("communication", "policy")} == fields
+    assert len(set(FLAGS.values())) == len(FLAGS)
+
+
+def test_toml_with_tables_round_trips(tmp_path):
+    """TOML tables -> the config -> its config.json (sectioned) -> `--config config.json` -> the same
+    config; each table's values land in their section."""
+    (tmp_path / "run.toml").write_text(TABLES)
+    cfg = config_from_argv(["train", "--config", str(tmp_path / "run.toml")])
+    assert (cfg.model.name, cfg.model.vocab_size, cfg.data.batch_size, cfg.training.steps, cfg.training.lr) == \
+        ("qwen3-tiny", 512, 8, 7, 1e-3)
+    assert cfg.parallelism.axes == {"data": 2, "tensor": 2} and cfg.parallelism.sequence_parallel
+    assert cfg.communication.policy.ar_fwd.kind == "int8" and cfg.communication.policy.dp_grads.kind == "taco"
+    assert (cfg.communication.gloo_reduce_scatter, cfg.checkpoint.keep_checkpoints) == ("lax", 2)
+    assert cfg.logging.monitor_min_sqnr == float("-inf")
+    written = tmp_path / "config.json"
+    jsonio.write(written, cfg.to_dict())
+    recorded = json.loads(written.read_text())
+    assert list(recorded) == list(SECTIONS) and recorded["data"] == {"batch_size": 8, "seq_len": 32, "path": ""}
+    assert config_from_argv(["train", "--config", str(written)]) == cfg
+    assert TrainConfig.from_dict(recorded) == cfg.replace(policy=cfg.communication.policy)
+
+
+@pytest.mark.parametrize("section, values, match", [
+    (ModelSection, dict(vocab_size=-1), r"vocab_size=-1 must be >= 0"),
+    (ModelSection, dict(dtype="fp16"), r"fp16"),
+    (DataSection, dict(batch_size=0), r"batch_size=0 must be positive \(\[data\] batch_size\)"),
+    (TrainingSection, dict(steps=3, warmup_steps=5), r"warmup_steps=5 must be -1 .* steps=3"),
+    (ParallelismSection, dict(mesh="data=2,depth=2"), r"'depth' in mesh='data=2,depth=2'"),
+    (CommunicationSection, dict(gloo_reduce_scatter="ring"), r"gloo_reduce_scatter='ring' must be one of"),
+    (CommunicationSection, dict(step_timeout=-1.0), r"step_timeout=-1.0 must be >= 0"),
+    (CheckpointSection, dict(keep_checkpoints=0), r"keep_checkpoints=0 must be >= 1"),
+    (LoggingSection, dict(profile_dir="p"), r"profile_dir='p' is given without profile_steps"),
+])
+def test_a_section_rejects_its_bad_value_naming_it(section, values, match):
+    with pytest.raises(ValueError, match=match):
+        section(**values)
+    with pytest.raises(ValueError, match=match):  # the same check through the flags
+        TrainConfig.from_flags(**values)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[data]\nbatch_size = 0\n", r"batch_size=0 must be positive \(\[data\] batch_size\)"),
+    ("[data]\nlr = 0.1\n", r"\[data\] has no key 'lr'; it is 'lr' in \[training\]"),
+    ("[model]\nmodel = \"qwen3-tiny\"\n", r"\[model\] has no key 'model'; it is 'name' in \[model\]"),
+    ("[trainig]\nsteps = 3\n", r"unknown key 'trainig'"),
+    ("steps = 3\n[training]\nsteps = 4\n", r"\[training\] steps gives 'steps' a second time"),
+    ("training = 3\n", r"training must be a table \(\[training\]\), not 3"),
+])
+def test_bad_table_exits_2_naming_the_key(tmp_path, capsys, text, match):
+    (tmp_path / "c.toml").write_text(text)
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run")]) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_flat_keys_map_to_their_section(tmp_path):
+    """A flat config (flag names at the top level: TOML files and config.json written before
+    sections, a top-level "policy" table) is read as its sections; flat and sectioned forms of one
+    run give the same flags (checkpoint metas compare them so)."""
+    cfg = TrainConfig.from_flags(model="qwen3-tiny", data="", steps=7, mesh="data=2,tensor=2", comm="int8",
+                                 gloo_reduce_scatter="lax", vocab_size=512)
+    flat = flag_values(cfg.to_dict())
+    assert flat["model"] == "qwen3-tiny" and flat["steps"] == 7 and flat["gloo_reduce_scatter"] == "lax"
+    assert set(flat) == set(FLAGS) | {"policy"}
+    assert flag_values(flat) == flat
+    old = tmp_path / "config.json"  # as a run wrote it before sections
+    old.write_text(json.dumps({**{k: v for k, v in flat.items()}, "policy": cfg.communication.policy.to_dict()}))
+    assert config_from_argv(["train", "--config", str(old)]) == cfg
+    assert TrainConfig.from_dict(json.loads(old.read_text())) == cfg
+    (tmp_path / "flat.toml").write_text('steps = 7\nmodel = "qwen3-tiny"\n[data]\nseq_len = 32\n')
+    mixed = config_from_argv(["train", "--config", str(tmp_path / "flat.toml")])
+    assert (mixed.training.steps, mixed.model.name, mixed.data.seq_len) == (7, "qwen3-tiny", 32)
+
+
+def test_gloo_reduce_scatter_reaches_dispatch(tmp_path, monkeypatch):
+    """`--gloo-reduce-scatter` is recorded in config.json and decides the exact transport of the
+    train step's codecs where the collectives run through gloo (here: `gloo_collectives` says so)."""
+    from taco_jax.codec import dispatch
+    from taco_jax.collectives.policy import SITES
+    from taco_jax.train.step import make_trainer
+
+    argv = ["train", "--comm", "none", "--mesh", "data=1,tensor=2", "--vocab-size", "512", "--batch-size", "2",
+            "--seq-len", "16"]
+    lax_cfg = config_from_argv([*argv, "--gloo-reduce-scatter", "lax"])
+    assert lax_cfg.to_dict()["communication"]["gloo_reduce_scatter"] == "lax"
+    assert config_from_argv(argv).communication.gloo_reduce_scatter == "all_to_all"
+    monkeypatch.setattr(dispatch, "gloo_collectives", lambda: True)
+
+    transports = {name: {getattr(make_trainer(cfg, jax.devices()[:2]).policy, s).transport for s in SITES}
+                  for name, cfg in (("lax", lax_cfg), ("default", config_from_argv(argv)))}
+    assert transports == {"lax": {"xla"}, "default": {"gloo"}}
