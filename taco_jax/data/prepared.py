@@ -410,22 +410,16 @@ def _split_name(ds, split: str) -> str:
     return f"the {split} split"
 
 
-def check_resumed_data(ds, run_dir, data: str) -> str:
+def check_resumed_data(ds, run_dir, data: str, before: str | None) -> str:
     """Checks the data of a run resumed in `run_dir` against the data it trained on: the run's
-    `tokenizer.json` (written at its start) and the `data` folder of its `config.json`.
+    `tokenizer.json` (written at its start) and `before`, the data folder its `config.json` records
+    ("" = Shakespeare; None when the run records none: only the tokenizers are compared).
     `ds`: the data given now (`PreparedData`, `TextDataset`); `data`: its folder ("" = Shakespeare).
     Returns a note (the same tokenizer, other data) or "". Raises ValueError naming both tokenizers
-    when the data's tokenizer is not the run's. A run folder without these files passes."""
-    run_dir = pathlib.Path(run_dir)
-    theirs = run_dir / "tokenizer.json"
+    when the data's tokenizer is not the run's. A run folder without a tokenizer.json passes."""
+    theirs = pathlib.Path(run_dir) / "tokenizer.json"
     if not ds.tokenizer_path or not theirs.is_file():
         return ""
-    try:
-        from taco_jax.train.config import flag_values
-
-        before = flag_values(json.loads((run_dir / "config.json").read_text())).get("data", "")
-    except (OSError, ValueError):
-        before = None  # the run's data is not recorded: only its tokenizer is compared
     name = data_label
     if tokenizer_hash(theirs) != tokenizer_hash(ds.tokenizer_path):
         raise ValueError(f"--resume: the data's tokenizer {ds.tokenizer_path} ({name(data)}) differs from the run's "

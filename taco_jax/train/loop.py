@@ -33,7 +33,7 @@ from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture, hooks, jsonio, tensorboard
 from taco_jax.train import distributed as dist
 from taco_jax.train.checkpoint import Checkpoints
-from taco_jax.train.config import AXIS_SITES, TrainConfig
+from taco_jax.train.config import AXIS_SITES, TrainConfig, flag_values
 from taco_jax.train.console import rel, say
 from taco_jax.train.monitor import Monitor
 from taco_jax.train.plots import plot_losses, plot_monitor
@@ -164,8 +164,8 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
                          "that run, or another --out")
     if cfg.checkpoint.resume and not saved:
         say(f"[taco-jax] --resume: no checkpoint in {rel(ckpt.directory, out)}; starting from step 0")
-    if cfg.checkpoint.resume and saved and (note := check_resumed_data(ds, out, cfg.data.path)):  # the run's tokenizer
-        say(f"[taco-jax] {note}")
+    if cfg.checkpoint.resume and saved and (note := check_resumed_data(ds, out, cfg.data.path, recorded_data(out))):
+        say(f"[taco-jax] {note}")  # the run's tokenizer and data against the data given now
     batch_sharding = NamedSharding(trainer.mesh, P(*(a for a in (DATA,) if a in trainer.mesh.axis_names)))
     batches = TokenStream(ds.train, cfg.data.batch_size, cfg.data.seq_len, seed=cfg.training.seed)  # training batches
     resuming = bool(cfg.checkpoint.resume and saved)
@@ -199,6 +199,15 @@ def finished_summary(run: Run) -> dict | None:
         raise ValueError(f"{done}, and it wrote no {summary}; give a larger --steps to continue it")
     say(f"[taco-jax] {done} ({rel(summary, run.out)} left as it is; a larger --steps continues it)")
     return json.loads(summary.read_text())
+
+
+def recorded_data(out: pathlib.Path) -> str | None:
+    """The data folder a run in `out` recorded in its config.json ("" = Shakespeare), or None when it
+    records none (no or unreadable config.json)."""
+    try:
+        return flag_values(json.loads((out / "config.json").read_text())).get("data", "")
+    except (OSError, ValueError):
+        return None
 
 
 def compile_step(run: Run, state: hooks.RunState) -> Accounting:
