@@ -1,6 +1,6 @@
 """`TrainConfig` in sections: TOML tables mirror them (`--config`), each section checks its own
 fields naming the bad value, flat keys (config files and config.json written before sections) map
-to their section, and `--gloo-reduce-scatter` reaches the codec resolution of the train step."""
+to their section, and `--transport` reaches the codec resolution of the train step."""
 
 import dataclasses
 import json
