@@ -371,14 +371,14 @@ def worker(cfg_path: str, process_id: int) -> None:
             c = kernels.resolve_codec(dataclasses.replace(base, backend=b), n_devices=p)
             codecs.setdefault((name, c.backend), c)
     from taco_jax.codec.config import NONE
-    from taco_jax.codec.dispatch import GLOO_REDUCE_SCATTER
+    from taco_jax.codec.dispatch import resolve_transport
 
     cases = []
     t_start = time.monotonic()
     env = dict(process_id=process_id, process_count=jax.process_count(), devices=[str(d) for d in devices],
                jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
                backend_platform=jax.default_backend(), glibc_tunables=os.environ.get("GLIBC_TUNABLES"),
-               gloo_reduce_scatter=GLOO_REDUCE_SCATTER[0])  # the library's default (resolve_transport)
+               transport=resolve_transport())  # what the exact collectives' "auto" transport is here
 
     def save(complete: bool) -> None:
         """This process's results so far (rewritten after every case: a run stopped by --timeout keeps

@@ -10,7 +10,11 @@ median over rounds, and the speedup of every variant over the first one (per-rou
 median, min, max).
 
 Also, once per variant: the step without transport (`taco-jax train`, the same mesh in one
-process; in-process collectives are memory copies). The first variant's one-process step t_local
+process; in-process collectives are memory copies). It runs with the exact collectives' transport
+the processes resolve to (`--transport`: the variant's own, else "gloo", what "auto" is in a
+multi-process CPU run), so it is the processes' program with only the transport differing: a bf16
+message moves as its own bytes, not widened to float32 as XLA:CPU's in-process collectives would
+(recorded as `local_transport`). The first variant's one-process step t_local
 against its step over a link t gives the communication fraction f = 1 - t_local / t, and with the
 wire-byte ratio r = variant / first variant's wire bytes per step (summary.json, compiled HLO, all
 mesh axes) the byte bound 1 / ((1 - f) + f · r): the speedup if a variant only cut bytes (overlap
@@ -64,6 +68,15 @@ def _train_args(a) -> list[str]:
             "--dtype", a.dtype, "--steps", str(a.steps), "--eval-every", str(10 * a.steps), "--eval-batches", "1",
             "--no-progress", "--checkpoint-every", "0"]
     return args + (["--sequence-parallel"] if a.sequence_parallel else []) + shlex.split(a.train_args)
+
+
+def local_transport(flags: list[str]) -> str:
+    """The exact collectives' transport a multi-process CPU run of `flags` (`train` flags) resolves
+    to: the last `--transport` among them unless "auto", else "gloo" (`resolve_transport` under
+    `jax.distributed` on the CPU). The one-process step runs with it."""
+    given = [b for a, b in zip(flags, flags[1:]) if a == "--transport"]
+    given += [a.partition("=")[2] for a in flags if a.startswith("--transport=")]
+    return given[-1] if given and given[-1] != "auto" else "gloo"
 
 
 def _run(cmd: list[str], out: pathlib.Path, timeout: float, warmup: int, env: dict) -> dict:
@@ -182,9 +195,13 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     if not a.no_local:
         for v, flags in variants.items():
             d = out / f"local_{v}"
+            transport = local_transport([*train, *flags])
             with guard.watch(f"one process {v}"):
-                local[v] = _run(cli_command("train", *train, *flags, "--out", str(d)), d, a.timeout, a.warmup, env)
-            print(f"[bench_e2e] one process {v}: {local[v]['step_s']:.4f} s/step{guard.label}", flush=True)
+                local[v] = _run(cli_command("train", *train, *flags, "--transport", transport, "--out", str(d)), d,
+                                a.timeout, a.warmup, env)
+            local[v]["transport"] = transport
+            print(f"[bench_e2e] one process {v} (--transport {transport}): {local[v]['step_s']:.4f} s/step"
+                  f"{guard.label}", flush=True)
     rows = []
     for link in links:
         runs = {v: [] for v in names}
@@ -218,13 +235,14 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
                 "tokens_per_s": a.batch_size * a.seq_len / t,
                 "speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "local_s_per_step": local[v]["step_s"] if local else None,
+                "local_transport": local[v]["transport"] if local else None,
                 "comm_fraction": f, "comm_fraction_raw": f_raw, "byte_ratio": r_bytes,
                 "byte_bound": byte_bound(f, r_bytes) if local else None,
                 "wire_bytes_per_step": runs[v][0]["wire_bytes_per_step"],
                 "tensor_messages_per_step": runs[v][0]["tensor_messages_per_step"],
                 "runs": [{k: x for k, x in r.items() if k != "emulated_link"} for r in runs[v]],
             })
-    result = {"format": "taco_jax.bench_e2e/2", "command": shlex.join(["python", "-m", "experiments.bench_e2e",
+    result = {"format": "taco_jax.bench_e2e/3", "command": shlex.join(["python", "-m", "experiments.bench_e2e",
                                                                         *(argv if argv is not None else sys.argv[1:])]),
               "config": {**vars(a), "variant": {v: shlex.join(f) for v, f in variants.items()}},
               "local": {v: {k: x for k, x in r.items() if k != "emulated_link"} for v, r in local.items()},

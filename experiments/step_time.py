@@ -44,8 +44,8 @@ def main(argv=None) -> dict:
     p.add_argument("--algorithm", default="two_shot")
     p.add_argument("--reduce-domain", default="signal", help="two-shot taco all-reduce: signal | hadamard")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism on the tensor axis")
-    p.add_argument("--gloo-reduce-scatter", default="all_to_all", choices=("all_to_all", "lax"),
-                   help="exact reduce-scatter under gloo (as `taco-jax train --gloo-reduce-scatter`)")
+    p.add_argument("--transport", default="auto", choices=("auto", "xla", "gloo", "gloo_widened"),
+                   help="the exact collectives' transport, as `taco-jax train --transport` (xla: XLA's own)")
     p.add_argument("--variants", default="none,taco", help="comma-separated --comm values; the first is the base")
     p.add_argument("--steps", type=int, default=20, help="timed rounds (after 2 warm-up rounds)")
     p.add_argument("--json", default="", help="write the result here (process 0)")
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
                                      vocab_size=args.vocab_size,
                                      algorithm=args.algorithm, reduce_domain=args.reduce_domain,
                                      sequence_parallel=args.sequence_parallel,
-                                     gloo_reduce_scatter=args.gloo_reduce_scatter)
+                                     transport=args.transport)
         tr = make_trainer(cfg)
         sharding = NamedSharding(tr.mesh, P(*(a for a in (DATA,) if a in tr.mesh.axis_names)))
         rng = np.random.default_rng(0)
@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
         "dtype": args.dtype, "sequence_parallel": args.sequence_parallel,
         "reduce_domain": args.reduce_domain, "processes": jax.process_count(), "devices": len(jax.devices()),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-        "gloo_reduce_scatter": args.gloo_reduce_scatter,
+        "transport": args.transport,
         "tensor_codec": {v: f"{state[v][6].ar_fwd.name}[{state[v][6].ar_fwd.backend}]" for v in variants},
         "compile_s": {v: state[v][5] for v in variants},
         "median_step_s": {v: statistics.median(times[v]) for v in variants},

@@ -69,6 +69,7 @@ _seconds_or_auto = _or_auto("step_timeout", float, lambda v: 0 <= v < float("inf
 def _add_flag(sp, name, cls, f, helps, explicit: bool = False, hidden: bool = False) -> None:
     """Adds flag `name` (field `f` of `cls`) to `sp` (a parser or an argument group); `explicit`: no
     default (the namespace then holds only given flags); `hidden`: accepted but not listed by --help."""
+    from taco_jax.codec.config import TRANSPORTS
     from taco_jax.models import PRESETS
 
     flag = "--" + name.replace("_", "-")
@@ -86,6 +87,8 @@ def _add_flag(sp, name, cls, f, helps, explicit: bool = False, hidden: bool = Fa
         sp.add_argument("--policy", flag, dest=name, default=default, metavar="FILE", help=help_)
     elif name == "step_timeout":  # seconds or "auto" (train.distributed.StepWatchdog)
         sp.add_argument(flag, type=_seconds_or_auto, default=default, metavar="S|auto", help=help_)
+    elif name == "transport":  # codec.config.TRANSPORTS
+        sp.add_argument(flag, default=default, choices=TRANSPORTS, help=help_)
     elif name == "model":
         sp.add_argument(flag, default=default, choices=sorted(PRESETS), metavar="PRESET",
                         help=help_ if hidden else f"{help_}: {', '.join(sorted(PRESETS))}")

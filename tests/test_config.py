@@ -1,6 +1,6 @@
 """`TrainConfig` in sections: TOML tables mirror them (`--config`), each section checks its own
 fields naming the bad value, flat keys (config files and config.json written before sections) map
-to their section, and `--gloo-reduce-scatter` reaches the codec resolution of the train step."""
+to their section, and `--transport` reaches the codec resolution of the train step."""
 
 import dataclasses
 import json
@@ -42,7 +42,7 @@ sequence_parallel = true
 [communication]
 comm = "int8"
 dp_comm = "taco"
-gloo_reduce_scatter = "lax"
+transport = "xla"
 [checkpoint]
 keep_checkpoints = 2
 [logging]
@@ -66,7 +66,7 @@ def test_toml_with_tables_round_trips(tmp_path):
         ("qwen3-tiny", 512, 8, 7, 1e-3)
     assert cfg.parallelism.axes == {"data": 2, "tensor": 2} and cfg.parallelism.sequence_parallel
     assert cfg.communication.policy.ar_fwd.kind == "int8" and cfg.communication.policy.dp_grads.kind == "taco"
-    assert (cfg.communication.gloo_reduce_scatter, cfg.checkpoint.keep_checkpoints) == ("lax", 2)
+    assert (cfg.communication.transport, cfg.checkpoint.keep_checkpoints) == ("xla", 2)
     assert cfg.logging.monitor_min_sqnr == float("-inf")
     written = tmp_path / "config.json"
     jsonio.write(written, cfg.to_dict())
@@ -82,7 +82,7 @@ def test_toml_with_tables_round_trips(tmp_path):
     (DataSection, dict(batch_size=0), r"batch_size=0 must be positive \(\[data\] batch_size\)"),
     (TrainingSection, dict(steps=3, warmup_steps=5), r"warmup_steps=5 must be -1 .* steps=3"),
     (ParallelismSection, dict(mesh="data=2,depth=2"), r"'depth' in mesh='data=2,depth=2'"),
-    (CommunicationSection, dict(gloo_reduce_scatter="ring"), r"gloo_reduce_scatter='ring' must be one of"),
+    (CommunicationSection, dict(transport="ring"), r"transport='ring' must be one of"),
     (CommunicationSection, dict(step_timeout=-1.0), r"step_timeout=-1.0 must be >= 0"),
     (CheckpointSection, dict(keep_checkpoints=0), r"keep_checkpoints=0 must be >= 1"),
     (LoggingSection, dict(profile_dir="p"), r"profile_dir='p' is given without profile_steps"),
@@ -113,9 +113,9 @@ def test_flat_keys_map_to_their_section(tmp_path):
     sections, a top-level "policy" table) is read as its sections; flat and sectioned forms of one
     run give the same flags (checkpoint metas compare them so)."""
     cfg = TrainConfig.from_flags(model="qwen3-tiny", data="", steps=7, mesh="data=2,tensor=2", comm="int8",
-                                 gloo_reduce_scatter="lax", vocab_size=512)
+                                 transport="xla", vocab_size=512)
     flat = flag_values(cfg.to_dict())
-    assert flat["model"] == "qwen3-tiny" and flat["steps"] == 7 and flat["gloo_reduce_scatter"] == "lax"
+    assert flat["model"] == "qwen3-tiny" and flat["steps"] == 7 and flat["transport"] == "xla"
     assert set(flat) == set(FLAGS) | {"policy"}
     assert flag_values(flat) == flat
     old = tmp_path / "config.json"  # as a run wrote it before sections
@@ -127,20 +127,34 @@ def test_flat_keys_map_to_their_section(tmp_path):
     assert (mixed.training.steps, mixed.model.name, mixed.data.seq_len) == (7, "qwen3-tiny", 32)
 
 
-def test_gloo_reduce_scatter_reaches_dispatch(tmp_path, monkeypatch):
-    """`--gloo-reduce-scatter` is recorded in config.json and decides the exact transport of the
-    train step's codecs where the collectives run through gloo (here: `gloo_collectives` says so)."""
+def test_transport_reaches_dispatch(tmp_path, monkeypatch, capsys):
+    """`--transport` is recorded in config.json and decides the exact transport of the train step's
+    codecs: "auto" follows the process's collectives (gloo where `gloo_collectives` says so), a
+    concrete value is taken wherever the step runs (a policy site that names its transport keeps
+    it); a bad value exits 2 naming it."""
     from taco_jax.codec import dispatch
     from taco_jax.collectives.policy import SITES
     from taco_jax.train.step import make_trainer
 
     argv = ["train", "--comm", "none", "--mesh", "data=1,tensor=2", "--vocab-size", "512", "--batch-size", "2",
             "--seq-len", "16"]
-    lax_cfg = config_from_argv([*argv, "--gloo-reduce-scatter", "lax"])
-    assert lax_cfg.to_dict()["communication"]["gloo_reduce_scatter"] == "lax"
-    assert config_from_argv(argv).communication.gloo_reduce_scatter == "all_to_all"
-    monkeypatch.setattr(dispatch, "gloo_collectives", lambda: True)
+    xla_cfg = config_from_argv([*argv, "--transport", "xla"])
+    gloo_cfg = config_from_argv([*argv, "--transport", "gloo"])
+    assert xla_cfg.to_dict()["communication"]["transport"] == "xla"
+    assert config_from_argv(argv).communication.transport == "auto"
+    policy = gloo_cfg.communication.policy
+    pinned = gloo_cfg.replace(policy=policy.with_sites({"ar_fwd": dataclasses.replace(policy.ar_fwd, transport="xla")}))
 
-    transports = {name: {getattr(make_trainer(cfg, jax.devices()[:2]).policy, s).transport for s in SITES}
-                  for name, cfg in (("lax", lax_cfg), ("default", config_from_argv(argv)))}
-    assert transports == {"lax": {"xla"}, "default": {"gloo"}}
+    def transports(cfg):
+        policy = make_trainer(cfg, jax.devices()[:2]).policy
+        return {s: getattr(policy, s).transport for s in SITES}
+
+    assert set(transports(gloo_cfg).values()) == {"gloo"}  # one process: gloo only when asked for
+    assert set(transports(config_from_argv(argv)).values()) == {"xla"}
+    assert transports(pinned)["ar_fwd"] == "xla" and transports(pinned)["ar_bwd"] == "gloo"
+    monkeypatch.setattr(dispatch, "gloo_collectives", lambda: True)
+    assert set(transports(xla_cfg).values()) == {"xla"}  # under gloo: XLA's own collectives
+    assert set(transports(config_from_argv(argv)).values()) == {"gloo"}
+    with pytest.raises(SystemExit) as e:
+        config_from_argv([*argv, "--transport", "nccl"])
+    assert e.value.code == 2 and "nccl" in capsys.readouterr().err

@@ -123,22 +123,23 @@ def test_malloc_keep_takes_effect_in_glibc():
     assert mapped(malloc_env(base)) == 0
 
 
-def test_gloo_reduce_scatter_switch_is_resolved_per_codec():
-    """`gloo_reduce_scatter` (a run's --gloo-reduce-scatter) is applied when a codec's transport is
-    resolved (policy resolution, or a library call's unresolved codec at trace time); a bad value
-    is named; a resolved codec keeps its transport."""
+def test_run_transport_is_resolved_per_codec():
+    """A run's transport (its --transport) is what an "auto" codec transport becomes when the codec is
+    resolved (policy resolution, or a library call's unresolved codec at trace time); a codec that
+    names its transport keeps it; a bad value is named."""
     from taco_jax.codec import NONE, resolve_codec
     from taco_jax.codec.dispatch import resolve_transport
     from taco_jax.collectives import CommPolicy
 
-    with pytest.raises(ValueError, match="gloo_reduce_scatter='bogus' must be one of"):
-        resolve_transport(gloo_reduce_scatter="bogus")
-    with pytest.raises(ValueError, match="site ar_fwd: gloo_reduce_scatter='bogus'"):
-        CommPolicy.none().resolve_backends(gloo_reduce_scatter="bogus")
-    assert resolve_transport(gloo_reduce_scatter="lax") == "xla"
+    with pytest.raises(ValueError, match="run transport='bogus' must be one of"):
+        resolve_transport(run="bogus")
+    with pytest.raises(ValueError, match="site ar_fwd: run transport='bogus'"):
+        CommPolicy.none().resolve_backends(transport="bogus")
     assert resolve_transport() == "xla"  # one process, jax.distributed not initialized: no gloo
+    assert resolve_transport(run="gloo") == "gloo" and resolve_transport("xla", run="gloo") == "xla"
     assert resolve_transport("gloo") == "gloo"
     assert resolve_codec(dataclasses.replace(NONE, transport="gloo")).transport == "gloo"
+    assert resolve_codec(NONE, transport="gloo_widened").transport == "gloo_widened"
 
 
 _GLOO_RS = """
@@ -154,7 +155,7 @@ from taco_jax.codec import NONE
 from taco_jax.collectives import compressed as cc
 from taco_jax.codec import resolve_codec
 WORKAROUND = sys.argv[1] == "1"
-NONE = resolve_codec(NONE, gloo_reduce_scatter="all_to_all" if WORKAROUND else "lax")  # after jax.distributed
+NONE = resolve_codec(NONE, transport="auto" if WORKAROUND else "xla")  # after jax.distributed
 assert NONE.transport == ("gloo" if WORKAROUND else "xla"), NONE
 mesh = jax.make_mesh((4,), ("t",), devices=jax.devices())
 x = np.random.default_rng(0).standard_normal((4, 3, 8, 5)).astype(np.float32)  # rank r: x[r] [3, 8, 5]
@@ -192,14 +193,14 @@ jax.distributed.shutdown()
 """
 
 
-@pytest.mark.parametrize("workaround", [True, False], ids=["workaround", "lax"])
+@pytest.mark.parametrize("workaround", [True, False], ids=["workaround", "xla"])
 def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
     """Under gloo (jax.distributed initialized, 1 process x 4 CPU devices) the exact reduce-scatter and
     the exact all-gather's transpose compile to an all-to-all plus a local sum, not XLA:CPU's gloo
     reduce-scatter (jax-ml/jax#40830), and give psum_scatter's values (bit for bit the sum in rank
     order; gloo's own reduce-scatter sums in another order) and gradient (8 s: 4 ranks, each with
     loss sum(s^2)), and forward mode (jax.jvp) works, also for a zero-size block; with
-    gloo_reduce_scatter="lax" (transport "xla"), the compiled step has the reduce-scatter again."""
+    the run's transport "xla" (`--transport xla`), the compiled step has the reduce-scatter again."""
     import os
     import subprocess
 

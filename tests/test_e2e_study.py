@@ -275,3 +275,29 @@ def test_a_cpu_burner_makes_the_study_warn_and_not_start(tmp_path, capsys):
     assert e.value.code == 3 and "[bench_e2e] WARNING: the machine is busier than the study allows" in err
     assert "[bench_e2e] not started: other processes used" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_one_process_step_runs_the_transport_the_processes_resolve_to(tmp_path, monkeypatch):
+    """The one-process (transport-free) step gets `--transport gloo`, what "auto" is in a multi-process
+    CPU run, unless the variant names its own; bench_e2e.json records it per variant and per row."""
+    assert bench_e2e.local_transport(["--comm", "none"]) == "gloo"
+    assert bench_e2e.local_transport(["--transport", "xla", "--comm", "none"]) == "xla"
+    assert bench_e2e.local_transport(["--transport", "xla", "--transport=auto"]) == "gloo"
+    commands = []
+
+    def run(cmd, out, timeout, warmup, env):  # the bookkeeping only: no processes
+        commands.append(cmd)
+        return {"step_s": 0.5 if "launch" in cmd else 0.3, "wire_bytes_per_step": {"tensor": 1e6},
+                "tensor_messages_per_step": 10, "emulated_link": None, "final_train_loss": 1.0}
+
+    monkeypatch.setattr(bench_e2e, "_run", run)
+    res = bench_e2e.main(["--links", "none", "--rounds", "1", "--out", str(tmp_path),
+                          "--variant", "exact=--comm none", "--variant", "x=--comm none --transport xla"],
+                         guard=load_guard.Guard(processes=2, measure=lambda where: _measured()))
+    local = [c for c in commands if "launch" not in c]
+    assert [c[-4:-2] for c in local] == [["--transport", "gloo"], ["--transport", "xla"]]
+    recorded = json.loads((tmp_path / "bench_e2e.json").read_text())
+    assert {v: r["transport"] for v, r in recorded["local"].items()} == {"exact": "gloo", "x": "xla"}
+    assert [r["local_transport"] for r in res["rows"]] == ["gloo", "xla"]
+    launched = [c for c in commands if "launch" in c]
+    assert ["--transport" in c for c in launched] == [False, True]  # the processes resolve "auto" themselves

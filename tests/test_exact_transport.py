@@ -108,3 +108,41 @@ def test_two_gloo_processes_move_bf16_and_match_one(tmp_path, cache, extra):
     assert [r[0] for r in a] == [r[0] for r in b] == [1, 2]
     assert a == b, (a, b)
     assert all(math.isfinite(v) for _, v, _ in b)
+
+
+def test_one_process_step_with_transport_gloo_is_the_multiprocess_program():
+    """`--transport gloo` in one process (mesh tensor=2, exact bf16 step, sequence parallel) compiles
+    the program a 2-process gloo run compiles: the activations' all-gathers move u16 (bf16 bytes),
+    the reduce-scatters are u16 all-to-alls, and no all-gather / reduce-scatter / all-to-all carries
+    f32 (the plain one-process step widens all of them to f32); only all-reduces of f32 values
+    (loss terms, parameter gradients) stay f32. Its two steps' losses and gradient norms equal the
+    plain step's bit for bit: either way each reduce-scatter is a sum of two bf16 partial sums in
+    FP32, rounded to bf16 once."""
+    from jax.sharding import NamedSharding
+
+    from taco_jax.cli import config_from_argv
+    from taco_jax.train.step import make_trainer
+
+    argv = ["train", "--model", "gpt2-tiny", "--mesh", "data=1,tensor=2", "--batch-size", "8", "--seq-len", "32",
+            "--dtype", "bfloat16", "--sequence-parallel", "--comm", "none", "--vocab-size", "512"]
+    kinds, numbers = {}, {}
+    for transport in ("auto", "gloo"):
+        trainer = make_trainer(config_from_argv([*argv, "--transport", transport]), jax.devices()[:2])
+        params, opt_state = trainer.init()
+        sharding = NamedSharding(trainer.mesh, P())
+        spec = jax.ShapeDtypeStruct((8, 32), np.int32, sharding=sharding)
+        compiled = trainer.train_step.lower(params, opt_state, spec, spec).compile()
+        kinds[transport] = {(dt, kind) for typ, kind in _COLL.findall(compiled.as_text())
+                            for dt in re.findall(r"\b([a-z]+\d+)\[", typ)}
+        rng = np.random.default_rng(0)
+        numbers[transport] = []
+        for _ in range(2):
+            tok = jax.device_put(rng.integers(0, 512, (8, 33), dtype=np.int32), sharding)
+            params, opt_state, m = compiled(params, opt_state, tok[:, :-1], tok[:, 1:])
+            numbers[transport].append((float(m["loss"]).hex(), float(m["grad_norm"]).hex()))
+    moving = ("all-gather", "reduce-scatter", "all-to-all")
+    assert {("f32", "all-gather"), ("f32", "reduce-scatter")} <= kinds["auto"]  # XLA:CPU's widened bf16
+    assert {("u16", "all-gather"), ("u16", "all-to-all")} <= kinds["gloo"], kinds["gloo"]
+    assert not {k for k in kinds["gloo"] if k[1] in moving and k[0] != "u16"}, kinds["gloo"]
+    assert {k for k in kinds["gloo"] if k[1] not in moving} == {("f32", "all-reduce")}, kinds["gloo"]
+    assert numbers["gloo"] == numbers["auto"], numbers

@@ -115,9 +115,9 @@ class CodecConfig:
       transport: how the exact collectives (kind "none", and a compressed collective's exact
         backward or below-threshold messages) move data, one of `TRANSPORTS`: "xla", "gloo" or
         "gloo_widened".
-        Default "auto": "gloo" when XLA:CPU runs the collectives through gloo (`jax.distributed`
-        initialized, CPU backend) unless the run's `--gloo-reduce-scatter lax`
-        (`resolve_codec(..., gloo_reduce_scatter="lax")`) asks for XLA's own reduce-scatter; else "xla".
+        Default "auto": the run's `--transport` where that is not "auto"
+        (`resolve_codec(..., transport=...)`), else "gloo" when XLA:CPU runs the collectives through
+        gloo (`jax.distributed` initialized, CPU backend), else "xla".
       All "auto" fields are resolved in one place, `taco_jax.codec.dispatch.resolve_codec`: once,
       before tracing, in training (`CommPolicy.resolve_backends`), or at trace time when a library
       call gets an unresolved codec.

@@ -27,7 +27,7 @@ from taco_jax.codec.backends import (
     resolve_backend,
     wire_runs_on,
 )
-from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.config import TRANSPORTS, CodecConfig
 from taco_jax.codec.kinds import codec_kinds, get_kind
 from taco_jax.codec.nonfinite import check_finite
 from taco_jax.codec.reference import decode_groups, encode_groups, reduce_groups
@@ -279,28 +279,29 @@ def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
 # Resolution of "auto": the one place.
 # --------------------------------------------------------------------------------------
 
-#: Values of `resolve_transport`'s `gloo_reduce_scatter` (a run's `--gloo-reduce-scatter`):
-#: "all_to_all" (default) keeps the gloo reduce-scatter workaround on, "lax" turns it off (XLA's own
-#: reduce-scatter, transport "xla").
-GLOO_REDUCE_SCATTER = ("all_to_all", "lax")
-
-
 def gloo_collectives() -> bool:
     """Whether XLA:CPU runs this process's collectives through gloo: `jax.distributed` initialized
     and jax's default backend is the CPU."""
     return jax.default_backend() == "cpu" and jax.distributed.is_initialized()
 
 
-def resolve_transport(name: str = "auto", gloo_reduce_scatter: str = "all_to_all") -> str:
-    """The concrete `CodecConfig.transport` `name` stands for here: "auto" -> "gloo" when
-    `gloo_collectives()` and `gloo_reduce_scatter` (one of `GLOO_REDUCE_SCATTER`; a run's
-    `--gloo-reduce-scatter`) is not "lax", else "xla" (a concrete name comes back unchanged).
-    Raises ValueError naming a `gloo_reduce_scatter` value other than all_to_all / lax."""
-    if gloo_reduce_scatter not in GLOO_REDUCE_SCATTER:
-        raise ValueError(f"gloo_reduce_scatter={gloo_reduce_scatter!r} must be one of {GLOO_REDUCE_SCATTER}")
+def resolve_transport(name: str = "auto", run: str = "auto") -> str:
+    """The concrete `CodecConfig.transport` a codec's `name` stands for here. A concrete `name` comes
+    back unchanged; "auto" becomes the run's transport `run` (a run's `--transport`; one of
+    `TRANSPORTS`) where that is concrete, else "gloo" when `gloo_collectives()` (the processes'
+    collectives run through gloo), else "xla". So `run="xla"` under gloo gives XLA's own collectives
+    (its gloo reduce-scatter, bf16 widened to float32 on the wire), and `run="gloo"` in one process
+    gives the program a multi-process CPU run compiles (exact reduce-scatter as all-to-all + sum,
+    narrow floats moved as their own bytes), with in-process collectives.
+    Raises ValueError naming a `name` or `run` outside `TRANSPORTS`."""
+    for what, value in (("transport", name), ("run transport", run)):
+        if value not in TRANSPORTS:
+            raise ValueError(f"{what}={value!r} must be one of {TRANSPORTS}")
     if name != "auto":
         return name
-    return "gloo" if gloo_reduce_scatter == "all_to_all" and gloo_collectives() else "xla"
+    if run != "auto":
+        return run
+    return "gloo" if gloo_collectives() else "xla"
 
 
 def _resolve_wire(cfg: CodecConfig, backend: str, platform: str) -> str:
@@ -317,7 +318,7 @@ def _resolve_wire(cfg: CodecConfig, backend: str, platform: str) -> str:
 
 
 def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: int = 1,
-                  gloo_reduce_scatter: str = "all_to_all") -> CodecConfig:
+                  transport: str = "auto") -> CodecConfig:
     """`cfg` with every "auto" made concrete, the one place where that is decided:
     `backend` (kind "taco": the registered resolver's choice for `platform`, default
     `backends.default_platform()`; other kinds always run the jnp reference: "reference"),
@@ -327,15 +328,16 @@ def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: i
 
     Args:
       cfg: the codec. platform: "cpu", "cuda", ... n_devices: devices of the program (the resolver
-        refuses backends that stall a multi-device program). gloo_reduce_scatter: how an "auto"
-        transport moves the exact reduce-scatter under gloo (`resolve_transport`).
-    Raises: ValueError naming a backend or wire codec that cannot run here, or a bad
-      `gloo_reduce_scatter` value.
+        refuses backends that stall a multi-device program). transport: the run's transport (a
+        run's `--transport`), what an "auto" `cfg.transport` becomes where it is not "auto"
+        (`resolve_transport`); a codec that names its transport keeps it.
+    Raises: ValueError naming a backend or wire codec that cannot run here, or a transport outside
+      `TRANSPORTS`.
     """
     platform = platform or default_platform()
     backend = resolve_backend(cfg.backend, platform, n_devices=n_devices) if _backends(cfg) else "reference"
     wire = _resolve_wire(cfg, backend, platform)
-    transport = resolve_transport(cfg.transport, gloo_reduce_scatter)
+    transport = resolve_transport(cfg.transport, transport)
     if (backend, wire, transport) == (cfg.backend, cfg.wire, cfg.transport):
         return cfg
     return dataclasses.replace(cfg, backend=backend, wire=wire, transport=transport)

@@ -101,19 +101,19 @@ class CommPolicy:
         return codec
 
     def resolve_backends(self, platform: str | None = None, *, n_devices: int = 1,
-                         gloo_reduce_scatter: str = "all_to_all") -> CommPolicy:
+                         transport: str = "auto") -> CommPolicy:
         """A copy whose codecs are concrete (`taco_jax.codec.dispatch.resolve_codec`: backend, wire
         codec and exact transport; "auto" and availability on `platform`, default jax's); run once,
-        before the step is traced (after `jax.distributed` is initialized, which decides the
-        transport, with `gloo_reduce_scatter`: a run's `--gloo-reduce-scatter`).
+        before the step is traced (after `jax.distributed` is initialized, which decides an "auto"
+        transport unless the run's `transport`, its `--transport`, is concrete: `resolve_transport`).
 
-        Raises: ValueError naming the site whose backend or wire codec cannot run here.
+        Raises: ValueError naming the site whose backend, wire codec or transport cannot run here.
         """
         new = {}
         for site in SITES:
             try:
                 new[site] = resolve_codec(getattr(self, site), platform, n_devices=n_devices,
-                                          gloo_reduce_scatter=gloo_reduce_scatter)
+                                          transport=transport)
             except ValueError as e:
                 raise ValueError(f"site {site}: {e}") from e
         return dataclasses.replace(self, **new)

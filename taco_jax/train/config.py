@@ -13,7 +13,7 @@ import math
 import os
 
 from taco_jax.codec import NONE, CodecConfig, codec_kinds, get_kind
-from taco_jax.codec.dispatch import GLOO_REDUCE_SCATTER
+from taco_jax.codec.config import TRANSPORTS
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.models import GPTConfig, get_config
 from taco_jax.parallel.context import check_tp_overlap
@@ -238,7 +238,10 @@ class CommunicationSection:
 
     step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
     emulated_link: str = ""  # the emulated links as JSON, set by `taco-jax launch --link` ("": none)
-    gloo_reduce_scatter: str = "all_to_all"  # exact reduce-scatter under gloo: all_to_all (+ local sum) | lax (XLA's)
+    # transport: how the exact collectives of every site whose codec says "auto" move data (CodecConfig.transport).
+    # xla: XLA's own (under gloo its reduce-scatter; XLA:CPU widens bf16 to f32); gloo: reduce-scatter as
+    # all-to-all + FP32 sum, narrow floats as their own bytes (in one process: the multi-process CPU program).
+    transport: str = "auto"  # exact collectives: auto (multi-process CPU: gloo, else xla) | xla | gloo | gloo_widened
     policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
 
     def __post_init__(self):
@@ -256,8 +259,8 @@ class CommunicationSection:
             if not ok:
                 raise ValueError(f"emulated_link={self.emulated_link[:80]!r} must be a JSON object (the link "
                                  "description `taco-jax launch --link` passes), or empty")
-        if self.gloo_reduce_scatter not in GLOO_REDUCE_SCATTER:
-            raise ValueError(f"gloo_reduce_scatter={self.gloo_reduce_scatter!r} must be one of {GLOO_REDUCE_SCATTER}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} must be one of {TRANSPORTS}")
 
     @property
     def label(self) -> str:
@@ -355,7 +358,7 @@ FLAGS = {
     "final_checkpoint": ("checkpoint", "final_checkpoint"), "keep_checkpoints": ("checkpoint", "keep_checkpoints"),
     "resume": ("checkpoint", "resume"), "resume_fallback": ("checkpoint", "resume_fallback"),
     "step_timeout": ("communication", "step_timeout"), "emulated_link": ("communication", "emulated_link"),
-    "gloo_reduce_scatter": ("communication", "gloo_reduce_scatter"),
+    "transport": ("communication", "transport"),
     "profile_steps": ("logging", "profile_steps"), "profile_dir": ("logging", "profile_dir"),
     "tensorboard": ("logging", "tensorboard"),
 }

@@ -249,7 +249,7 @@ def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     par, comm = cfg.parallelism, cfg.communication
     mesh = make_mesh(par.axes, devices)
     policy = comm.policy.resolve_backends(n_devices=mesh.devices.size,  # concrete backends, before tracing
-                                          gloo_reduce_scatter=comm.gloo_reduce_scatter)
+                                          transport=comm.transport)
     policy = perf.resolve_min_bytes(policy, mesh.devices.flat[0].platform, tensor_size=par.axes.get(TENSOR, 1),
                                     itemsize=jnp.dtype(cfg.model_config.dtype).itemsize,
                                     sequence_parallel=par.sequence_parallel,  # min_bytes "auto"
