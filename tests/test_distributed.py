@@ -354,9 +354,11 @@ def test_watchdog_names_the_late_process(tmp_path, cache):
     --step-timeout + 10 s, and the launcher fails as a whole."""
     timeout = 10
     log = tmp_path / "log"
-    args = ["train", *TINY, "--steps", "4", "--step-timeout", timeout, "--out", tmp_path / "run"]
+    # the flags of test_two_processes_match_one[tensor-in-process-taco]: its compiled programs, from the cache
+    args = ["train", *TINY, "--steps", "3", "--final-checkpoint", "--mesh", "data=2,tensor=4", "--comm", "taco",
+            "--step-timeout", timeout, "--out", tmp_path / "run"]
     p = start(cli(*args, processes=2), cache, log, TACO_JAX_TEST_STALL="1:2:600")
-    t_step1 = wait_for(lambda: "step 1/4" in log.read_text(), p, timeout=400, what="step 1", log=log)
+    t_step1 = wait_for(lambda: "step 1/3" in log.read_text(), p, timeout=400, what="step 1", log=log)
     t_err = wait_for(lambda: "did not finish within --step-timeout" in log.read_text(), p,
                      timeout=timeout + 60, what="the watchdog's error", log=log)
     assert t_err - t_step1 <= timeout + 10, t_err - t_step1
