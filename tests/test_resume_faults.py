@@ -2,6 +2,7 @@
 latest checkpoint, another vocabulary padding, x64, another process count (SIGKILL during an async save:
 test_checkpoint.py). Process tests run real `taco_jax.cli` processes (bounded by timeouts; `_procs`)."""
 
+import functools
 import re
 import socket
 import sys
@@ -88,7 +89,10 @@ def test_launch_retries_a_taken_port_and_the_coordinator_binds_the_address_given
 # a corrupt newest checkpoint: named, the newest intact one used (or named), nothing deleted
 
 
+@functools.cache
 def _state(mesh: str, **flags):
+    """(config, initial params, initial optimizer state) of gpt2-tiny on `mesh`: built once per mesh and
+    flags in this process (the tests only read them: no step donates them)."""
     from taco_jax.train.config import TrainConfig
     from taco_jax.train.step import make_trainer
 
