@@ -75,7 +75,8 @@ def test_launch_retries_a_taken_port_and_the_coordinator_binds_the_address_given
         busy = ports[0]
         monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0))
         out = io.StringIO()
-        argv = ["train", *TINY, "--steps", "1", "--mesh", "data=1,tensor=2", "--no-progress",
+        # the flags of the 1-process resume below (`PROC_ARGS`, no checkpoints): its compiled programs, cached
+        argv = ["train", *TINY, "--steps", "4", "--comm", "taco", "--mesh", "data=2,tensor=2", "--no-progress",
                 "--out", str(tmp_path / "run")]
         status = launch.launch(1, argv, config_of=config_from_argv, env=env(cache), out=out)
     text = out.getvalue()
