@@ -49,9 +49,14 @@ PROCS = (
 #: Notebook tests.
 NOTEBOOK = ("tests/test_notebooks.py",)
 #: In-process tests too long for the inner loop, besides those marked `slow` in their file: the files
-#: that build and train models (seconds of compilation per test on 2 cores). The inner loop keeps the
-#: layers below them: codec, collectives, kernels, policy, cost model, data, configuration.
+#: that build and train models (seconds of compilation per test on 2 cores), and the tests of other
+#: files that train in-process. The inner loop keeps the layers below them: codec, collectives,
+#: kernels, policy, cost model, data, configuration.
 SLOW = (
+    "tests/test_data_runs.py::test_sample_draws_only_the_tokenizers_ids",
+    "tests/test_data_runs.py::test_resume_refuses_another_tokenizer_and_notes_other_data",
+    "tests/test_plan.py::test_plan_matches_a_real_run_in_the_same_process",
+    "tests/test_runs_and_launcher.py::test_train_on_in_memory_tokens_without_a_tokenizer",
     "tests/test_3d.py",
     "tests/test_capture.py",
     "tests/test_checkpoint.py",
