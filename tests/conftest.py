@@ -11,8 +11,9 @@ test that can run here. A test is outside `fast` when it carries one of these ma
 - `slow`: in-process but long (a training run, a sweep of compilations): marked in its file or
   listed in `SLOW`.
 - `gpu`: needs a CUDA GPU (the device machine; `pytest -m gpu`), in no tier here.
-A new test is in `fast` unless one of these applies. The files with `procs` tests run first, then
-the others by number of tests (under pytest-xdist the long files start early).
+A new test is in `fast` unless one of these applies. The files with `procs` tests run first (by their
+number of `procs` tests), then those with `slow` tests, then the others (by number of tests): under
+pytest-xdist the long files start early.
 """
 
 import collections
@@ -49,9 +50,14 @@ PROCS = (
 #: Notebook tests.
 NOTEBOOK = ("tests/test_notebooks.py",)
 #: In-process tests too long for the inner loop, besides those marked `slow` in their file: the files
-#: that build and train models (seconds of compilation per test on 2 cores). The inner loop keeps the
-#: layers below them: codec, collectives, kernels, policy, cost model, data, configuration.
+#: that build and train models (seconds of compilation per test on 2 cores), and the tests of other
+#: files that train in-process. The inner loop keeps the layers below them: codec, collectives,
+#: kernels, policy, cost model, data, configuration.
 SLOW = (
+    "tests/test_data_runs.py::test_sample_draws_only_the_tokenizers_ids",
+    "tests/test_data_runs.py::test_resume_refuses_another_tokenizer_and_notes_other_data",
+    "tests/test_plan.py::test_plan_matches_a_real_run_in_the_same_process",
+    "tests/test_runs_and_launcher.py::test_train_on_in_memory_tokens_without_a_tokenizer",
     "tests/test_3d.py",
     "tests/test_capture.py",
     "tests/test_checkpoint.py",
@@ -102,11 +108,21 @@ def pytest_collection_modifyitems(config, items):
         if not any(item.get_closest_marker(m) for m in OUT_OF_FAST):
             item.add_marker(pytest.mark.fast)
     # long files first (pytest-xdist, `--dist loadfile --no-loadscope-reorder`, hands them out in this
-    # order): those with process tests, then by number of tests; each file's tests stay in their order
-    first = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("procs")}
-    count = collections.Counter(item.nodeid.split("::")[0] for item in items)
-    items.sort(key=lambda item: (item.nodeid.split("::")[0] not in first, -count[item.nodeid.split("::")[0]],
-                                 item.nodeid.split("::")[0]))
+    # order): those with process tests, by their number of process tests (seconds to a minute each);
+    # then those with `slow` tests, then the others, by number of tests: the many short files of the
+    # inner loop come last and even out the two workers' ends. Each file's tests stay in their order.
+    def file(item):
+        return item.nodeid.split("::")[0]
+
+    count = collections.Counter(file(item) for item in items)
+    procs = collections.Counter(file(item) for item in items if item.get_closest_marker("procs"))
+    slow = {file(item) for item in items if item.get_closest_marker("slow")}
+
+    def order(item):
+        f = file(item)
+        return (0, -procs[f], f) if f in procs else (1 if f in slow else 2, -count[f], f)
+
+    items.sort(key=order)
 
 
 @pytest.fixture(autouse=True)

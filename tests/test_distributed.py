@@ -312,18 +312,36 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra, capsys):
     assert text.startswith("ROMEO:") and len(text.strip()) > len("ROMEO:"), text
 
 
-def test_two_processes_vs_in_process_collectives(tmp_path, cache):
+#: The preempted 2-process run and its plain one-process reference (`preempted`): exact communication.
+PREEMPTED = ["train", *TINY, "--steps", "8", "--comm", "none"]
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory, cache):
+    """One 2-process run read by two tests: `PREEMPTED` through `launch --processes 2`, SIGTERM to the
+    launcher once step 3 is logged (a preemption); alongside it, the plain one-process run of the same
+    flags (XLA's in-process all-reduce, no gloo) to its end. Returns (folder of the 2-process run,
+    its exit status, its log, its per-step records when it stopped, the reference's records)."""
+    d = tmp_path_factory.mktemp("preempted")
+    out, log = d / "run", d / "log"
+    p = start(cli(*PREEMPTED, "--out", out, processes=2), cache, log)
+    ref = start(cli(*PREEMPTED, "--no-progress", "--out", d / "ref"), cache, d / "ref.log")
+    wait_for(lambda: "step 3/8" in log.read_text(), p, timeout=400, what="step 3", log=log)
+    p.send_signal(signal.SIGTERM)  # the launcher forwards it
+    status = p.wait(timeout=120)
+    assert ref.wait(timeout=420) == 0, (d / "ref.log").read_text()[-3000:]
+    return out, status, log.read_text(), losses(out), losses(d / "ref")
+
+
+def test_two_processes_vs_in_process_collectives(preempted):
     """Known answer from another implementation: a plain one-process run (XLA's in-process CPU
-    all-reduce, no gloo) gives per-step losses within 1e-5 relative: gloo's ring all-reduce adds the
-    partial sums in another order, so they differ from step 1 in the last bits (~6e-8 relative).
-    Exact communication (--comm none): with a codec the FP8 rounding of messages that differ in
-    their last bits amplifies the difference (~2e-5 relative at step 3 with taco)."""
-    args = ["train", *TINY, "--steps", "3", "--comm", "none", "--no-progress"]
-    p2 = start(cli(*args, "--out", tmp_path / "p2", processes=2), cache, tmp_path / "p2.log")
-    ref = run(cli(*args, "--out", tmp_path / "ref"), cache)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    assert p2.wait(timeout=420) == 0, (tmp_path / "p2.log").read_text()[-3000:]
-    a, b = losses(tmp_path / "ref"), losses(tmp_path / "p2")
+    all-reduce, no gloo) gives per-step losses within 1e-5 relative of the 2-process run's (steps 1-3,
+    before its preemption): gloo's ring all-reduce adds the partial sums in another order, so they
+    differ from step 1 in the last bits (~6e-8 relative). Exact communication (--comm none): with a
+    codec the FP8 rounding of messages that differ in their last bits amplifies the difference (~2e-5
+    relative at step 3 with taco)."""
+    _, _, _, two, ref = preempted
+    a, b = ref[:3], two[:3]
     assert [r[0] for r in a] == [r[0] for r in b] == [1, 2, 3]
     for (_, la, ga), (_, lb, gb) in zip(a, b):
         assert abs(la - lb) <= 1e-5 * abs(la) and abs(ga - gb) <= 1e-4 * abs(ga), (a, b)
@@ -334,9 +352,11 @@ def test_watchdog_names_the_late_process(tmp_path, cache):
     --step-timeout + 10 s, and the launcher fails as a whole."""
     timeout = 10
     log = tmp_path / "log"
-    args = ["train", *TINY, "--steps", "4", "--step-timeout", timeout, "--out", tmp_path / "run"]
+    # the flags of test_two_processes_match_one[tensor-in-process-taco]: its compiled programs, from the cache
+    args = ["train", *TINY, "--steps", "3", "--final-checkpoint", "--mesh", "data=2,tensor=4", "--comm", "taco",
+            "--step-timeout", timeout, "--out", tmp_path / "run"]
     p = start(cli(*args, processes=2), cache, log, TACO_JAX_TEST_STALL="1:2:600")
-    t_step1 = wait_for(lambda: "step 1/4" in log.read_text(), p, timeout=400, what="step 1", log=log)
+    t_step1 = wait_for(lambda: "step 1/3" in log.read_text(), p, timeout=400, what="step 1", log=log)
     t_err = wait_for(lambda: "did not finish within --step-timeout" in log.read_text(), p,
                      timeout=timeout + 60, what="the watchdog's error", log=log)
     assert t_err - t_step1 <= timeout + 10, t_err - t_step1
@@ -349,27 +369,23 @@ def test_watchdog_names_the_late_process(tmp_path, cache):
     assert len(metrics(tmp_path / "run")) == 1  # step 1 logged, nothing after
 
 
-def test_sigterm_to_the_launcher_then_resume_on_another_mesh(tmp_path, cache):
+def test_sigterm_to_the_launcher_then_resume_on_another_mesh(preempted, cache):
     """SIGTERM to `launch` (a preemption) reaches both processes; JAX's preemption sync point makes
     them stop at the same step with one checkpoint (each process writing its shards) and exit 0.
     Resumed on data=4,tensor=2 (saved on data=2,tensor=4), Orbax reshards and the run continues."""
-    out, log = tmp_path / "run", tmp_path / "log"
-    args = ["train", *TINY, "--steps", "6", "--comm", "none", "--out", out]
-    p = start(cli(*args, processes=2), cache, log)
-    wait_for(lambda: "step 2/6" in log.read_text(), p, timeout=400, what="step 2", log=log)
-    p.send_signal(signal.SIGTERM)  # the launcher forwards it
-    assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    out, status, log, _, _ = preempted
+    assert status == 0, log[-3000:]
     stopped = json.loads((out / "summary.json").read_text())["preempted_at_step"]
-    assert 2 <= stopped < 6
+    assert 3 <= stopped < 8
     assert [p.name for p in (out / "checkpoints").iterdir()] == [str(stopped)]
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in (out / "checkpoints" / str(stopped) /
                                                                        "state").iterdir()}
-    r = run(cli(*args, "--mesh", "data=4,tensor=2", "--resume", processes=2), cache)
+    r = run(cli(*PREEMPTED, "--out", out, "--mesh", "data=4,tensor=2", "--resume", processes=2), cache)
     assert r.returncode == 0, r.stdout[-3000:]
     assert f"resumed from checkpoints/{stopped} (step {stopped}); mesh: checkpoint " \
            "'data=2,tensor=4', now 'data=4,tensor=2' (resharded)" in r.stdout
     recs = metrics(out)
-    assert [x["step"] for x in recs] == list(range(1, 7))
+    assert [x["step"] for x in recs] == list(range(1, 9))
     assert all(math.isfinite(x["loss"]) for x in recs) and recs[-1]["loss"] < recs[0]["loss"]
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == stopped
 

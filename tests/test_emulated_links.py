@@ -29,9 +29,8 @@ from taco_jax.launch import launch
 
 needs_netns = pytest.mark.netns  # skipped with the reason where namespaces cannot be made (conftest.py)
 
-#: A 2-process tensor=2 run: every step's TP messages cross the link.
-SHORT = ["train", *TINY, "--steps", "3", "--mesh", "data=1,tensor=2", "--no-progress"]
-ARGS = [*SHORT, "--steps", "6", "--checkpoint-every", "2"]  # with checkpoints (the later --steps wins)
+#: A 2-process tensor=2 run with checkpoints: every step's TP messages cross the link.
+ARGS = ["train", *TINY, "--steps", "6", "--checkpoint-every", "2", "--mesh", "data=1,tensor=2", "--no-progress"]
 
 
 def _launch(link: str, *args) -> list[str]:
@@ -247,17 +246,27 @@ def _finish(p: subprocess.Popen, log) -> None:
     assert p.wait(timeout=420) == 0, pathlib.Path(log).read_text()[-3000:]
 
 
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory, cache):
+    """`ARGS` over a 100 Mbit/s link (2 processes in their namespaces) into DIR / "run", and the same
+    run on loopback alongside into DIR / "loopback" (the uninterrupted run of the link-down test too).
+    Returns (DIR, the shaped run's CompletedProcess)."""
+    d = tmp_path_factory.mktemp("shaped")
+    ref = _loopback(ARGS, d, cache)
+    r = run(_launch("100mbit", *ARGS, "--out", d / "run"), cache)
+    _finish(ref, d / "loopback.log")
+    return d, r
+
+
 @needs_netns
-def test_shaped_link_gives_the_loopback_losses(tmp_path, cache):
+def test_shaped_link_gives_the_loopback_losses(shaped):
     """2 processes in their namespaces over a 100 Mbit/s link: per-step losses and gradient norms
     bit-identical to the same run on loopback (run alongside); summary.json records the requested and
     measured rates."""
-    out, args = tmp_path / "run", SHORT
-    ref = _loopback(args, tmp_path, cache)
-    r = run(_launch("100mbit", *args, "--out", out), cache)
+    d, r = shaped
+    out = d / "run"
     assert r.returncode == 0, r.stdout[-3000:]
-    _finish(ref, tmp_path / "loopback.log")
-    assert [s for s, _, _ in losses(out)] == [1, 2, 3] and losses(out) == losses(tmp_path / "loopback")
+    assert [s for s, _, _ in losses(out)] == [1, 2, 3, 4, 5, 6] and losses(out) == losses(d / "loopback")
     link = json.loads((out / "summary.json").read_text())["emulated_link"]
     recorded = json.loads((out / "config.json").read_text())["communication"]["emulated_link"]  # a config field
     assert json.loads(recorded) == link
@@ -270,7 +279,7 @@ def test_shaped_link_gives_the_loopback_losses(tmp_path, cache):
 
 @needs_netns
 # issue-25 acceptance, in the default suite: two 2-process runs over a shaped link (79 s on the quiet 2-core VM)
-def test_link_down_mid_run_then_resume(tmp_path, cache):
+def test_link_down_mid_run_then_resume(tmp_path, cache, shaped):
     """Process 1's link set down before step 5 (it pauses there, TACO_JAX_TEST_STALL): the watchdog ends
     the run within --step-timeout + 10 s naming process 1, no process is left; with the link back
     (a new launch), --resume reproduces the uninterrupted losses bit for bit."""
@@ -289,12 +298,10 @@ def test_link_down_mid_run_then_resume(tmp_path, cache):
     assert "step 5 did not finish within --step-timeout 10 s" in err
     assert re.search(r"did not arrive at step 5: process 1 \(last started step 4; no heartbeat", err), err
     assert not _run_pids(out) and not _leftovers(p.pid)
-    ref = _loopback(ARGS, tmp_path, cache)  # the uninterrupted run
     r = run(_launch("100mbit", *args, "--resume"), cache)
     assert r.returncode == 0, r.stdout[-3000:]
-    _finish(ref, tmp_path / "loopback.log")
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] in (2, 4)
-    assert losses(out) == losses(tmp_path / "loopback")
+    assert losses(out) == losses(shaped[0] / "loopback")  # the uninterrupted run
     print(f"link down -> launcher exit: {elapsed:.1f} s (--step-timeout {timeout})")
 
 

@@ -2,6 +2,7 @@
 latest checkpoint, another vocabulary padding, x64, another process count (SIGKILL during an async save:
 test_checkpoint.py). Process tests run real `taco_jax.cli` processes (bounded by timeouts; `_procs`)."""
 
+import functools
 import re
 import socket
 import sys
@@ -74,7 +75,8 @@ def test_launch_retries_a_taken_port_and_the_coordinator_binds_the_address_given
         busy = ports[0]
         monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0))
         out = io.StringIO()
-        argv = ["train", *TINY, "--steps", "1", "--mesh", "data=1,tensor=2", "--no-progress",
+        # the flags of the 1-process resume below (`PROC_ARGS`, no checkpoints): its compiled programs, cached
+        argv = ["train", *TINY, "--steps", "4", "--comm", "taco", "--mesh", "data=2,tensor=2", "--no-progress",
                 "--out", str(tmp_path / "run")]
         status = launch.launch(1, argv, config_of=config_from_argv, env=env(cache), out=out)
     text = out.getvalue()
@@ -88,7 +90,10 @@ def test_launch_retries_a_taken_port_and_the_coordinator_binds_the_address_given
 # a corrupt newest checkpoint: named, the newest intact one used (or named), nothing deleted
 
 
+@functools.cache
 def _state(mesh: str, **flags):
+    """(config, initial params, initial optimizer state) of gpt2-tiny on `mesh`: built once per mesh and
+    flags in this process (the tests only read them: no step donates them)."""
     from taco_jax.train.config import TrainConfig
     from taco_jax.train.step import make_trainer
 
