@@ -45,7 +45,7 @@ def tmesh():
 @pytest.mark.parametrize("algorithm", ["two_shot", "one_shot"])
 @pytest.mark.parametrize("codec", [NONE, TACO, CodecConfig(kind="int8"), CodecConfig(kind="fp8_group")],
                          ids=lambda c: c.kind)
-def test_issue16_psum_gradient_is_c_on_every_rank(tmesh, algorithm, codec):
+def test_psum_gradient_is_c_on_every_rank(tmesh, algorithm, codec):
     x = jax.random.normal(jax.random.key(0), (8, 16, 128))
     c = jax.random.normal(jax.random.key(1), (16, 128))
 

@@ -278,7 +278,6 @@ def test_shaped_link_gives_the_loopback_losses(shaped):
 
 
 @needs_netns
-# issue-25 acceptance, in the default suite: two 2-process runs over a shaped link (79 s on the quiet 2-core VM)
 def test_link_down_mid_run_then_resume(tmp_path, cache, shaped):
     """Process 1's link set down before step 5 (it pauses there, TACO_JAX_TEST_STALL): the watchdog ends
     the run within --step-timeout + 10 s naming process 1, no process is left; with the link back
@@ -306,7 +305,6 @@ def test_link_down_mid_run_then_resume(tmp_path, cache, shaped):
 
 
 @needs_netns
-# issue-25 acceptance, in the default suite: one 2-process run over a 100 Mbit/s link (39 s, quiet 2-core VM)
 def test_slow_link_is_not_a_hang_but_a_stopped_peer_is(tmp_path, cache):
     """--step-timeout auto on a 100 Mbit/s link with steps that move ~2.5 MB (exact f32 messages; about
     a second each here): the steps run without the watchdog firing; SIGSTOP of process 1 then ends
