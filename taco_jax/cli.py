@@ -230,14 +230,17 @@ def _config_values(sp: argparse.ArgumentParser, path: str) -> tuple[dict, dict |
 
     actions = {a.dest: a for a in sp._actions if a.dest not in ("help", "config")}
     values, policy = {}, None
+    command = sp.prog.split()[-1]
     for key, value in read_config_file(path).items():
         where = f"--config {path!r}: {key}={value!r}"
         if key == "policy" and isinstance(value, dict):
             policy = value
             continue
+        if key == "out" and command in ("plan", "predict"):  # a train file's run folder: plan writes to its own --out
+            continue
         if key not in actions:
             close = difflib.get_close_matches(key, actions, n=1)
-            raise ValueError(f"--config {path!r}: unknown key {key!r} (not a flag of {sp.prog.split()[-1]}"
+            raise ValueError(f"--config {path!r}: unknown key {key!r} (not a flag of {command}"
                              + (f"; did you mean {close[0]!r}?)" if close else ")"))
         values[key] = _typed(actions[key], value, where)
     return values, policy

@@ -255,3 +255,8 @@ def test_plan_cli_writes_json_and_markdown_without_compiling(tmp_path, capsys):
     assert "--min-bytes auto" in (out / "plan.md").read_text()
     assert main(["plan", "--mesh", "data=2,tensor=4", "--devices", "4", "--out", str(out)]) == 2
     assert "devices=4 differs" in capsys.readouterr().err
+    # a train config file's run folder is not plan's output folder: plan writes to its own --out
+    conf = tmp_path / "run.toml"
+    conf.write_text(f'[model]\nname = "gpt2-tiny"\n[checkpoint]\nout = "{tmp_path / "trainrun"}"\n')
+    assert main(["plan", "--config", str(conf), "--no-compile", "--out", str(tmp_path / "p2")]) == 0
+    assert (tmp_path / "p2" / "plan.json").exists() and not (tmp_path / "trainrun").exists()
