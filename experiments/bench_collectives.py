@@ -378,7 +378,7 @@ def worker(cfg_path: str, process_id: int) -> None:
     env = dict(process_id=process_id, process_count=jax.process_count(), devices=[str(d) for d in devices],
                jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
                backend_platform=jax.default_backend(), glibc_tunables=os.environ.get("GLIBC_TUNABLES"),
-               transport=resolve_transport())  # what the exact collectives' "auto" transport is here
+               exact_transport=resolve_transport())  # what the exact collectives' "auto" transport is here
 
     def save(complete: bool) -> None:
         """This process's results so far (rewritten after every case: a run stopped by --timeout keeps

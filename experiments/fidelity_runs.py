@@ -119,7 +119,7 @@ class SeedRunner:
         self.compile_s = time.perf_counter() - t0
 
     def init(self, seed: int):
-        t = dataclasses.replace(self.trainer, cfg=dataclasses.replace(self.cfg, seed=seed))
+        t = dataclasses.replace(self.trainer, cfg=self.cfg.replace(seed=seed))
         return t.init()
 
     def evaluate(self, params) -> np.ndarray:
@@ -295,7 +295,7 @@ def main(argv=None) -> dict:
             todo = [s for s in range(args.seeds) if (model, v, s) not in done]
             if not todo:
                 continue
-            cfg = dataclasses.replace(base_config(args, model), policy=variant_policy(v, args.backend))
+            cfg = base_config(args, model).replace(policy=variant_policy(v, args.backend))
             runner = SeedRunner(cfg, ds, devices)
             compile_s += runner.compile_s
             for s in todo:

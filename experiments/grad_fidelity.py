@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
 
     for model in args.models:
         cfg = base_config(args, model)
-        cfg = dataclasses.replace(cfg, steps=max(args.steps, max(args.checkpoints)))
+        cfg = cfg.replace(steps=max(args.steps, max(args.checkpoints)))
         done = {(r["sites"], r["codec"]) for r in rows if r["model"] == model}
         todo = {s: SITE_SETS[s] for s in args.sites}
         if all((s, c) in done for s in todo for c in cmap) and (not args.floor or ("all (no SP)", FLOOR) in done):

@@ -183,21 +183,19 @@ def initial_state(run: Run) -> hooks.RunState:
 
 
 def finished_summary(run: Run) -> dict | None:
-    """With `--resume` of a run whose newest checkpoint is at `cfg.training.steps` or later (nothing to train):
-    its `summary.json`, left as it is (said on stderr). None for a run with steps to train.
-
-    Raises ValueError when such a run has no summary.json (give a larger --steps to continue it).
+    """With `--resume` of a finished run (its newest checkpoint at `cfg.training.steps` or later, and
+    its `summary.json` written): that summary, left as it is (said on stderr). None otherwise: a run
+    with steps to train, or one without a summary (an interrupted run, or one whose newest checkpoint
+    is unreadable) resumes as usual (`Checkpoints.resume`, with its fallback to an older checkpoint).
     """
     latest = run.ckpt.steps()[-1] if run.resuming else 0
-    if not run.resuming or latest < run.cfg.training.steps:
+    summary = run.out / "summary.json"
+    if not run.resuming or latest < run.cfg.training.steps or not summary.exists():
         return None
     run.ckpt.close()
-    summary = run.out / "summary.json"
-    done = (f"--resume: {rel(run.ckpt.directory / str(latest), run.out)} is at step {latest} of "
-            f"steps={run.cfg.training.steps}; the run is finished, nothing to do")
-    if not summary.exists():
-        raise ValueError(f"{done}, and it wrote no {summary}; give a larger --steps to continue it")
-    say(f"[taco-jax] {done} ({rel(summary, run.out)} left as it is; a larger --steps continues it)")
+    say(f"[taco-jax] --resume: {rel(run.ckpt.directory / str(latest), run.out)} is at step {latest} of "
+        f"steps={run.cfg.training.steps}; the run is finished, nothing to do ({rel(summary, run.out)} left as it "
+        "is; a larger --steps continues it)")
     return json.loads(summary.read_text())
 
 
