@@ -639,19 +639,6 @@ def read_config_file(path) -> dict:
     Raises ValueError naming the file when it cannot be read or parsed, is not a table / object,
     or has a key outside its table (`flag_values`).
     """
-    import pathlib
-    import tomllib
+    from taco_jax.train.jsonio import read_table
 
-    path = pathlib.Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"--config {str(path)!r}: cannot read it ({e.strerror or e})") from None
-    try:
-        values = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        kind = "JSON" if path.suffix == ".json" else "TOML (.json files are read as JSON)"
-        raise ValueError(f"--config {str(path)!r}: not valid {kind}: {e}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {str(path)!r}: must hold a table of flag = value, not {type(values).__name__}")
-    return flag_values(values, f"--config {str(path)!r}")
+    return flag_values(read_table(path, "--config"), f"--config {str(path)!r}")
