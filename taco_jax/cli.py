@@ -20,6 +20,17 @@ EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: ...)" after each flag's help, except where the help states its default
+    or the default is empty ("" or None: the flag is off unless given)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in ("", None) or re.search(r"\bdefault\b", text):
+            return text
+        return super()._get_help_string(action)
+
+
 def _field_help(cls) -> dict[str, str]:
     """`name -> comment` from the `name: type = default  # comment` lines of a dataclass's source
     (the comments are the fields' documentation; simple_parsing reads help the same way)."""
@@ -108,7 +119,7 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "train one model"),
                         ("compare", "train exact (every axis), then with the codec flags' policy; plot both")):
-        sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        sp = sub.add_parser(name, help=help_, formatter_class=_HelpFormatter,
                             allow_abbrev=False,
                             epilog="Precedence of the codec flags (later wins): --comm and its codec flags, "
                                    "--dp-comm / --pp-comm; --policy FILE (the sites it names); --site. "
@@ -124,9 +135,12 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
                         help="multi-process run; unset --coordinator / --num-processes / --process-id are "
                              "auto-detected by JAX (SLURM, Open MPI, ...); docs/distributed.md")
         sp.add_argument("--coordinator", default="", metavar="HOST:PORT",
-                        help="coordinator of a multi-process run (process 0's host; default $JAX_COORDINATOR_ADDRESS)")
-        sp.add_argument("--num-processes", type=int, default=0, help="process count (default $JAX_NUM_PROCESSES)")
-        sp.add_argument("--process-id", type=int, default=-1, help="this process, 0..N-1 (default $JAX_PROCESS_ID)")
+                        help="coordinator of a multi-process run (process 0's host; empty: "
+                             "$JAX_COORDINATOR_ADDRESS; default: %(default)r)")
+        sp.add_argument("--num-processes", type=int, default=0,
+                        help="process count (0: $JAX_NUM_PROCESSES; default: %(default)s)")
+        sp.add_argument("--process-id", type=int, default=-1,
+                        help="this process, 0..N-1 (-1: $JAX_PROCESS_ID; default: %(default)s)")
     _add_plan(sub, helps, explicit)
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
                         usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
@@ -145,7 +159,7 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
                          "buffers anew (GLIBC_TUNABLES, unless already set); default: leave the allocator alone")
     lp.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command for every process (train / compare)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+                         formatter_class=_HelpFormatter, allow_abbrev=False)
     cal.add_argument("--captures", required=True, help="<run>/captures folder written by `train --capture N`")
     cal.add_argument("--out", default="policy.json", help="policy file to write (for `train --policy FILE`)")
     cal.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
@@ -188,7 +202,7 @@ def _add_plan(sub, helps, explicit: bool) -> None:
                                  "bytes per axis and site, TACO ops per site, predicted speedup on GPUs"),
                         ("predict", "the cost model alone (about a second): step time exact vs the policy per axis, "
                                     "speedup with its range, --min-bytes auto per site")):
-        sp = sub.add_parser(name, help=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        sp = sub.add_parser(name, help=help_, formatter_class=_HelpFormatter,
                             allow_abbrev=False, epilog="train's other flags (steps, optimization, evaluation, "
                             "checkpoints, logging) are accepted and unused, so a train --config file works as it is"
                             + ("; plan writes plan.json and plan.md to --out" if name == "plan" else "")
@@ -285,7 +299,7 @@ def _say(line: str) -> None:
 
 def _add_data_and_sample(sub) -> None:
     """The `prepare-data` and `sample` subcommands (docs/training.md, "Continue pre-training")."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _HelpFormatter
     pd = sub.add_parser("prepare-data", formatter_class=fmt,
                         help="tokenize text / JSONL files into train.bin, val.bin, meta.json (for train --data)")
     pd.add_argument("inputs", nargs="+", help="text files, folders of them (.txt/.md/.text/.jsonl), JSONL files")

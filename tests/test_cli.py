@@ -206,3 +206,14 @@ def test_help_lists_presets_and_axis_flags(capsys):
     assert all(name in text for name in PRESETS)
     assert "also --dp-comm / --pp-comm" in text  # --fmt / --group-size apply to every axis
     assert "--site SITE:FIELD=VALUE" in text and "data × tensor meshes only" in text
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "plan", "predict", "launch", "sample", "prepare-data"])
+def test_help_gives_each_flag_one_default(command, capsys):
+    """No flag's help says its default twice (its own text and argparse's "(default: ...)")."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    flags = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+    doubled = [f.split()[0] for f in flags if "(default: " in f and len(re.findall(r"\bdefault\b", f)) > 1]
+    assert not doubled, doubled

@@ -98,7 +98,8 @@ def test_a_section_rejects_its_bad_value_naming_it(section, values, match):
     ("[data]\nbatch_size = 0\n", r"batch_size=0 must be positive \(\[data\] batch_size\)"),
     ("[data]\nlr = 0.1\n", r"\[data\] has no key 'lr'; it is 'lr' in \[training\]"),
     ("[model]\nmodel = \"qwen3-tiny\"\n", r"\[model\] has no key 'model'; it is 'name' in \[model\]"),
-    ("[trainig]\nsteps = 3\n", r"unknown key 'trainig'"),
+    ("[trainig]\nsteps = 3\n", r"\[trainig\] is not a table of the config; did you mean \[training\]\?"),
+    ("[xyzzy]\nsteps = 3\n", r"\[xyzzy\] is not a table of the config; the tables are \['model', 'data'"),
     ("steps = 3\n[training]\nsteps = 4\n", r"\[training\] steps gives 'steps' a second time"),
     ("training = 3\n", r"training must be a table \(\[training\]\), not 3"),
 ])

@@ -598,7 +598,8 @@ def flag_values(values: dict, where: str = "config") -> dict:
     "policy" table is `communication.policy`. Keys may use dashes. Top-level keys that are neither
     a section nor a flag come back unchanged (the caller names them).
 
-    Raises ValueError naming `where` and the key: a table that is no section, a key that is not in
+    Raises ValueError naming `where` and the key: a table that is no section (with the closest
+    section's name), a key that is not in
     its table (naming the table it belongs to), a flag given both flat and in its table.
     """
     comm = {f.name for f in dataclasses.fields(CommFlags)}
@@ -623,6 +624,10 @@ def flag_values(values: dict, where: str = "config") -> dict:
                 put(flag, v, f"[{key}] {k}")
         elif key in SECTIONS and key not in FLAGS:
             raise ValueError(f"{where}: {key} must be a table ([{key}]), not {value!r}")
+        elif isinstance(value, dict) and key != "policy":
+            close = difflib.get_close_matches(key, SECTIONS, n=1)
+            raise ValueError(f"{where}: [{key}] is not a table of the config" +
+                             (f"; did you mean [{close[0]}]?" if close else f"; the tables are {list(SECTIONS)}"))
         else:
             put(key, value, key)
     return out
