@@ -159,3 +159,17 @@ def test_transport_reaches_dispatch(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         config_from_argv([*argv, "--transport", "nccl"])
     assert e.value.code == 2 and "nccl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (dict(mesh="data=3,tensor=2", batch_size=16),
+     r"batch_size=16 is not divisible by data=3 \(--mesh data=3,tensor=2\)"),
+    (dict(mesh="data=2,tensor=3"), r"n_head=4 is not divisible by the tensor axis size 3 \(--mesh data=2,tensor=3, "
+                                   r"model gpt2-tiny\)"),
+    (dict(mesh="data=2,stage=2,tensor=2", batch_size=8, microbatches=3),
+     r"data × microbatches = 2 × 3 \(--mesh data=2,stage=2,tensor=2, --microbatches 3\)"),
+])
+def test_a_mesh_that_does_not_divide_is_named(flags, match):
+    """A mesh the batch or the model does not divide is named (--mesh) beside the value it does not divide."""
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_flags(**flags)

@@ -414,8 +414,9 @@ class TrainConfig:
         self.logging.profile_range(steps)  # ValueError naming A:B beyond the run's steps
         axes, microbatches = self.parallelism.axes, self.parallelism.microbatches
         data, batch = axes.get(DATA, 1), self.data.batch_size
+        mesh = f"--mesh {self.parallelism.mesh}"
         if batch % data:
-            raise ValueError(f"batch_size={batch} is not divisible by data={data}")
+            raise ValueError(f"batch_size={batch} is not divisible by data={data} ({mesh}); change either")
         check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), microbatches, self.parallelism.schedule)
         if self.logging.capture and self.parallelism.pipelined:
             raise ValueError(f"capture={self.logging.capture} needs the unpipelined layout (stage=1, microbatches=1); "
@@ -424,12 +425,16 @@ class TrainConfig:
             raise ValueError(f"monitor_every={self.logging.monitor_every} needs the unpipelined layout (stage=1, "
                              "microbatches=1); the monitor on pipelined meshes is not supported")
         if batch % (data * microbatches):
-            raise ValueError(f"batch_size={batch} is not divisible by data × microbatches = {data} × {microbatches}")
+            raise ValueError(f"batch_size={batch} is not divisible by data × microbatches = {data} × {microbatches} "
+                             f"({mesh}, --microbatches {microbatches})")
         if self.data.seq_len > self.model_config.block_size:
             raise ValueError(f"seq_len={self.data.seq_len} exceeds the model's "
                              f"block_size={self.model_config.block_size}")
-        self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), seq_len=self.data.seq_len,
-                                                sequence_parallel=self.parallelism.sequence_parallel)
+        try:
+            self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), seq_len=self.data.seq_len,
+                                                    sequence_parallel=self.parallelism.sequence_parallel)
+        except ValueError as e:
+            raise ValueError(f"{e} ({mesh}, model {self.model.name}): choose a tensor size that divides it") from None
 
     def _resolve_model(self) -> str:
         """`model.name` as recorded: the preset (default gpt2-tiny); with `init_from` the checkpoint's
