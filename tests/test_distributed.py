@@ -264,8 +264,8 @@ def _check_quiet(log: str, steps: int, model: str) -> None:
     first = [line[4:] for line in lines if line.startswith("[0] ")]
     others = [line[4:] for line in lines if line.startswith("[1] ")]
     progress = [line for line in first if line.startswith("[train ")]
-    assert [re.fullmatch(r"\[train [\w-]+\] step (\d+)/3 loss \d+\.\d{4} val (-|\d+\.\d{4}) \d+ tokens/s", line)[1]
-            for line in progress] == [str(k) for k in range(1, steps + 1)], first
+    line_re = r"\[train [\w-]+\] step (\d+)/3 loss \d+\.\d{4} val (-|\d+\.\d{4}( \(step \d+\))?) \d+ tokens/s"
+    assert [re.fullmatch(line_re, line)[1] for line in progress] == [str(k) for k in range(1, steps + 1)], first
     assert sum(line.startswith(f"[taco-jax] {model} on mesh") for line in first) == 1, first
     block = first[first.index("summary") + 1:]
     assert block and all(re.fullmatch(r"  [a-z/ ]+: +\S.*", line) for line in block), block

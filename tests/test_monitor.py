@@ -173,3 +173,22 @@ def test_monitor_sequence_parallel_sites(dataset, tmp_path):
     assert got["all_gather"]["calls"] == got["reduce_scatter"]["calls"] == len(keys) == 18
     assert got["all_gather"]["sqnr_db"] == pytest.approx(want, abs=1e-3)
     assert 20 < got["reduce_scatter"]["min_sqnr_db"] <= got["reduce_scatter"]["sqnr_db"] < 40
+
+
+def test_progress_lines_name_the_step_of_an_earlier_val_loss(capsys):
+    """Off a terminal the progress line shows the latest val loss, with "(step K)" when it was
+    evaluated at an earlier step K (also the one a resumed run found in its history)."""
+    from taco_jax.train.hooks import Progress, RunState
+
+    state = RunState(None, None, None, None, start=2, history=[{"step": 2, "loss": 7.0, "val_loss": 6.5}],
+                     val_loss=6.5)
+    progress = Progress("x", 2, 5, 1, True)
+    for step in (3, 4, 5):
+        rec = {"step": step, "loss": 6.0, "tokens_per_s": 10.0}
+        if step == 4:
+            state.val_loss = rec["val_loss"] = 6.25
+        progress.on_step(state, step, rec)
+    progress.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train x]")]
+    assert [line.split(" val ")[1] for line in lines] == ["6.5000 (step 2) 10 tokens/s", "6.2500 10 tokens/s",
+                                                         "6.2500 (step 4) 10 tokens/s"], lines

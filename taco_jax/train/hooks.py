@@ -224,22 +224,29 @@ class MetricsLog(Hook):
 
 class Progress(Hook):
     """A progress bar on a terminal; with stderr not a terminal, a line every `log_every` steps and at
-    the last (process 0 only; nothing when `show` is False)."""
+    the last (process 0 only; nothing when `show` is False). A line's val loss is the latest one,
+    followed by "(step K)" when it was evaluated at an earlier step K."""
 
     def __init__(self, label: str, start: int, steps: int, log_every: int, show: bool):
         self.label, self.steps, self.log_every = label, steps, log_every
         self.bar = tqdm(desc=f"train[{label}]", dynamic_ncols=True, initial=start, total=steps, unit="step",
                         disable=None if show else True)  # None: no bar off a terminal
         self.lines = show and log_every and not sys.stderr.isatty()
+        self.val_step = None  # the step of state.val_loss: a line names it when it is an earlier step's
 
     def on_step(self, state, step, rec):
         val = state.val_loss
+        if "val_loss" in rec:
+            self.val_step = step
+        elif val is not None and self.val_step is None:  # evaluated before a resume
+            self.val_step = next((r["step"] for r in reversed(state.history) if "val_loss" in r), None)
         self.bar.update(1)
         self.bar.set_postfix({"loss": f"{rec['loss']:.3f}", "val": f"{val:.3f}" if val else "-",
                               "tokens/s": f"{rec['tokens_per_s']:.0f}"})
         if self.lines and (step % self.log_every == 0 or step == self.steps):
+            at = f" (step {self.val_step})" if val is not None and self.val_step != step else ""
             say(f"[train {self.label}] step {step}/{self.steps} loss {rec['loss']:.4f} val "
-                f"{f'{val:.4f}' if val is not None else '-'} {rec['tokens_per_s']:.0f} tokens/s")
+                f"{f'{val:.4f}' if val is not None else '-'}{at} {rec['tokens_per_s']:.0f} tokens/s")
 
     def close(self):
         self.bar.close()
