@@ -104,10 +104,15 @@ TACO_AVX512 inline __m512 wht8x2(__m512 x) {
   return x;
 }
 
+// max |y[j]| over N vectors (lane-wise) as a tree: max is exact, so any order gives the same
+// result (for the finite values the encoder uses it on); the first level takes the maximum of
+// absolute values in one VRANGEPS (imm 0b1011: max of |a|, |b|, sign cleared).
 template <int N>
 TACO_AVX512 inline __m512 abs_max_tree(const __m512* y) {
   if constexpr (N == 1) {
     return _mm512_abs_ps(y[0]);
+  } else if constexpr (N == 2) {
+    return _mm512_range_ps(y[0], y[1], 0xB);
   } else {
     return _mm512_max_ps(abs_max_tree<N / 2>(y), abs_max_tree<N / 2>(y + N / 2));
   }
@@ -149,7 +154,9 @@ TACO_AVX512 inline void wht_cross_mem(float* yb, __m512* absmax) {
   }
 }
 
-// The codec's quantizer in its pre-packed form (taco_kernel_avx2.cc, fp8_quantize_pre_avx), 16 lanes.
+// The codec's quantizer in its pre-packed form (taco_kernel_avx2.cc, fp8_quantize_pre_avx), 16 lanes,
+// for finite v (a group holding NaN/Inf is written apart): min(|v|, r) is one VRANGEPS (imm 0b1010:
+// the operand of smaller magnitude, sign cleared), the same value as ANDNOT + MINPS there.
 template <int FMT>
 struct Fp8Pre {
   static constexpr int kM = FMT == kE4M3 ? 3 : 2;
@@ -161,7 +168,7 @@ struct Fp8Pre {
 template <int FMT>
 TACO_AVX512 inline __m512i fp8_quantize_pre(__m512 v, __m512 r) {
   using P = Fp8Pre<FMT>;
-  const __m512 av = _mm512_min_ps(_mm512_abs_ps(v), r);
+  const __m512 av = _mm512_range_ps(v, r, 0xA);
   const __m512i e = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(av), _mm512_set1_epi32(0x7F800000)),
                                      _mm512_set1_epi32(P::kMinE << 23));
   const __m512i c = _mm512_add_epi32(e, _mm512_set1_epi32((23 - P::kM) << 23));
