@@ -4,8 +4,8 @@
 // absmax; adaptive and quantization scales batched over 8 groups; quantize to FP8, store;
 // decode likewise (see README.md). Groups are split in dynamic chunks over the calling thread
 // and the library's own spinning helper threads (taco_thread_pool.h). On x86-64 an AVX2+FMA+F16C
-// kernel (taco_kernel_avx2.cc) is chosen at run time when the CPU has it, and for the encoder an
-// AVX-512 one (taco_kernel_avx512.cc, same lanes, two groups per vector) before it; a portable
+// kernel (taco_kernel_avx2.cc) is chosen at run time when the CPU has it, and for the encoder and
+// decoder an AVX-512 one (taco_kernel_avx512.cc, same lanes, two groups per vector) before it; a portable
 // scalar kernel with the *same* operation order (taco_kernel_scalar.cc) is the fallback (`impl`
 // caps the level, for tests: 1 scalar, 2 AVX2, 3 AVX-512, 0 the best), so all give bit-identical results. This file: the FFI handlers; their bound
 // signatures are in taco_ffi_bind.h, shared with the CUDA handlers.
@@ -94,14 +94,17 @@ int DtOf(ffi::DataType t) {
 
 // Kernel level of the `impl` attribute: 0 = the best this CPU has, 1 = scalar, 2 = at most AVX2,
 // 3 = at most AVX-512; each operation runs its fastest kernel at or below that level (AVX-512:
-// the encoder; everything else AVX2). All levels give bit-identical results.
+// the encoder and decoder; everything else AVX2). All levels give bit-identical results.
 bool UseAvx2(int32_t impl) { return (impl == 0 || impl == 2 || impl == 3) && HaveAvx2(); }
 bool UseAvx512(int32_t impl) { return (impl == 0 || impl == 3) && HaveAvx512(); }
 
 #if TACO_X86
-// The vector encoder for `impl` (UseAvx2(impl) must hold).
+// The vector encoder and decoder for `impl` (UseAvx2(impl) must hold).
 EncodeFn VectorEncoder(int32_t impl, int fmt, int g, int dt) {
   return UseAvx512(impl) ? EncodeAvx512(fmt, g, dt) : EncodeAvx(fmt, g, dt);
+}
+DecodeFn VectorDecoder(int32_t impl, int fmt, int g, int dt, bool acc = false) {
+  return UseAvx512(impl) ? DecodeAvx512(fmt, g, dt, acc) : DecodeAvx(fmt, g, dt, acc);
 }
 #endif
 
@@ -193,7 +196,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::Buffer<ff
 
 #if TACO_X86
   if (UseAvx2(impl)) {
-    DecodeFn fn = DecodeAvx(fmt, static_cast<int>(g), dt);
+    DecodeFn fn = VectorDecoder(impl, fmt, static_cast<int>(g), dt);
     const bool stream = total * g * ob >= kStreamBytes && Aligned32(op);
     ParallelFor(pool.num_threads(), total, GroupsPerChunk(static_cast<int>(g)),
                 [&](int64_t b, int64_t e) { fn(qp, sp, ap, sqrt_g, op, b, e, stream); });
@@ -344,7 +347,7 @@ void DecodeRowSegment(const uint8_t* row, const Layout& L, int64_t lb, int64_t l
   const float* ap = L.has_a ? L.a(row) + lb : nullptr;
 #if TACO_X86
   if (UseAvx2(impl)) {
-    DecodeAvx(fmt, static_cast<int>(g), dt, acc)(qp, sp, ap, sqrt_g, out_seg, 0, n, stream && !acc);
+    VectorDecoder(impl, fmt, static_cast<int>(g), dt, acc)(qp, sp, ap, sqrt_g, out_seg, 0, n, stream && !acc);
     return;
   }
 #endif

@@ -1,9 +1,9 @@
-// AVX-512 CPU encoder of the TACO group codec (see taco_kernel_avx512.h and README.md).
+// AVX-512 CPU encoder and decoder of the TACO group codec (see taco_kernel_avx512.h and README.md).
 //
 // Layout: a 512-bit vector is [8 floats of group b | the same 8 floats of group b + 1], so the
-// encoder of taco_kernel_avx2.cc runs on two groups per instruction with each lane's operations
-// (loads, squares, butterflies, maxima, quantizer) unchanged. The per-block scale math works on
-// 8-lane vectors, as there.
+// encoder and decoder of taco_kernel_avx2.cc run on two groups per instruction with each lane's
+// operations (loads, squares, butterflies, maxima, quantizer, stores) unchanged. The per-block
+// scale math works on 8-lane vectors, as there.
 
 // GCC 12 flags the intrinsics' own `__Y = __Y` (an intentionally undefined vector) under a
 // function-level AVX-512 target as -Wmaybe-uninitialized; the warning is about the header.
@@ -137,7 +137,7 @@ TACO_AVX512 inline void wht_cross(__m512* y) {
 
 // Butterflies over vector strides 8 .. V/2 of a pair of groups held in L1 (16 floats per
 // vector), after the 64-element blocks were transformed in registers; folds in the absmax.
-template <int V>
+template <int V, bool ABSMAX = true>
 TACO_AVX512 inline void wht_cross_mem(float* yb, __m512* absmax) {
   for (int h = 8; h < V; h <<= 1) {
     const bool last = 2 * h == V;
@@ -148,7 +148,7 @@ TACO_AVX512 inline void wht_cross_mem(float* yb, __m512* absmax) {
         const __m512 sum = _mm512_add_ps(u, w), diff = _mm512_sub_ps(u, w);
         _mm512_store_ps(yb + 16 * j, sum);
         _mm512_store_ps(yb + 16 * (j + h), diff);
-        if (last) *absmax = _mm512_max_ps(*absmax, _mm512_max_ps(_mm512_abs_ps(sum), _mm512_abs_ps(diff)));
+        if (ABSMAX && last) *absmax = _mm512_max_ps(*absmax, _mm512_max_ps(_mm512_abs_ps(sum), _mm512_abs_ps(diff)));
       }
     }
   }
@@ -377,6 +377,160 @@ TACO_AVX512 void encode_range_t(const void* x_v, uint8_t* q, float* s_out, float
   if constexpr (STREAM) _mm_sfence();  // streaming stores are weakly ordered: fence on this thread
 }
 
+// 8 x 1 / (double(c) * double(d)) rounded to float: the decode factor (recip_prod_pd of the AVX2 kernel).
+TACO_AVX512 inline __m256 recip_prod_pd(__m256 c, __m256 d) {
+  const __m512d q = _mm512_div_pd(_mm512_set1_pd(1.0), _mm512_mul_pd(_mm512_cvtps_pd(c), _mm512_cvtps_pd(d)));
+  return _mm512_cvtpd_ps(q);
+}
+
+// 16 codes of group b (vectors j, j + 1) at c0 and 16 of group b + 1 at c1 -> the pair vectors j
+// (lo) and j + 1 (hi), scaled by 2^-8 (E4M3) or 1 (E5M2): fp8x16_to_f32_scaled of the AVX2 kernel
+// on 32 codes at once.
+template <int FMT>
+TACO_AVX512 inline void fp8x2x16_to_f32_scaled(const uint8_t* c0, const uint8_t* c1, __m512* lo, __m512* hi) {
+  const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0))),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(c1)), 1);
+  const __m512i c = _mm512_cvtepu8_epi16(b);  // words: b's 16 codes, then b + 1's
+  __m512i h;
+  if constexpr (FMT == kE5M2) {
+    h = _mm512_slli_epi16(c, 8);
+  } else {
+    const __m512i em7 = _mm512_and_si512(_mm512_slli_epi16(c, 7), _mm512_set1_epi16(0x3F80));
+    const __m512i sgn = _mm512_and_si512(_mm512_slli_epi16(c, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)));
+    const __m512i base = _mm512_or_si512(em7, sgn);
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(em7, _mm512_set1_epi16(0x3F80));
+    h = _mm512_or_si512(base, _mm512_maskz_mov_epi16(nan, _mm512_set1_epi16(0x7E00)));
+  }
+  // qwords [b: j | b: j+1 | b+1: j | b+1: j+1] (2 each) -> [b: j, b+1: j | b: j+1, b+1: j+1]
+  h = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), h);
+  *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// Stores a pair vector: its low half (group b) at p0, its high half (group b + 1) at p1 (if
+// non-null), as put8<DT, ACC> of the AVX2 kernel (CLIP: clipped to the dtype's range, NaN kept).
+template <int DT, bool ACC>
+TACO_AVX512 inline void put2x8(Elem<DT>* p0, Elem<DT>* p1, __m512 v, bool stream) {
+  if constexpr (ACC) {
+    static_assert(DT == kF32, "the accumulating decoder writes float32");
+    const __m512 o = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p0)),
+                                        _mm256_loadu_ps(p1 != nullptr ? p1 : p0), 1);
+    const __m512 sum = _mm512_add_ps(o, v);
+    _mm256_storeu_ps(p0, _mm512_castps512_ps256(sum));
+    if (p1 != nullptr) _mm256_storeu_ps(p1, _mm512_extractf32x8_ps(sum, 1));
+  } else if constexpr (DT == kF32) {
+    if (stream) {
+      _mm256_stream_ps(p0, _mm512_castps512_ps256(v));
+      if (p1 != nullptr) _mm256_stream_ps(p1, _mm512_extractf32x8_ps(v, 1));
+    } else {
+      _mm256_storeu_ps(p0, _mm512_castps512_ps256(v));
+      if (p1 != nullptr) _mm256_storeu_ps(p1, _mm512_extractf32x8_ps(v, 1));
+    }
+  } else {
+    const __m512 big = _mm512_set1_ps(DtypeMax(DT));
+    v = _mm512_min_ps(big, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), big), v));
+    __m256i h;
+    if constexpr (DT == kF16) {
+      h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    } else {
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i hi = _mm512_srli_epi32(u, 16);
+      const __m512i rne = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, rne), 16);
+      const __m512i qnan = _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7FC0));
+      h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, qnan));
+    }
+    if (stream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p0), _mm256_castsi256_si128(h));
+      if (p1 != nullptr) _mm_stream_si128(reinterpret_cast<__m128i*>(p1), _mm256_extracti128_si256(h, 1));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p0), _mm256_castsi256_si128(h));
+      if (p1 != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(p1), _mm256_extracti128_si256(h, 1));
+    }
+  }
+}
+
+// Decodes groups [g0, g1) as decode_range_avx of the AVX2 kernel, two groups per vector.
+template <int V, int FMT, int DT, bool ACC>
+TACO_AVX512 void decode_range_avx512(const uint8_t* q, const float* s, const float* a, float sqrt_g, void* out_v,
+                                     int64_t g0, int64_t g1, bool stream) {
+  constexpr int G = 8 * V;
+  Elem<DT>* out = static_cast<Elem<DT>*>(out_v);
+  alignas(32) float kv[8], amax[8];
+  alignas(64) float ybuf[V > 16 ? 2 * G : 16];
+  for (int64_t b0 = g0; b0 < g1; b0 += 8) {
+    const int nb = static_cast<int>(std::min<int64_t>(8, g1 - b0));
+    for (int b = 0; b < 8; ++b) amax[b] = (a != nullptr && b < nb) ? nan_max(a[b0 + b], EPS) : 1.0f;
+    _mm256_store_ps(kv, recip_prod_pd(_mm256_set1_ps(sqrt_g), _mm256_load_ps(amax)));
+    for (int b = 0; b < nb; b += 2) {
+      const bool two = b + 1 < nb;
+      const int64_t gi = b0 + b;
+      const uint8_t* qp0 = q + gi * G;
+      const uint8_t* qp1 = two ? qp0 + G : qp0;
+      Elem<DT>* op0 = out + gi * G;
+      Elem<DT>* op1 = two ? op0 + G : nullptr;
+      // s * 2^8 for E4M3 (see fp8x16_to_f32_scaled): exact, so f32(q) * s is unchanged.
+      const float s0 = s[gi], s1 = two ? s[gi + 1] : s0;
+      const __m512 vs = _mm512_insertf32x8(_mm512_set1_ps(FMT == kE4M3 ? s0 * 256.0f : s0),
+                                           _mm256_set1_ps(FMT == kE4M3 ? s1 * 256.0f : s1), 1);
+      const __m512 vk = _mm512_insertf32x8(_mm512_set1_ps(kv[b]), _mm256_set1_ps(kv[b + 1]), 1);
+      if constexpr (V <= 16) {  // both groups in registers
+        __m512 y[V];
+#pragma GCC unroll 64
+        for (int j = 0; j < V; j += 2) {
+          __m512 lo, hi;
+          fp8x2x16_to_f32_scaled<FMT>(qp0 + 8 * j, qp1 + 8 * j, &lo, &hi);
+          y[j] = wht8x2(_mm512_mul_ps(lo, vs));
+          y[j + 1] = wht8x2(_mm512_mul_ps(hi, vs));
+        }
+        wht_cross<V>(y);
+#pragma GCC unroll 64
+        for (int j = 0; j < V; ++j)
+          put2x8<DT, ACC>(op0 + 8 * j, op1 != nullptr ? op1 + 8 * j : nullptr, _mm512_mul_ps(y[j], vk), stream);
+      } else {  // 64-element blocks in registers, the wider strides through an L1 scratch
+        for (int j0 = 0; j0 < V; j0 += 8) {
+          __m512 y[8];
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; j += 2) {
+            __m512 lo, hi;
+            fp8x2x16_to_f32_scaled<FMT>(qp0 + 8 * (j0 + j), qp1 + 8 * (j0 + j), &lo, &hi);
+            y[j] = wht8x2(_mm512_mul_ps(lo, vs));
+            y[j + 1] = wht8x2(_mm512_mul_ps(hi, vs));
+          }
+          wht_cross<8>(y);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) _mm512_store_ps(ybuf + 16 * (j0 + j), y[j]);
+        }
+        wht_cross_mem<V, false>(ybuf, nullptr);
+        for (int j = 0; j < V; ++j)
+          put2x8<DT, ACC>(op0 + 8 * j, op1 != nullptr ? op1 + 8 * j : nullptr,
+                          _mm512_mul_ps(_mm512_load_ps(ybuf + 16 * j), vk), stream);
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+}
+
+template <int FMT, int DT, bool ACC>
+DecodeFn DecodeFor(int g) {
+  switch (g) {
+    case 32: return &decode_range_avx512<4, FMT, DT, ACC>;
+    case 64: return &decode_range_avx512<8, FMT, DT, ACC>;
+    case 128: return &decode_range_avx512<16, FMT, DT, ACC>;
+    case 256: return &decode_range_avx512<32, FMT, DT, ACC>;
+    case 512: return &decode_range_avx512<64, FMT, DT, ACC>;
+    default: return nullptr;
+  }
+}
+
+template <int FMT>
+DecodeFn DecodeFmt(int g, int dt, bool acc) {
+  if (acc) return dt == kF32 ? DecodeFor<FMT, kF32, true>(g) : nullptr;
+  return dt == kF32 ? DecodeFor<FMT, kF32, false>(g)
+         : dt == kBF16 ? DecodeFor<FMT, kBF16, false>(g)
+                       : DecodeFor<FMT, kF16, false>(g);
+}
+
 template <int V, int FMT, int DT>
 TACO_AVX512 void encode_range_avx512(const void* x, uint8_t* q, float* s_out, float* a_out, int64_t g0, int64_t g1,
                                      const EncodeParams& p, bool stream) {
@@ -407,6 +561,9 @@ EncodeFn EncodeFmt(int g, int dt) {
 }  // namespace
 
 EncodeFn EncodeAvx512(int fmt, int g, int dt) { return fmt == kE4M3 ? EncodeFmt<kE4M3>(g, dt) : EncodeFmt<kE5M2>(g, dt); }
+DecodeFn DecodeAvx512(int fmt, int g, int dt, bool acc) {
+  return fmt == kE4M3 ? DecodeFmt<kE4M3>(g, dt, acc) : DecodeFmt<kE5M2>(g, dt, acc);
+}
 
 bool HaveAvx512() {
   static const bool ok = [] {

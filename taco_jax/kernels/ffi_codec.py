@@ -60,7 +60,7 @@ FFI_ABI = 2
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 
 #: `impl` attribute, the highest CPU kernel level a call may use: 0 = the fastest the machine has
-#: (the AVX-512 encoder and AVX2 elsewhere on x86-64 CPUs that have them), 1 = portable scalar
+#: (AVX-512 encoder and decoder, AVX2 elsewhere, on x86-64 CPUs that have them), 1 = portable scalar
 #: kernel, 2 = at most AVX2, 3 = at most AVX-512. All levels run the same operation order and give
 #: bit-identical results (levels 1-3 are for tests; the CUDA library ignores `impl`).
 IMPL_AUTO, IMPL_SCALAR, IMPL_AVX2, IMPL_AVX512 = 0, 1, 2, 3
