@@ -2,10 +2,11 @@
 // time per group on data already in cache, best of R passes, and a hash of the codes and scales
 // (the same for every kernel level, and unchanged by a pure speed change of a kernel).
 //
-//   make -C custom_calls bench && custom_calls/build/bench_kernel [groups=2048] [passes=2000] [G=128] [dtype=f32] [level=all]
+//   make -C custom_calls bench && custom_calls/build/bench_kernel [groups=2048] [passes=2000] [G=128] [dtype=f32] [level=all] [op=encode]
 //
-// dtype (f32, bf16, f16) is the message's: the kernel reads it as it is. level: avx2, avx512, or
-// all (each level this CPU has, in one run, passes interleaved level by level).
+// dtype (f32, bf16, f16) is the message's: the encoder reads it as it is, the decoder writes it.
+// level: avx2, avx512, or all (each level this CPU has, in one run, passes interleaved level by
+// level). op: encode, or decode (of the codes the encoder wrote; hash of the decoded bits).
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -32,8 +33,10 @@ long Arg(int argc, char** argv, int i, const char* name, long dflt, long lo, lon
 
 int main(int argc, char** argv) {
   using namespace taco;
-  if (argc > 6) {
-    std::fprintf(stderr, "usage: bench_kernel [groups=2048] [passes=2000] [G=128] [dtype=f32|bf16|f16] [level=all|avx2|avx512]\n");
+  if (argc > 7) {
+    std::fprintf(stderr,
+                 "usage: bench_kernel [groups=2048] [passes=2000] [G=128] [dtype=f32|bf16|f16] [level=all|avx2|avx512] "
+                 "[op=encode|decode]\n");
     return 2;
   }
   const std::string dname = argc > 4 ? argv[4] : "f32";
@@ -47,6 +50,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_kernel: level=%s must be all, avx2 or avx512\n", level.c_str());
     return 2;
   }
+  const std::string op = argc > 6 ? argv[6] : "encode";
+  if (op != "encode" && op != "decode") {
+    std::fprintf(stderr, "bench_kernel: op=%s must be encode or decode\n", op.c_str());
+    return 2;
+  }
   const int64_t n = Arg(argc, argv, 1, "groups", 2048, 1, 1L << 24);
   const int passes = static_cast<int>(Arg(argc, argv, 2, "passes", 2000, 1, 1L << 30));
   const int g = static_cast<int>(Arg(argc, argv, 3, "G", 128, 32, 512));
@@ -57,13 +65,16 @@ int main(int argc, char** argv) {
   std::vector<std::string> names;
 #if TACO_X86
   std::vector<EncodeFn> fns;
+  std::vector<DecodeFn> dfns;
   if ((level == "all" || level == "avx2") && HaveAvx2()) {
     names.push_back("avx2");
     fns.push_back(EncodeAvx(kE4M3, g, dt));
+    dfns.push_back(DecodeAvx(kE4M3, g, dt));
   }
   if ((level == "all" || level == "avx512") && HaveAvx512()) {
     names.push_back("avx512");
     fns.push_back(EncodeAvx512(kE4M3, g, dt));
+    dfns.push_back(DecodeAvx512(kE4M3, g, dt));
   }
 #endif
   if (names.empty()) {
@@ -81,31 +92,45 @@ int main(int argc, char** argv) {
   const void* xp = dt == kF32 ? static_cast<const void*>(x.data()) : static_cast<const void*>(xh.data());
   EncodeParams p{kE4M3, g, 0.0f, E4M3_MAX, E4M3_MAX, n, static_cast<float>(g), std::sqrt(static_cast<float>(g))};
   const size_t k = names.size();
+  const bool dec = op == "decode";
+  const float sqrt_g = std::sqrt(static_cast<float>(g));
+  std::vector<uint8_t> out(dec ? n * g * DtypeBytes(dt) : 0);
+  if (dec) fns[0](xp, q.data(), s.data(), a.data(), 0, n, p, false);  // the codes to decode
   std::vector<double> best(k, 1e30);
   for (int r = 0; r < passes; ++r) {
     for (size_t l = 0; l < k; ++l) {
       const auto t0 = std::chrono::steady_clock::now();
-      fns[l](xp, q.data(), s.data(), a.data(), 0, n, p, false);
+      if (dec) {
+        dfns[l](q.data(), s.data(), a.data(), sqrt_g, out.data(), 0, n, false);
+      } else {
+        fns[l](xp, q.data(), s.data(), a.data(), 0, n, p, false);
+      }
       best[l] = std::min(best[l], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
   }
   int rc = 0;
   uint64_t first = 0;
   for (size_t l = 0; l < k; ++l) {
-    std::fill(q.begin(), q.end(), 0);
-    std::fill(s.begin(), s.end(), 0.0f);
-    fns[l](xp, q.data(), s.data(), a.data(), 0, n, p, false);
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over codes and scale bits
-    for (uint8_t c : q) h = (h ^ c) * 1099511628211ull;
-    for (float v : s) {
-      uint32_t b;
-      std::memcpy(&b, &v, 4);
-      h = (h ^ b) * 1099511628211ull;
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over codes and scale bits, or the decoded bits
+    if (dec) {
+      std::fill(out.begin(), out.end(), 0);
+      dfns[l](q.data(), s.data(), a.data(), sqrt_g, out.data(), 0, n, false);
+      for (uint8_t c : out) h = (h ^ c) * 1099511628211ull;
+    } else {
+      std::fill(q.begin(), q.end(), 0);
+      std::fill(s.begin(), s.end(), 0.0f);
+      fns[l](xp, q.data(), s.data(), a.data(), 0, n, p, false);
+      for (uint8_t c : q) h = (h ^ c) * 1099511628211ull;
+      for (float v : s) {
+        uint32_t b;
+        std::memcpy(&b, &v, 4);
+        h = (h ^ b) * 1099511628211ull;
+      }
     }
     if (l == 0) first = h;
     if (h != first) rc = 1;
-    std::printf("%-6s G=%d %s, %ld groups: best %.1f us, %.1f ns/group (one thread), hash %016llx\n", names[l].c_str(),
-                g, dname.c_str(), static_cast<long>(n), best[l] * 1e6, best[l] * 1e9 / n,
+    std::printf("%-6s %s G=%d %s, %ld groups: best %.1f us, %.1f ns/group (one thread), hash %016llx\n",
+                names[l].c_str(), op.c_str(), g, dname.c_str(), static_cast<long>(n), best[l] * 1e6, best[l] * 1e9 / n,
                 static_cast<unsigned long long>(h));
   }
   if (rc != 0) std::fprintf(stderr, "bench_kernel: the kernel levels' outputs differ\n");

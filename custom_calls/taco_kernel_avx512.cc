@@ -407,23 +407,23 @@ TACO_AVX512 inline void fp8x2x16_to_f32_scaled(const uint8_t* c0, const uint8_t*
   *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
-// Stores a pair vector: its low half (group b) at p0, its high half (group b + 1) at p1 (if
+// Stores a pair vector: its low half (group b) at p0, its high half (group b + 1) at p1 (each if
 // non-null), as put8<DT, ACC> of the AVX2 kernel (CLIP: clipped to the dtype's range, NaN kept).
 template <int DT, bool ACC>
 TACO_AVX512 inline void put2x8(Elem<DT>* p0, Elem<DT>* p1, __m512 v, bool stream) {
   if constexpr (ACC) {
     static_assert(DT == kF32, "the accumulating decoder writes float32");
-    const __m512 o = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p0)),
+    const __m512 o = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p0 != nullptr ? p0 : p1)),
                                         _mm256_loadu_ps(p1 != nullptr ? p1 : p0), 1);
     const __m512 sum = _mm512_add_ps(o, v);
-    _mm256_storeu_ps(p0, _mm512_castps512_ps256(sum));
+    if (p0 != nullptr) _mm256_storeu_ps(p0, _mm512_castps512_ps256(sum));
     if (p1 != nullptr) _mm256_storeu_ps(p1, _mm512_extractf32x8_ps(sum, 1));
   } else if constexpr (DT == kF32) {
     if (stream) {
-      _mm256_stream_ps(p0, _mm512_castps512_ps256(v));
+      if (p0 != nullptr) _mm256_stream_ps(p0, _mm512_castps512_ps256(v));
       if (p1 != nullptr) _mm256_stream_ps(p1, _mm512_extractf32x8_ps(v, 1));
     } else {
-      _mm256_storeu_ps(p0, _mm512_castps512_ps256(v));
+      if (p0 != nullptr) _mm256_storeu_ps(p0, _mm512_castps512_ps256(v));
       if (p1 != nullptr) _mm256_storeu_ps(p1, _mm512_extractf32x8_ps(v, 1));
     }
   } else {
@@ -502,9 +502,17 @@ TACO_AVX512 void decode_range_avx512(const uint8_t* q, const float* s, const flo
           for (int j = 0; j < 8; ++j) _mm512_store_ps(ybuf + 16 * (j0 + j), y[j]);
         }
         wht_cross_mem<V, false>(ybuf, nullptr);
-        for (int j = 0; j < V; ++j)
-          put2x8<DT, ACC>(op0 + 8 * j, op1 != nullptr ? op1 + 8 * j : nullptr,
-                          _mm512_mul_ps(_mm512_load_ps(ybuf + 16 * j), vk), stream);
+        if constexpr (DT == kF32) {  // one group after the other: one output stream at a time
+          for (int j = 0; j < V; ++j)
+            put2x8<DT, ACC>(op0 + 8 * j, nullptr, _mm512_mul_ps(_mm512_load_ps(ybuf + 16 * j), vk), stream);
+          if (op1 != nullptr)
+            for (int j = 0; j < V; ++j)
+              put2x8<DT, ACC>(nullptr, op1 + 8 * j, _mm512_mul_ps(_mm512_load_ps(ybuf + 16 * j), vk), stream);
+        } else {
+          for (int j = 0; j < V; ++j)
+            put2x8<DT, ACC>(op0 + 8 * j, op1 != nullptr ? op1 + 8 * j : nullptr,
+                            _mm512_mul_ps(_mm512_load_ps(ybuf + 16 * j), vk), stream);
+        }
       }
     }
   }
