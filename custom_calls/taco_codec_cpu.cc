@@ -5,10 +5,11 @@
 // decode likewise (see README.md). Groups are split in dynamic chunks over the calling thread
 // and the library's own spinning helper threads (taco_thread_pool.h). On x86-64 an AVX2+FMA+F16C
 // kernel (taco_kernel_avx2.cc) is chosen at run time when the CPU has it, and for the encoder and
-// decoder an AVX-512 one (taco_kernel_avx512.cc, same lanes, two groups per vector) before it; a portable
-// scalar kernel with the *same* operation order (taco_kernel_scalar.cc) is the fallback (`impl`
-// caps the level, for tests: 1 scalar, 2 AVX2, 3 AVX-512, 0 the best), so all give bit-identical results. This file: the FFI handlers; their bound
-// signatures are in taco_ffi_bind.h, shared with the CUDA handlers.
+// decoder an AVX-512 one (taco_kernel_avx512.cc, same lanes, two groups per vector) before it; a
+// portable scalar kernel with the *same* operation order (taco_kernel_scalar.cc) is the fallback
+// (`impl` caps the level, for tests: 1 scalar, 2 AVX2, 3 AVX-512, 0 the best), so all give
+// bit-identical results. This file: the FFI handlers; their bound signatures are in
+// taco_ffi_bind.h, shared with the CUDA handlers.
 //
 // Targets (all take x / codes of shape [..., G] with G in {32, 64, ..., 512}). Messages (x, and
 // the decoded output) are float32, bfloat16 or float16, read and written in their own dtype: the
