@@ -4,10 +4,12 @@
 // absmax; adaptive and quantization scales batched over 8 groups; quantize to FP8, store;
 // decode likewise (see README.md). Groups are split in dynamic chunks over the calling thread
 // and the library's own spinning helper threads (taco_thread_pool.h). On x86-64 an AVX2+FMA+F16C
-// kernel (taco_kernel_avx2.cc) is chosen at run time when the CPU has it; a portable scalar kernel
-// with the *same* operation order (taco_kernel_scalar.cc) is the fallback (and `impl=1` forces it,
-// for tests), so the two give bit-identical results. This file: the FFI handlers; their bound
-// signatures are in taco_ffi_bind.h, shared with the CUDA handlers.
+// kernel (taco_kernel_avx2.cc) is chosen at run time when the CPU has it, and for the encoder and
+// decoder an AVX-512 one (taco_kernel_avx512.cc, same lanes, two groups per vector) before it; a
+// portable scalar kernel with the *same* operation order (taco_kernel_scalar.cc) is the fallback
+// (`impl` caps the level, for tests: 1 scalar, 2 AVX2, 3 AVX-512, 0 the best), so all give
+// bit-identical results. This file: the FFI handlers; their bound signatures are in
+// taco_ffi_bind.h, shared with the CUDA handlers.
 //
 // Targets (all take x / codes of shape [..., G] with G in {32, 64, ..., 512}). Messages (x, and
 // the decoded output) are float32, bfloat16 or float16, read and written in their own dtype: the
@@ -58,6 +60,7 @@
 #include "taco_cpu_common.h"
 #include "taco_ffi_bind.h"
 #include "taco_kernel_avx2.h"
+#include "taco_kernel_avx512.h"
 #include "taco_kernel_scalar.h"
 #include "taco_thread_pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -89,6 +92,22 @@ int DtOf(ffi::DataType t) {
   if (t == ffi::DataType::F16) return kF16;
   return -1;
 }
+
+// Kernel level of the `impl` attribute: 0 = the best this CPU has, 1 = scalar, 2 = at most AVX2,
+// 3 = at most AVX-512; each operation runs its fastest kernel at or below that level (AVX-512:
+// the encoder and decoder; everything else AVX2). All levels give bit-identical results.
+bool UseAvx2(int32_t impl) { return (impl == 0 || impl == 2 || impl == 3) && HaveAvx2(); }
+bool UseAvx512(int32_t impl) { return (impl == 0 || impl == 3) && HaveAvx512(); }
+
+#if TACO_X86
+// The vector encoder and decoder for `impl` (UseAvx2(impl) must hold).
+EncodeFn VectorEncoder(int32_t impl, int fmt, int g, int dt) {
+  return UseAvx512(impl) ? EncodeAvx512(fmt, g, dt) : EncodeAvx(fmt, g, dt);
+}
+DecodeFn VectorDecoder(int32_t impl, int fmt, int g, int dt, bool acc = false) {
+  return UseAvx512(impl) ? DecodeAvx512(fmt, g, dt, acc) : DecodeAvx(fmt, g, dt, acc);
+}
+#endif
 
 // ------------------------------------------------------------------------------------------
 // FFI handlers.
@@ -130,8 +149,8 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
   float* ap = a->typed_data();
 
 #if TACO_X86
-  if (impl == 0 && HaveAvx2()) {
-    EncodeFn fn = EncodeAvx(fmt, p.g, dt);
+  if (UseAvx2(impl)) {
+    EncodeFn fn = VectorEncoder(impl, fmt, p.g, dt);
     const bool stream = total * g >= kStreamBytes && Aligned32(qp);
     ParallelFor(pool.num_threads(), total, GroupsPerChunk(p.g), [&](int64_t b, int64_t e) { fn(xp, qp, sp, ap, b, e, p, stream); });
     return ffi::Error::Success();
@@ -177,8 +196,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::Buffer<ff
   const float sqrt_g = static_cast<float>(std::sqrt(static_cast<double>(g)));
 
 #if TACO_X86
-  if (impl == 0 && HaveAvx2()) {
-    DecodeFn fn = DecodeAvx(fmt, static_cast<int>(g), dt);
+  if (UseAvx2(impl)) {
+    DecodeFn fn = VectorDecoder(impl, fmt, static_cast<int>(g), dt);
     const bool stream = total * g * ob >= kStreamBytes && Aligned32(op);
     ParallelFor(pool.num_threads(), total, GroupsPerChunk(static_cast<int>(g)),
                 [&](int64_t b, int64_t e) { fn(qp, sp, ap, sqrt_g, op, b, e, stream); });
@@ -241,7 +260,7 @@ ffi::Error ReduceImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::Result
   float* so = s_out->typed_data();
   const int64_t per_chunk = std::max<int64_t>(1, GroupsPerChunk(static_cast<int>(g)) / P);
 #if TACO_X86
-  if (impl == 0 && HaveAvx2()) {
+  if (UseAvx2(impl)) {
     ReduceFn fn = ReduceAvx(fmt, static_cast<int>(g));
     ParallelFor(pool.num_threads(), n, per_chunk,
                 [&](int64_t b, int64_t e) { fn(qp, sp, ap, P, target_range, qo, so, b, e); });
@@ -301,10 +320,10 @@ void EncodeRowSegment(const void* xs, int dt, uint8_t* row, const Layout& L, int
   float* ss = L.s(row) + lb;
   float* as = L.has_a ? L.a(row) + lb : a_tmp;
 #if TACO_X86
-  if (impl == 0 && HaveAvx2()) {
+  if (UseAvx2(impl)) {
     EncodeParams q = p;
     q.n_groups = L.ng - lb;  // local group 0 is group lb, so the row's last group is local q.n_groups - 1
-    EncodeAvx(p.fmt, p.g, dt)(xs, qs, ss, as, 0, n, q, stream);
+    VectorEncoder(impl, p.fmt, p.g, dt)(xs, qs, ss, as, 0, n, q, stream);
   } else
 #endif
   {
@@ -328,8 +347,8 @@ void DecodeRowSegment(const uint8_t* row, const Layout& L, int64_t lb, int64_t l
   const float* sp = L.s(row) + lb;
   const float* ap = L.has_a ? L.a(row) + lb : nullptr;
 #if TACO_X86
-  if (impl == 0 && HaveAvx2()) {
-    DecodeAvx(fmt, static_cast<int>(g), dt, acc)(qp, sp, ap, sqrt_g, out_seg, 0, n, stream && !acc);
+  if (UseAvx2(impl)) {
+    VectorDecoder(impl, fmt, static_cast<int>(g), dt, acc)(qp, sp, ap, sqrt_g, out_seg, 0, n, stream && !acc);
     return;
   }
 #endif
@@ -341,7 +360,7 @@ void DecodeRowSegment(const uint8_t* row, const Layout& L, int64_t lb, int64_t l
 // Elementwise float32 -> dt without clipping (the decode-sum's one rounding), both kernels alike.
 void ConvertFromF32(const float* x, void* out, int64_t n, int dt, int32_t impl) {
 #if TACO_X86
-  if (impl == 0 && HaveAvx2()) return convert_from_f32_avx(x, out, n, dt, false);
+  if (UseAvx2(impl)) return convert_from_f32_avx(x, out, n, dt, false);
 #endif
   convert_from_f32_scalar(x, out, n, dt);
 }
@@ -603,7 +622,7 @@ ffi::Error ReducePackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::
                       DecodeSumRowSegment(rows.data(), rr.P, L, lb, le, fmt, impl, x);
                       if (round != kF32) {
 #if TACO_X86
-                        if (impl == 0 && HaveAvx2()) {
+                        if (UseAvx2(impl)) {
                           round_through_avx(x, n, round);
                         } else
 #endif
@@ -645,7 +664,7 @@ ffi::Error ReduceHadamardPackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs arg
     }
   }
 #if TACO_X86
-  ReduceFn avx = impl == 0 && HaveAvx2() ? ReduceAvx(fmt, static_cast<int>(g)) : nullptr;
+  ReduceFn avx = UseAvx2(impl) ? ReduceAvx(fmt, static_cast<int>(g)) : nullptr;
 #endif
   ParallelRowChunks(pool.num_threads(), rr.outer, L.ng, std::max<int64_t>(1, GroupsPerChunk(static_cast<int>(g)) / P),
                     [&](int64_t o, int64_t lb, int64_t le) {
@@ -667,7 +686,7 @@ ffi::Error ReduceHadamardPackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs arg
 ffi::Error CastImpl(ffi::ThreadPool /*pool*/, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, float clamp, int32_t impl) {
   const int64_t n = static_cast<int64_t>(in.element_count());
   if (static_cast<int64_t>(out->element_count()) != n) return ffi::Error::InvalidArgument("taco_fp8_cast: size mismatch");
-  const bool avx = impl == 0 && HaveAvx2();
+  const bool avx = UseAvx2(impl);
   const int in_dt = DtOf(in.element_type()), out_dt = DtOf(out->element_type());
   if (in_dt == kF32 && (out_dt == kBF16 || out_dt == kF16)) {  // the decoder's store
     const float* x = static_cast<const float*>(in.untyped_data());
@@ -777,5 +796,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TacoReduceHadamardPackedCpu, taco::ReduceHadamardP
 // Plain C entry points (ctypes) for quick checks without JAX.
 extern "C" {
 int taco_cpu_has_avx2() { return taco::HaveAvx2() ? 1 : 0; }
+// The highest kernel level (`impl`) this CPU runs: 1 scalar, 2 AVX2, 3 AVX-512.
+int taco_cpu_kernel_level() { return taco::HaveAvx512() ? 3 : taco::HaveAvx2() ? 2 : 1; }
 int taco_ffi_abi() { return TACO_FFI_ABI; }
 }

@@ -6,8 +6,8 @@ bit-identical to the float32 path it replaces, and conforms to the reference for
 2. The kernels' conversions (bfloat16 / float16 <-> float32) equal XLA's convert bit for bit, on every
    16-bit pattern and on a sweep of float32 patterns (NaN payloads, ties, subnormals, overflow).
 3. Encoding a 16-bit message equals encoding its float32 widening; decoding to a 16-bit dtype
-   equals `clip_to_dtype` + `astype` of the float32 decode; the packed targets likewise; AVX2 and
-   scalar kernels alike; and the encode conforms to `reference` on the widened input.
+   equals `clip_to_dtype` + `astype` of the float32 decode; the packed targets likewise; every CPU
+   kernel level (AVX-512, AVX2, scalar) alike; and the encode conforms to `reference` on the widened input.
 """
 
 import dataclasses
@@ -30,7 +30,8 @@ FFI_REASON = ffi_codec.unavailable_reason(default_platform())
 pytestmark = pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec library not available: {FFI_REASON}")
 needs_cpu = pytest.mark.skipif(ON_GPU, reason="the packed targets and `impl` are the CPU library's")
 
-IMPLS = [ffi_codec.IMPL_AUTO, ffi_codec.IMPL_SCALAR]
+# the CPU kernel levels this machine runs (scalar, AVX2, AVX-512); [auto] where the library is absent
+IMPLS = list(ffi_codec.cpu_kernel_levels()[::-1]) or [ffi_codec.IMPL_AUTO]
 NARROW = [jnp.bfloat16, jnp.float16]
 ids = {"ids": lambda d: jnp.dtype(d).name}
 
@@ -106,7 +107,7 @@ def _f32_sweep() -> np.ndarray:
 
 
 @needs_cpu
-@pytest.mark.parametrize("impl", IMPLS, ids=["auto", "scalar"])
+@pytest.mark.parametrize("impl", [ffi_codec.IMPL_AUTO, ffi_codec.IMPL_SCALAR], ids=["auto", "scalar"])
 @pytest.mark.parametrize("dtype", NARROW, **ids)
 def test_dtype_conversions_equal_xla_convert(dtype, impl):
     x = jnp.asarray(_f32_sweep())
@@ -179,8 +180,9 @@ def test_packed_targets_native_equal_float32_composition(layout, m, dtype):
         red = ffi_codec.reduce_packed(rows, cfg, m, impl=impl, dtype=dtype)
         _same(np.asarray(red), np.asarray(ffi_codec.encode_packed(tot32.astype(dtype), cfg, impl=impl)))
         outs.append((rows, dec, tot, red))
-    for u, v in zip(*outs, strict=True):  # AVX2 == scalar
-        _same(np.asarray(u), np.asarray(v))
+    for other in outs[1:]:  # every kernel level alike
+        for u, v in zip(outs[0], other, strict=True):
+            _same(np.asarray(u), np.asarray(v))
     # interleaved reads ([outer, P, inner]) and writes (outer) in the message dtype
     xi = xd[:, :512].reshape(2, 3, 256)  # outer 2, P 3, inner 256
     rows_i = ffi_codec.encode_packed(xi, cfg, interleaved=True)

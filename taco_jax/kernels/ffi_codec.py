@@ -59,9 +59,11 @@ _DTYPE_CODES = {d: i for i, d in enumerate(NATIVE_DTYPES)}
 FFI_ABI = 2
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 
-#: `impl` attribute: 0 = fastest kernel for the machine (AVX2 on x86-64 CPUs that have it),
-#: 1 = portable scalar kernel (same operation order, bit-identical; for tests).
-IMPL_AUTO, IMPL_SCALAR = 0, 1
+#: `impl` attribute, the highest CPU kernel level a call may use: 0 = the fastest the machine has
+#: (AVX-512 encoder and decoder, AVX2 elsewhere, on x86-64 CPUs that have them), 1 = portable scalar
+#: kernel, 2 = at most AVX2, 3 = at most AVX-512. All levels run the same operation order and give
+#: bit-identical results (levels 1-3 are for tests; the CUDA library ignores `impl`).
+IMPL_AUTO, IMPL_SCALAR, IMPL_AVX2, IMPL_AVX512 = 0, 1, 2, 3
 
 
 def lib_path(platform: str = "cpu") -> Path:
@@ -510,3 +512,14 @@ def cpu_has_avx2() -> bool:
     if not available("cpu"):
         return False
     return bool(ctypes.cdll.LoadLibrary(str(lib_path("cpu"))).taco_cpu_has_avx2())
+
+
+def cpu_kernel_levels() -> tuple[int, ...]:
+    """The `impl` levels the CPU library runs on this machine, lowest first: (IMPL_SCALAR,), then
+    IMPL_AVX2 and IMPL_AVX512 where the CPU has them; () if the library is not built."""
+    if not available("cpu"):
+        return ()
+    lib = ctypes.cdll.LoadLibrary(str(lib_path("cpu")))
+    level = getattr(lib, "taco_cpu_kernel_level", None)  # absent in a library without the AVX-512 encoder
+    top = int(level()) if level is not None else 1 + int(lib.taco_cpu_has_avx2())
+    return (IMPL_SCALAR, IMPL_AVX2, IMPL_AVX512)[:top]
