@@ -244,6 +244,15 @@ def test_ffi_conforms_to_reference(g, fmt):
 
 
 @needs_ffi
+@pytest.mark.parametrize("impl", [-1, 4, 7])
+def test_ffi_kernel_level_outside_0_to_3_is_refused(impl):
+    """An `impl` that is no CPU kernel level is refused naming it, before any call is built."""
+    xg = jnp.ones((4, 32), jnp.float32)
+    with pytest.raises(ValueError, match=rf"impl={impl} is not a CPU kernel level"):
+        ffi_codec.encode_groups(xg, CodecConfig(group_size=32), last_count=32, impl=impl)
+
+
+@needs_ffi
 @pytest.mark.parametrize(("g", "fmt"), [(32, "e4m3"), (128, "e4m3"), (128, "e5m2"), (256, "e5m2"), (512, "e4m3")])
 def test_ffi_scalar_and_vector_kernels_are_bit_identical(g, fmt):
     """Every kernel level the CPU has (scalar, AVX2, AVX-512) gives the same bits; 81 groups (an odd

@@ -66,6 +66,13 @@ _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 IMPL_AUTO, IMPL_SCALAR, IMPL_AVX2, IMPL_AVX512 = 0, 1, 2, 3
 
 
+def _impl(impl: int) -> np.int32:
+    """`impl` as the custom call's attribute. Raises ValueError naming a value outside 0-3."""
+    if impl not in (IMPL_AUTO, IMPL_SCALAR, IMPL_AVX2, IMPL_AVX512):
+        raise ValueError(f"impl={impl!r} is not a CPU kernel level: 0 (auto), 1 (scalar), 2 (AVX2), 3 (AVX-512)")
+    return np.int32(impl)
+
+
 def lib_path(platform: str = "cpu") -> Path:
     """Where the shared library for `platform` ("cpu" or "cuda") is expected."""
     return LIB_DIR / LIBS[platform]
@@ -195,7 +202,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
         target_range=np.float32(cfg.target_range),
         n_groups=np.int64(n_groups),
         last_count=np.int64(last_count),
-        impl=np.int32(impl),
+        impl=_impl(impl),
     )
     codes, s, a = _revary(outs, vma_of(x2))
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
@@ -210,6 +217,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: 
     _ensure_loaded()
     out_dtype = _out_dtype(dtype)
     *lead, n_groups, g = codes.shape
+    impl = int(_impl(impl))
     if _codes_as_u8():
         impl |= (_FMT_OF_DTYPE[jnp.dtype(codes.dtype)] + 1) << 8
         codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
@@ -248,7 +256,7 @@ def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: Code
     call = jax.ffi.ffi_call("taco_reduce", (jax.ShapeDtypeStruct((n, g), jnp.uint8),
                                             jax.ShapeDtypeStruct((n,), jnp.float32)), vmap_method="broadcast_all")
     out_codes, out_s = _revary(call(*args, fmt=np.int32(_FMT_CODES[cfg.fmt]), has_a=np.int32(a is not None),
-                                    target_range=np.float32(cfg.target_range), impl=np.int32(impl)), vma)
+                                    target_range=np.float32(cfg.target_range), impl=_impl(impl)), vma)
     out_codes = jax.lax.bitcast_convert_type(out_codes, code_dtype)
     return out_codes.reshape(*lead, n_groups, g), out_s.reshape(*lead, n_groups)
 
@@ -358,7 +366,7 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
     else:
         outs = (jax.ShapeDtypeStruct((*rows_shape, rb), jnp.uint8),)
     call = jax.ffi.ffi_call("taco_encode_packed", outs, vmap_method="broadcast_all")
-    rows = _revary(call(x2, **attrs, impl=np.int32(impl), outer=np.int64(outer)), vma_of(x2))
+    rows = _revary(call(x2, **attrs, impl=_impl(impl), outer=np.int64(outer)), vma_of(x2))
     return rows if split else rows[0]
 
 
@@ -421,7 +429,7 @@ def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | No
         out = jax.ShapeDtypeStruct((*rows.shape[:-2], k, rows.shape[-2], m // k), out_dtype)
     call = jax.ffi.ffi_call("taco_decode_packed", out, vmap_method="broadcast_all")
     (y,) = _revary([call(rows, fmt=np.int32(_FMT_CODES[cfg.fmt]), g=np.int64(g), has_a=np.int32(has_a),
-                         impl=np.int32(impl), outer=np.int64(k))], vma_of(rows))
+                         impl=_impl(impl), outer=np.int64(k))], vma_of(rows))
     return y if outer is not None else _unpad(y, m)
 
 
@@ -446,7 +454,7 @@ def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, 
     out = jax.ShapeDtypeStruct((*lead, -(-m // g) * g), out_dtype)
     call = jax.ffi.ffi_call("taco_decode_sum_packed", out, vmap_method="broadcast_all")
     (y,) = _revary([call(*args, fmt=np.int32(_FMT_CODES[cfg.fmt]), g=np.int64(g),
-                         has_a=np.int32(cfg.scale_layout == "dual"), impl=np.int32(impl))], vma)
+                         has_a=np.int32(cfg.scale_layout == "dual"), impl=_impl(impl))], vma)
     return _unpad(y, m)
 
 
@@ -469,7 +477,7 @@ def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtyp
     args, lead, vma = _rank_operands(rows, m, cfg, cfg.scale_layout == "dual")
     out = jax.ShapeDtypeStruct((*lead, packed_row_bytes(m, cfg)), jnp.uint8)
     call = jax.ffi.ffi_call("taco_reduce_packed", out, vmap_method="broadcast_all")
-    (y,) = _revary([call(*args, **attrs, impl=np.int32(impl), round=np.int32(round_to))], vma)
+    (y,) = _revary([call(*args, **attrs, impl=_impl(impl), round=np.int32(round_to))], vma)
     return y
 
 
@@ -492,7 +500,7 @@ def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_A
     out = jax.ShapeDtypeStruct((*lead, packed_row_bytes(m, cfg, has_a=False)), jnp.uint8)
     call = jax.ffi.ffi_call("taco_reduce_hadamard_packed", out, vmap_method="broadcast_all")
     (y,) = _revary([call(*args, fmt=attrs["fmt"], g=attrs["g"], has_a=np.int32(has_a),
-                         target_range=attrs["target_range"], impl=np.int32(impl))], vma)
+                         target_range=attrs["target_range"], impl=_impl(impl))], vma)
     return y
 
 
@@ -503,7 +511,7 @@ def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) 
     encoder's load)."""
     _ensure_loaded()
     call = jax.ffi.ffi_call("taco_fp8_cast", jax.ShapeDtypeStruct(x.shape, dtype), vmap_method="broadcast_all")
-    (out,) = _revary([call(x, clamp=np.float32(clamp), impl=np.int32(impl))], vma_of(x))
+    (out,) = _revary([call(x, clamp=np.float32(clamp), impl=_impl(impl))], vma_of(x))
     return out
 
 
