@@ -24,10 +24,12 @@ import subprocess
 import sys
 import warnings
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import _procs  # noqa: E402  (imports no jax)
+
+os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), _procs.TEST_XLA_FLAGS,
+                                    "--xla_force_host_platform_device_count=8")).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import _procs  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
