@@ -433,6 +433,12 @@ TACO_AVX2 void encode_range_avx(const void* x, uint8_t* q, float* s_out, float* 
   }
 }
 
+// The encoder as a type, for EncoderFor.
+template <int V, int FMT, int DT>
+struct EncodeK {
+  static constexpr EncodeFn kFn = &encode_range_avx<V, FMT, DT>;
+};
+
 template <int V, int FMT, int DT, bool ACC>
 TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a, float sqrt_g,
                                 void* out_v, int64_t g0, int64_t g1, bool stream) {
@@ -484,6 +490,12 @@ TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a
   }
   if (stream) _mm_sfence();
 }
+
+// The decoder as a type, for DecoderFor.
+template <int V, int FMT, int DT, bool ACC>
+struct DecodeK {
+  static constexpr DecodeFn kFn = &decode_range_avx<V, FMT, DT, ACC>;
+};
 
 // Transform-domain reduction (reduce_group_scalar's operations, in the same order per element).
 template <int V, int FMT>
@@ -545,55 +557,6 @@ TACO_AVX2 void reduce_range_avx(const uint8_t* const* q, const float* const* s, 
   }
 }
 
-template <int FMT>
-ReduceFn ReduceAvxFor(int g) {
-  switch (g) {
-    case 32: return &reduce_range_avx<4, FMT>;
-    case 64: return &reduce_range_avx<8, FMT>;
-    case 128: return &reduce_range_avx<16, FMT>;
-    case 256: return &reduce_range_avx<32, FMT>;
-    case 512: return &reduce_range_avx<64, FMT>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT, int DT>
-EncodeFn EncodeAvxFor(int g) {
-  switch (g) {
-    case 32: return &encode_range_avx<4, FMT, DT>;
-    case 64: return &encode_range_avx<8, FMT, DT>;
-    case 128: return &encode_range_avx<16, FMT, DT>;
-    case 256: return &encode_range_avx<32, FMT, DT>;
-    case 512: return &encode_range_avx<64, FMT, DT>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT, int DT, bool ACC>
-DecodeFn DecodeAvxFor(int g) {
-  switch (g) {
-    case 32: return &decode_range_avx<4, FMT, DT, ACC>;
-    case 64: return &decode_range_avx<8, FMT, DT, ACC>;
-    case 128: return &decode_range_avx<16, FMT, DT, ACC>;
-    case 256: return &decode_range_avx<32, FMT, DT, ACC>;
-    case 512: return &decode_range_avx<64, FMT, DT, ACC>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT>
-EncodeFn EncodeAvxFmt(int g, int dt) {
-  return dt == kF32 ? EncodeAvxFor<FMT, kF32>(g) : dt == kBF16 ? EncodeAvxFor<FMT, kBF16>(g) : EncodeAvxFor<FMT, kF16>(g);
-}
-
-template <int FMT>
-DecodeFn DecodeAvxFmt(int g, int dt, bool acc) {
-  if (acc) return dt == kF32 ? DecodeAvxFor<FMT, kF32, true>(g) : nullptr;
-  return dt == kF32 ? DecodeAvxFor<FMT, kF32, false>(g)
-         : dt == kBF16 ? DecodeAvxFor<FMT, kBF16, false>(g)
-                       : DecodeAvxFor<FMT, kF16, false>(g);
-}
-
 template <int DT, bool CLIP>
 TACO_AVX2 void from_f32_t(const float* x, Elem<DT>* out, int64_t n) {
   int64_t i = 0;
@@ -617,10 +580,8 @@ TACO_AVX2 void round_through_t(float* x, int64_t n) {
 
 }  // namespace
 
-EncodeFn EncodeAvx(int fmt, int g, int dt) { return fmt == kE4M3 ? EncodeAvxFmt<kE4M3>(g, dt) : EncodeAvxFmt<kE5M2>(g, dt); }
-DecodeFn DecodeAvx(int fmt, int g, int dt, bool acc) {
-  return fmt == kE4M3 ? DecodeAvxFmt<kE4M3>(g, dt, acc) : DecodeAvxFmt<kE5M2>(g, dt, acc);
-}
+EncodeFn EncodeAvx(int fmt, int g, int dt) { return EncoderFor<EncodeK>(fmt, g, dt); }
+DecodeFn DecodeAvx(int fmt, int g, int dt, bool acc) { return DecoderFor<DecodeK>(fmt, g, dt, acc); }
 
 void convert_from_f32_avx(const float* x, void* out, int64_t n, int dt, bool clip) {
   uint16_t* o = static_cast<uint16_t*>(out);
@@ -648,7 +609,11 @@ void round_through_avx(float* x, int64_t n, int dt) {
   if (dt == kBF16) round_through_t<kBF16>(x, n);
   if (dt == kF16) round_through_t<kF16>(x, n);
 }
-ReduceFn ReduceAvx(int fmt, int g) { return fmt == kE4M3 ? ReduceAvxFor<kE4M3>(g) : ReduceAvxFor<kE5M2>(g); }
+ReduceFn ReduceAvx(int fmt, int g) {
+  return ByKernel<ReduceFn>(fmt, g, kF32, [](auto v, auto f, auto) -> ReduceFn {
+    return &reduce_range_avx<decltype(v)::value, decltype(f)::value>;
+  });
+}
 
 TACO_AVX2 void cast_to_fp8_avx(const float* x, uint8_t* q, int64_t n, int fmt, float clamp) {
   const __m256 r = _mm256_set1_ps(clamp);

@@ -443,25 +443,11 @@ TACO_AVX512 void decode_range_avx512(const uint8_t* q, const float* s, const flo
   if (stream) _mm_sfence();
 }
 
-template <int FMT, int DT, bool ACC>
-DecodeFn DecodeFor(int g) {
-  switch (g) {
-    case 32: return &decode_range_avx512<4, FMT, DT, ACC>;
-    case 64: return &decode_range_avx512<8, FMT, DT, ACC>;
-    case 128: return &decode_range_avx512<16, FMT, DT, ACC>;
-    case 256: return &decode_range_avx512<32, FMT, DT, ACC>;
-    case 512: return &decode_range_avx512<64, FMT, DT, ACC>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT>
-DecodeFn DecodeFmt(int g, int dt, bool acc) {
-  if (acc) return dt == kF32 ? DecodeFor<FMT, kF32, true>(g) : nullptr;
-  return dt == kF32 ? DecodeFor<FMT, kF32, false>(g)
-         : dt == kBF16 ? DecodeFor<FMT, kBF16, false>(g)
-                       : DecodeFor<FMT, kF16, false>(g);
-}
+// The decoder as a type, for DecoderFor.
+template <int V, int FMT, int DT, bool ACC>
+struct DecodeK {
+  static constexpr DecodeFn kFn = &decode_range_avx512<V, FMT, DT, ACC>;
+};
 
 template <int V, int FMT, int DT>
 TACO_AVX512 void encode_range_avx512(const void* x, uint8_t* q, float* s_out, float* a_out, int64_t g0, int64_t g1,
@@ -473,29 +459,16 @@ TACO_AVX512 void encode_range_avx512(const void* x, uint8_t* q, float* s_out, fl
   }
 }
 
-template <int FMT, int DT>
-EncodeFn EncodeFor(int g) {
-  switch (g) {
-    case 32: return &encode_range_avx512<4, FMT, DT>;
-    case 64: return &encode_range_avx512<8, FMT, DT>;
-    case 128: return &encode_range_avx512<16, FMT, DT>;
-    case 256: return &encode_range_avx512<32, FMT, DT>;
-    case 512: return &encode_range_avx512<64, FMT, DT>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT>
-EncodeFn EncodeFmt(int g, int dt) {
-  return dt == kF32 ? EncodeFor<FMT, kF32>(g) : dt == kBF16 ? EncodeFor<FMT, kBF16>(g) : EncodeFor<FMT, kF16>(g);
-}
+// The encoder as a type, for EncoderFor.
+template <int V, int FMT, int DT>
+struct EncodeK {
+  static constexpr EncodeFn kFn = &encode_range_avx512<V, FMT, DT>;
+};
 
 }  // namespace
 
-EncodeFn EncodeAvx512(int fmt, int g, int dt) { return fmt == kE4M3 ? EncodeFmt<kE4M3>(g, dt) : EncodeFmt<kE5M2>(g, dt); }
-DecodeFn DecodeAvx512(int fmt, int g, int dt, bool acc) {
-  return fmt == kE4M3 ? DecodeFmt<kE4M3>(g, dt, acc) : DecodeFmt<kE5M2>(g, dt, acc);
-}
+EncodeFn EncodeAvx512(int fmt, int g, int dt) { return EncoderFor<EncodeK>(fmt, g, dt); }
+DecodeFn DecodeAvx512(int fmt, int g, int dt, bool acc) { return DecoderFor<DecodeK>(fmt, g, dt, acc); }
 
 bool HaveAvx512() {
   static const bool ok = [] {

@@ -1,6 +1,7 @@
 // AVX2+FMA+F16C helpers shared by the AVX2 and AVX-512 kernels of the TACO group codec
 // (taco_kernel_avx2.cc, taco_kernel_avx512.cc): element types, prefetch, the per-block scale math
-// of the encoders on 8-lane vectors and their exact path. Compiled for the AVX2 target function by
+// of the encoders on 8-lane vectors, their exact path, and the choice of a kernel instantiation by
+// FP8 format, group size and message dtype. Compiled for the AVX2 target function by
 // function (__attribute__((target))); GCC inlines them into AVX-512 callers too (their ISA is a
 // subset), so both kernels run the same operations in the same order: bit-identical results.
 #pragma once
@@ -12,6 +13,7 @@
 #include <type_traits>
 
 #include "taco_cpu_common.h"
+#include "taco_kernel_avx2.h"
 #include "taco_kernel_scalar.h"
 
 #if TACO_X86
@@ -122,6 +124,57 @@ TACO_AVX2 inline void encode_group_slow(const Elem<DT>* x, uint8_t* q, float* s_
     *s_out = std::nanf("");
     std::memset(q, fp8_nan(FMT), G);
   }
+}
+
+template <int N>
+using IntC = std::integral_constant<int, N>;
+
+// make(IntC<V>{}) for group size g = 8 V (32, 64, 128, 256 or 512); nullptr for another g.
+template <typename Fn, typename Make>
+Fn ByGroupSize(int g, Make make) {
+  switch (g) {
+    case 32: return make(IntC<4>{});
+    case 64: return make(IntC<8>{});
+    case 128: return make(IntC<16>{});
+    case 256: return make(IntC<32>{});
+    case 512: return make(IntC<64>{});
+    default: return nullptr;
+  }
+}
+
+// The kernel instantiation make(IntC<V>{}, IntC<FMT>{}, IntC<DT>{}) for FP8 format fmt (kE4M3,
+// else kE5M2), group size g = 8 V and message dtype dt (kF32, kBF16, else kF16); nullptr for a g
+// outside 32..512.
+template <typename Fn, typename Make>
+Fn ByKernel(int fmt, int g, int dt, Make make) {
+  const auto by_fmt = [&](auto f) -> Fn {
+    const auto by_dt = [&](auto d) -> Fn { return ByGroupSize<Fn>(g, [&](auto v) -> Fn { return make(v, f, d); }); };
+    return dt == kF32 ? by_dt(IntC<kF32>{}) : dt == kBF16 ? by_dt(IntC<kBF16>{}) : by_dt(IntC<kF16>{});
+  };
+  return fmt == kE4M3 ? by_fmt(IntC<kE4M3>{}) : by_fmt(IntC<kE5M2>{});
+}
+
+// The encoder K<V, FMT, DT>::kFn for fmt, g = 8 V and dt (ByKernel); nullptr for a g outside 32..512.
+template <template <int, int, int> class K>
+EncodeFn EncoderFor(int fmt, int g, int dt) {
+  return ByKernel<EncodeFn>(fmt, g, dt, [](auto v, auto f, auto d) -> EncodeFn {
+    return K<decltype(v)::value, decltype(f)::value, decltype(d)::value>::kFn;
+  });
+}
+
+// The decoder K<V, FMT, DT, ACC>::kFn likewise; acc: the one that adds to a float32 output
+// (nullptr for another dt).
+template <template <int, int, int, bool> class K>
+DecodeFn DecoderFor(int fmt, int g, int dt, bool acc) {
+  if (acc) {
+    if (dt != kF32) return nullptr;
+    return ByKernel<DecodeFn>(fmt, g, kF32, [](auto v, auto f, auto) -> DecodeFn {
+      return K<decltype(v)::value, decltype(f)::value, kF32, true>::kFn;
+    });
+  }
+  return ByKernel<DecodeFn>(fmt, g, dt, [](auto v, auto f, auto d) -> DecodeFn {
+    return K<decltype(v)::value, decltype(f)::value, decltype(d)::value, false>::kFn;
+  });
 }
 
 }  // namespace simd
