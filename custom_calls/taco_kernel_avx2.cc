@@ -8,33 +8,14 @@
 #include <type_traits>
 
 #include "taco_kernel_scalar.h"
-
-#if TACO_X86
-#include <immintrin.h>
-#endif
+#include "taco_simd_avx2.h"
 
 namespace taco {
 
 #if TACO_X86
 namespace {
 
-constexpr int64_t kPrefetchBytes = 8192;  // encoder's software prefetch distance (G <= 256)
-
-#define TACO_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-// Element type of a message dtype (MsgDtype): float, or the 16-bit pattern of bfloat16 / float16.
-template <int DT>
-using Elem = std::conditional_t<DT == kF32, float, uint16_t>;
-
-// Whether vector j (8 elements from the group's start) begins a 64-byte cache line: prefetch there.
-template <int DT>
-constexpr bool LineStart(int j) {
-  return (j * 8 * static_cast<int>(sizeof(Elem<DT>))) % 64 == 0;
-}
-
-TACO_AVX2 inline void prefetch_ahead(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-}
+using namespace simd;  // the shared helpers (taco_simd_avx2.h)
 
 // 8 bfloat16 / float16 values -> 8 floats, exact (bfloat16: a shift; float16: vcvtph2ps).
 template <int DT>
@@ -62,30 +43,6 @@ TACO_AVX2 inline __m256 load8(const Elem<DT>* p) {
     return widen8<DT>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 }
-
-// Eight 8-lane accumulators -> one vector of their eight sums (order: see hsum8).
-TACO_AVX2 inline __m256 hsum8x8(const __m256* v) {
-  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// Eight vectors -> one vector of their eight horizontal maxima (max is exact: any order).
-TACO_AVX2 inline __m256 hmax8x8(const __m256* m) {
-  __m256 b[2];
-  for (int h = 0; h < 2; ++h) {
-    const __m256* v = m + 4 * h;
-    const __m256 a01 = _mm256_max_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
-    const __m256 a23 = _mm256_max_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
-    b[h] = _mm256_max_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE));
-  }
-  return _mm256_max_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
-}
-
-// NaN-propagating max/min against a constant c (MAXPS returns its 2nd operand on NaN).
-TACO_AVX2 inline __m256 nan_max_c(__m256 x, __m256 c) { return _mm256_max_ps(c, x); }
-TACO_AVX2 inline __m256 nan_min_c(__m256 x, __m256 c) { return _mm256_min_ps(c, x); }
 
 // 8 floats -> 8 bfloat16 / float16 values, bit-identical to f32_to_narrow(v, DT, CLIP): clipped to
 // the dtype's finite range first (CLIP; NaN kept), then rounded to nearest even as XLA's convert
@@ -142,17 +99,6 @@ TACO_AVX2 inline __m256 recip_prod_pd(__m256 c, __m256 d) {
                                                       _mm256_cvtps_pd(_mm256_castps256_ps128(d))));
   const __m256d hi = _mm256_div_pd(one, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(c, 1)),
                                                       _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1))));
-  return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
-}
-
-// 8 x n / (double(c) * double(d)) rounded to float: k = a / (sqrt(G) s) of the fused encoder.
-TACO_AVX2 inline __m256 ratio_pd(__m256 n, __m256 c, __m256 d) {
-  const __m256d lo = _mm256_div_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(n)),
-                                   _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(c)),
-                                                 _mm256_cvtps_pd(_mm256_castps256_ps128(d))));
-  const __m256d hi = _mm256_div_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(n, 1)),
-                                   _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(c, 1)),
-                                                 _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1))));
   return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
 }
 
@@ -356,7 +302,6 @@ TACO_AVX2 void encode_range_t(const void* x_v, uint8_t* q, float* s_out, float* 
   alignas(32) float ybuf[kB][G];
   alignas(32) float cnt[8], av[8], sv[8], kv[8];
   const __m256 zero = _mm256_setzero_ps();
-  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256 vr = _mm256_set1_ps(p.range);
   for (int64_t b0 = g0; b0 < g1; b0 += kB) {
     const int nb = static_cast<int>(std::min<int64_t>(kB, g1 - b0));
@@ -443,43 +388,15 @@ TACO_AVX2 void encode_range_t(const void* x_v, uint8_t* q, float* s_out, float* 
       cnt[b] = r == p.n_groups - 1 ? p.last_count : static_cast<float>(G);
       r = r + 1 == p.n_groups ? 0 : r + 1;
     }
-    // 2. adaptive scales a (spec §2 steps 1-2, the reference's ops in the same order)
-    const __m256 ss = hsum8x8(acc);
-    const __m256 m = _mm256_div_ps(ss, _mm256_load_ps(cnt));
-    const __m256 v = nan_max_c(_mm256_add_ps(m, _mm256_set1_ps(p.lam)), _mm256_set1_ps(EPS));
-    const __m256 a = nan_min_c(nan_max_c(_mm256_div_ps(_mm256_set1_ps(p.fmax), _mm256_sqrt_ps(v)), _mm256_set1_ps(ADAPTIVE_SCALE_MIN)),
-                               _mm256_set1_ps(ADAPTIVE_SCALE_MAX));
-    _mm256_store_ps(av, a);
-    // A non-finite sum of squares: the group holds NaN/Inf, or finite values overflowed it.
-    const int slow =
-        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign_mask, ss), _mm256_set1_ps(INFINITY), _CMP_NLT_UQ)) &
-        ((1 << nb) - 1);
-    // 3. quantization scales s from y_max = a M / sqrt(G); factors k = a / (sqrt(G) s)
-    const __m256 vsq = _mm256_set1_ps(p.sqrt_g);
-    const __m256 ymax = _mm256_div_ps(_mm256_mul_ps(hmax8x8(mxv), a), vsq);
-    const __m256 s = _mm256_min_ps(_mm256_set1_ps(SCALE_MAX),
-                                   _mm256_max_ps(_mm256_set1_ps(EPS), _mm256_div_ps(_mm256_max_ps(_mm256_set1_ps(EPS), ymax), vr)));
-    _mm256_store_ps(sv, s);
-    _mm256_store_ps(kv, ratio_pd(a, vsq, s));
+    // 2-3. adaptive and quantization scales, factors k; groups for the exact path
+    const int slow = block_scales(acc, mxv, cnt, nb, p, av, sv, kv);
     // 4. codes
     for (int b = 0; b < nb; ++b) {
       const int64_t gi = b0 + b;
       uint8_t* qp = q + gi * G;
       a_out[gi] = av[b];
       if ((slow >> b) & 1) {
-        alignas(32) float xf[G];  // the group in float32 (exact)
-        const float* xp = xf;
-        if constexpr (DT == kF32) {
-          xp = x + gi * G;
-        } else {
-          for (int i = 0; i < G; ++i) xf[i] = narrow_to_f32(x[gi * G + i], DT);
-        }
-        if (std::all_of(xp, xp + G, [](float t) { return std::isfinite(t); })) {
-          encode_group_exact(xp, qp, s_out + gi, av[b], p);
-        } else {
-          s_out[gi] = std::nanf("");
-          std::memset(qp, fp8_nan(FMT), G);
-        }
+        encode_group_slow<G, FMT, DT>(x + gi * G, qp, s_out + gi, av[b], p);
         continue;
       }
       s_out[gi] = sv[b];
@@ -515,6 +432,12 @@ TACO_AVX2 void encode_range_avx(const void* x, uint8_t* q, float* s_out, float* 
     encode_range_t<V, FMT, DT, false>(x, q, s_out, a_out, g0, g1, p);
   }
 }
+
+// The encoder as a type, for EncoderFor.
+template <int V, int FMT, int DT>
+struct EncodeK {
+  static constexpr EncodeFn kFn = &encode_range_avx<V, FMT, DT>;
+};
 
 template <int V, int FMT, int DT, bool ACC>
 TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a, float sqrt_g,
@@ -567,6 +490,12 @@ TACO_AVX2 void decode_range_avx(const uint8_t* q, const float* s, const float* a
   }
   if (stream) _mm_sfence();
 }
+
+// The decoder as a type, for DecoderFor.
+template <int V, int FMT, int DT, bool ACC>
+struct DecodeK {
+  static constexpr DecodeFn kFn = &decode_range_avx<V, FMT, DT, ACC>;
+};
 
 // Transform-domain reduction (reduce_group_scalar's operations, in the same order per element).
 template <int V, int FMT>
@@ -628,55 +557,6 @@ TACO_AVX2 void reduce_range_avx(const uint8_t* const* q, const float* const* s, 
   }
 }
 
-template <int FMT>
-ReduceFn ReduceAvxFor(int g) {
-  switch (g) {
-    case 32: return &reduce_range_avx<4, FMT>;
-    case 64: return &reduce_range_avx<8, FMT>;
-    case 128: return &reduce_range_avx<16, FMT>;
-    case 256: return &reduce_range_avx<32, FMT>;
-    case 512: return &reduce_range_avx<64, FMT>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT, int DT>
-EncodeFn EncodeAvxFor(int g) {
-  switch (g) {
-    case 32: return &encode_range_avx<4, FMT, DT>;
-    case 64: return &encode_range_avx<8, FMT, DT>;
-    case 128: return &encode_range_avx<16, FMT, DT>;
-    case 256: return &encode_range_avx<32, FMT, DT>;
-    case 512: return &encode_range_avx<64, FMT, DT>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT, int DT, bool ACC>
-DecodeFn DecodeAvxFor(int g) {
-  switch (g) {
-    case 32: return &decode_range_avx<4, FMT, DT, ACC>;
-    case 64: return &decode_range_avx<8, FMT, DT, ACC>;
-    case 128: return &decode_range_avx<16, FMT, DT, ACC>;
-    case 256: return &decode_range_avx<32, FMT, DT, ACC>;
-    case 512: return &decode_range_avx<64, FMT, DT, ACC>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT>
-EncodeFn EncodeAvxFmt(int g, int dt) {
-  return dt == kF32 ? EncodeAvxFor<FMT, kF32>(g) : dt == kBF16 ? EncodeAvxFor<FMT, kBF16>(g) : EncodeAvxFor<FMT, kF16>(g);
-}
-
-template <int FMT>
-DecodeFn DecodeAvxFmt(int g, int dt, bool acc) {
-  if (acc) return dt == kF32 ? DecodeAvxFor<FMT, kF32, true>(g) : nullptr;
-  return dt == kF32 ? DecodeAvxFor<FMT, kF32, false>(g)
-         : dt == kBF16 ? DecodeAvxFor<FMT, kBF16, false>(g)
-                       : DecodeAvxFor<FMT, kF16, false>(g);
-}
-
 template <int DT, bool CLIP>
 TACO_AVX2 void from_f32_t(const float* x, Elem<DT>* out, int64_t n) {
   int64_t i = 0;
@@ -700,10 +580,8 @@ TACO_AVX2 void round_through_t(float* x, int64_t n) {
 
 }  // namespace
 
-EncodeFn EncodeAvx(int fmt, int g, int dt) { return fmt == kE4M3 ? EncodeAvxFmt<kE4M3>(g, dt) : EncodeAvxFmt<kE5M2>(g, dt); }
-DecodeFn DecodeAvx(int fmt, int g, int dt, bool acc) {
-  return fmt == kE4M3 ? DecodeAvxFmt<kE4M3>(g, dt, acc) : DecodeAvxFmt<kE5M2>(g, dt, acc);
-}
+EncodeFn EncodeAvx(int fmt, int g, int dt) { return EncoderFor<EncodeK>(fmt, g, dt); }
+DecodeFn DecodeAvx(int fmt, int g, int dt, bool acc) { return DecoderFor<DecodeK>(fmt, g, dt, acc); }
 
 void convert_from_f32_avx(const float* x, void* out, int64_t n, int dt, bool clip) {
   uint16_t* o = static_cast<uint16_t*>(out);
@@ -731,7 +609,11 @@ void round_through_avx(float* x, int64_t n, int dt) {
   if (dt == kBF16) round_through_t<kBF16>(x, n);
   if (dt == kF16) round_through_t<kF16>(x, n);
 }
-ReduceFn ReduceAvx(int fmt, int g) { return fmt == kE4M3 ? ReduceAvxFor<kE4M3>(g) : ReduceAvxFor<kE5M2>(g); }
+ReduceFn ReduceAvx(int fmt, int g) {
+  return ByKernel<ReduceFn>(fmt, g, kF32, [](auto v, auto f, auto) -> ReduceFn {
+    return &reduce_range_avx<decltype(v)::value, decltype(f)::value>;
+  });
+}
 
 TACO_AVX2 void cast_to_fp8_avx(const float* x, uint8_t* q, int64_t n, int fmt, float clamp) {
   const __m256 r = _mm256_set1_ps(clamp);

@@ -17,32 +17,16 @@
 #include <type_traits>
 
 #include "taco_kernel_scalar.h"
-
-#if TACO_X86
-#include <immintrin.h>
-#endif
+#include "taco_simd_avx2.h"
 
 namespace taco {
 
 #if TACO_X86
 namespace {
 
-constexpr int64_t kPrefetchBytes = 8192;  // software prefetch distance, as the AVX2 encoder's
-
 #define TACO_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
 
-template <int DT>
-using Elem = std::conditional_t<DT == kF32, float, uint16_t>;
-
-// Whether vector j (8 elements from the group's start) begins a 64-byte cache line.
-template <int DT>
-constexpr bool LineStart(int j) {
-  return (j * 8 * static_cast<int>(sizeof(Elem<DT>))) % 64 == 0;
-}
-
-TACO_AVX512 inline void prefetch_ahead(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-}
+using namespace simd;  // the shared AVX2 helpers (taco_simd_avx2.h), inlined here
 
 // 8 message values at p0 (low half) and 8 at p1 (high half) -> 16 floats, exact. bfloat16: the
 // 16-bit halves placed in the high half of each float by one zero-masked word permutation.
@@ -60,36 +44,6 @@ TACO_AVX512 inline __m512 load2x8(const Elem<DT>* p0, const Elem<DT>* p1) {
       return _mm512_cvtph_ps(h);
     }
   }
-}
-
-// Eight 8-lane accumulators -> one vector of their eight sums (the AVX2 kernel's hsum8x8).
-TACO_AVX512 inline __m256 hsum8x8(const __m256* v) {
-  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// Eight vectors -> one vector of their eight horizontal maxima (max is exact: any order).
-TACO_AVX512 inline __m256 hmax8x8(const __m256* m) {
-  __m256 b[2];
-  for (int h = 0; h < 2; ++h) {
-    const __m256* v = m + 4 * h;
-    const __m256 a01 = _mm256_max_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
-    const __m256 a23 = _mm256_max_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
-    b[h] = _mm256_max_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE));
-  }
-  return _mm256_max_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
-}
-
-// NaN-propagating max/min against a constant c (MAXPS returns its 2nd operand on NaN).
-TACO_AVX512 inline __m256 nan_max_c(__m256 x, __m256 c) { return _mm256_max_ps(c, x); }
-TACO_AVX512 inline __m256 nan_min_c(__m256 x, __m256 c) { return _mm256_min_ps(c, x); }
-
-// 8 x n / (double(c) * double(d)) rounded to float: k = a / (sqrt(G) s).
-TACO_AVX512 inline __m256 ratio_pd(__m256 n, __m256 c, __m256 d) {
-  const __m512d q = _mm512_div_pd(_mm512_cvtps_pd(n), _mm512_mul_pd(_mm512_cvtps_pd(c), _mm512_cvtps_pd(d)));
-  return _mm512_cvtpd_ps(q);
 }
 
 // In-register butterflies over element strides 1, 2, 4 of each 8-float half:
@@ -214,8 +168,6 @@ TACO_AVX512 void encode_range_t(const void* x_v, uint8_t* q, float* s_out, float
   alignas(32) float cnt[8], av[8], sv[8], kv[8];
   const __m256 zero8 = _mm256_setzero_ps();
   const __m512 zero = _mm512_setzero_ps();
-  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
-  const __m256 vr = _mm256_set1_ps(p.range);
   const __m512 vr16 = _mm512_set1_ps(p.range);
   for (int64_t b0 = g0; b0 < g1; b0 += kB) {
     const int nb = static_cast<int>(std::min<int64_t>(kB, g1 - b0));
@@ -308,24 +260,8 @@ TACO_AVX512 void encode_range_t(const void* x_v, uint8_t* q, float* s_out, float
         mxv[b + 1] = _mm512_extractf32x8_ps(mx, 1);
       }
     }
-    // 2. adaptive scales a (spec §2 steps 1-2, the reference's ops in the same order)
-    const __m256 ss = hsum8x8(acc);
-    const __m256 m = _mm256_div_ps(ss, _mm256_load_ps(cnt));
-    const __m256 v = nan_max_c(_mm256_add_ps(m, _mm256_set1_ps(p.lam)), _mm256_set1_ps(EPS));
-    const __m256 a = nan_min_c(nan_max_c(_mm256_div_ps(_mm256_set1_ps(p.fmax), _mm256_sqrt_ps(v)), _mm256_set1_ps(ADAPTIVE_SCALE_MIN)),
-                               _mm256_set1_ps(ADAPTIVE_SCALE_MAX));
-    _mm256_store_ps(av, a);
-    // A non-finite sum of squares: the group holds NaN/Inf, or finite values overflowed it.
-    const int slow =
-        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign_mask, ss), _mm256_set1_ps(INFINITY), _CMP_NLT_UQ)) &
-        ((1 << nb) - 1);
-    // 3. quantization scales s from y_max = a M / sqrt(G); factors k = a / (sqrt(G) s)
-    const __m256 vsq = _mm256_set1_ps(p.sqrt_g);
-    const __m256 ymax = _mm256_div_ps(_mm256_mul_ps(hmax8x8(mxv), a), vsq);
-    const __m256 s = _mm256_min_ps(_mm256_set1_ps(SCALE_MAX),
-                                   _mm256_max_ps(_mm256_set1_ps(EPS), _mm256_div_ps(_mm256_max_ps(_mm256_set1_ps(EPS), ymax), vr)));
-    _mm256_store_ps(sv, s);
-    _mm256_store_ps(kv, ratio_pd(a, vsq, s));
+    // 2-3. adaptive and quantization scales, factors k; groups for the exact path
+    const int slow = block_scales(acc, mxv, cnt, nb, p, av, sv, kv);
     // 4. codes, a pair of groups per vector; a group on the slow path is written apart
     for (int b = 0; b < nb; b += 2) {
       const bool two = b + 1 < nb;
@@ -358,19 +294,7 @@ TACO_AVX512 void encode_range_t(const void* x_v, uint8_t* q, float* s_out, float
           s_out[gi] = sv[bb];
           continue;
         }
-        alignas(32) float xf[G];  // the group in float32 (exact)
-        const float* xp = xf;
-        if constexpr (DT == kF32) {
-          xp = x + gi * G;
-        } else {
-          for (int i = 0; i < G; ++i) xf[i] = narrow_to_f32(x[gi * G + i], DT);
-        }
-        if (std::all_of(xp, xp + G, [](float t) { return std::isfinite(t); })) {
-          encode_group_exact(xp, qp, s_out + gi, av[bb], p);
-        } else {
-          s_out[gi] = std::nanf("");
-          std::memset(qp, fp8_nan(FMT), G);
-        }
+        encode_group_slow<G, FMT, DT>(x + gi * G, qp, s_out + gi, av[bb], p);
       }
     }
   }
@@ -519,25 +443,11 @@ TACO_AVX512 void decode_range_avx512(const uint8_t* q, const float* s, const flo
   if (stream) _mm_sfence();
 }
 
-template <int FMT, int DT, bool ACC>
-DecodeFn DecodeFor(int g) {
-  switch (g) {
-    case 32: return &decode_range_avx512<4, FMT, DT, ACC>;
-    case 64: return &decode_range_avx512<8, FMT, DT, ACC>;
-    case 128: return &decode_range_avx512<16, FMT, DT, ACC>;
-    case 256: return &decode_range_avx512<32, FMT, DT, ACC>;
-    case 512: return &decode_range_avx512<64, FMT, DT, ACC>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT>
-DecodeFn DecodeFmt(int g, int dt, bool acc) {
-  if (acc) return dt == kF32 ? DecodeFor<FMT, kF32, true>(g) : nullptr;
-  return dt == kF32 ? DecodeFor<FMT, kF32, false>(g)
-         : dt == kBF16 ? DecodeFor<FMT, kBF16, false>(g)
-                       : DecodeFor<FMT, kF16, false>(g);
-}
+// The decoder as a type, for DecoderFor.
+template <int V, int FMT, int DT, bool ACC>
+struct DecodeK {
+  static constexpr DecodeFn kFn = &decode_range_avx512<V, FMT, DT, ACC>;
+};
 
 template <int V, int FMT, int DT>
 TACO_AVX512 void encode_range_avx512(const void* x, uint8_t* q, float* s_out, float* a_out, int64_t g0, int64_t g1,
@@ -549,29 +459,16 @@ TACO_AVX512 void encode_range_avx512(const void* x, uint8_t* q, float* s_out, fl
   }
 }
 
-template <int FMT, int DT>
-EncodeFn EncodeFor(int g) {
-  switch (g) {
-    case 32: return &encode_range_avx512<4, FMT, DT>;
-    case 64: return &encode_range_avx512<8, FMT, DT>;
-    case 128: return &encode_range_avx512<16, FMT, DT>;
-    case 256: return &encode_range_avx512<32, FMT, DT>;
-    case 512: return &encode_range_avx512<64, FMT, DT>;
-    default: return nullptr;
-  }
-}
-
-template <int FMT>
-EncodeFn EncodeFmt(int g, int dt) {
-  return dt == kF32 ? EncodeFor<FMT, kF32>(g) : dt == kBF16 ? EncodeFor<FMT, kBF16>(g) : EncodeFor<FMT, kF16>(g);
-}
+// The encoder as a type, for EncoderFor.
+template <int V, int FMT, int DT>
+struct EncodeK {
+  static constexpr EncodeFn kFn = &encode_range_avx512<V, FMT, DT>;
+};
 
 }  // namespace
 
-EncodeFn EncodeAvx512(int fmt, int g, int dt) { return fmt == kE4M3 ? EncodeFmt<kE4M3>(g, dt) : EncodeFmt<kE5M2>(g, dt); }
-DecodeFn DecodeAvx512(int fmt, int g, int dt, bool acc) {
-  return fmt == kE4M3 ? DecodeFmt<kE4M3>(g, dt, acc) : DecodeFmt<kE5M2>(g, dt, acc);
-}
+EncodeFn EncodeAvx512(int fmt, int g, int dt) { return EncoderFor<EncodeK>(fmt, g, dt); }
+DecodeFn DecodeAvx512(int fmt, int g, int dt, bool acc) { return DecoderFor<DecodeK>(fmt, g, dt, acc); }
 
 bool HaveAvx512() {
   static const bool ok = [] {
