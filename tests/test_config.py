@@ -85,6 +85,7 @@ def test_toml_with_tables_round_trips(tmp_path):
     (CommunicationSection, dict(transport="ring"), r"transport='ring' must be one of"),
     (CommunicationSection, dict(step_timeout=-1.0), r"step_timeout=-1.0 must be >= 0"),
     (CheckpointSection, dict(keep_checkpoints=0), r"keep_checkpoints=0 must be >= 1"),
+    (CheckpointSection, dict(out=""), r"out='' must name a folder \(\[checkpoint\] out\); an empty one would write"),
     (LoggingSection, dict(profile_dir="p"), r"profile_dir='p' is given without profile_steps"),
 ])
 def test_a_section_rejects_its_bad_value_naming_it(section, values, match):

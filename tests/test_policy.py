@@ -220,3 +220,15 @@ def test_reduce_domain_and_chunks_flags_reach_the_policy_and_bad_values_name_the
         assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(ValueError, match="reduce_domain='foo'"):
         _ = TrainConfig.from_flags(reduce_domain="foo").communication.policy
+
+
+def test_start_line_says_when_a_compressing_axis_is_not_in_the_mesh():
+    """The run's first line (`describe_policy`) names each axis's codec, and says so when that axis
+    is absent or of size 1, so nothing is sent or compressed on it (e.g. --comm taco on data=8)."""
+    from taco_jax.train.loop import describe_policy
+
+    policy = CommPolicy.taco()
+    assert "nothing sent" not in describe_policy(policy, {"data": 2, "tensor": 4})
+    line = describe_policy(policy, {"data": 8})
+    assert "tensor: taco" in line and "(no tensor axis in the mesh: nothing sent, nothing compressed)" in line
+    assert "data: none;" in line  # an exact axis gets no note

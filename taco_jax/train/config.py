@@ -281,6 +281,9 @@ class CheckpointSection:
     export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
 
     def __post_init__(self):
+        if not str(self.out).strip():
+            raise ValueError(f"out={self.out!r} must name a folder ([checkpoint] out); an empty one would write the "
+                             "run's files into the current folder")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0 (0: the final checkpoint only)")
         if self.keep_checkpoints < 1:

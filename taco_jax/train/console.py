@@ -53,6 +53,7 @@ UNITS = {"tokens_per_s": lambda v: f"{v:,.1f} tokens/s" if v < 1000 else f"{v:,.
 NOTES = {"wire_ratio_taco_over_none": "(taco / exact bytes per step as compiled; XLA:CPU widens the exact "
                                       "step's bf16 all-reduces to f32)",
          "tensor_wire_ratio_vs_exact_issued": "(tensor axis: taco / the exact step's {dtype} messages as issued)",
+         "final_train_loss": "(mean of the last 10 steps' losses; each step's: metrics.jsonl)",
          "tokens_per_s": "(over the run's wall time after compiling: evaluation and checkpoints included; "
                          "per step: metrics.jsonl)"}
 

@@ -149,7 +149,8 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
         tensorboard.check_available()
     trainer = make_trainer(cfg, devices)
     source = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
-    say(f"[taco-jax] {cfg.model.name}{source} on mesh {cfg.parallelism.mesh}: {describe_policy(trainer.policy)}"
+    policy = describe_policy(trainer.policy, cfg.parallelism.axes)
+    say(f"[taco-jax] {cfg.model.name}{source} on mesh {cfg.parallelism.mesh}: {policy}"
         + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""))
     if note := cfg.vocab_note():  # a published preset's own vocabulary, or --data's
         say(f"[taco-jax] {note}")
@@ -369,16 +370,21 @@ def check_out_dir(out) -> pathlib.Path:
     return out
 
 
-def describe_policy(policy: CommPolicy) -> str:
-    """One line per mesh axis: its sites' codecs (taco with its backend), for the start of a run."""
+def describe_policy(policy: CommPolicy, axes: dict[str, int] | None = None) -> str:
+    """One line per mesh axis: its sites' codecs (taco with its backend), for the start of a run.
+    With `axes` (mesh axis sizes), a compressing axis that is absent or of size 1 says that it
+    sends nothing."""
     def codec(c):
         return f"{c.name}[{c.backend}]" if c.kind == "taco" else c.name
 
     parts = []
     for axis, sites in AXIS_SITES.items():
         names = {s: codec(getattr(policy, s)) for s in sites}
+        idle = (axes is not None and axes.get(axis, 1) <= 1
+                and any(getattr(policy, s).kind != "none" for s in sites))
         parts.append(f"{axis}: " + (names[sites[0]] if len(set(names.values())) == 1 else
-                                     ", ".join(f"{s}={n}" for s, n in names.items())))
+                                     ", ".join(f"{s}={n}" for s, n in names.items()))
+                     + (f" (no {axis} axis in the mesh: nothing sent, nothing compressed)" if idle else ""))
     return "; ".join(parts) + f" (all-reduce {policy.all_reduce_algorithm}, min_bytes {policy.min_bytes})"
 
 
