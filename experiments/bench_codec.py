@@ -268,9 +268,10 @@ def environment() -> dict:
     try:
         from taco_jax.kernels import ffi_codec  # noqa: PLC0415
 
-        env["ffi_cpu_avx2"] = ffi_codec.cpu_has_avx2()
+        levels = ffi_codec.cpu_kernel_levels()  # the CPU kernel that `impl=auto` runs here
+        env["ffi_cpu_kernel"] = {1: "scalar", 2: "avx2", 3: "avx512"}[max(levels)] if levels else "not built"
     except Exception as e:  # noqa: BLE001  (report only)
-        env["ffi_cpu_avx2"] = repr(e)
+        env["ffi_cpu_kernel"] = repr(e)
     for k, v in HBM_PEAK_GBS.items():
         if k in env["device"]:
             env["hbm_peak_gbps"] = v

@@ -515,13 +515,6 @@ def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) 
     return out
 
 
-def cpu_has_avx2() -> bool:
-    """Whether the CPU library runs its AVX2 kernels on this machine (False if not built)."""
-    if not available("cpu"):
-        return False
-    return bool(ctypes.cdll.LoadLibrary(str(lib_path("cpu"))).taco_cpu_has_avx2())
-
-
 def cpu_kernel_levels() -> tuple[int, ...]:
     """The `impl` levels the CPU library runs on this machine, lowest first: (IMPL_SCALAR,), then
     IMPL_AVX2 and IMPL_AVX512 where the CPU has them; () if the library is not built."""

@@ -607,8 +607,8 @@ def flag_values(values: dict, where: str = "config") -> dict:
     a section nor a flag come back unchanged (the caller names them).
 
     Raises ValueError naming `where` and the key: a table that is no section (with the closest
-    section's name), a key that is not in
-    its table (naming the table it belongs to), a flag given both flat and in its table.
+    section's name), a key that is not in its table (naming the table it belongs to), a flag given
+    both flat and in its table.
     """
     comm = {f.name for f in dataclasses.fields(CommFlags)}
     out = {}
