@@ -21,8 +21,8 @@ TINY = ["--model", "gpt2-tiny", "--batch-size", "8", "--seq-len", "32", "--eval-
 
 #: XLA flags of the test process and of every child it starts: XLA:CPU's LLVM backend at -O0
 #: (`TACO_TEST_XLA_OPT`, default 0): the suite takes a third less CPU time than at the default -O3.
-#: The HLO, the buffer assignment and the wire bytes do not depend on it; float results do (at -O0 LLVM
-#: fuses no multiply-add into an FMA; through bf16 roundings and FP8 codes a bf16 run's losses move by
+#: The HLO, the buffer assignment and the wire bytes do not depend on it; float results do (LLVM's code
+#: generation differs, e.g. in FMA fusion; through bf16 roundings and FP8 codes a bf16 run's losses move by
 #: ~1e-4 and its grad norms by up to 1e-3 relative), so every comparison in the suite is between
 #: programs compiled alike (`test_environment.py` checks the two levels against each other).
 #: `make test TACO_TEST_XLA_OPT=3` runs the suite as users compile.

@@ -121,8 +121,8 @@ def test_the_suite_s_llvm_o0_compiles_the_users_program_with_its_bytes(cache, tm
     """The suite and its children compile at LLVM -O0 (`_procs.TEST_XLA_FLAGS`), users at XLA:CPU's
     default -O3. The same 3-step TACO run (bf16) at both levels: the compiled step's wire bytes per axis
     and the issued ones are equal, and every loss and grad norm agrees within bf16's rounding (5e-3
-    relative; measured: losses 1e-4, grad norms up to 9.5e-4). The levels differ in FMA contraction,
-    whose last-bit differences bf16 roundings and FP8 codes then carry."""
+    relative; measured: losses 1e-4, grad norms up to 9.5e-4). The levels' code generation differs
+    (e.g. in FMA fusion) in the last bits, which bf16 roundings and FP8 codes then carry."""
     import json
 
     import _procs
