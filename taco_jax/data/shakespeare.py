@@ -7,6 +7,7 @@ import functools
 import hashlib
 import html
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -159,8 +160,9 @@ def load_shakespeare(
 
     The tokenizer is trained on the training plays only (everything except `val_plays`) with
     `vocab_size` entries including `<|endoftext|>`. Tokenizer and token ids (int32 .npy) are cached in
-    `cache_dir` (default `$TACO_JAX_CACHE` or `~/.cache/taco_jax`) under a key of the vocab size and a
-    hash of the training text and held-out list, so any change rebuilds them.
+    `cache_dir` (default `$TACO_JAX_CACHE` or `~/.cache/taco_jax`) under a key of the vocab size, the
+    held-out list and a hash of the training plays' Markdown files and of `markdown_to_text`'s source, so
+    any change rebuilds them.
     """
     if vocab_size < 257:
         raise ValueError(f"{vocab_size=} must be >= 257 (256 byte tokens + {EOT})")
@@ -176,14 +178,20 @@ def load_shakespeare(
     if not train_plays:
         raise ValueError(f"{val_plays=} leaves no plays for training")
 
-    train_texts = [play_text(p) for p in train_plays]
-    h = hashlib.sha256(json.dumps([_CACHE_VERSION, vocab_size, val_plays, train_texts]).encode()).hexdigest()
+    # The key hashes the plays' Markdown files and the conversion's source, not the converted text:
+    # converting every play takes about a second, which a cache hit then skips.
+    key = hashlib.sha256(json.dumps([_CACHE_VERSION, vocab_size, val_plays, train_plays,
+                                     inspect.getsource(markdown_to_text)]).encode())
+    for name in train_plays:
+        key.update(_play_files()[name].read_bytes())
+    h = key.hexdigest()
     cache_dir = cache_dir or os.environ.get("TACO_JAX_CACHE") or os.path.expanduser("~/.cache/taco_jax")
     out = pathlib.Path(cache_dir) / f"shakespeare-bpe{vocab_size}-{h[:16]}"
     tok_path, train_path, val_path = out / "tokenizer.json", out / "train.npy", out / "val.npy"
 
     if not (tok_path.exists() and train_path.exists() and val_path.exists()):
         out.mkdir(parents=True, exist_ok=True)
+        train_texts = [play_text(p) for p in train_plays]
         tok = _train_tokenizer(train_texts, vocab_size)
         eot_id = tok.token_to_id(EOT)
         train = _encode_plays(tok, train_texts, eot_id)
