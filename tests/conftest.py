@@ -33,6 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from _pytest.mark.structures import ParameterSet  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 #: Tests (node-id prefixes: a file, a test, or a parametrization) that start child processes without
@@ -60,6 +61,8 @@ SLOW = (
     "tests/test_data_runs.py::test_resume_refuses_another_tokenizer_and_notes_other_data",
     "tests/test_plan.py::test_plan_matches_a_real_run_in_the_same_process",
     "tests/test_runs_and_launcher.py::test_train_on_in_memory_tokens_without_a_tokenizer",
+    "tests/test_exact_transport.py::test_one_process_step_with_transport_gloo_is_the_multiprocess_program",
+    "tests/test_kernels.py::test_every_site_of_the_train_step_runs_the_requested_backend",
     "tests/test_3d.py",
     "tests/test_capture.py",
     "tests/test_checkpoint.py",
@@ -79,7 +82,56 @@ SLOW = (
     "tests/test_trainer_tools.py",
 )
 
+#: Parametrized sweeps whose whole cross-product runs in `make test` while `make test-fast` runs a
+#: cover: the cases whose parameter indices (one per `parametrize` decorator) sum to 0 modulo k. Every
+#: value of every parameter still runs in the inner loop (checked at collection); the other cases are `slow`.
+FAST_COVER = {
+    "tests/test_collective_grads.py::test_vjp_matches_lax_collective": 4,
+    "tests/test_wire_ffi.py::test_collectives_bit_identical_fused_vs_unfused": 4,
+    "tests/test_wire_ffi.py::test_sp_collectives_bit_identical_fused_vs_unfused": 4,
+    "tests/test_codec_family.py::test_roundtrip_shape_dtype_and_bound": 2,
+    "tests/test_ffi_native_dtypes.py::test_native_group_codec_equals_float32_path_and_conforms": 2,
+    "tests/test_ffi_native_dtypes.py::test_packed_targets_native_equal_float32_composition": 2,
+    "tests/test_kernels.py::test_ffi_conforms_to_reference": 2,
+    "tests/test_triton_interpret.py::test_triton_kernels_conform_to_reference": 2,
+    "tests/test_codec_family.py::test_wire_buffers_and_bytes_per_element": 2,
+}
 OUT_OF_FAST = ("procs", "netns", "notebook", "slow", "gpu")
+#: In-process files of few but long tests (seconds each): handed out before the others of their group, so
+#: that no worker ends the run on one of them while the other is idle.
+FEW_LONG = ("tests/test_codec_kinds.py", "tests/test_codec_properties.py")
+
+
+def _cover_indices(item) -> tuple[int, ...]:
+    """One index per `parametrize` decorator of `item` (a decorator over several names counts once)."""
+    out = []
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        got = tuple(item.callspec.params[n] for n in names)
+        rows = [tuple(v.values) if isinstance(v, ParameterSet) else (tuple(v) if len(names) > 1 else (v,))
+                for v in mark.args[1]]
+        out.append(next(i for i, row in enumerate(rows)
+                        if all(a is b or (type(a) is type(b) and a == b) for a, b in zip(row, got))))
+    return tuple(out)
+
+
+def _mark_fast_cover(items) -> None:
+    """Marks `slow` the cases of each `FAST_COVER` sweep outside its cover; raises `pytest.UsageError`
+    naming the parameter value that the cover would leave out of `make test-fast`."""
+    for prefix, k in FAST_COVER.items():
+        cases = [it for it in items if _listed(it, (prefix,)) and not it.get_closest_marker("slow")]
+        if not cases:
+            continue
+        kept = [it for it in cases if sum(_cover_indices(it)) % k == 0]
+        for it in cases:
+            if it not in kept:
+                it.add_marker(pytest.mark.slow)
+        for j, n in enumerate(len(set(ix)) for ix in zip(*(_cover_indices(it) for it in cases))):
+            covered = {_cover_indices(it)[j] for it in kept}
+            if len(covered) != n:
+                raise pytest.UsageError(f"FAST_COVER[{prefix!r}] = {k} leaves parameter {j} values "
+                                        f"{sorted(set(range(n)) - covered)} out of `make test-fast`: lower k")
 
 
 def _listed(item, prefixes) -> bool:
@@ -89,6 +141,8 @@ def _listed(item, prefixes) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     netns_reason = None
+    if any(_listed(item, tuple(FAST_COVER)) for item in items):
+        _mark_fast_cover(items)
     for item in items:
         if "cache" in item.fixturenames or _listed(item, PROCS):
             item.add_marker(pytest.mark.procs)
@@ -119,10 +173,13 @@ def pytest_collection_modifyitems(config, items):
     count = collections.Counter(file(item) for item in items)
     procs = collections.Counter(file(item) for item in items if item.get_closest_marker("procs"))
     slow = {file(item) for item in items if item.get_closest_marker("slow")}
+    first = len(items)  # FEW_LONG files: before every file of their group
 
     def order(item):
         f = file(item)
-        return (0, -procs[f], f) if f in procs else (1 if f in slow else 2, -count[f], f)
+        if f in procs:
+            return (0, -procs[f], f)
+        return (1 if f in slow else 2, -first if f in FEW_LONG else -count[f], f)
 
     items.sort(key=order)
 

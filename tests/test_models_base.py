@@ -21,7 +21,9 @@ def _size(tree) -> int:
     return sum(x.size for x in jax.tree.leaves(tree))
 
 
-VARIANTS = [(name, {}) for name in sorted(PRESETS)] + [
+#: Every preset; those deeper than 24 layers (a second or more of tracing each) run in `make test` only.
+VARIANTS = [pytest.param(name, {}, marks=[pytest.mark.slow] * (get_config(name).n_layers > 24))
+            for name in sorted(PRESETS)] + [
     ("gpt2-tiny", dict(mlp_ratio=2, vocab_multiple=384)),
     ("qwen2.5-tiny", dict(tie_word_embeddings=False, vocab_multiple=384)),
     ("qwen3-tiny", dict(tie_word_embeddings=False, vocab_size=1000, vocab_multiple=128)),
