@@ -362,3 +362,18 @@ def tp_value_and_grad(mesh, cfg, policy, sp=False, tp_overlap="none"):
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
     return jax.jit(jax.value_and_grad(fn))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A tokenizer cache folder of this test session (one per pytest-xdist worker): each Shakespeare
+    tokenizer is trained once in it (seconds) rather than once per module."""
+    return tmp_path_factory.getbasetemp() / "tokenizer_cache"
+
+
+@pytest.fixture(scope="session")
+def shakespeare512(tokenizer_dir):
+    """Shakespeare with a 512-entry BPE tokenizer (`taco_jax.data.load_shakespeare`), from `tokenizer_dir`."""
+    from taco_jax.data import load_shakespeare
+
+    return load_shakespeare(512, cache_dir=str(tokenizer_dir))

@@ -93,13 +93,12 @@ def test_cli_has_3d_flags(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,schedule", [("gpt2-tiny", "gpipe"), ("qwen3-tiny", "1f1b")])
-def test_3d_run_matches_one_device_after_20_steps(tmp_path, model, schedule):
+def test_3d_run_matches_one_device_after_20_steps(tmp_path, model, schedule, shakespeare512):
     """Acceptance: uncompressed data=2 × stage=2 × tensor=2 vs one device, same init and data,
     on Shakespeare: training loss within 1e-3 (relative) at every one of 20 steps."""
-    from taco_jax.data import load_shakespeare
     from taco_jax.train.loop import train
 
-    ds = load_shakespeare(512, cache_dir=str(tmp_path / "cache"))
+    ds = shakespeare512
     base = TrainConfig.from_flags(model=model, comm="none", dtype="float32", vocab_size=512, batch_size=8,
                                   seq_len=64, steps=20, warmup_steps=2, eval_every=20, eval_batches=2)
     runs = {}

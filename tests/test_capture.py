@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from taco_jax.data import TokenStream, load_shakespeare
+from taco_jax.data import TokenStream
 from taco_jax.models import GPT
 from taco_jax.train.capture import capture_steps, gpt_roles, load_captures
 from taco_jax.train.config import TrainConfig
@@ -18,8 +18,8 @@ SMALL = dict(model="gpt2-tiny", dtype="float32", vocab_size=512, batch_size=8, s
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return load_shakespeare(512, cache_dir=str(tmp_path_factory.mktemp("cache")))
+def dataset(shakespeare512):
+    return shakespeare512
 
 
 def _first_batch(cfg, ds):

@@ -27,8 +27,8 @@ def _strict_loads(text: str):
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TACO_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "tokenizer_cache"))
+def _cache(tokenizer_dir, monkeypatch):
+    monkeypatch.setenv("TACO_JAX_CACHE", str(tokenizer_dir))
 
 
 def test_version(capsys):

@@ -11,7 +11,7 @@ import pytest
 
 from taco_jax.cli import main
 from taco_jax.codec import max_rel_error, roundtrip, sqnr_db
-from taco_jax.data import TokenStream, load_shakespeare
+from taco_jax.data import TokenStream
 from taco_jax.train.capture import make_capture_fn
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.monitor import Monitor, MonitorError, make_monitor_fn, monitor_due, summarize
@@ -22,14 +22,8 @@ SMALL = dict(model="gpt2-tiny", dtype="float32", vocab_size=512, batch_size=8, s
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    """The tokenizer cache test_cli.py uses (the vocabulary-512 tokenizer is trained once)."""
-    return tmp_path_factory.getbasetemp() / "tokenizer_cache"
-
-
-@pytest.fixture(scope="module")
-def dataset(tokenizer_dir):
-    return load_shakespeare(512, cache_dir=str(tokenizer_dir))
+def dataset(shakespeare512):
+    return shakespeare512
 
 
 def _monitor_and_capture(dataset, tmp_path, **flags):

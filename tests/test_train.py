@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from taco_jax.collectives.hlo import collective_bytes
-from taco_jax.data import load_shakespeare
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.loop import train
 from taco_jax.train.step import make_trainer, shard_batch
@@ -17,8 +16,8 @@ SMALL = dict(model="gpt2-tiny", vocab_size=512, batch_size=8, seq_len=32, steps=
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return load_shakespeare(512, cache_dir=str(tmp_path_factory.mktemp("cache")))
+def dataset(shakespeare512):
+    return shakespeare512
 
 
 def test_short_taco_run_loss_falls(dataset, tmp_path):

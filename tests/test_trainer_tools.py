@@ -26,8 +26,8 @@ TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-b
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TACO_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "tokenizer_cache"))
+def _cache(tokenizer_dir, monkeypatch):
+    monkeypatch.setenv("TACO_JAX_CACHE", str(tokenizer_dir))
 
 
 # ------------------------------------------------------------------------------------------------
