@@ -20,6 +20,14 @@ EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line naming the bad flag and where the help is, not
+    the whole usage (`train` has over a hundred flags); exit status 2 as argparse's."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (all flags: {self.prog} --help)\n")
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's "(default: ...)" after each flag's help, except where the help states its default
     or the default is empty ("" or None: the flag is off unless given)."""
@@ -113,7 +121,7 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     from taco_jax.train.calibrate import DEFAULT_BUDGET
     from taco_jax.train.config import SECTIONS, CommFlags
 
-    p = argparse.ArgumentParser(prog="taco-jax", description=__doc__, allow_abbrev=False)  # a typo is no other flag
+    p = _Parser(prog="taco-jax", description=__doc__, allow_abbrev=False)  # a typo is no other flag
     p.add_argument("--version", action="version", version=f"taco-jax {__version__}")
     helps = {cls: _field_help(cls) for cls in (*SECTIONS.values(), CommFlags)}
     sub = p.add_subparsers(dest="command", required=True)

@@ -125,9 +125,14 @@ def test_summary_block_gives_throughput_and_compile_time_with_units(tmp_path):
     assert shown["throughput"].strip().startswith("123,457 tokens/s (over the run's wall time after compiling")
     assert shown["compile time"].strip() == "12.3 s"
     assert shown["val loss"].strip() == "4.25" and shown["steps"].strip() == "3"
-    both = {"val_loss_none": 4.0, "val_loss_taco": 4.1, "tokens_per_s": {"none": 24.845, "taco": 23.5}}
+    train["wire_bytes_per_step"] = {"data": 1196548, "tensor": 472620, "stage": 512}
+    shown = dict(line.strip().split(": ", 1) for line in summary_block(train, tmp_path).splitlines()[1:])
+    assert shown["wire bytes/step"].strip().startswith("data 1.20 MB, tensor 472.62 KB, stage 512 B (per mesh axis")
+    both = {"val_loss_none": 4.0, "val_loss_taco": 4.1, "val_loss_rel_diff": 0.025,
+            "tokens_per_s": {"none": 24.845, "taco": 23.5}}
     shown = dict(line.strip().split(": ", 1) for line in summary_block(both, tmp_path).splitlines()[1:])
     assert shown["throughput"].strip().startswith("none 24.8 tokens/s, taco 23.5 tokens/s (over the run's wall time")
+    assert shown["relative diff"].strip() == "+2.500 % ((taco - none) / none)"
 
 
 def test_flags_map_to_one_policy(tmp_path):
@@ -217,3 +222,17 @@ def test_help_gives_each_flag_one_default(command, capsys):
     flags = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
     doubled = [f.split()[0] for f in flags if "(default: " in f and len(re.findall(r"\bdefault\b", f)) > 1]
     assert not doubled, doubled
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--steps", "abc"], "taco-jax train: error: argument --steps: invalid int value: 'abc' "
+                                  "(all flags: taco-jax train --help)"),
+    (["launch", "--processes", "x", "--", "train"], "taco-jax launch: error: argument --processes: invalid int "
+                                                    "value: 'x' (all flags: taco-jax launch --help)"),
+    (["trian"], "taco-jax: error: argument command: invalid choice: 'trian'"),
+])
+def test_a_usage_error_is_one_line_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err

@@ -80,7 +80,8 @@ def test_toml_with_tables_round_trips(tmp_path):
     (ModelSection, dict(vocab_size=-1), r"vocab_size=-1 must be >= 0"),
     (ModelSection, dict(dtype="fp16"), r"fp16"),
     (DataSection, dict(batch_size=0), r"batch_size=0 must be positive \(\[data\] batch_size\)"),
-    (TrainingSection, dict(steps=3, warmup_steps=5), r"warmup_steps=5 must be -1 .* steps=3"),
+    (TrainingSection, dict(steps=3, warmup_steps=5), r"warmup_steps=5 must be -1 .* steps=3\) \(\[training\] warm"),
+    (TrainingSection, dict(lr=-1.0), r"lr=-1.0 must be positive \(\[training\] lr\)"),
     (ParallelismSection, dict(mesh="data=2,depth=2"), r"'depth' in mesh='data=2,depth=2'"),
     (CommunicationSection, dict(transport="ring"), r"transport='ring' must be one of"),
     (CommunicationSection, dict(step_timeout=-1.0), r"step_timeout=-1.0 must be >= 0"),
@@ -169,8 +170,12 @@ def test_transport_reaches_dispatch(tmp_path, monkeypatch, capsys):
                                    r"model gpt2-tiny\)"),
     (dict(mesh="data=2,stage=2,tensor=2", batch_size=8, microbatches=3),
      r"data × microbatches = 2 × 3 \(--mesh data=2,stage=2,tensor=2, --microbatches 3\)"),
+    (dict(mesh="data=2,stage=2,tensor=2", microbatches=1),
+     r"microbatches=1 must be >= stage=2, else .* \(--mesh data=2,stage=2,tensor=2, --microbatches 1, model gpt2"),
+    (dict(seq_len=4096), r"seq_len=4096 exceeds the model's block_size=256 \(--seq-len, \[data\] seq_len; model gpt2"),
 ])
-def test_a_mesh_that_does_not_divide_is_named(flags, match):
-    """A mesh the batch or the model does not divide is named (--mesh) beside the value it does not divide."""
+def test_a_conflict_between_flags_names_them(flags, match):
+    """A mesh the batch or the model does not divide, a pipeline with fewer microbatches than stages, a
+    sequence longer than the model's context: the error names the flags (--mesh, ...) beside the values."""
     with pytest.raises(ValueError, match=match):
         TrainConfig.from_flags(**flags)

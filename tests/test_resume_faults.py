@@ -60,32 +60,6 @@ def test_busy_coordinator_port_is_one_clear_error(tmp_path, cache):
     assert not (tmp_path / "run").exists() and took < 60
 
 
-def test_launch_retries_a_taken_port_and_the_coordinator_binds_the_address_given(tmp_path, cache, monkeypatch):
-    """`taco-jax launch`: the first port it picks is taken (127.0.0.1:P1 listened on) -> it starts the
-    processes again on the next; that one, P2, is listened on at 127.0.0.2 only, so the run succeeds
-    only if the coordinator binds 127.0.0.1:P2 (the address given) and not every interface ([::]:P2)."""
-    import io
-
-    from _procs import env
-
-    from taco_jax import launch
-
-    with _listener("127.0.0.1") as taken, _listener("127.0.0.2") as other:
-        ports = [taken.getsockname()[1], other.getsockname()[1]]
-        busy = ports[0]
-        monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0))
-        out = io.StringIO()
-        # the flags of the 1-process resume below (`PROC_ARGS`, no checkpoints): its compiled programs, cached
-        argv = ["train", *TINY, "--steps", "4", "--comm", "taco", "--mesh", "data=2,tensor=2", "--no-progress",
-                "--out", str(tmp_path / "run")]
-        status = launch.launch(1, argv, config_of=config_from_argv, env=env(cache), out=out)
-    text = out.getvalue()
-    assert status == 0, text[-3000:]
-    assert f"coordinator 127.0.0.1:{busy} is in use" in text
-    assert "retrying with another (attempt 2 of 3)" in text
-    assert (tmp_path / "run" / "summary.json").exists() and not ports
-
-
 # -----------------------------------------------------------------------------
 # a corrupt newest checkpoint: named, the newest intact one used (or named), nothing deleted
 
@@ -398,11 +372,36 @@ def saved_by_two(tmp_path_factory, cache):
     return out
 
 
+def _launch_on_a_taken_port(argv, cache, monkeypatch) -> str:
+    """`taco-jax launch --processes 1 -- argv` in this process, whose first port is taken (127.0.0.1:P1
+    listened on): it starts the process again on the next, P2, which is listened on at 127.0.0.2 only,
+    so the run succeeds only if the coordinator binds 127.0.0.1:P2 (the address given), not every
+    interface ([::]:P2). Returns the launcher's output after checking the retry was said."""
+    import io
+
+    from _procs import env
+
+    from taco_jax import launch
+
+    with _listener("127.0.0.1") as taken, _listener("127.0.0.2") as other:
+        ports = [taken.getsockname()[1], other.getsockname()[1]]
+        busy = ports[0]
+        monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0))
+        out = io.StringIO()
+        status = launch.launch(1, [str(a) for a in argv], config_of=config_from_argv, env=env(cache), out=out)
+    text = out.getvalue()
+    assert status == 0, text[-3000:]
+    assert f"coordinator 127.0.0.1:{busy} is in use" in text
+    assert "retrying with another (attempt 2 of 3)" in text and not ports
+    return text
+
+
 @pytest.mark.parametrize("processes", [1, 4])
-def test_resume_with_another_process_count(tmp_path, cache, saved_by_two, processes):
+def test_resume_with_another_process_count(tmp_path, cache, saved_by_two, processes, monkeypatch):
     """Checkpoint 2 of the 2-process run resumed by 1 process × 4 devices and by 4 processes × 1 device:
     steps 3-4 equal the 2-process run's (= its own resume: bit-exact, test_checkpoint.py) bit for bit
-    (the same global mesh: the collectives sum in the same order whatever the process count)."""
+    (the same global mesh: the collectives sum in the same order whatever the process count). The
+    1-process resume is launched on a taken port (`_launch_on_a_taken_port`: the launcher retries)."""
     import json
     import shutil
 
@@ -411,8 +410,13 @@ def test_resume_with_another_process_count(tmp_path, cache, saved_by_two, proces
     out = tmp_path / "run"
     shutil.copytree(saved_by_two, out)
     shutil.rmtree(out / "checkpoints" / "4")
-    r = run(cli(*PROC_ARGS, "--out", out, "--resume", processes=processes), cache)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "[0] [taco-jax] resumed from checkpoints/2 (step 2)" in r.stdout  # named relative to the run folder
+    argv = [*PROC_ARGS, "--out", out, "--resume"]
+    if processes == 1:
+        stdout = _launch_on_a_taken_port(argv, cache, monkeypatch)
+    else:
+        r = run(cli(*argv, processes=processes), cache)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        stdout = r.stdout
+    assert "[0] [taco-jax] resumed from checkpoints/2 (step 2)" in stdout  # named relative to the run folder
     assert json.loads((out / "summary.json").read_text())["processes"] == processes
     assert losses(out) == losses(saved_by_two)  # steps 1-2 kept, 3-4 recomputed: bit for bit

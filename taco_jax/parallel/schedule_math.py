@@ -20,7 +20,7 @@ def check_pipeline(n_layers: int, stages: int, microbatches: int, schedule: str 
     if n_layers % stages:
         raise ValueError(f"n_layer={n_layers} is not divisible by stage={stages} (layers are split evenly)")
     if stages > 1 and microbatches < stages:
-        raise ValueError(f"microbatches={microbatches} must be >= stage={stages} (else a stage never works)")
+        raise ValueError(f"microbatches={microbatches} must be >= stage={stages}, else a stage never works")
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -194,10 +194,11 @@ class TrainingSection:
     def __post_init__(self):
         _positive("training", self, ("steps",))
         if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be positive")
+            raise ValueError(f"lr={self.lr} must be positive ([training] lr)")
         if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
             raise ValueError(
-                f"warmup_steps={self.warmup_steps} must be -1 (10% of steps) or in [0, steps={self.steps})"
+                f"warmup_steps={self.warmup_steps} must be -1 (10% of steps) or in [0, steps={self.steps}) "
+                "([training] warmup_steps)"
             )
 
     @property
@@ -420,7 +421,10 @@ class TrainConfig:
         mesh = f"--mesh {self.parallelism.mesh}"
         if batch % data:
             raise ValueError(f"batch_size={batch} is not divisible by data={data} ({mesh}); change either")
-        check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), microbatches, self.parallelism.schedule)
+        try:
+            check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), microbatches, self.parallelism.schedule)
+        except ValueError as e:
+            raise ValueError(f"{e} ({mesh}, --microbatches {microbatches}, model {self.model.name})") from None
         if self.logging.capture and self.parallelism.pipelined:
             raise ValueError(f"capture={self.logging.capture} needs the unpipelined layout (stage=1, microbatches=1); "
                              "capture on pipelined meshes is not supported")
@@ -431,8 +435,8 @@ class TrainConfig:
             raise ValueError(f"batch_size={batch} is not divisible by data × microbatches = {data} × {microbatches} "
                              f"({mesh}, --microbatches {microbatches})")
         if self.data.seq_len > self.model_config.block_size:
-            raise ValueError(f"seq_len={self.data.seq_len} exceeds the model's "
-                             f"block_size={self.model_config.block_size}")
+            raise ValueError(f"seq_len={self.data.seq_len} exceeds the model's block_size="
+                             f"{self.model_config.block_size} (--seq-len, [data] seq_len; model {self.model.name})")
         try:
             self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), seq_len=self.data.seq_len,
                                                     sequence_parallel=self.parallelism.sequence_parallel)

@@ -46,13 +46,24 @@ TRAIN_KEYS = (("comm", "comm"), ("mesh", "mesh"), ("steps", "steps"), ("train lo
 COMPARE_KEYS = (("mesh", "mesh"), ("val loss none", "val_loss_none"), ("val loss taco", "val_loss_taco"),
                 ("relative diff", "val_loss_rel_diff"), ("wire ratio compiled", "wire_ratio_taco_over_none"),
                 ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("throughput", "tokens_per_s"))
+def format_bytes(n) -> str:
+    """A byte count in decimal units, two decimals: 512 B, 472.62 KB, 1.20 MB, 2.05 GB."""
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= k:
+            return f"{n / k:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
 #: The unit of a shown number (summary key -> how one value is written).
 UNITS = {"tokens_per_s": lambda v: f"{v:,.1f} tokens/s" if v < 1000 else f"{v:,.0f} tokens/s",
-         "compile_s": lambda v: f"{v:,.1f} s"}
+         "compile_s": lambda v: f"{v:,.1f} s", "wire_bytes_per_step": format_bytes,
+         "val_loss_rel_diff": lambda v: f"{100 * v:+.3f} %"}
 #: What a shown number is measured against (summary key -> note after it; `{dtype}`: the summary's).
 NOTES = {"wire_ratio_taco_over_none": "(taco / exact bytes per step as compiled; XLA:CPU widens the exact "
                                       "step's bf16 all-reduces to f32)",
          "tensor_wire_ratio_vs_exact_issued": "(tensor axis: taco / the exact step's {dtype} messages as issued)",
+         "val_loss_rel_diff": "((taco - none) / none)",
+         "wire_bytes_per_step": "(per mesh axis, as compiled; exact bytes: summary.json)",
          "final_train_loss": "(mean of the last 10 steps' losses; each step's: metrics.jsonl)",
          "tokens_per_s": "(over the run's wall time after compiling: evaluation and checkpoints included; "
                          "per step: metrics.jsonl)"}

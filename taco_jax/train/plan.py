@@ -28,6 +28,7 @@ from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.perf import model, uncertainty
 from taco_jax.perf.hardware import HardwareSpec, with_tp_span
 from taco_jax.train.config import AXIS_SITES, TrainConfig
+from taco_jax.train.console import format_bytes
 
 #: Element types of compressed wire buffers in compiled HLO (codes and scales travel as bytes).
 CODE_DTYPES = ("u8", "s8")
@@ -393,12 +394,7 @@ def _mib(n) -> str:
 
 
 def _bytes(n) -> str:
-    if n is None:
-        return "never"
-    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= k:
-            return f"{n / k:,.2f} {unit}"
-    return f"{int(n)} B"
+    return "never" if n is None else format_bytes(n)
 
 
 def _ms(s) -> str:
