@@ -243,11 +243,11 @@ def _resume(out, cache) -> dict:
 
 def test_sigkill_during_an_async_save_then_resume_is_bit_exact(tmp_path, cache, uninterrupted):
     """Saves slowed on purpose (`testing.faults.ENV_SLOW_SAVE`, a test-only hook: each background save
-    sleeps 20 s before its meta is written). SIGKILL while the save of step 4 is in flight: its
+    sleeps 8 s before its meta is written). SIGKILL while the save of step 4 is in flight: its
     temporary folder is no checkpoint, checkpoint 2 is the latest complete one, and --resume from it
     reproduces the uninterrupted run bit for bit."""
     out, log = tmp_path / "run", tmp_path / "log"
-    p = start(cli(*ARGS, "--out", out), cache, log, **{ENV_SLOW_SAVE: "20"})
+    p = start(cli(*ARGS, "--out", out), cache, log, **{ENV_SLOW_SAVE: "8"})
     ck = out / "checkpoints"
     wait_for(lambda: (ck / "2").is_dir() and any(d.name.startswith("4.orbax-checkpoint-tmp") for d in ck.iterdir()),
              p, timeout=400, what="checkpoint 2 complete and the save of 4 in flight", log=log)
