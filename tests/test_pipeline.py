@@ -110,21 +110,21 @@ def test_pipeline_matches_unpipelined(mesh3d, name, schedule, microbatches, sp):
 @pytest.mark.slow
 def test_1f1b_memory_does_not_grow_with_microbatches():
     """Compiled temp memory (XLA buffer assignment): GPipe keeps every microbatch's activations,
-    1F1B a ring of 2S-1 stage inputs — so 1F1B's memory stays flat from M = 4 to M = 12."""
+    1F1B a ring of 2S-1 stage inputs — so 1F1B's memory stays flat from M = 4 to M = 8."""
     mesh = Mesh(np.asarray(jax.devices()[:2]).reshape(1, 2), ("data", "stage"))
     cfg = get_config("gpt2-tiny", vocab_size=256, n_layer=2, n_embd=64, n_head=2)
     temp = {}
     for schedule in ("gpipe", "1f1b"):
-        for m in (4, 12):
+        for m in (4, 8):
             steps = make_steps(cfg, mesh, CommPolicy.none(), microbatches=m, schedule=schedule)
             params = jax.eval_shape(lambda st=steps.staged: st.stack_layers(
                 nnx.to_pure_dict(nnx.split(make_model(cfg, rngs=nnx.Rngs(0)), nnx.Param)[1])))
             ids = jax.ShapeDtypeStruct((4 * m, 64), jnp.int32)
             compiled = jax.jit(steps.value_and_grad).lower(params, ids, ids).compile()
             temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
-    assert temp["gpipe", 12] > 2 * temp["gpipe", 4], temp
-    assert temp["1f1b", 12] < 1.3 * temp["1f1b", 4], temp
-    assert temp["1f1b", 12] < 0.5 * temp["gpipe", 12], temp
+    assert temp["gpipe", 8] > 1.6 * temp["gpipe", 4], temp
+    assert temp["1f1b", 8] < 1.2 * temp["1f1b", 4], temp
+    assert temp["1f1b", 8] < 0.5 * temp["gpipe", 8], temp
 
 
 def test_staged_model_needs_the_pipeline_interface():
