@@ -27,6 +27,20 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (all flags: {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but flags no subcommand knows are refused by that subcommand's parser (its
+        name and help in the error), with the closest flag it has (difflib) where one is close."""
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = next((a.choices[args.command] for a in self._actions
+                        if isinstance(a, argparse._SubParsersAction) and getattr(args, "command", None) in a.choices),
+                       self)
+            flags = [o for a in sub._actions for o in a.option_strings]
+            close = [difflib.get_close_matches(e.split("=")[0], flags, n=1) for e in extras if e.startswith("-")]
+            hint = "; ".join(f"did you mean {c[0]}?" for c in close if c)
+            sub.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({hint})" if hint else ""))
+        return args
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's "(default: ...)" after each flag's help, except where the help states its default

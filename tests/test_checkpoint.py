@@ -57,6 +57,23 @@ def test_sample_reads_a_run_checkpoint_without_orbax_warnings(saved, tmp_path, c
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_restore_names_another_codec_and_learning_rate(saved):
+    """Restored by a run with other flags (they hold from then on): each change is named, the
+    communication policy by the sites whose codec changed (grouped) and its other settings."""
+    from taco_jax.codec import CodecConfig
+    from taco_jax.collectives.policy import CommPolicy
+
+    d, cfg, _, _ = saved
+    _, _, params, opt_state = _state("data=2,tensor=4")
+    other = cfg.replace(lr=0.5, policy=CommPolicy.taco(CodecConfig(kind="int8"), chunks=2))
+    ck = Checkpoints(d, keep=2)
+    *_, notes = ck.restore(3, other.to_dict(), params, opt_state)
+    ck.close()
+    assert f"lr: checkpoint {cfg.training.lr!r}, now 0.5" in notes
+    assert "communication (checkpoint -> now): ar_fwd/ar_bwd/all_gather/reduce_scatter none -> int8-G128; " \
+           "chunks 1 -> 2" in notes, notes
+
+
 def test_restore_onto_another_mesh_is_exact(saved):
     """Saved on data=2,tensor=4, restored on data=4,tensor=2: Orbax reshards to the target's
     shardings; every array equal bit for bit; the mesh change is reported."""

@@ -230,6 +230,8 @@ def test_help_gives_each_flag_one_default(command, capsys):
     (["launch", "--processes", "x", "--", "train"], "taco-jax launch: error: argument --processes: invalid int "
                                                     "value: 'x' (all flags: taco-jax launch --help)"),
     (["trian"], "taco-jax: error: argument command: invalid choice: 'trian'"),
+    (["train", "--stpes", "5"], "taco-jax train: error: unrecognized arguments: --stpes 5 (did you mean --steps?) "
+                                "(all flags: taco-jax train --help)"),
 ])
 def test_a_usage_error_is_one_line_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

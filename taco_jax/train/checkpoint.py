@@ -19,6 +19,7 @@ padding differs (another tensor size) are trimmed or zero-padded.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.testing import faults
 
 FORMAT = 1  # bump when the meta layout changes
@@ -37,6 +39,26 @@ STRUCTURAL = ("model", "vocab_size")
 NUMERIC = ("seed", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip",
            "steps", "microbatches", "schedule", "sequence_parallel")
 _RTOL = 1e-4  # fingerprints: float32 sums of |x| reduced in a mesh-dependent order
+
+
+def _policy_change(saved, now) -> str:
+    """The communication settings that differ between a checkpoint's config (`saved["policy"]`) and
+    this run's, as "sites codec -> codec; key value -> value" (sites with the same change grouped), or
+    "" when they are the same or the checkpoint records no policy."""
+    if not isinstance(saved, dict) or not isinstance(now, dict) or saved == now:
+        return ""
+    try:
+        a, b = CommPolicy.from_dict(saved, where="checkpoint policy"), CommPolicy.from_dict(now)
+    except ValueError:  # a policy this version cannot read: say only that it differs
+        return "another policy -> this run's"
+    groups: dict[tuple[str, str], list[str]] = {}
+    for site in SITES:
+        if getattr(a, site) != getattr(b, site):
+            groups.setdefault((getattr(a, site).name, getattr(b, site).name), []).append(site)
+    parts = [f"{'/'.join(sites)} {x} -> {y}" for (x, y), sites in groups.items()]
+    parts += [f"{f.name} {getattr(a, f.name)} -> {getattr(b, f.name)}" for f in dataclasses.fields(a)
+              if f.name not in SITES and getattr(a, f.name) != getattr(b, f.name)]
+    return "; ".join(parts)
 
 
 def _ocp():
@@ -252,6 +274,8 @@ class Checkpoints:
             notes.append(f"init_from: checkpoint {saved.get('init_from')!r}, now {config.get('init_from')!r}")
         if saved.get("mesh") != config.get("mesh"):
             notes.append(f"mesh: checkpoint {saved.get('mesh')!r}, now {config.get('mesh')!r} (resharded)")
+        if change := _policy_change(saved.get("policy"), config.get("policy")):
+            notes.append(f"communication (checkpoint -> now): {change}")
         if pads:
             keys, targets = list(_paths(state)), list(_paths(shardings).values())  # leaf order of `out` too
             leaves = [a if k not in pads else _repad(a, pads[k], vocab, target=t, name=k, where=where)

@@ -193,8 +193,8 @@ class TrainingSection:
 
     def __post_init__(self):
         _positive("training", self, ("steps",))
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be positive ([training] lr)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr={self.lr} must be positive and finite ([training] lr)")
         if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
             raise ValueError(
                 f"warmup_steps={self.warmup_steps} must be -1 (10% of steps) or in [0, steps={self.steps}) "

@@ -64,7 +64,7 @@ NOTES = {"wire_ratio_taco_over_none": "(taco / exact bytes per step as compiled;
          "tensor_wire_ratio_vs_exact_issued": "(tensor axis: taco / the exact step's {dtype} messages as issued)",
          "val_loss_rel_diff": "((taco - none) / none)",
          "wire_bytes_per_step": "(per mesh axis, as compiled; exact bytes: summary.json)",
-         "final_train_loss": "(mean of the last 10 steps' losses; each step's: metrics.jsonl)",
+         "final_train_loss": "(mean of the last {final_train_loss_steps} steps' losses; each step's: metrics.jsonl)",
          "tokens_per_s": "(over the run's wall time after compiling: evaluation and checkpoints included; "
                          "per step: metrics.jsonl)"}
 
@@ -76,7 +76,7 @@ def summary_block(summary: dict, out_dir) -> str:
     lines = []
     for label, key in keys:
         if summary.get(key) is not None:
-            note = " " + NOTES[key].format_map(summary) if key in NOTES else ""
+            note = " " + NOTES[key].format_map({"final_train_loss_steps": 10, **summary}) if key in NOTES else ""
             lines.append(f"  {label + ':':<20} {_fmt(summary[key], UNITS.get(key))}{note}")
     return "\n".join(["summary", *lines, f"  {'full summary:':<20} {pathlib.Path(out_dir) / 'summary.json'}"])
 

@@ -305,6 +305,7 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         "mesh": cfg.parallelism.mesh,
         "steps": cfg.training.steps,
         "final_train_loss": float(np.mean([r["loss"] for r in history[-10:]])),
+        "final_train_loss_steps": len(history[-10:]),  # the steps it averages (fewer than 10 in a short run)
         "final_val_loss": state.val_loss,
         "tokens_per_s": run.tokens_per_step * (len(history) and history[-1]["step"] - start) / wall,
         "train_wall_s": wall,
