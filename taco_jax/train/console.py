@@ -46,6 +46,8 @@ TRAIN_KEYS = (("comm", "comm"), ("mesh", "mesh"), ("steps", "steps"), ("train lo
 COMPARE_KEYS = (("mesh", "mesh"), ("val loss none", "val_loss_none"), ("val loss taco", "val_loss_taco"),
                 ("relative diff", "val_loss_rel_diff"), ("wire ratio compiled", "wire_ratio_taco_over_none"),
                 ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("throughput", "tokens_per_s"))
+
+
 def format_bytes(n) -> str:
     """A byte count in decimal units, two decimals: 512 B, 472.62 KB, 1.20 MB, 2.05 GB."""
     for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
