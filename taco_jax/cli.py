@@ -224,7 +224,7 @@ def _add_plan(sub, helps, explicit: bool) -> None:
                                  "bytes per axis and site, TACO ops per site, predicted speedup on GPUs"),
                         ("predict", "the cost model alone (about a second): step time exact vs the policy per axis, "
                                     "speedup with its range, --min-bytes auto per site")):
-        sp = sub.add_parser(name, help=help_, formatter_class=_HelpFormatter,
+        sp = sub.add_parser(name, help=help_, description=f"taco-jax {name}: {help_}.", formatter_class=_HelpFormatter,
                             allow_abbrev=False, epilog="train's other flags (steps, optimization, evaluation, "
                             "checkpoints, logging) are accepted and unused, so a train --config file works as it is"
                             + ("; plan writes plan.json and plan.md to --out" if name == "plan" else "")

@@ -65,7 +65,7 @@ NOTES = {"wire_ratio_taco_over_none": "(taco / exact bytes per step as compiled;
                                       "step's bf16 all-reduces to f32)",
          "tensor_wire_ratio_vs_exact_issued": "(tensor axis: taco / the exact step's {dtype} messages as issued)",
          "val_loss_rel_diff": "((taco - none) / none)",
-         "wire_bytes_per_step": "(per mesh axis, as compiled; exact bytes: summary.json)",
+         "wire_bytes_per_step": "(sent per device, by mesh axis, as compiled; exact bytes: summary.json)",
          "final_train_loss": "(mean of the last {final_train_loss_steps} steps' losses; each step's: metrics.jsonl)",
          "tokens_per_s": "(over the run's wall time after compiling: evaluation and checkpoints included; "
                          "per step: metrics.jsonl)"}

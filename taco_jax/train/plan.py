@@ -436,7 +436,7 @@ def lines(result: dict) -> list[str]:
     size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
     L = [f"{p['model']} ({size} parameters, {p['n_layers']} layers) on {lay['gpus']} x "
          f"{hw['name']}: tensor={lay['tp']} data={lay['dp']} stage={lay['pp']}, microbatch {lay['micro_batch']} x "
-         f"{lay['seq_len']} tokens, {lay['n_micro']} microbatches"]
+         f"{lay['seq_len']} tokens, {lay['n_micro']} microbatch{'es' if lay['n_micro'] != 1 else ''}"]
     codec = hw["codec"]
     L.append(f"links: tensor {p['links']['tensor']} (TP over {lay['tp_span_nodes']} node(s)), data "
              f"{p['links']['data']}, stage {p['links']['stage']}; codec {codec['encode_GBps']:,.0f}/"
