@@ -388,7 +388,10 @@ def _launch_on_a_taken_port(argv, cache, monkeypatch) -> str:
         busy = ports[0]
         monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0))
         out = io.StringIO()
-        status = launch.launch(1, [str(a) for a in argv], config_of=config_from_argv, env=env(cache), out=out)
+        # launch.launch has no deadline of its own: the run's watchdog bounds a hung step (a timeout flag:
+        # the same compiled program, from the cache), JAX's distributed runtime its start
+        status = launch.launch(1, [*map(str, argv), "--step-timeout", "300"], config_of=config_from_argv,
+                               env=env(cache), out=out)
     text = out.getvalue()
     assert status == 0, text[-3000:]
     assert f"coordinator 127.0.0.1:{busy} is in use" in text
