@@ -160,7 +160,8 @@ def speed_table(rows: list[dict], env: dict) -> dict:
             cur = best.setdefault(r["backend"], {})
             if r["size_mb"] >= cur.get(f"{r['op']}_mb", 0):
                 cur[f"{r['op']}_mb"] = r["size_mb"]
-                cur[f"{r['op']}_GBps"] = round(r["gbps"], 1)
+                g = r["gbps"]  # one decimal; 3 significant digits below 0.1 GB/s (a slow CPU): never 0
+                cur[f"{r['op']}_GBps"] = round(g, 1) if g >= 0.1 else float(f"{g:.3g}")
     src = f"measured by experiments/gpu_check.py on {env['device_kind']} (jax {env['jax']}), float32, E4M3, G=128"
     return {"source": src, "backends": {
         b: {"encode_GBps": v["encode_GBps"], "decode_GBps": v["decode_GBps"], "measured": True,

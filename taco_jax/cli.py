@@ -262,13 +262,14 @@ def _config_values(sp: argparse.ArgumentParser, path: str) -> tuple[dict, dict |
     """The values of `--config path` as `sp`'s defaults (each checked and typed like its flag) and
     the file's "policy" table (None without one). Raises ValueError naming the file and the
     unknown key or bad value."""
-    from taco_jax.train.config import read_config_file
+    from taco_jax.train.config import FLAGS, read_config_file
 
     actions = {a.dest: a for a in sp._actions if a.dest not in ("help", "config")}
     values, policy = {}, None
     command = sp.prog.split()[-1]
     for key, value in read_config_file(path).items():
-        where = f"--config {path!r}: {key}={value!r}"
+        table = FLAGS.get(key)  # a train flag: its table and key, as the file may give it
+        where = f"--config {path!r}: " + (f"[{table[0]}] {table[1]}" if table else key) + f"={value!r}"
         if key == "policy" and isinstance(value, dict):
             policy = value
             continue
@@ -475,6 +476,8 @@ def _plan(args, file_policy: dict | None) -> int:
         from taco_jax.train import jsonio
 
         out = pathlib.Path(args.out)
+        if (out / "plan.json").exists() or (out / "plan.md").exists():
+            _say(f"plan: replacing the previous plan in {out} (give --out DIR to keep it)")
         out.mkdir(parents=True, exist_ok=True)
         jsonio.write(out / "plan.json", result)
         (out / "plan.md").write_text(planner.markdown(result))

@@ -257,6 +257,11 @@ MIN_PROBE_BYTES = 16 * 1448
 MIN_RATE_BPS = 100e3
 
 
+#: `Cluster.measure_links` measures a link again when it reads below this fraction of its rate
+#: (TCP payload over tbf reads ~0.95 on a quiet machine).
+RETEST_BELOW = 0.9
+
+
 def probe_bytes(rate_bps: float, seconds: float = 0.5, max_bytes: int = 256 << 20) -> tuple[int, int]:
     """(burst, timed) bytes of the link test at `rate_bps`: the tbf bucket's burst (`_burst`; it passes at
     once, so it is sent but not timed), then min(max(rate × `seconds`, `MIN_PROBE_BYTES`), `max_bytes`)."""
@@ -401,12 +406,19 @@ class Cluster:
 
     def measure_links(self, seconds: float = 0.5) -> dict:
         """Measures every link of `peers()`; returns the run's link description (`TrainConfig.emulated_link`): per tier
-        the requested and measured (median over its links) payload bits/s and each link's rate."""
+        the requested and measured (median over its links) payload bits/s and each link's rate.
+
+        A link that reads below `RETEST_BELOW` × its rate is measured once more and keeps the faster
+        reading: tbf passes no more than the rate, so a low reading comes from sender or receiver
+        threads kept off a busy CPU, not from the link ("tries" records 2)."""
         rates = {"link": self.spec.inter, "inter": self.spec.inter, "intra": self.spec.intra}
         links = []
         for tier, i, j in self.peers():
-            got = measure(self.names[i], self.names[j], self.addrs[j], rates[tier], seconds=seconds)
-            links.append({"tier": tier, "from": i, "to": j, "measured_bit_per_s": got})
+            got, tries = measure(self.names[i], self.names[j], self.addrs[j], rates[tier], seconds=seconds), 1
+            if got < RETEST_BELOW * rates[tier]:
+                got = max(got, measure(self.names[i], self.names[j], self.addrs[j], rates[tier], seconds=seconds))
+                tries = 2
+            links.append({"tier": tier, "from": i, "to": j, "measured_bit_per_s": got, "tries": tries})
         tiers = {}
         for tier in dict.fromkeys(x["tier"] for x in links):
             got = sorted(x["measured_bit_per_s"] for x in links if x["tier"] == tier)

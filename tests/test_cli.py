@@ -12,7 +12,7 @@ from taco_jax.codec import CodecConfig
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.train import jsonio
 from taco_jax.train.config import TrainConfig
-from taco_jax.train.console import summary_block
+from taco_jax.train.console import format_bytes, summary_block
 
 #: Smallest useful run of the CLI (gpt2-tiny; vocabulary 512 keeps the tokenizer quick).
 TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
@@ -109,10 +109,16 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
     assert issued == pytest.approx(2 * ratio["tensor"], rel=0.05)
     shown = {k.strip(): v.strip() for k, v in (line.split(": ", 1) for line in
                                                summary_block(summary, tmp_path).splitlines()[1:])}
-    assert shown["wire ratio compiled"].startswith(f"data {ratio['data']:.5g}, tensor {ratio['tensor']:.5g} "
+    assert shown["wire ratio compiled"].startswith(f"data {ratio['data']:.3f}, tensor {ratio['tensor']:.3f} "
                                                    "(taco / exact bytes per step as compiled; XLA:CPU widens")
-    assert shown["wire ratio issued"] == f"{issued:.5g} (tensor axis: taco / the exact step's bfloat16 messages " \
+    assert shown["wire ratio issued"] == f"{issued:.3f} (tensor axis: taco / the exact step's bfloat16 messages " \
                                          "as issued)"
+    # the absolute bytes beside the ratios, per run and mesh axis, and the run length
+    wire = summary["wire_bytes_per_step"]
+    assert shown["wire bytes/step"].startswith(
+        f"none: data {format_bytes(wire['none']['data'])}, tensor {format_bytes(wire['none']['tensor'])}; "
+        f"taco: data {format_bytes(wire['taco']['data'])}, tensor {format_bytes(wire['taco']['tensor'])} (sent per")
+    assert shown["steps"] == "2"
     info = Image.open(tmp_path / "loss.png").info
     assert info["Title"].startswith("gpt2-tiny on Shakespeare")
     assert "compressed (data: int8-G128-had, tensor: taco-e4m3-G128-dual)" in info["Description"]

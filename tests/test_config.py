@@ -77,11 +77,11 @@ def test_toml_with_tables_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("section, values, match", [
-    (ModelSection, dict(vocab_size=-1), r"vocab_size=-1 must be >= 0"),
+    (ModelSection, dict(vocab_size=-1), r"vocab_size=-1 must be >= 0 .*; set by --vocab-size or \[model\] vocab_size"),
     (ModelSection, dict(dtype="fp16"), r"fp16"),
-    (DataSection, dict(batch_size=0), r"batch_size=0 must be positive \(\[data\] batch_size\)"),
-    (TrainingSection, dict(steps=3, warmup_steps=5), r"warmup_steps=5 must be -1 .* steps=3\) \(\[training\] warm"),
-    (TrainingSection, dict(lr=-1.0), r"lr=-1.0 must be positive and finite \(\[training\] lr\)"),
+    (DataSection, dict(batch_size=0), r"batch_size=0 must be positive; set by --batch-size or \[data\] batch_size$"),
+    (TrainingSection, dict(steps=3, warmup_steps=5), r"warmup_steps=5 must be -1 .* steps=3\); set by --warmup-steps or \[training\] warm"),
+    (TrainingSection, dict(lr=-1.0), r"lr=-1.0 must be positive and finite; set by --lr or \[training\] lr$"),
     (TrainingSection, dict(lr=float("inf")), r"lr=inf must be positive and finite"),
     (ParallelismSection, dict(mesh="data=2,depth=2"), r"'depth' in mesh='data=2,depth=2'"),
     (CommunicationSection, dict(transport="ring"), r"transport='ring' must be one of"),
@@ -98,7 +98,7 @@ def test_a_section_rejects_its_bad_value_naming_it(section, values, match):
 
 
 @pytest.mark.parametrize("text, match", [
-    ("[data]\nbatch_size = 0\n", r"batch_size=0 must be positive \(\[data\] batch_size\)"),
+    ("[data]\nbatch_size = 0\n", r"batch_size=0 must be positive; set by --batch-size or \[data\] batch_size"),
     ("[data]\nlr = 0.1\n", r"\[data\] has no key 'lr'; it is 'lr' in \[training\]"),
     ("[model]\nmodel = \"qwen3-tiny\"\n", r"\[model\] has no key 'model'; it is 'name' in \[model\]"),
     ("[trainig]\nsteps = 3\n", r"\[trainig\] is not a table of the config; did you mean \[training\]\?"),

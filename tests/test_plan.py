@@ -249,6 +249,14 @@ def test_plan_cli_writes_json_and_markdown_without_compiling(tmp_path, capsys):
     data = json.loads((out / "plan.json").read_text())
     assert data["predict"]["n_layers"] == 8 and "compiled" not in data
     assert "--min-bytes auto" in (out / "plan.md").read_text()
+    # the codec speed says where it comes from (h100: assumed equal to the H200's measurement)
+    assert "GB/s encode/decode (assumed equal to the H200 measurement)" in text
+    # a second plan into the same folder says that it replaces the first
+    assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=2,tensor=4", "--hardware", "h200", "--no-compile",
+                 "--out", str(out)]) == 0
+    text, err = capsys.readouterr()
+    assert f"plan: replacing the previous plan in {out}" in err
+    assert "GB/s encode/decode (measured on an H200)" in text
     assert main(["plan", "--mesh", "data=2,tensor=4", "--devices", "4", "--out", str(out)]) == 2
     assert "devices=4 differs" in capsys.readouterr().err
     # a train config file's run folder is not plan's output folder: plan writes to its own --out

@@ -125,6 +125,24 @@ def two_checkpoints(tmp_path_factory):
     return d, cfg, jax.device_get(params)
 
 
+@pytest.mark.parametrize("raw, want", [
+    ('DATA_LOSS: Error reading "opt_state.1.0.count/.zarray": Error decoding b-tree node: value_kind[0]=116 is '
+     "outside valid range [0, 1] [tensorstore_spec='{\"driver\": \"zarr\"}']",
+     "opt_state.1.0.count: Error decoding b-tree node: value_kind[0]=116 is outside valid range [0, 1]"),
+    # a spec cut short and a Python object's repr inside the cause: cut before them, never shown
+    ('Error reading "params.wpe/.zarray": Future failed <bound method pybind11_detail_function_record_v1_x of '
+     "<object at 0x7f>> [tensorstore_spec='{\"driver\": \"zarr\", \"kvstore\": ",
+     "params.wpe: Future failed ..."),
+    ("INTERNAL: decoding failed: pybind11::error_already_set at 0x7f", "decoding failed ..."),
+])
+def test_restore_errors_are_one_short_line(raw, want):
+    """`_why` keeps the array and the innermost cause of a TensorStore error; JSON specs, status
+    codes and Python object reprs (e.g. pybind11's) are dropped, also when a spec is cut short."""
+    from taco_jax.train.checkpoint import _why
+
+    assert _why(RuntimeError(raw)) == want
+
+
 @pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
 def test_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(two_checkpoints, tmp_path, kind):
     """Checkpoint 5 truncated / with flipped bytes / without its meta: `resume` names it, restores 3

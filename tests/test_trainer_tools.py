@@ -196,9 +196,10 @@ def test_command_line_wins_over_the_config_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("text, suffix, match", [
     ("stepz = 3\n", ".toml", r"unknown key 'stepz' \(not a flag of train; did you mean 'steps'\?\)"),
-    ('steps = "ten"\n', ".toml", r"steps='ten' must be an integer"),
+    ('steps = "ten"\n', ".toml", r": \[training\] steps='ten' must be an integer"),
+    ('[training]\nlr = "x"\n', ".toml", r": \[training\] lr='x' must be a number"),
     ("lr = true\n", ".toml", r"lr=True must be a single"),
-    ('model = "gpt5"\n', ".toml", r"model='gpt5' is not one of"),
+    ('model = "gpt5"\n', ".toml", r"\[model\] name='gpt5' is not one of"),
     ('min_bytes = "lots"\n', ".toml", r"min_bytes='lots'"),
     ("allow_nonfinite = 1\n", ".toml", r"allow_nonfinite=1 must be true or false"),
     ("steps = \n", ".toml", r"not valid TOML"),

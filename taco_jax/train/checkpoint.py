@@ -104,7 +104,12 @@ def _why(e: Exception) -> str:
     size 42711'); JSON specs, status codes, file paths and the driver chain dropped."""
     text = " ".join(str(e).split())
     text = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text)
+    while re.search(r"<[^<>]*>", text):  # reprs of Python objects (a bound method, a pybind11 function), nested
+        text = re.sub(r"\s*<[^<>]*>", "", text)
     text = re.sub(r"^[A-Z_]+: ", "", text)
+    for marker in ("tensorstore_spec", "pybind11"):  # an unterminated spec or a bare repr: cut before it
+        if marker in text:
+            text = text[:text.index(marker)].rstrip(" [(<'\"=,;:") + " ..."
     array = re.search(r'Error reading "([^"/]+)/\.z\w+"', text)
     reason = text.rsplit('": ', 1)[-1]  # after the last quoted name (a file, a driver): the cause
     reason = reason if len(reason) <= 200 else reason[:197] + "..."

@@ -44,6 +44,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     summary = {
         "model": cfg.model.name,
         "mesh": cfg.parallelism.mesh,
+        "steps": cfg.training.steps,
         "val_loss_none": base,
         "val_loss_taco": taco,
         "val_loss_rel_diff": (taco - base) / base,

@@ -140,11 +140,18 @@ def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
     return names.pop() if len(names) == 1 else "per-site"
 
 
+def _invalid(section: str, field: str, value, rule: str) -> ValueError:
+    """The ValueError of a bad field value: names the value, its flag and its `--config` table, e.g.
+    "lr=-1.0 must be positive and finite; set by --lr or [training] lr"."""
+    flag = FIELD_FLAGS.get((section, field), field).replace("_", "-")
+    return ValueError(f"{field}={value!r} {rule}; set by --{flag} or [{section}] {field}")
+
+
 def _positive(section: str, obj, names) -> None:
     """Raises ValueError naming the first field of `names` of `obj` that is not > 0."""
     for f in names:
         if getattr(obj, f) <= 0:
-            raise ValueError(f"{f}={getattr(obj, f)} must be positive ([{section}] {f})")
+            raise _invalid(section, f, getattr(obj, f), "must be positive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +167,9 @@ class ModelSection:
 
     def __post_init__(self):
         if self.vocab_size < 0:
-            raise ValueError(f"vocab_size={self.vocab_size} must be >= 0 (0: from the data or the preset)")
+            raise _invalid("model", "vocab_size", self.vocab_size, "must be >= 0 (0: from the data or the preset)")
         if self.make_vocab_size_divisible_by < 1:
-            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
+            raise _invalid("model", "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "must be >= 1")
         check_compute(self.dtype, self.remat)
 
 
@@ -194,12 +201,10 @@ class TrainingSection:
     def __post_init__(self):
         _positive("training", self, ("steps",))
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr={self.lr} must be positive and finite ([training] lr)")
+            raise _invalid("training", "lr", self.lr, "must be positive and finite")
         if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
-            raise ValueError(
-                f"warmup_steps={self.warmup_steps} must be -1 (10% of steps) or in [0, steps={self.steps}) "
-                "([training] warmup_steps)"
-            )
+            raise _invalid("training", "warmup_steps", self.warmup_steps,
+                           f"must be -1 (10% of steps) or in [0, steps={self.steps})")
 
     @property
     def warmup(self) -> int:
@@ -251,7 +256,7 @@ class CommunicationSection:
         timeout_ok = self.step_timeout == "auto" or (type(self.step_timeout) in (int, float)
                                                      and 0 <= self.step_timeout < math.inf)
         if not timeout_ok:
-            raise ValueError(f"step_timeout={self.step_timeout!r} must be >= 0 or 'auto'")
+            raise _invalid("communication", "step_timeout", self.step_timeout, "must be >= 0 or 'auto'")
         if self.emulated_link:
             try:
                 ok = isinstance(json.loads(self.emulated_link), dict)
@@ -261,7 +266,7 @@ class CommunicationSection:
                 raise ValueError(f"emulated_link={self.emulated_link[:80]!r} must be a JSON object (the link "
                                  "description `taco-jax launch --link` passes), or empty")
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport={self.transport!r} must be one of {TRANSPORTS}")
+            raise _invalid("communication", "transport", self.transport, f"must be one of {TRANSPORTS}")
 
     @property
     def label(self) -> str:
@@ -286,9 +291,9 @@ class CheckpointSection:
             raise ValueError(f"out={self.out!r} must name a folder ([checkpoint] out); an empty one would write the "
                              "run's files into the current folder")
         if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 0 (0: the final checkpoint only)")
+            raise _invalid("checkpoint", "checkpoint_every", self.checkpoint_every, "must be >= 0 (0: the final checkpoint only)")
         if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
+            raise _invalid("checkpoint", "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,14 +316,14 @@ class LoggingSection:
         _positive("logging", self, ("eval_every", "eval_batches"))
         for f in ("capture", "log_every", "monitor_every"):
             if getattr(self, f) < 0:
-                raise ValueError(f"{f}={getattr(self, f)} must be >= 0 (0: off)")
+                raise _invalid("logging", f, getattr(self, f), "must be >= 0 (0: off)")
         for f in ("monitor_warn_sqnr", "monitor_min_sqnr"):
             if math.isnan(getattr(self, f)):
-                raise ValueError(f"{f}={getattr(self, f)} must be a number of dB (-inf: never)")
+                raise _invalid("logging", f, getattr(self, f), "must be a number of dB (-inf: never)")
         if self.profile_steps:
             self.profile_range(math.inf)  # ValueError naming a malformed A:B
         elif self.profile_dir:
-            raise ValueError(f"profile_dir={self.profile_dir!r} is given without profile_steps (e.g. 3:5)")
+            raise _invalid("logging", "profile_dir", self.profile_dir, "is given without profile_steps (e.g. 3:5)")
 
     def profile_range(self, steps) -> tuple[int, int] | None:
         """`profile_steps` "A:B" as (A, B), 1 <= A <= B <= steps ("A": one step); None when not set.
@@ -329,10 +334,10 @@ class LoggingSection:
         try:
             first, last = int(a), int(b if sep else a)
         except ValueError:
-            raise ValueError(f"profile_steps={self.profile_steps!r} must be A:B (first and last step traced, "
-                             "e.g. 3:5)") from None
+            raise _invalid("logging", "profile_steps", self.profile_steps,
+                           "must be A:B (first and last step traced, e.g. 3:5)") from None
         if not 1 <= first <= last <= steps:
-            raise ValueError(f"profile_steps={self.profile_steps!r} must satisfy 1 <= A <= B <= steps={steps}")
+            raise _invalid("logging", "profile_steps", self.profile_steps, f"must satisfy 1 <= A <= B <= steps={steps}")
         return first, last
 
 

@@ -43,8 +43,9 @@ TRAIN_KEYS = (("comm", "comm"), ("mesh", "mesh"), ("steps", "steps"), ("train lo
               ("wire bytes/step", "wire_bytes_per_step"), ("resumed from step", "resumed_from_step"),
               ("preempted at step", "preempted_at_step"))
 #: The same for a `compare` summary.
-COMPARE_KEYS = (("mesh", "mesh"), ("val loss none", "val_loss_none"), ("val loss taco", "val_loss_taco"),
-                ("relative diff", "val_loss_rel_diff"), ("wire ratio compiled", "wire_ratio_taco_over_none"),
+COMPARE_KEYS = (("mesh", "mesh"), ("steps", "steps"), ("val loss none", "val_loss_none"),
+                ("val loss taco", "val_loss_taco"), ("relative diff", "val_loss_rel_diff"),
+                ("wire bytes/step", "wire_bytes_per_step"), ("wire ratio compiled", "wire_ratio_taco_over_none"),
                 ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("throughput", "tokens_per_s"))
 
 
@@ -59,7 +60,8 @@ def format_bytes(n) -> str:
 #: The unit of a shown number (summary key -> how one value is written).
 UNITS = {"tokens_per_s": lambda v: f"{v:,.1f} tokens/s" if v < 1000 else f"{v:,.0f} tokens/s",
          "compile_s": lambda v: f"{v:,.1f} s", "wire_bytes_per_step": format_bytes,
-         "val_loss_rel_diff": lambda v: f"{100 * v:+.3f} %"}
+         "val_loss_rel_diff": lambda v: f"{100 * v:+.3f} %",
+         "wire_ratio_taco_over_none": lambda v: f"{v:.3f}", "tensor_wire_ratio_vs_exact_issued": lambda v: f"{v:.3f}"}
 #: What a shown number is measured against (summary key -> note after it; `{dtype}`: the summary's).
 NOTES = {"wire_ratio_taco_over_none": "(taco / exact bytes per step as compiled; XLA:CPU widens the exact "
                                       "step's bf16 all-reduces to f32)",
@@ -85,7 +87,9 @@ def summary_block(summary: dict, out_dir) -> str:
 
 def _fmt(v, unit=None) -> str:
     """`v` as shown: `unit(v)` for a number with a unit, floats to 5 significant digits, a dict as
-    "key value, ..."."""
+    "key value, ...", a dict of dicts as "key: key value, ...; key: ..."."""
+    if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+        return "; ".join(f"{k}: {_fmt(x, unit)}" for k, x in v.items())
     if isinstance(v, dict):
         return ", ".join(f"{k} {_fmt(x, unit)}" for k, x in v.items()) or "-"
     if unit is not None and isinstance(v, int | float):

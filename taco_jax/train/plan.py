@@ -427,6 +427,15 @@ def paper_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def _codec_source(hw: dict) -> str:
+    """The codec speed's status and where it comes from, short: the first clause of its source
+    (e.g. "measured on an H200"); the whole source is in plan.md."""
+    source = hw.get("sources", {}).get("codec", "")
+    short = source.split(" (")[0].split(";")[0].strip()
+    status = hw["codec"]["status"]
+    return f"{status}: {short}" if short and not short.startswith(status) else (short or status)
+
+
 def lines(result: dict) -> list[str]:
     """The plan as short text lines (the terminal table; plan.md holds the same in Markdown)."""
     p = result["predict"]
@@ -440,7 +449,7 @@ def lines(result: dict) -> list[str]:
     codec = hw["codec"]
     L.append(f"links: tensor {p['links']['tensor']} (TP over {lay['tp_span_nodes']} node(s)), data "
              f"{p['links']['data']}, stage {p['links']['stage']}; codec {codec['encode_GBps']:,.0f}/"
-             f"{codec['decode_GBps']:,.0f} GB/s encode/decode ({codec['status']})")
+             f"{codec['decode_GBps']:,.0f} GB/s encode/decode ({_codec_source(hw)})")
     c = result.get("compiled")
     if c:
         m = c["memory"]
