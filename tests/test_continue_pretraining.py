@@ -1,6 +1,7 @@
 """Continued pre-training end to end on the fixtures (no network): a tiny Qwen3 checkpoint with its own
 tokenizer -> `prepare-data` on a text file -> `train --init-from --data --comm taco` on 2 processes
-(and on 1, the reference) with `--export-hf` -> the exports are byte-identical, `transformers` loads
+whose tensor groups each span both processes (and on 1, the reference) with `--export-hf` -> per-step
+losses and gradient norms bit-identical, the exports byte-identical, `transformers` loads
 them with logits equal to taco_jax's, the validation loss falls, the recorded model is the
 checkpoint's, a resume without `--init-from` names it, and `sample` continues a prompt."""
 
@@ -10,7 +11,7 @@ import re
 
 import numpy as np
 import pytest
-from _procs import ROOT, cli, metrics, run, start
+from _procs import ROOT, cli, losses, metrics, run, start
 
 from taco_jax.data.shakespeare import play_text
 from taco_jax.models import hf, load_hf
@@ -32,7 +33,7 @@ def test_continue_pretraining_qwen3_on_two_processes(tmp_path, cache):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "data" / "meta.json").read_text())["vocab_size"] <= 99
 
-    args = ["train", "--init-from", QWEN3, "--data", tmp_path / "data", "--comm", "taco", "--mesh", "data=2,tensor=2",
+    args = ["train", "--init-from", QWEN3, "--data", tmp_path / "data", "--comm", "taco", "--mesh", "tensor=2,data=2",
             "--batch-size", "8", "--seq-len", "32", "--steps", "9", "--warmup-steps", "0", "--eval-every", "3",
             "--eval-batches", "4", "--lr", "3e-3", "--checkpoint-every", "9", "--log-every", "3", "--no-progress"]
     procs = {n: start(cli(*args, "--out", tmp_path / f"p{n}", "--export-hf", tmp_path / f"hf{n}", processes=n),
@@ -63,13 +64,13 @@ def test_continue_pretraining_qwen3_on_two_processes(tmp_path, cache):
     recs = metrics(tmp_path / "p2")
     val = [r["val_loss"] for r in recs if "val_loss" in r]
     assert len(val) == 3 and val[-1] < val[0], val
-    assert [r["loss"] for r in recs] == [r["loss"] for r in metrics(tmp_path / "p1")]
+    assert losses(tmp_path / "p2") == losses(tmp_path / "p1")  # per-step losses and gradient norms, bit for bit
 
     # the recorded model: the checkpoint's architecture and folder
     label = hf.architecture_label(hf.config_from_hf(QWEN3))
     assert label.startswith("qwen3(layers=2, hidden=32")
     log = (tmp_path / "p2.log").read_text()
-    assert f"[taco-jax] {label} from {QWEN3} on mesh data=2,tensor=2" in log
+    assert f"[taco-jax] {label} from {QWEN3} on mesh tensor=2,data=2" in log
     summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
     config = json.loads((tmp_path / "p2" / "config.json").read_text())
     assert summary["model"] == config["model"]["name"] == label

@@ -246,24 +246,40 @@ def _finish(p: subprocess.Popen, log) -> None:
     assert p.wait(timeout=420) == 0, pathlib.Path(log).read_text()[-3000:]
 
 
+#: The link-down run's watchdog limit (--step-timeout, s).
+DOWN_TIMEOUT = 10
+
+
 @pytest.fixture(scope="module")
 def shaped(tmp_path_factory, cache):
-    """`ARGS` over a 100 Mbit/s link (2 processes in their namespaces) into DIR / "run", and the same
-    run on loopback alongside into DIR / "loopback" (the uninterrupted run of the link-down test too).
-    Returns (DIR, the shaped run's CompletedProcess)."""
+    """`ARGS` over a 100 Mbit/s link (2 processes in their namespaces) into DIR / "run", with process 1's
+    link set down before step 5 (it pauses there, TACO_JAX_TEST_STALL), then resumed with the link back
+    (a new launch); and the same run on loopback alongside into DIR / "loopback". Returns {"dir", "down":
+    {"status", "elapsed", "log", "leftovers", "pids"} of the interrupted launch, "resumed": its
+    CompletedProcess}."""
     d = tmp_path_factory.mktemp("shaped")
     ref = _loopback(ARGS, d, cache)
-    r = run(_launch("100mbit", *ARGS, "--out", d / "run"), cache)
+    out, log = d / "run", d / "down.log"
+    args = [*ARGS, "--out", out, "--step-timeout", DOWN_TIMEOUT]
+    p = start(_launch("100mbit", *args), cache, log, TACO_JAX_TEST_STALL="1:5:4")
+    wait_for(lambda: "process 1 sleeps 4 s before step 5" in log.read_text(), p, timeout=400, what="step 5", log=log)
+    ns = f"{_ours(p.pid)[0].rsplit('-', 1)[0]}-p1"
+    subprocess.run(["ip", "-n", ns, "link", "set", "x0", "down"], check=True, timeout=10)
+    t_down = time.monotonic()
+    status = p.wait(timeout=DOWN_TIMEOUT + 60)
+    down = {"status": status, "elapsed": time.monotonic() - t_down, "log": log.read_text(),
+            "leftovers": _leftovers(p.pid), "pids": _run_pids(out)}
+    resumed = run(_launch("100mbit", *args, "--resume"), cache)
     _finish(ref, d / "loopback.log")
-    return d, r
+    return {"dir": d, "down": down, "resumed": resumed}
 
 
 @needs_netns
 def test_shaped_link_gives_the_loopback_losses(shaped):
-    """2 processes in their namespaces over a 100 Mbit/s link: per-step losses and gradient norms
-    bit-identical to the same run on loopback (run alongside); summary.json records the requested and
-    measured rates."""
-    d, r = shaped
+    """2 processes in their namespaces over a 100 Mbit/s link (steps 1-6, resumed once): per-step losses
+    and gradient norms bit-identical to the same run on loopback (run alongside); summary.json records
+    the requested and measured rates."""
+    d, r = shaped["dir"], shaped["resumed"]
     out = d / "run"
     assert r.returncode == 0, r.stdout[-3000:]
     assert [s for s, _, _ in losses(out)] == [1, 2, 3, 4, 5, 6] and losses(out) == losses(d / "loopback")
@@ -278,30 +294,21 @@ def test_shaped_link_gives_the_loopback_losses(shaped):
 
 
 @needs_netns
-def test_link_down_mid_run_then_resume(tmp_path, cache, shaped):
-    """Process 1's link set down before step 5 (it pauses there, TACO_JAX_TEST_STALL): the watchdog ends
-    the run within --step-timeout + 10 s naming process 1, no process is left; with the link back
-    (a new launch), --resume reproduces the uninterrupted losses bit for bit."""
-    timeout, out, log = 10, tmp_path / "run", tmp_path / "log"
-    args = [*ARGS, "--out", out, "--step-timeout", timeout]
-    p = start(_launch("100mbit", *args), cache, log, TACO_JAX_TEST_STALL="1:5:4")
-    wait_for(lambda: "process 1 sleeps 4 s before step 5" in log.read_text(), p, timeout=400, what="step 5", log=log)
-    ns = f"{_ours(p.pid)[0].rsplit('-', 1)[0]}-p1"
-    subprocess.run(["ip", "-n", ns, "link", "set", "x0", "down"], check=True, timeout=10)
-    t_down = time.monotonic()
-    assert p.wait(timeout=timeout + 60) == 1
-    elapsed = time.monotonic() - t_down
-    assert elapsed <= timeout + 10, elapsed
-    text = log.read_text()
-    err = next(line for line in text.splitlines() if "did not finish" in line and line.startswith("[0]"))
-    assert "step 5 did not finish within --step-timeout 10 s" in err
+def test_link_down_mid_run_then_resume(shaped):
+    """Process 1's link set down before step 5: the watchdog ends the run within --step-timeout + 10 s
+    naming process 1, no process or namespace is left; with the link back (a new launch), --resume
+    continues from the newest checkpoint (its losses: `test_shaped_link_gives_the_loopback_losses`)."""
+    down = shaped["down"]
+    assert down["status"] == 1, down["log"][-3000:]
+    assert down["elapsed"] <= DOWN_TIMEOUT + 10, down["elapsed"]
+    err = next(line for line in down["log"].splitlines() if "did not finish" in line and line.startswith("[0]"))
+    assert f"step 5 did not finish within --step-timeout {DOWN_TIMEOUT} s" in err
     assert re.search(r"did not arrive at step 5: process 1 \(last started step 4; no heartbeat", err), err
-    assert not _run_pids(out) and not _leftovers(p.pid)
-    r = run(_launch("100mbit", *args, "--resume"), cache)
+    assert not down["pids"] and not down["leftovers"]
+    r = shaped["resumed"]
     assert r.returncode == 0, r.stdout[-3000:]
-    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] in (2, 4)
-    assert losses(out) == losses(shaped[0] / "loopback")  # the uninterrupted run
-    print(f"link down -> launcher exit: {elapsed:.1f} s (--step-timeout {timeout})")
+    assert json.loads((shaped["dir"] / "run" / "summary.json").read_text())["resumed_from_step"] in (2, 4)
+    print(f"link down -> launcher exit: {down['elapsed']:.1f} s (--step-timeout {DOWN_TIMEOUT})")
 
 
 @needs_netns
