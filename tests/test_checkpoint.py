@@ -319,5 +319,14 @@ def test_cli_refuses_a_checkpoint_of_another_model(saved, tmp_path, capsys):
     assert main([*args, "--model", "gpt2-mini", "--vocab-size", "2048", "--resume"]) == 2
     assert "is of model='gpt2-tiny', this run has model='gpt2-mini'" in capsys.readouterr().err
     assert main(args) == 2
-    assert "holds checkpoints (latest step 3); give --resume" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "holds checkpoints (latest step 3); give --resume" in err
+    assert "[taco-jax]" not in err  # refused before the run's start line
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["3"]
+    # compare refuses before training either run when one of its two folders holds checkpoints
+    shutil.copytree(d, tmp_path / "cmp" / "taco" / "checkpoints")
+    compare = ["compare", *args[1:-1], str(tmp_path / "cmp")]
+    assert main(compare) == 2
+    err = capsys.readouterr().err
+    assert "cmp/taco/checkpoints holds checkpoints (latest step 3)" in err and "[taco-jax]" not in err, err
+    assert not (tmp_path / "cmp" / "none" / "metrics.jsonl").exists()

@@ -8,7 +8,7 @@ from taco_jax.data import data_label, training_data
 from taco_jax.train import distributed as dist
 from taco_jax.train import jsonio
 from taco_jax.train.config import AXIS_SITES, TrainConfig, flag_values, policy_label
-from taco_jax.train.loop import check_out_dir, train
+from taco_jax.train.loop import check_out_dir, check_resumable, train
 from taco_jax.train.plots import plot_losses
 
 
@@ -34,8 +34,9 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     ds = training_data(cfg.data.path, cfg.bpe_vocab_size)
     configs = {"none": cfg.replace(policy=CommPolicy.none(), out=str(out / "none")),
                "taco": cfg.replace(out=str(out / "taco"))}
-    for c in configs.values():
+    for c in configs.values():  # both runs' folders, before either trains
         check_out_dir(c.checkpoint.out)
+        check_resumable(c)
     runs = {c: train(run_cfg, dataset=ds, progress=progress) for c, run_cfg in configs.items()}
     base, taco = runs["none"]["final_val_loss"], runs["taco"]["final_val_loss"]
     wire = {c: r["wire_bytes_per_step"] for c, r in runs.items()}

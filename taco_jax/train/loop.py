@@ -143,6 +143,7 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
     """The output folder, mesh, model, optimizer, data and checkpoint folder of a run, each checked
     (raises ValueError / CheckpointError as `train`)."""
     out = check_out_dir(cfg.checkpoint.out)
+    check_resumable(cfg)  # before anything is printed or built
     if cfg.logging.capture and jax.process_count() > 1:
         raise ValueError(f"capture={cfg.logging.capture} records on one process; run it without --num-processes")
     if cfg.logging.tensorboard:
@@ -160,9 +161,6 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
                batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len)  # vocabulary, tokenizer, split sizes
     ckpt = Checkpoints(out / "checkpoints", keep=cfg.checkpoint.keep_checkpoints)
     saved = ckpt.steps()
-    if saved and not cfg.checkpoint.resume:
-        raise ValueError(f"{ckpt.directory} holds checkpoints (latest step {saved[-1]}); give --resume to continue "
-                         "that run, or another --out")
     if cfg.checkpoint.resume and not saved:
         say(f"[taco-jax] --resume: no checkpoint in {rel(ckpt.directory, out)}; starting from step 0")
     if cfg.checkpoint.resume and saved and (note := check_resumed_data(ds, out, cfg.data.path, recorded_data(out))):
@@ -349,6 +347,18 @@ def write_outputs(run: Run, summary: dict, history: list[dict]) -> None:
     if any("monitor" in r for r in history):
         plot_monitor(out / "monitor.png", out / "metrics.jsonl", title=f"{model}, mesh {mesh}, {comm}: "
                      "SQNR of the compressed TP collectives")
+
+
+def check_resumable(cfg: TrainConfig) -> None:
+    """Raises ValueError when `<out>/checkpoints` holds checkpoints and `--resume` is not given (a run
+    never overwrites another's checkpoints)."""
+    if cfg.checkpoint.resume:
+        return
+    ckpt = pathlib.Path(cfg.checkpoint.out) / "checkpoints"
+    saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+    if saved:
+        raise ValueError(f"{ckpt} holds checkpoints (latest step {saved[-1]}); give --resume to continue "
+                         "that run, or another --out")
 
 
 def check_out_dir(out) -> pathlib.Path:
