@@ -133,7 +133,8 @@ def test_summary_block_gives_throughput_and_compile_time_with_units(tmp_path):
     assert shown["val loss"].strip() == "4.25" and shown["steps"].strip() == "3"
     train["wire_bytes_per_step"] = {"data": 1196548, "tensor": 472620, "stage": 512}
     shown = dict(line.strip().split(": ", 1) for line in summary_block(train, tmp_path).splitlines()[1:])
-    assert shown["wire bytes/step"].strip().startswith("data 1.20 MB, tensor 472.62 KB, stage 512 B (sent per device, by mesh axis")
+    assert shown["wire bytes/step"].strip().startswith(
+        "data 1.20 MB, tensor 472.62 KB, stage 512 B (sent per device, by mesh axis")
     both = {"val_loss_none": 4.0, "val_loss_taco": 4.1, "val_loss_rel_diff": 0.025,
             "tokens_per_s": {"none": 24.845, "taco": 23.5}}
     shown = dict(line.strip().split(": ", 1) for line in summary_block(both, tmp_path).splitlines()[1:])

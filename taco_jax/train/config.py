@@ -291,7 +291,8 @@ class CheckpointSection:
             raise ValueError(f"out={self.out!r} must name a folder ([checkpoint] out); an empty one would write the "
                              "run's files into the current folder")
         if self.checkpoint_every < 0:
-            raise _invalid("checkpoint", "checkpoint_every", self.checkpoint_every, "must be >= 0 (0: the final checkpoint only)")
+            raise _invalid("checkpoint", "checkpoint_every", self.checkpoint_every,
+                           "must be >= 0 (0: the final checkpoint only)")
         if self.keep_checkpoints < 1:
             raise _invalid("checkpoint", "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
 
