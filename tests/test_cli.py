@@ -119,6 +119,12 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
         f"none: data {format_bytes(wire['none']['data'])}, tensor {format_bytes(wire['none']['tensor'])}; "
         f"taco: data {format_bytes(wire['taco']['data'])}, tensor {format_bytes(wire['taco']['tensor'])} (sent per")
     assert shown["steps"] == "2"
+    # steady-state throughput: batch 8 × 32 tokens over the median step after the first (here step 2)
+    from taco_jax.train.jsonio import read_metrics
+
+    for run_ in ("none", "taco"):
+        step2 = read_metrics(tmp_path / run_ / "metrics.jsonl")[1]
+        assert summary["step_tokens_per_s"][run_] == pytest.approx(8 * 32 / step2["step_s"])
     info = Image.open(tmp_path / "loss.png").info
     assert info["Title"].startswith("gpt2-tiny on Shakespeare")
     assert "compressed (data: int8-G128-had, tensor: taco-e4m3-G128-dual)" in info["Description"]
@@ -126,9 +132,12 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
 
 def test_summary_block_gives_throughput_and_compile_time_with_units(tmp_path):
     """The printed summary names each speed and time with its unit (train: one run; compare: per run)."""
-    train = {"comm": "taco", "steps": 3, "tokens_per_s": 123456.7, "compile_s": 12.345, "final_val_loss": 4.25}
+    train = {"comm": "taco", "steps": 3, "tokens_per_s": 123456.7, "compile_s": 12.345, "final_val_loss": 4.25,
+             "step_tokens_per_s": 234567.8}
     shown = dict(line.strip().split(": ", 1) for line in summary_block(train, tmp_path).splitlines()[1:])
     assert shown["throughput"].strip().startswith("123,457 tokens/s (over the run's wall time after compiling")
+    assert shown["step throughput"].strip() == "234,568 tokens/s (median training step after the first: no " \
+                                               "evaluation, checkpoint or warmup)"
     assert shown["compile time"].strip() == "12.3 s"
     assert shown["val loss"].strip() == "4.25" and shown["steps"].strip() == "3"
     train["wire_bytes_per_step"] = {"data": 1196548, "tensor": 472620, "stage": 512}

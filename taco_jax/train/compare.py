@@ -62,6 +62,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
         "tensor_wire_ratio_vs_exact_f32": _ratio(runs, "wire_bytes_per_step_issued_as_f32"),
         "dtype": cfg.model.dtype,
         "tokens_per_s": {c: r["tokens_per_s"] for c, r in runs.items()},
+        "step_tokens_per_s": {c: r["step_tokens_per_s"] for c, r in runs.items()},
         "config": {k: v for k, v in flag_values(cfg.to_dict()).items() if k not in ("policy", "out")},
         "processes": runs["taco"]["processes"],
     }

@@ -39,14 +39,16 @@ def rel(path, run_dir) -> str:
 
 #: Keys of a `train` summary shown by `summary_block` (label, key); the rest stays in summary.json.
 TRAIN_KEYS = (("comm", "comm"), ("mesh", "mesh"), ("steps", "steps"), ("train loss", "final_train_loss"),
-              ("val loss", "final_val_loss"), ("throughput", "tokens_per_s"), ("compile time", "compile_s"),
+              ("val loss", "final_val_loss"), ("throughput", "tokens_per_s"),
+              ("step throughput", "step_tokens_per_s"), ("compile time", "compile_s"),
               ("wire bytes/step", "wire_bytes_per_step"), ("resumed from step", "resumed_from_step"),
               ("preempted at step", "preempted_at_step"))
 #: The same for a `compare` summary.
 COMPARE_KEYS = (("mesh", "mesh"), ("steps", "steps"), ("val loss none", "val_loss_none"),
                 ("val loss taco", "val_loss_taco"), ("relative diff", "val_loss_rel_diff"),
                 ("wire bytes/step", "wire_bytes_per_step"), ("wire ratio compiled", "wire_ratio_taco_over_none"),
-                ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("throughput", "tokens_per_s"))
+                ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("throughput", "tokens_per_s"),
+                ("step throughput", "step_tokens_per_s"))
 
 
 def format_bytes(n) -> str:
@@ -58,7 +60,11 @@ def format_bytes(n) -> str:
 
 
 #: The unit of a shown number (summary key -> how one value is written).
-UNITS = {"tokens_per_s": lambda v: f"{v:,.1f} tokens/s" if v < 1000 else f"{v:,.0f} tokens/s",
+def _tokens_per_s(v) -> str:
+    return f"{v:,.1f} tokens/s" if v < 1000 else f"{v:,.0f} tokens/s"
+
+
+UNITS = {"tokens_per_s": _tokens_per_s, "step_tokens_per_s": _tokens_per_s,
          "compile_s": lambda v: f"{v:,.1f} s", "wire_bytes_per_step": format_bytes,
          "val_loss_rel_diff": lambda v: f"{100 * v:+.3f} %",
          "wire_ratio_taco_over_none": lambda v: f"{v:.3f}", "tensor_wire_ratio_vs_exact_issued": lambda v: f"{v:.3f}"}
@@ -70,7 +76,8 @@ NOTES = {"wire_ratio_taco_over_none": "(taco / exact bytes per step as compiled;
          "wire_bytes_per_step": "(sent per device, by mesh axis, as compiled; exact bytes: summary.json)",
          "final_train_loss": "(mean of the last {final_train_loss_steps} steps' losses; each step's: metrics.jsonl)",
          "tokens_per_s": "(over the run's wall time after compiling: evaluation and checkpoints included; "
-                         "per step: metrics.jsonl)"}
+                         "per step: metrics.jsonl)",
+         "step_tokens_per_s": "(median training step after the first: no evaluation, checkpoint or warmup)"}
 
 
 def summary_block(summary: dict, out_dir) -> str:

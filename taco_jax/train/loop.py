@@ -306,6 +306,9 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         "final_train_loss_steps": len(history[-10:]),  # the steps it averages (fewer than 10 in a short run)
         "final_val_loss": state.val_loss,
         "tokens_per_s": run.tokens_per_step * (len(history) and history[-1]["step"] - start) / wall,
+        # steady state: the median training step after this run's first (no evaluation, checkpoint or warmup)
+        "step_tokens_per_s": run.tokens_per_step / float(np.median([r["step_s"] for r in history[1:]]))
+        if len(history) > 1 else None,
         "train_wall_s": wall,
         "compile_s": acct.compile_s,
         "dtype": cfg.model.dtype,  # compute dtype (TP messages); parameters and optimizer state are float32
