@@ -387,26 +387,3 @@ def test_sigterm_to_the_launcher_then_resume_on_another_mesh(preempted, cache):
     assert [x["step"] for x in recs] == list(range(1, 9))
     assert all(math.isfinite(x["loss"]) for x in recs) and recs[-1]["loss"] < recs[0]["loss"]
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == stopped
-
-
-def test_launch_compare_with_the_tensor_axis_spanning_two_processes(tmp_path, cache):
-    """`launch --processes 2 -- compare` with tensor=2 over 2 processes × 1 device: both runs (exact,
-    then TACO) on the distributed runtime; process 0 writes one summary.json naming both runs, with
-    the tensor-axis wire bytes attributed to the tensor axis (replica groups are logical ids, not the
-    processes' device ids)."""
-    out = tmp_path / "cmp"
-    r = run(cli("compare", *TINY, "--mesh", "data=1,tensor=2", "--steps", "3", "--eval-every", "3", "--no-progress",
-                "--out", out, processes=2), cache)
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    s = json.loads((out / "summary.json").read_text())
-    assert s["processes"] == 2 and s["mesh"] == "data=1,tensor=2"
-    assert set(s["tokens_per_s"]) == {"none", "taco"} and all(v > 0 for v in s["tokens_per_s"].values())
-    assert math.isfinite(s["val_loss_none"]) and math.isfinite(s["val_loss_taco"])
-    assert s["compressed_axes"] == ["tensor"]
-    wire = s["tensor_wire_bytes_per_step"]
-    assert wire["none"] > 0 and 0 < wire["taco"] < wire["none"]
-    assert "?" not in s["wire_bytes_per_step"]["none"]
-    for run_ in ("none", "taco"):
-        assert len(metrics(out / run_)) == 3
-        assert json.loads((out / run_ / "summary.json").read_text())["processes"] == 2
-    assert r.stdout.count("val loss taco:") == 1  # one summary printed (process 0)

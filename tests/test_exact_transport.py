@@ -82,32 +82,69 @@ def test_f32_messages_and_other_transports_are_unchanged():
         assert "u16" not in _collective_types(hlo(lambda v, f=f: f(v.astype(jnp.bfloat16), xla))), name
 
 
-@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp", "tp-sp"])
-def test_two_gloo_processes_move_bf16_and_match_one(tmp_path, cache, extra):
-    """2 processes x 1 device (gloo), mesh tensor=2, exact bf16 step: its compiled collectives move
-    the bytes the program issues (bf16 as u16, nothing widened to f32; the one-process run's
-    compiled step moves more), and its per-step losses and gradient norms equal the plain
-    one-process run's (XLA's in-process collectives, bf16 widened to f32) bit for bit: a sum of two
-    partial sums in FP32, rounded once, either way."""
-    args = ["train", *TINY, "--steps", "2", "--mesh", "data=1,tensor=2", "--comm", "none", "--dtype", "bfloat16",
-            *extra, "--no-progress"]
+#: An exact bf16 run on tensor=2 (2 processes x 1 device, or one process x 2 devices).
+EXACT_BF16 = [*TINY, "--steps", "2", "--eval-every", "2", "--mesh", "data=1,tensor=2", "--dtype", "bfloat16",
+              "--no-progress"]
+
+
+def _check_bf16_wire_and_losses(two, one) -> None:
+    """The 2-process exact bf16 run in folder `two` against the plain one-process run in `one`: its
+    compiled collectives move the bytes the program issues (bf16 as u16, nothing widened to f32; the
+    one-process run's compiled step moves more), and its per-step losses and gradient norms equal the
+    one-process run's bit for bit."""
+    s2, s1 = (json.loads((d / "summary.json").read_text()) for d in (two, one))
+    compiled, issued = s2["wire_bytes_per_step"]["tensor"], s2["wire_bytes_per_step_issued"]["tensor"]
+    assert abs(compiled - issued) <= 0.02 * issued  # XLA may merge the few small f32 all-reduces
+    assert s1["wire_bytes_per_step"]["tensor"] > 1.9 * s1["wire_bytes_per_step_issued"]["tensor"]  # widened
+    tensor = [r for r in s2["wire_detail"] if r["axis"] == "tensor"]
+    assert {r["dtype"] for r in tensor} <= {"u16", "f32"}, tensor  # no bf16 widened, no other type
+    # the bf16 messages move as u16; the f32 ones are FP32 values (loss terms, replicated parameters' gradients)
+    assert sum(r["bytes"] for r in tensor if r["dtype"] == "u16") >= 0.95 * compiled, tensor
+    assert s2["wire_bytes_per_step"]["tensor"] <= 0.55 * s1["wire_bytes_per_step"]["tensor"]  # 2 bytes, not 4
+    a, b = losses(one), losses(two)
+    assert [r[0] for r in a] == [r[0] for r in b] == [1, 2]
+    assert a == b, (a, b)
+    assert all(math.isfinite(v) for _, v, _ in b)
+
+
+def test_two_gloo_processes_move_bf16_and_match_one_with_sequence_parallelism(tmp_path, cache):
+    """2 processes x 1 device (gloo), mesh tensor=2, exact bf16 step with sequence parallelism
+    (all-gathers and reduce-scatters): `_check_bf16_wire_and_losses` against the plain one-process
+    run (XLA's in-process collectives, bf16 widened to f32): a sum of two partial sums in FP32,
+    rounded once, either way."""
+    args = ["train", *EXACT_BF16, "--comm", "none", "--sequence-parallel"]
     p2 = start(cli(*args, "--out", tmp_path / "p2", processes=2), cache, tmp_path / "p2.log")
     ref = run(cli(*args, "--out", tmp_path / "ref"), cache)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert p2.wait(timeout=420) == 0, (tmp_path / "p2.log").read_text()[-3000:]
-    two, one = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("p2", "ref"))
-    compiled, issued = two["wire_bytes_per_step"]["tensor"], two["wire_bytes_per_step_issued"]["tensor"]
-    assert abs(compiled - issued) <= 0.02 * issued  # XLA may merge the few small f32 all-reduces
-    assert one["wire_bytes_per_step"]["tensor"] > 1.9 * one["wire_bytes_per_step_issued"]["tensor"]  # widened
-    tensor = [r for r in two["wire_detail"] if r["axis"] == "tensor"]
-    assert {r["dtype"] for r in tensor} <= {"u16", "f32"}, tensor  # no bf16 widened, no other type
-    # the bf16 messages move as u16; the f32 ones are FP32 values (loss terms, replicated parameters' gradients)
-    assert sum(r["bytes"] for r in tensor if r["dtype"] == "u16") >= 0.95 * compiled, tensor
-    assert two["wire_bytes_per_step"]["tensor"] <= 0.55 * one["wire_bytes_per_step"]["tensor"]  # 2 bytes, not 4
-    a, b = losses(tmp_path / "ref"), losses(tmp_path / "p2")
-    assert [r[0] for r in a] == [r[0] for r in b] == [1, 2]
-    assert a == b, (a, b)
-    assert all(math.isfinite(v) for _, v, _ in b)
+    _check_bf16_wire_and_losses(tmp_path / "p2", tmp_path / "ref")
+
+
+def test_launch_compare_with_the_tensor_axis_spanning_two_processes(tmp_path, cache):
+    """`launch --processes 2 -- compare` with tensor=2 over 2 processes x 1 device: both runs (exact,
+    then TACO) on the distributed runtime; process 0 writes one summary.json naming both runs, with
+    the tensor-axis wire bytes attributed to the tensor axis (replica groups are logical ids, not the
+    processes' device ids). Its exact run (all-reduces) passes `_check_bf16_wire_and_losses` against
+    the plain one-process `train --comm none`."""
+    out = tmp_path / "cmp"
+    p2 = start(cli("compare", *EXACT_BF16, "--out", out, processes=2), cache, tmp_path / "cmp.log")
+    ref = run(cli("train", *EXACT_BF16, "--comm", "none", "--out", tmp_path / "ref"), cache)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert p2.wait(timeout=420) == 0, (tmp_path / "cmp.log").read_text()[-3000:]
+    stdout = (tmp_path / "cmp.log").read_text()
+    s = json.loads((out / "summary.json").read_text())
+    assert s["processes"] == 2 and s["mesh"] == "data=1,tensor=2"
+    assert set(s["tokens_per_s"]) == {"none", "taco"} and all(v > 0 for v in s["tokens_per_s"].values())
+    assert math.isfinite(s["val_loss_none"]) and math.isfinite(s["val_loss_taco"])
+    assert s["compressed_axes"] == ["tensor"]
+    wire = s["tensor_wire_bytes_per_step"]
+    assert wire["none"] > 0 and 0 < wire["taco"] < wire["none"]
+    assert "?" not in s["wire_bytes_per_step"]["none"]
+    for run_ in ("none", "taco"):
+        assert len(losses(out / run_)) == 2
+        assert json.loads((out / run_ / "summary.json").read_text())["processes"] == 2
+    assert stdout.count("val loss taco:") == 1  # one summary printed (process 0)
+    _check_bf16_wire_and_losses(out / "none", tmp_path / "ref")
 
 
 def test_one_process_step_with_transport_gloo_is_the_multiprocess_program():
