@@ -477,7 +477,7 @@ def _plan(args, file_policy: dict | None) -> int:
 
         out = pathlib.Path(args.out)
         if (out / "plan.json").exists() or (out / "plan.md").exists():
-            _say(f"plan: replacing the previous plan in {out} (give --out DIR to keep it)")
+            _say(f"plan: replacing the previous plan in {out} (give another --out to keep it)")
         out.mkdir(parents=True, exist_ok=True)
         jsonio.write(out / "plan.json", result)
         (out / "plan.md").write_text(planner.markdown(result))

@@ -202,6 +202,12 @@ class TrainingSection:
         _positive("training", self, ("steps",))
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise _invalid("training", "lr", self.lr, "must be positive and finite")
+        if not (self.grad_clip > 0 and math.isfinite(self.grad_clip)):
+            raise _invalid("training", "grad_clip", self.grad_clip, "must be a positive, finite global norm")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise _invalid("training", "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1] (a fraction of lr)")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise _invalid("training", "weight_decay", self.weight_decay, "must be >= 0 and finite")
         if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
             raise _invalid("training", "warmup_steps", self.warmup_steps,
                            f"must be -1 (10% of steps) or in [0, steps={self.steps})")
