@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import re
 import sys
@@ -142,7 +143,7 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     for name, help_ in (("train", "train one model"),
                         ("compare", "train exact (every axis), then with the codec flags' policy; plot both")):
         sp = sub.add_parser(name, help=help_, formatter_class=_HelpFormatter,
-                            allow_abbrev=False,
+                            allow_abbrev=False, description=DESCRIPTIONS[name],
                             epilog="Precedence of the codec flags (later wins): --comm and its codec flags, "
                                    "--dp-comm / --pp-comm; --policy FILE (the sites it names); --site. "
                                    "--capture works on data × tensor meshes only (not with stage > 1 or "
@@ -210,11 +211,20 @@ def _positive_int(name: str):
 
 #: `train` flags that `plan` / `predict` accept (a train --config file works as it is) but do not use
 #: (steps, optimization, evaluation, checkpoints, logging, monitoring): not listed by their --help.
+#: The first lines of `taco-jax train --help` / `compare --help`.
+DESCRIPTIONS = {
+    "train": "taco-jax train: train one model; writes --out (metrics.jsonl, summary.json, config.json, loss.png, "
+             "checkpoints/; docs/training.md).",
+    "compare": "taco-jax compare: train the same model twice, same seed and data order: exact on every axis into "
+               "OUT/none/, then with the codec flags' policy into OUT/taco/ (whatever its codecs); each folder is a "
+               "train run's. Then OUT/loss.png (both losses) and OUT/summary.json (both val losses, wire bytes and "
+               "their ratio per mesh axis). OUT is --out.",
+}
 PLAN_UNUSED = frozenset({
-    "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "seed", "eval_every",
-    "eval_batches", "export_hf", "allow_nonfinite", "log_every", "capture", "monitor_every", "monitor_warn_sqnr",
-    "monitor_min_sqnr", "checkpoint_every", "final_checkpoint", "keep_checkpoints", "resume", "resume_fallback",
-    "step_timeout", "emulated_link", "profile_steps", "profile_dir", "tensorboard"})
+    "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "adam_b1", "adam_b2", "seed",
+    "eval_every", "eval_batches", "export_hf", "allow_nonfinite", "log_every", "capture", "monitor_every",
+    "monitor_warn_sqnr", "monitor_min_sqnr", "checkpoint_every", "final_checkpoint", "keep_checkpoints", "resume",
+    "resume_fallback", "step_timeout", "emulated_link", "profile_steps", "profile_dir", "tensorboard"})
 
 
 def _add_plan(sub, helps, explicit: bool) -> None:
@@ -262,17 +272,20 @@ def _config_values(sp: argparse.ArgumentParser, path: str) -> tuple[dict, dict |
     """The values of `--config path` as `sp`'s defaults (each checked and typed like its flag) and
     the file's "policy" table (None without one). Raises ValueError naming the file and the
     unknown key or bad value."""
-    from taco_jax.train.config import FLAGS, read_config_file
+    from taco_jax.train.config import FLAGS, CommFlags, read_config_file
 
     actions = {a.dest: a for a in sp._actions if a.dest not in ("help", "config")}
+    comm = {f.name for f in dataclasses.fields(CommFlags)}
     values, policy = {}, None
     command = sp.prog.split()[-1]
     for key, value in read_config_file(path).items():
-        table = FLAGS.get(key)  # a train flag: its table and key, as the file may give it
+        table = FLAGS.get(key) or (("communication", key) if key in comm else None)  # its table, as the file gives it
         where = f"--config {path!r}: " + (f"[{table[0]}] {table[1]}" if table else key) + f"={value!r}"
         if key == "policy" and isinstance(value, dict):
             policy = value
             continue
+        if key == "policy" and "policy_file" in actions:  # `policy = "FILE"`, as the flag --policy FILE
+            key = "policy_file"
         if key == "out" and command in ("plan", "predict"):  # a train file's run folder: plan writes to its own --out
             continue
         if key not in actions:
@@ -297,10 +310,13 @@ def _typed(action: argparse.Action, value, where: str):
     if isinstance(value, bool | dict | list) or value is None:
         raise ValueError(f"{where} must be a single {getattr(action.type, '__name__', 'value')}")
     if action.type is float and isinstance(value, int | float | str):
-        try:
-            value = float(value)  # also "Infinity" / "-Infinity" / "NaN" (a run's strict JSON)
+        try:  # text only for what TOML and strict JSON cannot write as numbers: "Infinity", "-Infinity", "NaN"
+            number = float(value)
+            if isinstance(value, str) and math.isfinite(number):
+                raise ValueError(value)
+            value = number
         except ValueError:
-            raise ValueError(f"{where} must be a number") from None
+            raise ValueError(f"{where} must be a number (not text)") from None
     elif action.type is int and not isinstance(value, int):
         raise ValueError(f"{where} must be an integer")
     elif action.type in (str, None) and not isinstance(value, str):
@@ -308,8 +324,9 @@ def _typed(action: argparse.Action, value, where: str):
     elif action.type not in (int, float, str, None):  # e.g. an integer or "auto"
         try:
             value = action.type(str(value))
-        except argparse.ArgumentTypeError as e:
-            raise ValueError(f"{where}: {e}") from None
+        except argparse.ArgumentTypeError as e:  # "min_bytes=-3 must be ...": the value is in `where` already
+            rule = re.sub(r"^[a-z_]+=\S+ ", "", str(e))
+            raise ValueError(f"{where} {rule}") from None
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"{where} is not one of {', '.join(map(str, action.choices))}")
     return value

@@ -59,7 +59,8 @@ def test_sample_reads_a_run_checkpoint_without_orbax_warnings(saved, tmp_path, c
 
 def test_restore_names_another_codec_and_learning_rate(saved):
     """Restored by a run with other flags (they hold from then on): each change is named, the
-    communication policy by the sites whose codec changed (grouped) and its other settings."""
+    communication policy by the sites whose codec changed (grouped) and its other settings, and a
+    changed learning-rate schedule says so."""
     from taco_jax.codec import CodecConfig
     from taco_jax.collectives.policy import CommPolicy
 
@@ -70,6 +71,8 @@ def test_restore_names_another_codec_and_learning_rate(saved):
     *_, notes = ck.restore(3, other.to_dict(), params, opt_state)
     ck.close()
     assert f"lr: checkpoint {cfg.training.lr!r}, now 0.5" in notes
+    assert f"the learning-rate schedule is recomputed for steps={cfg.training.steps} (warmup and cosine): from " \
+           "here on it differs from the checkpointed run's" in notes
     assert "communication (checkpoint -> now): ar_fwd/ar_bwd/all_gather/reduce_scatter none -> int8-G128; " \
            "chunks 1 -> 2" in notes, notes
 

@@ -96,6 +96,7 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
     from PIL import Image
 
     from taco_jax.train.compare import compare
+    from taco_jax.train.step import lr_schedule
 
     cfg = TrainConfig.from_flags(steps=2, warmup_steps=0, vocab_size=512, batch_size=8, seq_len=32, eval_batches=1,
                                  dp_comm="int8", out=str(tmp_path))
@@ -119,15 +120,26 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
         f"none: data {format_bytes(wire['none']['data'])}, tensor {format_bytes(wire['none']['tensor'])}; "
         f"taco: data {format_bytes(wire['taco']['data'])}, tensor {format_bytes(wire['taco']['tensor'])} (sent per")
     assert shown["steps"] == "2"
+    assert shown["taco run codecs"] == summary["codecs_taco"] == "data: int8-G128-had, tensor: taco-e4m3-G128-dual"
     # steady-state throughput: batch 8 × 32 tokens over the median step after the first (here step 2)
     from taco_jax.train.jsonio import read_metrics
 
     for run_ in ("none", "taco"):
         step2 = read_metrics(tmp_path / run_ / "metrics.jsonl")[1]
         assert summary["step_tokens_per_s"][run_] == pytest.approx(8 * 32 / step2["step_s"])
+        assert step2["lr"] == pytest.approx(float(lr_schedule(cfg)(1)))  # the learning rate of step 2's update
     info = Image.open(tmp_path / "loss.png").info
     assert info["Title"].startswith("gpt2-tiny on Shakespeare")
     assert "compressed (data: int8-G128-had, tensor: taco-e4m3-G128-dual)" in info["Description"]
+
+
+def test_compare_refuses_a_policy_that_compresses_nothing(tmp_path):
+    """compare --comm none would train the exact run twice: refused before training, naming the way out."""
+    from taco_jax.train.compare import compare
+
+    with pytest.raises(ValueError, match=r"this policy compresses no site \(--comm none.*both runs would be exact"):
+        compare(TrainConfig.from_flags(comm="none", out=str(tmp_path / "c")), progress=False)
+    assert not (tmp_path / "c").exists()
 
 
 def test_summary_block_gives_throughput_and_compile_time_with_units(tmp_path):

@@ -94,7 +94,8 @@ def test_toml_with_tables_round_trips(tmp_path):
     (CommunicationSection, dict(transport="ring"), r"transport='ring' must be one of"),
     (CommunicationSection, dict(step_timeout=-1.0), r"step_timeout=-1.0 must be >= 0"),
     (CheckpointSection, dict(keep_checkpoints=0), r"keep_checkpoints=0 must be >= 1"),
-    (CheckpointSection, dict(out=""), r"out='' must name a folder \(\[checkpoint\] out\); an empty one would write"),
+    (CheckpointSection, dict(out=""),
+     r"out='' must name a folder; an empty one would write .*; set by --out or \[checkpoint\] out$"),
     (LoggingSection, dict(profile_dir="p"), r"profile_dir='p' is given without profile_steps"),
 ])
 def test_a_section_rejects_its_bad_value_naming_it(section, values, match):
@@ -112,6 +113,9 @@ def test_a_section_rejects_its_bad_value_naming_it(section, values, match):
     ("[xyzzy]\nsteps = 3\n", r"\[xyzzy\] is not a table of the config; the tables are \['model', 'data'"),
     ("steps = 3\n[training]\nsteps = 4\n", r"\[training\] steps gives 'steps' a second time"),
     ("training = 3\n", r"training must be a table \(\[training\]\), not 3"),
+    ("[training]\nlr = \"0.001\"\n", r"\[training\] lr='0.001' must be a number \(not text\)"),
+    ("[communication]\nmin_bytes = -3\n", r"\[communication\] min_bytes=-3 must be an integer >= 0 or 'auto'$"),
+    ("[communication]\npolicy = \"no-such.json\"\n", r"policy file 'no-such.json': cannot read it"),
 ])
 def test_bad_table_exits_2_naming_the_key(tmp_path, capsys, text, match):
     (tmp_path / "c.toml").write_text(text)
@@ -180,10 +184,22 @@ def test_transport_reaches_dispatch(tmp_path, monkeypatch, capsys):
      r"data × microbatches = 2 × 3 \(--mesh data=2,stage=2,tensor=2, --microbatches 3\)"),
     (dict(mesh="data=2,stage=2,tensor=2", microbatches=1),
      r"microbatches=1 must be >= stage=2, else .* \(--mesh data=2,stage=2,tensor=2, --microbatches 1, model gpt2"),
-    (dict(seq_len=4096), r"seq_len=4096 exceeds the model's block_size=256 \(--seq-len, \[data\] seq_len; model gpt2"),
+    (dict(seq_len=4096), r"seq_len=4096 exceeds the model's block_size=256 \(model gpt2-tiny\); set by --seq-len or "
+                         r"\[data\] seq_len$"),
+    (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*63\) .*; set by --seed or \[training\] seed$"),
+    (dict(vocab_size=10), r"vocab_size=10 is too small for the Shakespeare BPE: give >= 257 .*; set by --vocab-size"),
+    (dict(profile_steps="5:3"), r"profile_steps='5:3' must satisfy 1 <= A <= B; set by --profile-steps"),
+    (dict(mesh="foo=2"), r"mesh axis 'foo' .*; set by --mesh or \[parallelism\] mesh$"),
+    (dict(dtype="fp16"), r"dtype='fp16' is not supported; .*; set by --dtype or \[model\] dtype$"),
+    (dict(schedule="zb"), r"schedule='zb' is not supported; .*; set by --schedule or \[parallelism\] schedule$"),
+    (dict(fmt="e3m4"), r"fmt='e3m4' is not supported; .*; set by --fmt or \[communication\] fmt$"),
+    (dict(algorithm="x"), r"all_reduce_algorithm='x' .*; set by --algorithm or \[communication\] algorithm$"),
+    (dict(site=("ar_bwd:fmt=e9",)), r"site='ar_bwd:fmt=e9': fmt='e9' .*; set by --site or \[communication\] site$"),
+    (dict(init_from="/nonexistent"), r"init_from='/nonexistent': .*; set by --init-from or \[model\] init_from$"),
 ])
 def test_a_conflict_between_flags_names_them(flags, match):
     """A mesh the batch or the model does not divide, a pipeline with fewer microbatches than stages, a
-    sequence longer than the model's context: the error names the flags (--mesh, ...) beside the values."""
+    sequence longer than the model's context, a value another module checks: the error names the
+    flags (--mesh, ...) beside the values, and the flag and table of the value it starts with."""
     with pytest.raises(ValueError, match=match):
         TrainConfig.from_flags(**flags)

@@ -249,8 +249,8 @@ def test_plan_cli_writes_json_and_markdown_without_compiling(tmp_path, capsys):
     data = json.loads((out / "plan.json").read_text())
     assert data["predict"]["n_layers"] == 8 and "compiled" not in data
     assert "--min-bytes auto" in (out / "plan.md").read_text()
-    # the codec speed says where it comes from (h100: assumed equal to the H200's measurement)
-    assert "GB/s encode/decode (assumed equal to the H200 measurement)" in text
+    # the codec speed says where it comes from (h100: the H200's measurement scaled by HBM bandwidth)
+    assert "967/1,369 GB/s encode/decode (assumed: the H200 measurement x 3.35/4.8)" in text
     # a second plan into the same folder says that it replaces the first
     assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=2,tensor=4", "--hardware", "h200", "--no-compile",
                  "--out", str(out)]) == 0

@@ -237,7 +237,7 @@ def test_vocabulary_with_holes_counts_to_its_largest_id(tmp_path, capsys, eot_id
                      "--batch-size", "8", "--seq-len", "16", "--steps", "1", "--out", str(tmp_path / "run"),
                      "--no-progress"]) == 2
         err = capsys.readouterr().err
-        assert f"taco-jax: error: tokenizer vocab {eot_id + 1} exceeds the model's vocab_size=2048" in err, err
+        assert f"taco-jax: error: vocab_size=2048 is smaller than the {eot_id + 1:,} ids of data=" in err, err
 
 
 def test_special_token_text_inside_a_document_is_text(tmp_path):

@@ -214,6 +214,31 @@ def test_lr_schedule_starts_at_step_one_and_ends_at_min():
     assert float(no_warmup(0)) == pytest.approx(1e-2)
 
 
+def test_adam_betas_reach_the_optimizer():
+    """--adam-b1 / --adam-b2 are AdamW's β1, β2: the second update of the same gradients equals
+    optax.adamw's with those betas (and differs from the defaults'), and a beta outside [0, 1) is refused."""
+    import jax.numpy as jnp
+    import optax
+
+    from taco_jax.train.step import lr_schedule, make_optimizer
+
+    params, grads = {"kernel": jnp.ones((4, 4))}, [{"kernel": jnp.full((4, 4), g)} for g in (0.3, -0.1)]
+
+    def second_update(opt):
+        state = opt.init(params)
+        for g in grads:
+            upd, state = opt.update(g, state, params)
+        return np.asarray(upd["kernel"])
+
+    cfg = TrainConfig.from_flags(mesh="data=1", steps=10, adam_b1=0.5, adam_b2=0.7, weight_decay=0.0)
+    want = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr_schedule(cfg), b1=0.5, b2=0.7, weight_decay=0.0))
+    np.testing.assert_allclose(second_update(make_optimizer(cfg)), second_update(want), rtol=1e-6)
+    default = make_optimizer(cfg.replace(adam_b1=0.9, adam_b2=0.95))
+    assert not np.allclose(second_update(default), second_update(want))
+    with pytest.raises(ValueError, match=r"adam_b2=1.0 must be in \[0, 1\); set by --adam-b2 or \[training\] adam_b2"):
+        cfg.replace(adam_b2=1.0)
+
+
 def test_real_gpt2_vocabulary_runs_tensor_parallel_with_padding():
     """GPT-2's real 50,257-token vocabulary on data=2,tensor=4 (refused before padding existed): padded
     to 50,688 rows (128 × 4), and the mesh loss equals the unpadded one-device loss on the same weights."""

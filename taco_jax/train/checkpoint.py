@@ -37,7 +37,10 @@ FORMAT = 1  # bump when the meta layout changes
 STRUCTURAL = ("model", "vocab_size")
 #: Fields that change the numbers of the continued run (reported, not refused).
 NUMERIC = ("seed", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip",
-           "steps", "microbatches", "schedule", "sequence_parallel")
+           "adam_b1", "adam_b2", "steps", "microbatches", "schedule", "sequence_parallel")
+#: Fields of NUMERIC that set the learning-rate schedule (`train.step.lr_schedule`): a resume that
+#: changes one says that the schedule is recomputed.
+SCHEDULE = ("lr", "min_lr_ratio", "warmup_steps", "steps")
 _RTOL = 1e-4  # fingerprints: float32 sums of |x| reduced in a mesh-dependent order
 
 
@@ -275,6 +278,9 @@ class Checkpoints:
                                          "corrupt")
         notes = [f"{f}: checkpoint {saved.get(f)!r}, now {config.get(f)!r}" for f in NUMERIC
                  if f in saved and saved.get(f) != config.get(f)]
+        if any(f in saved and saved.get(f) != config.get(f) for f in SCHEDULE):
+            notes.append(f"the learning-rate schedule is recomputed for steps={config.get('steps')!r} (warmup and "
+                         "cosine): from here on it differs from the checkpointed run's")
         if not _same_folder(saved.get("init_from"), config.get("init_from")):  # same architecture, other folder
             notes.append(f"init_from: checkpoint {saved.get('init_from')!r}, now {config.get('init_from')!r}")
         if saved.get("mesh") != config.get("mesh"):

@@ -3,7 +3,7 @@ and with the run's communication policy, with both runs' losses and wire bytes s
 
 from __future__ import annotations
 
-from taco_jax.collectives.policy import CommPolicy
+from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.data import data_label, training_data
 from taco_jax.train import distributed as dist
 from taco_jax.train import jsonio
@@ -21,15 +21,21 @@ def _ratio(runs: dict, key: str) -> float | None:
 def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Trains the same model twice (same seed and data order): exact on every axis ("none"), then
     with `cfg.communication.policy` ("taco": `--comm` and its codec flags, `--dp-comm`, `--pp-comm`,
-    `--policy`, `--site`).
+    `--policy`, `--site`; whatever its codecs, its folder and summary keys say "taco").
 
     Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and
     `<out>/summary.json`: both final validation losses, their relative difference, and the wire
     bytes per step of each run by mesh axis with the compressed / exact ratio per axis.
     In a multi-process run (`taco-jax launch --processes N -- compare ...`) every process trains
     both runs on the distributed runtime and returns the summary; process 0 writes the files.
-    Raises: as `train`; ValueError before any training when `<out>` cannot be written.
+    Raises: as `train`; ValueError before any training when `<out>` cannot be written, or when the
+    policy compresses no site (the two runs would be the same).
     """
+    policy = cfg.communication.policy
+    if all(getattr(policy, s).kind == "none" for s in SITES):
+        raise ValueError("compare trains the exact run and a compressed one, and this policy compresses no site "
+                         "(--comm none, no --dp-comm / --pp-comm): both runs would be exact. Give a codec "
+                         "(e.g. --comm taco, --comm int8, --dp-comm taco), or run `taco-jax train --comm none`")
     out = check_out_dir(cfg.checkpoint.out)
     ds = training_data(cfg.data.path, cfg.bpe_vocab_size)
     configs = {"none": cfg.replace(policy=CommPolicy.none(), out=str(out / "none")),
@@ -42,6 +48,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     wire = {c: r["wire_bytes_per_step"] for c, r in runs.items()}
     ratio = {a: wire["taco"].get(a, 0) / n for a, n in wire["none"].items() if n}
     axes = runs["taco"]["compressed_axes"]
+    codecs = ", ".join(f"{a}: {policy_label(policy, AXIS_SITES[a])}" for a in axes) or "nothing compressed"
     summary = {
         "model": cfg.model.name,
         "mesh": cfg.parallelism.mesh,
@@ -52,6 +59,7 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
         "within_1pct": abs(taco - base) / base <= 0.01,
         "compressed_axes": axes,
         "policy_taco": runs["taco"]["policy"],
+        "codecs_taco": codecs,  # the compressed run (folder taco/) by mesh axis, e.g. "tensor: int8-G128"
         "tensor_wire_bytes_per_step": {c: w.get("tensor", 0) for c, w in wire.items()},
         "tensor_wire_ratio_taco_over_none": ratio.get("tensor"),
         "wire_ratio_taco_over_none": ratio,  # per mesh axis: compressed / exact wire bytes per step
@@ -69,7 +77,6 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     if not dist.is_writer():
         return summary
     jsonio.write(out / "summary.json", summary)
-    codecs = ", ".join(f"{a}: {policy_label(configs['taco'].communication.policy, AXIS_SITES[a])}" for a in axes)
     taco_label = f"compressed ({codecs})" if axes else "taco (nothing compressed)"
     plot_losses(out / "loss.png", {"exact (every axis)": out / "none" / "metrics.jsonl",
                                    taco_label: out / "taco" / "metrics.jsonl"},

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 
 from taco_jax.codec import NONE, CodecConfig, codec_kinds, get_kind
 from taco_jax.codec.config import TRANSPORTS
@@ -147,6 +148,25 @@ def _invalid(section: str, field: str, value, rule: str) -> ValueError:
     return ValueError(f"{field}={value!r} {rule}; set by --{flag} or [{section}] {field}")
 
 
+def _named(err: ValueError, flag: str = "") -> ValueError:
+    """`err` with "; set by --FLAG or [SECTION] FIELD" appended, for the flag `flag` or, by default,
+    the flag its message starts with ("fmt='e3m4' is ..."); `err` itself when it already names its
+    flag that way or no flag is found. `CommFlags`' flags live in `[communication]`."""
+    msg = str(err)
+    if "; set by --" in msg:
+        return err
+    if not flag:
+        m = re.match(r"(\w+)=", msg)
+        flag = {"all_reduce_algorithm": "algorithm"}.get(m.group(1), m.group(1)) if m else ""
+    if flag in FLAGS:
+        section, field = FLAGS[flag]
+    elif flag in {f.name for f in dataclasses.fields(CommFlags)}:
+        section, field = "communication", flag
+    else:
+        return err
+    return ValueError(f"{msg}; set by --{flag.replace('_', '-')} or [{section}] {field}")
+
+
 def _positive(section: str, obj, names) -> None:
     """Raises ValueError naming the first field of `names` of `obj` that is not > 0."""
     for f in names:
@@ -195,6 +215,8 @@ class TrainingSection:
     warmup_steps: int = -1  # linear warmup steps; -1 = 10% of --steps
     weight_decay: float = 0.1  # on matrices only (not biases / LayerNorm)
     grad_clip: float = 1.0  # global-norm clipping
+    adam_b1: float = 0.9  # AdamW beta1 (first-moment decay)
+    adam_b2: float = 0.95  # AdamW beta2 (second-moment decay; nanoGPT's and Megatron's GPT recipe)
     seed: int = 0  # init and data order (same for every --comm)
     allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
 
@@ -208,6 +230,11 @@ class TrainingSection:
             raise _invalid("training", "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1] (a fraction of lr)")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise _invalid("training", "weight_decay", self.weight_decay, "must be >= 0 and finite")
+        for f in ("adam_b1", "adam_b2"):
+            if not 0 <= getattr(self, f) < 1:
+                raise _invalid("training", f, getattr(self, f), "must be in [0, 1)")
+        if not 0 <= self.seed < 2**63:
+            raise _invalid("training", "seed", self.seed, "must be in [0, 2**63) (numpy's and JAX's seeds)")
         if not (self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps):
             raise _invalid("training", "warmup_steps", self.warmup_steps,
                            f"must be -1 (10% of steps) or in [0, steps={self.steps})")
@@ -229,7 +256,10 @@ class ParallelismSection:
     schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b (parallel/pipeline.py)
 
     def __post_init__(self):
-        self.axes  # noqa: B018  (ValueError naming a malformed mesh)
+        try:
+            self.axes  # noqa: B018  (ValueError naming a malformed mesh)
+        except ValueError as e:
+            raise _named(e, "mesh") from None
         check_tp_overlap(self.tp_overlap, self.sequence_parallel)
 
     @property
@@ -294,8 +324,8 @@ class CheckpointSection:
 
     def __post_init__(self):
         if not str(self.out).strip():
-            raise ValueError(f"out={self.out!r} must name a folder ([checkpoint] out); an empty one would write the "
-                             "run's files into the current folder")
+            raise _invalid("checkpoint", "out", self.out, "must name a folder; an empty one would write the run's "
+                           "files into the current folder")
         if self.checkpoint_every < 0:
             raise _invalid("checkpoint", "checkpoint_every", self.checkpoint_every,
                            "must be >= 0 (0: the final checkpoint only)")
@@ -344,7 +374,8 @@ class LoggingSection:
             raise _invalid("logging", "profile_steps", self.profile_steps,
                            "must be A:B (first and last step traced, e.g. 3:5)") from None
         if not 1 <= first <= last <= steps:
-            raise _invalid("logging", "profile_steps", self.profile_steps, f"must satisfy 1 <= A <= B <= steps={steps}")
+            bound = f" <= steps={steps}" if steps < math.inf else ""
+            raise _invalid("logging", "profile_steps", self.profile_steps, f"must satisfy 1 <= A <= B{bound}")
         return first, last
 
 
@@ -363,7 +394,8 @@ FLAGS = {
     "steps": ("training", "steps"), "batch_size": ("data", "batch_size"), "seq_len": ("data", "seq_len"),
     "vocab_size": ("model", "vocab_size"), "lr": ("training", "lr"), "min_lr_ratio": ("training", "min_lr_ratio"),
     "warmup_steps": ("training", "warmup_steps"), "weight_decay": ("training", "weight_decay"),
-    "grad_clip": ("training", "grad_clip"), "seed": ("training", "seed"), "eval_every": ("logging", "eval_every"),
+    "grad_clip": ("training", "grad_clip"), "adam_b1": ("training", "adam_b1"),
+    "adam_b2": ("training", "adam_b2"), "seed": ("training", "seed"), "eval_every": ("logging", "eval_every"),
     "eval_batches": ("logging", "eval_batches"), "init_from": ("model", "init_from"), "data": ("data", "path"),
     "export_hf": ("checkpoint", "export_hf"), "dtype": ("model", "dtype"), "remat": ("model", "remat"),
     "make_vocab_size_divisible_by": ("model", "make_vocab_size_divisible_by"),
@@ -448,7 +480,7 @@ class TrainConfig:
                              f"({mesh}, --microbatches {microbatches})")
         if self.data.seq_len > self.model_config.block_size:
             raise ValueError(f"seq_len={self.data.seq_len} exceeds the model's block_size="
-                             f"{self.model_config.block_size} (--seq-len, [data] seq_len; model {self.model.name})")
+                             f"{self.model_config.block_size} (model {self.model.name})")
         try:
             self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), seq_len=self.data.seq_len,
                                                     sequence_parallel=self.parallelism.sequence_parallel)
@@ -465,7 +497,10 @@ class TrainConfig:
         from taco_jax.models import PRESETS
         from taco_jax.models.hf import architecture_label
 
-        ckpt = self.model_config
+        try:
+            ckpt = self.model_config
+        except ValueError as e:
+            raise _named(ValueError(f"init_from={init_from!r}: {e}")) from None
         label = architecture_label(ckpt)
         if name in ("", label):
             return label
@@ -482,15 +517,22 @@ class TrainConfig:
         published preset (`models.PUBLISHED`) its own, with `data` the prepared folder's (meta.json:
         its tokenizer's largest id + 1), else 2048. Raises ValueError for a `data` folder without
         meta.json, or a published preset's own vocabulary smaller than `data`'s (naming both)."""
+        from taco_jax.data.prepared import read_meta
         from taco_jax.models import PRESETS, PUBLISHED
 
-        if self.model.vocab_size:
-            return self.model.vocab_size
+        data, given = self.data.path, self.model.vocab_size
+        if given and data and not self.model.init_from:
+            theirs = int(read_meta(data)["vocab_size"])
+            if given < theirs:
+                raise _invalid("model", "vocab_size", given, f"is smaller than the {theirs:,} ids of data={data!r} "
+                               "(meta.json); give at least that, or 0 for the data's own")
+        elif given and not self.model.init_from and name not in PUBLISHED and given < 257:
+            raise _invalid("model", "vocab_size", given, "is too small for the Shakespeare BPE: give >= 257 "
+                           "(256 byte tokens + <|endoftext|>), or 0 for 2048")
+        if given:
+            return given
         if self.model.init_from:
             return DEFAULT_VOCAB
-        from taco_jax.data.prepared import read_meta
-
-        data = self.data.path
         if name in PUBLISHED:
             own = PRESETS[name].vocab_size
             theirs = int(read_meta(data)["vocab_size"]) if data else 0
@@ -555,10 +597,13 @@ class TrainConfig:
             raise TypeError(f"give policy= or the communication flags {sorted(comm)}, not both")
         if "site" in comm:
             comm["site"] = tuple(comm["site"] or ())
-        if "policy" not in flags:
-            flags["policy"] = CommFlags(**comm).policy()
-        groups = _grouped(flags, "TrainConfig.from_flags")
-        return cls(**{name: sec(**groups.get(name, {})) for name, sec in SECTIONS.items()})
+        try:
+            if "policy" not in flags:
+                flags["policy"] = CommFlags(**comm).policy()
+            groups = _grouped(flags, "TrainConfig.from_flags")
+            return cls(**{name: sec(**groups.get(name, {})) for name, sec in SECTIONS.items()})
+        except ValueError as e:
+            raise _named(e) from None
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "config") -> TrainConfig:
@@ -577,7 +622,11 @@ class TrainConfig:
         """A copy with these flags (`FLAGS`' names, or `policy=` a `CommPolicy`) changed, checked
         again. Raises TypeError for a name that is no such flag; ValueError as the constructor."""
         groups = _grouped(flags, "TrainConfig.replace")
-        return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in groups.items()})
+        try:
+            return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **kw)
+                                                for s, kw in groups.items()})
+        except ValueError as e:
+            raise _named(e) from None
 
     def to_dict(self) -> dict:
         """JSON-ready sections {section: {field: value}} (`communication.policy` as

@@ -44,7 +44,8 @@ TRAIN_KEYS = (("comm", "comm"), ("mesh", "mesh"), ("steps", "steps"), ("train lo
               ("wire bytes/step", "wire_bytes_per_step"), ("resumed from step", "resumed_from_step"),
               ("preempted at step", "preempted_at_step"))
 #: The same for a `compare` summary.
-COMPARE_KEYS = (("mesh", "mesh"), ("steps", "steps"), ("val loss none", "val_loss_none"),
+COMPARE_KEYS = (("mesh", "mesh"), ("steps", "steps"), ("taco run codecs", "codecs_taco"),
+                ("val loss none", "val_loss_none"),
                 ("val loss taco", "val_loss_taco"), ("relative diff", "val_loss_rel_diff"),
                 ("wire bytes/step", "wire_bytes_per_step"), ("wire ratio compiled", "wire_ratio_taco_over_none"),
                 ("wire ratio issued", "tensor_wire_ratio_vs_exact_issued"), ("throughput", "tokens_per_s"),

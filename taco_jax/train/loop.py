@@ -38,7 +38,7 @@ from taco_jax.train.console import rel, say
 from taco_jax.train.monitor import Monitor
 from taco_jax.train.plots import plot_losses, plot_monitor
 from taco_jax.train.profile import ProfileSteps, profile_dir
-from taco_jax.train.step import Trainer, compiled_memory, make_trainer
+from taco_jax.train.step import Trainer, compiled_memory, lr_schedule, make_trainer
 
 
 def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
@@ -74,6 +74,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
         return done
     acct = compile_step(run, state)  # 2. compile once; wire bytes and memory from the compiled program
     resume(run, acct, state)  # from the latest checkpoint with --resume; the first batch
+    lrs = np.asarray(lr_schedule(cfg)(np.arange(cfg.training.steps)))  # the learning rate of step k: lrs[k - 1]
     with make_hooks(run, acct, state, progress) as run_hooks:  # 3. the loop
         t_start = time.perf_counter()
         for step in range(state.start + 1, cfg.training.steps + 1):
@@ -83,8 +84,8 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                                                                state.targets)
             loss = float(m["loss"])  # blocks: the step time below is real
             dt = time.perf_counter() - t
-            rec = {"step": step, "loss": loss, "grad_norm": float(m["grad_norm"]), "step_s": dt,
-                   "tokens_per_s": run.tokens_per_step / dt, **extra}
+            rec = {"step": step, "loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(lrs[step - 1]),
+                   "step_s": dt, "tokens_per_s": run.tokens_per_step / dt, **extra}
             run_hooks.on_step(state, step, rec)  # evaluate, log, checks, progress, checkpoint
             if state.preempted:
                 break

@@ -150,7 +150,8 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
-    """AdamW (β2 = 0.95) with linear warmup + cosine decay (`lr_schedule`) and global-norm clipping (nanoGPT recipe).
+    """AdamW (β1, β2 = `cfg.training.adam_b1`, `adam_b2`; default 0.9, 0.95) with linear warmup + cosine decay
+    (`lr_schedule`) and global-norm clipping (nanoGPT recipe).
 
     decay_mask: pytree of bools, or a function params -> pytree of bools; default: by role
     (`taco_jax.models.decays`: kernels and embeddings decayed, biases and norm scales never).
@@ -159,7 +160,8 @@ def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransform
         decay_mask = role_decay_mask
     return optax.chain(
         optax.clip_by_global_norm(cfg.training.grad_clip),
-        optax.adamw(lr_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.training.weight_decay, mask=decay_mask),
+        optax.adamw(lr_schedule(cfg), b1=cfg.training.adam_b1, b2=cfg.training.adam_b2,
+                    weight_decay=cfg.training.weight_decay, mask=decay_mask),
     )
 
 

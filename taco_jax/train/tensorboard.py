@@ -2,7 +2,7 @@
 `<out>/tensorboard` (process 0; a loop hook), written with tensorboardX (no TensorFlow needed;
 `pip install 'taco_jax[tensorboard]'`). View with `tensorboard --logdir <out>/tensorboard`.
 
-Tags (x axis: the step): `train/loss`, `train/grad_norm`, `train/tokens_per_s`, `train/step_s`,
+Tags (x axis: the step): `train/loss`, `train/grad_norm`, `train/lr`, `train/tokens_per_s`, `train/step_s`,
 `val/loss` (evaluated steps), `wire_bytes_per_step/<axis>` (the compiled step's, every step),
 `monitor/<site>/sqnr_db` and `monitor/<site>/min_sqnr_db` (`--monitor-every` steps). Non-finite
 values are written as they are (TensorBoard shows NaN / Inf).
@@ -15,7 +15,7 @@ import pathlib
 from taco_jax.train.hooks import Hook
 
 #: metrics.jsonl key -> TensorBoard tag.
-TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
+TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s",
         "step_s": "train/step_s", "val_loss": "val/loss"}
 
 
