@@ -544,7 +544,9 @@ def _train_config(args, file_policy: dict | None):
     if file_policy is not None:  # a run's config.json: its policy as it was
         flags = {k: v for k, v in flags.items() if k not in {f.name for f in dataclasses.fields(CommFlags)}}
         flags["policy"] = CommPolicy.from_dict(file_policy, where=f"--config {args.config!r}: policy")
-    return TrainConfig.from_flags(**flags)
+    cfg = TrainConfig.from_flags(**flags)
+    cfg.check_shakespeare_vocab()
+    return cfg
 
 
 def config_from_argv(argv: list[str]):

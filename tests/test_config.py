@@ -187,7 +187,6 @@ def test_transport_reaches_dispatch(tmp_path, monkeypatch, capsys):
     (dict(seq_len=4096), r"seq_len=4096 exceeds the model's block_size=256 \(model gpt2-tiny\); set by --seq-len or "
                          r"\[data\] seq_len$"),
     (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*63\) .*; set by --seed or \[training\] seed$"),
-    (dict(vocab_size=10), r"vocab_size=10 is too small for the Shakespeare BPE: give >= 257 .*; set by --vocab-size"),
     (dict(profile_steps="5:3"), r"profile_steps='5:3' must satisfy 1 <= A <= B; set by --profile-steps"),
     (dict(mesh="foo=2"), r"mesh axis 'foo' .*; set by --mesh or \[parallelism\] mesh$"),
     (dict(dtype="fp16"), r"dtype='fp16' is not supported; .*; set by --dtype or \[model\] dtype$"),
@@ -203,3 +202,12 @@ def test_a_conflict_between_flags_names_them(flags, match):
     flags (--mesh, ...) beside the values, and the flag and table of the value it starts with."""
     with pytest.raises(ValueError, match=match):
         TrainConfig.from_flags(**flags)
+
+
+def test_a_vocabulary_too_small_for_the_shakespeare_bpe_is_refused_by_the_command_line():
+    """--vocab-size 10 without --data: the command line refuses it naming the flag (a library caller
+    may still train a 10-entry vocabulary on its own token arrays)."""
+    with pytest.raises(ValueError, match=r"vocab_size=10 is too small for the Shakespeare BPE: give >= 257 .*; "
+                                         r"set by --vocab-size or \[model\] vocab_size$"):
+        config_from_argv(["train", "--vocab-size", "10"])
+    assert TrainConfig.from_flags(vocab_size=10).model.vocab_size == 10

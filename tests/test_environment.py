@@ -118,21 +118,21 @@ def test_stall_fault_names_a_malformed_value_and_leaves_other_processes_alone(mo
 
 
 def test_the_suite_s_llvm_o0_compiles_the_users_program_with_its_bytes(cache, tmp_path):
-    """The suite and its children compile at LLVM -O0 (`_procs.TEST_XLA_FLAGS`), users at XLA:CPU's
-    default -O3. The same 3-step TACO run (bf16) at both levels: the compiled step's wire bytes per axis
-    and the issued ones are equal, and every loss and grad norm agrees within bf16's rounding (5e-3
-    relative; measured: losses 1e-4, grad norms up to 9.5e-4). The levels' code generation differs
-    (e.g. in FMA fusion) in the last bits, which bf16 roundings and FP8 codes then carry."""
+    """The suite and its children compile with `_procs.TEST_XLA_FLAGS` (LLVM -O0, loop emitters),
+    users with XLA:CPU's defaults (-O3). The same 3-step TACO run (bf16) both ways: the compiled step's
+    wire bytes per axis and the issued ones are equal, and every loss and grad norm agrees within
+    bf16's rounding (5e-3 relative; measured: losses 1e-4, grad norms up to 9.5e-4). The code
+    generation differs (e.g. in FMA fusion) in the last bits, which bf16 roundings and FP8 codes carry."""
     import json
 
     import _procs
     import numpy as np
 
     runs = {}
-    for opt in ("0", "3"):
+    for opt, flags in (("0", _procs.TEST_XLA_FLAGS), ("3", "--xla_backend_optimization_level=3")):
         out = tmp_path / f"O{opt}"
         r = _procs.run(_procs.cli("train", *_procs.TINY, "--steps", "3", "--comm", "taco", "--out", out), cache,
-                       XLA_FLAGS=f"--xla_backend_optimization_level={opt}")
+                       XLA_FLAGS=flags)
         assert r.returncode == 0, r.stderr[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         runs[opt] = (summary["wire_bytes_per_step"], summary["wire_bytes_per_step_issued"], _procs.losses(out))

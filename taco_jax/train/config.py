@@ -526,9 +526,6 @@ class TrainConfig:
             if given < theirs:
                 raise _invalid("model", "vocab_size", given, f"is smaller than the {theirs:,} ids of data={data!r} "
                                "(meta.json); give at least that, or 0 for the data's own")
-        elif given and not self.model.init_from and name not in PUBLISHED and given < 257:
-            raise _invalid("model", "vocab_size", given, "is too small for the Shakespeare BPE: give >= 257 "
-                           "(256 byte tokens + <|endoftext|>), or 0 for 2048")
         if given:
             return given
         if self.model.init_from:
@@ -544,6 +541,16 @@ class TrainConfig:
         if data:
             return int(read_meta(data)["vocab_size"])
         return DEFAULT_VOCAB
+
+    def check_shakespeare_vocab(self) -> None:
+        """Raises ValueError (naming --vocab-size) when this run trains on the Shakespeare BPE (no
+        `data`, no `init_from`) and its vocabulary is too small for one (a byte-level BPE needs 257:
+        256 byte tokens + <|endoftext|>). The command line checks it before a run starts; a library
+        caller may train a small vocabulary on its own `dataset`."""
+        m = self.model
+        if not (self.data.path or m.init_from) and self.bpe_vocab_size < 257:
+            raise _invalid("model", "vocab_size", m.vocab_size, "is too small for the Shakespeare BPE: give "
+                           ">= 257 (256 byte tokens + <|endoftext|>), or 0 for 2048")
 
     @property
     def own_vocab(self) -> bool:
