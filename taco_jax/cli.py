@@ -19,6 +19,8 @@ import sys
 EXIT_RUN_FAILED = 1
 #: Exit status of a command refused before it ran (bad flag value, unwritable --out, ...).
 EXIT_BAD_INPUT = 2
+#: Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -211,6 +213,11 @@ def _positive_int(name: str):
 
 #: `train` flags that `plan` / `predict` accept (a train --config file works as it is) but do not use
 #: (steps, optimization, evaluation, checkpoints, logging, monitoring): not listed by their --help.
+#: The line above `predict --paper`'s table: what its numbers are.
+PAPER_NOTE = ("cost-model predictions, not measurements (taco_jax/perf/model.py: MFU 0.40, 80 % of datasheet link "
+              "bandwidth, the H200-measured codec speed); range: the model's error against the emulated cluster and "
+              "COCCL applied to the prediction; published: the measured speed-up the setting is checked against "
+              "(docs/emulated.md)")
 #: The first lines of `taco-jax train --help` / `compare --help`.
 DESCRIPTIONS = {
     "train": "taco-jax train: train one model; writes --out (metrics.jsonl, summary.json, config.json, loss.png, "
@@ -478,7 +485,7 @@ def _plan(args, file_policy: dict | None) -> int:
     try:
         if args.command == "predict" and args.paper:
             rows = planner.paper_table()
-            print(json.dumps(rows, indent=2) if args.json else "\n".join(planner.paper_lines(rows)))
+            print(json.dumps(rows, indent=2) if args.json else "\n".join([PAPER_NOTE, *planner.paper_lines(rows)]))
             return 0
         spec = get_hardware(args.hardware, args.hardware_file or None)
         cfg = planner.with_layers(_train_config(args, file_policy), args.layers)
@@ -532,6 +539,20 @@ def _with_config(parser, args, argv) -> tuple[argparse.Namespace, dict | None]:
              f"communication flags ({', '.join('--' + g.replace('_', '-') for g in sorted(given))})")
         policy = None
     return args, policy
+
+
+def _interrupted(cfg) -> str:
+    """The line of a run stopped by Ctrl-C: where its latest checkpoint is (and how to go on), or how
+    to stop with one."""
+    import pathlib
+
+    ckpt = pathlib.Path(cfg.checkpoint.out) / "checkpoints"
+    saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+    if saved:
+        return (f"interrupted (Ctrl-C); the latest checkpoint is {ckpt / str(saved[-1])}: give --resume to "
+                "continue from it")
+    return ("interrupted (Ctrl-C) before any checkpoint; SIGTERM (kill PID) instead checkpoints and stops, and "
+            "--checkpoint-every N saves along the way")
 
 
 def _train_config(args, file_policy: dict | None):
@@ -589,6 +610,9 @@ def _train_or_compare(args, file_policy: dict | None) -> int:
         return _error(e, EXIT_BAD_INPUT)
     except FloatingPointError as e:  # non-finite loss, or a codec with nonfinite="error"
         return _error(e, EXIT_RUN_FAILED)
+    except KeyboardInterrupt:  # Ctrl-C: one line (no traceback) saying what is kept
+        _say(f"taco-jax: {_interrupted(cfg)}")
+        return EXIT_INTERRUPTED
     if jax.process_index() == 0:  # one summary per run: its key numbers (the rest in summary.json)
         sys.stdout.write(summary_block(result, cfg.checkpoint.out) + "\n")
         sys.stdout.flush()

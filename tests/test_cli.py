@@ -134,12 +134,37 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
 
 
 def test_compare_refuses_a_policy_that_compresses_nothing(tmp_path):
-    """compare --comm none would train the exact run twice: refused before training, naming the way out."""
+    """compare --comm none, or a codec only on an axis the mesh lacks, would train the exact run twice:
+    refused before training, naming the way out."""
     from taco_jax.train.compare import compare
 
     with pytest.raises(ValueError, match=r"this policy compresses no site \(--comm none.*both runs would be exact"):
         compare(TrainConfig.from_flags(comm="none", out=str(tmp_path / "c")), progress=False)
+    with pytest.raises(ValueError, match=r"compresses the tensor axis, which mesh='data=8' does not have .*both "
+                                         r"runs would be exact"):
+        compare(TrainConfig.from_flags(mesh="data=8", out=str(tmp_path / "c")), progress=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_ctrl_c_is_one_line_saying_what_is_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a run (KeyboardInterrupt out of `train`): exit 130 and one line, no traceback,
+    naming the latest checkpoint and --resume when there is one, else how to stop with a checkpoint."""
+    from taco_jax.train import loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train", interrupted)
+    argv = ["train", "--steps", "3", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "taco-jax: interrupted (Ctrl-C) before any checkpoint; SIGTERM (kill PID) instead checkpoints and stops, "
+        "and --checkpoint-every N saves along the way"]
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    assert main([*argv, "--resume"]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"taco-jax: interrupted (Ctrl-C); the latest checkpoint is {tmp_path / 'checkpoints' / '2'}: give --resume "
+        "to continue from it")
 
 
 def test_summary_block_gives_throughput_and_compile_time_with_units(tmp_path):
@@ -191,7 +216,7 @@ def test_default_flags_give_the_default_policy():
 @pytest.mark.parametrize("flags,match", [
     (dict(site=["attn:fmt=e5m2"]), r"site='attn:fmt=e5m2': write SITE:field=value"),
     (dict(site=["ar_bwd:groupsize=64"]), r"'groupsize=64' is not field=value"),
-    (dict(site=["ar_bwd:group_size=big"]), r"group_size='big' is not a int"),
+    (dict(site=["ar_bwd:group_size=big"]), r"group_size='big' is not an int"),
     (dict(site=["ar_bwd:group_size=48"]), r"site='ar_bwd:group_size=48': group_size=48"),
     (dict(site=["ar_bwd:hadamard=maybe"]), r"hadamard='maybe' is not a bool"),
     (dict(comm="none", site=["ar_bwd:fmt=e5m2"]), r"exact \(kind='none'\); give kind="),

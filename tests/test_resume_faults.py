@@ -314,7 +314,9 @@ def test_resume_on_another_tensor_size_with_other_vocabulary_padding(tmp_path, c
     r = run(cli(*VOCAB_RUN, "--mesh", "data=4,tensor=1", "--out", out, "--resume"), cache)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "vocabulary padding: checkpoint 512 rows, now 384 (zero rows trimmed" in r.stderr
-    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2  # and what differs from the checkpointed run, beside config.json's
+    assert "mesh: checkpoint 'data=2,tensor=2', now 'data=4,tensor=1' (resharded)" in summary["resumed_with_changes"]
     want, got = losses(ref), losses(out)
     assert [s for s, _, _ in got] == [1, 2, 3, 4] and got[:2] == want[:2]
     for (_, lw, gw), (_, lg, gg) in zip(want[2:], got[2:]):

@@ -33,23 +33,43 @@ def test_final_checkpoint_is_the_default_with_an_opt_out(tmp_path, capsys):
     assert config_from_argv(["train", "--config", str(tmp_path / "c.toml")]).checkpoint.final_checkpoint is False
 
 
-def test_train_on_in_memory_tokens_without_a_tokenizer(tmp_path):
+def test_train_on_in_memory_tokens_without_a_tokenizer(tmp_path, capsys):
     """`train()` on a `TextDataset` of the caller's own token arrays with `tokenizer_path=""`: the run
-    trains (nothing to copy: no tokenizer.json) and ends with its final checkpoint."""
+    trains (nothing to copy: no tokenizer.json) and ends with its final checkpoint. Its validation
+    split holds 3 batches, fewer than --eval-batches 5: said at the start, and evaluated on those 3.
+    A second run in a folder holding a run's results says that it replaces them; an --export-hf that
+    cannot receive the export is refused before anything is built."""
     from taco_jax.data import TextDataset
     from taco_jax.train.config import TrainConfig
-    from taco_jax.train.loop import train
+    from taco_jax.train.loop import prepare, train
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 300, size=4096).astype(np.int32)
     ds = TextDataset(train=tokens, val=tokens[:1024], vocab_size=300, eot_id=0, tokenizer_path="", val_plays=())
     out = tmp_path / "run"
-    cfg = TrainConfig.from_flags(model="gpt2-tiny", batch_size=8, seq_len=32, steps=2, eval_every=100, eval_batches=1,
-                      out=str(out))
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", batch_size=8, seq_len=32, steps=2, eval_every=100,
+                                 eval_batches=5, out=str(out))
     summary = train(cfg, dataset=ds, progress=False)
     assert [r["step"] for r in metrics(out)] == [1, 2] and math.isfinite(summary["final_val_loss"])
     assert not (out / "tokenizer.json").exists()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["2"]
+    assert "warning: --eval-batches 5, but the validation split holds 3 batches of 8 x 32 tokens: each " \
+           "evaluation uses those 3" in capsys.readouterr().err
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "summary.json").write_text("{}")
+    (again / "metrics.jsonl").write_text("")
+    prepare(cfg.replace(out=str(again)), dataset=ds)
+    assert f"out={str(again)!r} holds a previous run's summary.json, metrics.jsonl: this run replaces them " \
+           "(give another --out to keep them)" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    third = str(tmp_path / "third")
+    for export, match in ((third, r"export_hf=.* is the run's --out folder: the Hugging Face config.json would "
+                                  r"replace the run's"),
+                          (str(tmp_path / "file"), r"export_hf=.* is an existing file; .*\(set by --export-hf or "
+                                                   r"\[checkpoint\] export_hf\)")):
+        with pytest.raises(ValueError, match=match):
+            prepare(cfg.replace(out=third, export_hf=export), dataset=ds)
 
 
 def _shadowing_folder(tmp_path) -> pathlib.Path:

@@ -31,11 +31,18 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     Raises: as `train`; ValueError before any training when `<out>` cannot be written, or when the
     policy compresses no site (the two runs would be the same).
     """
-    policy = cfg.communication.policy
+    policy, axes = cfg.communication.policy, cfg.parallelism.axes
     if all(getattr(policy, s).kind == "none" for s in SITES):
         raise ValueError("compare trains the exact run and a compressed one, and this policy compresses no site "
                          "(--comm none, no --dp-comm / --pp-comm): both runs would be exact. Give a codec "
                          "(e.g. --comm taco, --comm int8, --dp-comm taco), or run `taco-jax train --comm none`")
+    if not any(getattr(policy, s).kind != "none" for a, sites in AXIS_SITES.items() if axes.get(a, 1) > 1
+               for s in sites):
+        compressed = sorted({a for a, sites in AXIS_SITES.items() for s in sites if getattr(policy, s).kind != "none"})
+        raise ValueError(f"compare: the policy compresses the {' and '.join(compressed)} axis, which mesh="
+                         f"{cfg.parallelism.mesh!r} does not have (or has size 1): both runs would be exact. Give a "
+                         "mesh with that axis (e.g. --mesh data=2,tensor=4), or a codec for an axis it has "
+                         "(e.g. --dp-comm taco)")
     out = check_out_dir(cfg.checkpoint.out)
     ds = training_data(cfg.data.path, cfg.bpe_vocab_size)
     configs = {"none": cfg.replace(policy=CommPolicy.none(), out=str(out / "none")),

@@ -117,7 +117,8 @@ def parse_site(spec: str) -> tuple[str, dict]:
             else:
                 fields[key] = types[key](value)
         except ValueError:
-            raise ValueError(f"site={spec!r}: {key}={value!r} is not a {types[key].__name__}") from None
+            article = "an" if types[key] is int else "a"
+            raise ValueError(f"site={spec!r}: {key}={value!r} is not {article} {types[key].__name__}") from None
     if not fields:
         raise ValueError(f"site={spec!r} gives no field; write e.g. ar_bwd:fmt=e5m2,group_size=64")
     return name, fields

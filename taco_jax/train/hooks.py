@@ -48,6 +48,7 @@ class RunState:
     history: list = dataclasses.field(default_factory=list)
     val_loss: float | None = None
     preempted: int | None = None
+    resume_notes: list = dataclasses.field(default_factory=list)  # what differs from the checkpointed run's config
 
 
 class Hook:

@@ -145,6 +145,10 @@ def prepare(cfg: TrainConfig, dataset=None, devices=None) -> Run:
     (raises ValueError / CheckpointError as `train`)."""
     out = check_out_dir(cfg.checkpoint.out)
     check_resumable(cfg)  # before anything is printed or built
+    check_export_dir(cfg)
+    if not cfg.checkpoint.resume and dist.is_writer() and (old := previous_outputs(out)):
+        say(f"[taco-jax] out={str(out)!r} holds a previous run's {', '.join(old)}: this run replaces them "
+            "(give another --out to keep them)")
     if cfg.logging.capture and jax.process_count() > 1:
         raise ValueError(f"capture={cfg.logging.capture} records on one process; run it without --num-processes")
     if cfg.logging.tensorboard:
@@ -233,6 +237,7 @@ def resume(run: Run, acct: Accounting, state: hooks.RunState) -> None:
         state.start, state.params, state.opt_state, meta, notes, warnings = run.ckpt.resume(
             run.cfg.to_dict(), state.params, state.opt_state, shardings=acct.train_step.output_shardings[:2],
             vocab=run.vocab, fallback=run.cfg.checkpoint.resume_fallback)
+        state.resume_notes = notes
         for w in warnings:  # corrupt newer checkpoints skipped (renamed aside, not deleted)
             say(f"[taco-jax] warning: {w}")
         run.batches.restore(meta["data"])
@@ -257,6 +262,10 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
         say("[taco-jax] --monitor-every: no tensor site is compressed (or no tensor axis); nothing to monitor")
     val = [dist.global_arrays(run.batch_sharding, x, y) for x, y in
            eval_batches(run.dataset.val, cfg.data.batch_size, cfg.data.seq_len, max_batches=cfg.logging.eval_batches)]
+    if len(val) < cfg.logging.eval_batches:
+        say(f"[taco-jax] warning: --eval-batches {cfg.logging.eval_batches}, but the validation split holds "
+            f"{len(val)} batches of {cfg.data.batch_size} x {cfg.data.seq_len} tokens: each evaluation uses those "
+            f"{len(val)}")
     watchdog = dist.StepWatchdog(cfg.communication.step_timeout, wire_bytes=sum(acct.wire["by_axis"].values()),
                                  link=dist.emulated_link(cfg.communication.emulated_link))
 
@@ -328,6 +337,8 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         summary["emulated_link"] = link
     if start:
         summary["resumed_from_step"] = start
+        if state.resume_notes:  # config.json is this run's config: what the steps up to `start` ran with differs
+            summary["resumed_with_changes"] = state.resume_notes
     if state.preempted:
         summary["preempted_at_step"] = state.preempted
     par = cfg.parallelism
@@ -363,6 +374,32 @@ def check_resumable(cfg: TrainConfig) -> None:
     if saved:
         raise ValueError(f"{ckpt} holds checkpoints (latest step {saved[-1]}); give --resume to continue "
                          "that run, or another --out")
+
+
+#: A run's result files in its folder (`train`'s and `compare`'s): a new run there replaces them.
+RESULT_FILES = ("summary.json", "metrics.jsonl", "loss.png")
+
+
+def previous_outputs(out) -> list[str]:
+    """The result files of an earlier run in folder `out` (`RESULT_FILES`), e.g. ["summary.json"]."""
+    return [f for f in RESULT_FILES if (pathlib.Path(out) / f).exists()]
+
+
+def check_export_dir(cfg: TrainConfig) -> None:
+    """Raises ValueError, before anything runs, when `--export-hf` cannot receive the export: an
+    existing file, the run's own `--out` (the export's config.json would replace the run's), or a
+    folder that cannot be created and written (`check_out_dir`, which creates it)."""
+    export = cfg.checkpoint.export_hf
+    if not export:
+        return
+    if pathlib.Path(export).resolve() == pathlib.Path(cfg.checkpoint.out).resolve():
+        raise ValueError(f"export_hf={export!r} is the run's --out folder: the Hugging Face config.json would "
+                         "replace the run's; give another folder (set by --export-hf or [checkpoint] export_hf)")
+    try:
+        check_out_dir(export)
+    except ValueError as e:
+        raise ValueError(f"{str(e).replace('out=', 'export_hf=', 1)} (set by --export-hf or [checkpoint] "
+                         "export_hf)") from None
 
 
 def check_out_dir(out) -> pathlib.Path:

@@ -427,6 +427,16 @@ def paper_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def _microbatches(n: int) -> str:
+    return f"{n} microbatch" + ("es" if n != 1 else "")
+
+
+def _codec_source_full(hw: dict) -> str:
+    """The codec speed's status and its whole source, the status said once ("assumed: the H200 ...")."""
+    status, source = hw["codec"]["status"], hw["sources"]["codec"]
+    return source if source.startswith(status) else f"{status}: {source}"
+
+
 def _codec_source(hw: dict) -> str:
     """The codec speed's status and where it comes from, short: the first clause of its source
     (e.g. "measured on an H200"); the whole source is in plan.md."""
@@ -461,7 +471,7 @@ def lines(result: dict) -> list[str]:
         est = m["estimate"]
         L.append(f"  GPU estimate: parameters + optimizer state + FP32 gradients "
                  f"{_mib(m['params'] * 2 + m['opt_state'])} + activations {_mib(est['activations'])} "
-                 f"({est['layers']} layers x {est['in_flight']} microbatches in flight x {_mib(est['per_layer'])}, "
+                 f"({est['layers']} layers x {_microbatches(est['in_flight'])} in flight x {_mib(est['per_layer'])}, "
                  f"--remat {est['remat']}) = {_mib(est['total'])}")
         L.append(f"compile: {c['compile_s']:.1f} s on {c['devices']} {c['platform']} devices")
         L.append("wire bytes per step and device, by axis: " + ", ".join(
@@ -505,7 +515,7 @@ def markdown(result: dict) -> str:
         f"{hw['name']} ({hw['peak_tflops']:,.0f} TFLOP/s BF16, MFU {hw['mfu']})",
         f"{hw['gpus_per_node']} GPUs per node", f"intra {hw['intra']['name']} {hw['intra']['GBps']:,.0f} GB/s achieved",
         f"inter {hw['inter']['name']} {hw['inter']['GBps']:,.0f} GB/s achieved",
-        f"codec {hw['codec']['status']}: {hw['sources']['codec']}"]) + ".", ""]
+        f"codec {_codec_source_full(hw)}"]) + ".", ""]
     c = result.get("compiled")
     if c:
         m = c["memory"]
@@ -519,7 +529,7 @@ def markdown(result: dict) -> str:
                                                            "peak"))]
         est = m["estimate"]
         L += ["", f"Estimate for a GPU (Korthikanti et al. 2022; docs/plan.md): activations {_mib(est['activations'])} "
-              f"({est['layers']} layers × {est['in_flight']} microbatches in flight × {_mib(est['per_layer'])}, "
+              f"({est['layers']} layers × {_microbatches(est['in_flight'])} in flight × {_mib(est['per_layer'])}, "
               f"`--remat {est['remat']}`) + parameters, optimizer state, batch and FP32 gradients = "
               f"**{_mib(est['total'])}** per device."]
         L += ["", f"Compile: {c['compile_s']:.1f} s.", "", "## Communication per step and device (compiled HLO)", "",
