@@ -328,7 +328,7 @@ def test_cli_refuses_a_checkpoint_of_another_model(saved, tmp_path, capsys):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["3"]
     # compare refuses before training either run when one of its two folders holds checkpoints
     shutil.copytree(d, tmp_path / "cmp" / "taco" / "checkpoints")
-    compare = ["compare", *args[1:-1], str(tmp_path / "cmp")]
+    compare = ["compare", *[a if a != "none" else "taco" for a in args[1:-1]], str(tmp_path / "cmp")]
     assert main(compare) == 2
     err = capsys.readouterr().err
     assert "cmp/taco/checkpoints holds checkpoints (latest step 3)" in err and "[taco-jax]" not in err, err
