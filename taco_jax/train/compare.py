@@ -3,7 +3,7 @@ and with the run's communication policy, with both runs' losses and wire bytes s
 
 from __future__ import annotations
 
-from taco_jax.collectives.policy import SITES, CommPolicy
+from taco_jax.collectives.policy import CommPolicy
 from taco_jax.data import data_label, training_data
 from taco_jax.train import distributed as dist
 from taco_jax.train import jsonio
@@ -32,13 +32,12 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     policy compresses no site (the two runs would be the same).
     """
     policy, axes = cfg.communication.policy, cfg.parallelism.axes
-    if all(getattr(policy, s).kind == "none" for s in SITES):
+    compressed = sorted({a for a, sites in AXIS_SITES.items() for s in sites if getattr(policy, s).kind != "none"})
+    if not compressed:
         raise ValueError("compare trains the exact run and a compressed one, and this policy compresses no site "
                          "(--comm none, no --dp-comm / --pp-comm): both runs would be exact. Give a codec "
                          "(e.g. --comm taco, --comm int8, --dp-comm taco), or run `taco-jax train --comm none`")
-    if not any(getattr(policy, s).kind != "none" for a, sites in AXIS_SITES.items() if axes.get(a, 1) > 1
-               for s in sites):
-        compressed = sorted({a for a, sites in AXIS_SITES.items() for s in sites if getattr(policy, s).kind != "none"})
+    if all(axes.get(a, 1) == 1 for a in compressed):
         raise ValueError(f"compare: the policy compresses the {' and '.join(compressed)} axis, which mesh="
                          f"{cfg.parallelism.mesh!r} does not have (or has size 1): both runs would be exact. Give a "
                          "mesh with that axis (e.g. --mesh data=2,tensor=4), or a codec for an axis it has "

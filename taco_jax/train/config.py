@@ -145,8 +145,12 @@ def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
 def _invalid(section: str, field: str, value, rule: str) -> ValueError:
     """The ValueError of a bad field value: names the value, its flag and its `--config` table, e.g.
     "lr=-1.0 must be positive and finite; set by --lr or [training] lr"."""
-    flag = FIELD_FLAGS.get((section, field), field).replace("_", "-")
-    return ValueError(f"{field}={value!r} {rule}; set by --{flag} or [{section}] {field}")
+    return ValueError(f"{field}={value!r} {rule}{_set_by(FIELD_FLAGS.get((section, field), field), section, field)}")
+
+
+def _set_by(flag: str, section: str, field: str) -> str:
+    """The suffix naming where a value comes from: "; set by --FLAG or [SECTION] FIELD"."""
+    return f"; set by --{flag.replace('_', '-')} or [{section}] {field}"
 
 
 def _named(err: ValueError, flag: str = "") -> ValueError:
@@ -165,7 +169,7 @@ def _named(err: ValueError, flag: str = "") -> ValueError:
         section, field = "communication", flag
     else:
         return err
-    return ValueError(f"{msg}; set by --{flag.replace('_', '-')} or [{section}] {field}")
+    return ValueError(msg + _set_by(flag, section, field))
 
 
 def _positive(section: str, obj, names) -> None:
