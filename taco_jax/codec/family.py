@@ -15,6 +15,8 @@ Hadamard smoothing as SDP4Bit (arXiv 2410.15526); Hadamard + low-bit tiles as TA
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,7 @@ def unpack4(b: jax.Array) -> jax.Array:
 # ----------------------------------- FP8 with an absmax scale -----------------------------------
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def encode_fp8(xg: jax.Array, cfg):
     """FP8 codes with s = max(absmax / R, 2^-126) per group (fp8_tensor: the group is the message).
 
@@ -62,6 +65,7 @@ def encode_fp8(xg: jax.Array, cfg):
     return codes, s, None
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def decode_fp8(codes, s, prescale, cfg):
     y = codes.astype(jnp.float32) * s[..., None]
     return _wht(y) if cfg.hadamard else y
@@ -70,6 +74,7 @@ def decode_fp8(codes, s, prescale, cfg):
 # ------------------------------- symmetric int8 / int4 (absmax) -------------------------------
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def encode_int(xg: jax.Array, cfg):
     """Symmetric integer codes q = round(y / s) in [-L, L], s = max(absmax / L, 2^-126).
 
@@ -88,6 +93,7 @@ def encode_int(xg: jax.Array, cfg):
     return pack4((q + 8).astype(jnp.uint8)), s, None
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def decode_int(codes, s, prescale, cfg):
     if cfg.kind == "int8":
         q = codes.astype(jnp.float32)
@@ -100,6 +106,7 @@ def decode_int(codes, s, prescale, cfg):
 # ------------------------------- TAH-style asymmetric 4-bit tiles -------------------------------
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def encode_tah(xg: jax.Array, cfg):
     """Tile = group of G: y = WHT(x); z = min(y), s = max((max(y) - z) / 15, 2^-126);
     q = round((y - z) / s) in [0, 15], packed two per byte. Wire: codes, s, z (FP32)."""
@@ -113,6 +120,7 @@ def encode_tah(xg: jax.Array, cfg):
     return pack4(q.astype(jnp.uint8)), s, lo
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def decode_tah(codes, s, zero, cfg):
     y = zero[..., None] + unpack4(codes).astype(jnp.float32) * s[..., None]
     return _wht(y)

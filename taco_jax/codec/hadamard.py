@@ -20,6 +20,7 @@ def hadamard(g: int) -> np.ndarray:
     return scipy.linalg.hadamard(g).astype(np.float32)
 
 
+@functools.partial(jax.jit, inline=True)
 def wht(x: jax.Array) -> jax.Array:
     """Orthonormal Walsh-Hadamard transform over the last axis: x @ H_G / sqrt(G) (its own inverse).
 

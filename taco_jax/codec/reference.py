@@ -2,12 +2,17 @@
 
 Source: TACO (arXiv 2604.24088) §"Adaptive Scale-Hadamard Transform" and "Dual-Scale
 Quantization"; COCCL taco plugin (reference CUDA codec). Differences from the plugin are
-explicit options (`CodecConfig.nonfinite`), never silent. The math only: registered as the
+explicit options (`CodecConfig.nonfinite`), never silent. The group functions here, in
+`taco_jax.codec.family` and in `taco_jax.kernels.ffi_codec` are `jax.jit(inline=True)`: inside a jitted
+program they are traced in place (the program is the same as without the decorator), and called
+eagerly each runs as one compiled program rather than one per operation. The math only: registered as the
 "reference" backend and called through `taco_jax.codec.dispatch` (`encode` / `decode`, the one
 interface to every codec kind); the other kinds' group math is in `taco_jax.codec.family`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,7 @@ from taco_jax.codec.hadamard import wht
 # --------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg", "last_count"))
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
     """Encodes groups (spec §2 steps 1-5).
 
@@ -50,6 +56,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
     return codes, s, a
 
 
+@functools.partial(jax.jit, inline=True)
 def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Array:
     """Decodes groups: x' = WHT(fp8(q) * s) / max(a, EPS); `a=None` for the folded layout.
 
@@ -63,6 +70,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Ar
     return x
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: CodecConfig):
     """Transform-domain reduction (two-shot all-reduce, `reduce_domain="hadamard"`): sums P ranks'
     encoded groups without leaving the Hadamard domain and requantizes the sum.

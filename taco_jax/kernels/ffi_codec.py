@@ -178,6 +178,7 @@ def _out_dtype(dtype) -> np.dtype:
     return dtype
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg", "last_count", "impl"))
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int = IMPL_AUTO):
     """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`; xg may also be
     bfloat16 or float16 (read as it is: bit-identical to encoding `xg.astype(float32)`)."""
@@ -208,6 +209,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
     return codes.reshape(*lead, n_groups, g), s.reshape(*lead, n_groups), a.reshape(*lead, n_groups)
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("impl", "dtype"))
 def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: int = IMPL_AUTO,
                   dtype=None) -> jax.Array:
     """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`; with `dtype`
@@ -315,6 +317,7 @@ def _unpad(y: jax.Array, m: int) -> jax.Array:
     return y if y.shape[-1] == m else y[..., :m]
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg", "split", "interleaved", "impl"))
 def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interleaved: bool = False,
                   impl: int = IMPL_AUTO):
     """Encodes messages straight into packed wire rows (C++ `taco_encode_packed`, CPU).
@@ -391,6 +394,7 @@ def _rank_operands(rows, m: int, cfg: CodecConfig, has_a: bool):
     return [pvary(t, vma) for t in args], lead, vma
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("cfg", "m", "has_a", "outer", "impl", "dtype"))
 def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | None = None,
                   outer: int | None = None, impl: int = IMPL_AUTO, dtype=None) -> jax.Array:
     """Decodes packed wire rows (C++ `taco_decode_packed`, CPU).
@@ -504,6 +508,7 @@ def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_A
     return y
 
 
+@functools.partial(jax.jit, inline=True, static_argnames=("dtype", "clamp", "impl"))
 def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) -> jax.Array:
     """Elementwise float32 -> FP8 (optionally clamped to +-clamp first) or FP8 -> float32 (for tests);
     on CPU also the kernels' own conversions: float32 -> bfloat16 / float16 (the decoder's store;
