@@ -59,8 +59,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _field_help(cls) -> dict[str, str]:
     """`name -> comment` from the `name: type = default  # comment` lines of a dataclass's source
-    (the comments are the fields' documentation; simple_parsing reads help the same way)."""
-    src = inspect.getsource(cls)
+    (the comments are the fields' documentation; simple_parsing reads help the same way). `cls` is a
+    top-level class: its source runs from its `class NAME` line in its module's text to the next
+    unindented line (`inspect.getsource(cls)` would parse the whole module again for every class)."""
+    text = inspect.getsource(sys.modules[cls.__module__])
+    src = re.search(rf"^class {cls.__name__}\b.*?(?=^\S|\Z)", text, flags=re.M | re.S)[0]
     line = re.compile(r"^\s+(\w+): [^=\n]+=[^#\n]*#\s*(.+)$", flags=re.M)
     return {m[1]: m[2].strip().replace("%", "%%") for m in line.finditer(src)}  # argparse %-formats help
 
