@@ -420,7 +420,11 @@ def _data_or_sample(args) -> int:
         return _error(e, EXIT_BAD_INPUT)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, own_process: bool = False) -> int:
+    """Runs `taco-jax ARGV...` (default: the process's arguments); returns the exit status.
+    `own_process`: the command is the whole process (`run`), so the objects of the modules it
+    imports are frozen before a run (`gc.freeze`: they live as long as the process, and the
+    collector then walks only what the run creates); an in-process caller's objects are left alone."""
     parser = _parser()
     args = parser.parse_args(argv)
     from taco_jax.train import jsonio
@@ -459,7 +463,7 @@ def main(argv=None) -> int:
         return _error(e, EXIT_BAD_INPUT)
     if args.command in ("plan", "predict"):
         return _plan(args, file_policy)
-    return _train_or_compare(args, file_policy)
+    return _train_or_compare(args, file_policy, own_process)
 
 
 def _plan(args, file_policy: dict | None) -> int:
@@ -583,7 +587,7 @@ def config_from_argv(argv: list[str]):
     return _train_config(args, file_policy)
 
 
-def _train_or_compare(args, file_policy: dict | None) -> int:
+def _train_or_compare(args, file_policy: dict | None, own_process: bool = False) -> int:
     from taco_jax.train import distributed
 
     try:
@@ -607,6 +611,8 @@ def _train_or_compare(args, file_policy: dict | None) -> int:
     from taco_jax.train.console import summary_block
     from taco_jax.train.loop import train
 
+    if own_process:
+        gc.freeze()
     try:
         result = train(cfg, progress=not args.no_progress) if args.command == "train" else \
             compare(cfg, progress=not args.no_progress)
@@ -624,13 +630,14 @@ def _train_or_compare(args, file_policy: dict | None) -> int:
 
 
 def run() -> None:
-    """The `taco-jax` command (and `python -m taco_jax.cli`): `main` with the process's arguments, its
-    status the exit status. The objects still alive then are frozen (`gc.freeze`) before the exit:
-    the interpreter's garbage collections during its shutdown would otherwise walk every object of
-    jax, the models and the run (about a CPU second after a tiny run) only to free memory the process
-    hands back to the OS anyway. Objects are still released by reference counting and exit handlers
-    run as usual; `main` itself (called in-process by tests and scripts) freezes nothing."""
-    status = main()
+    """The `taco-jax` command (and `python -m taco_jax.cli`): `main(own_process=True)` with the process's
+    arguments, its status the exit status. The objects still alive then are frozen (`gc.freeze`) before
+    the exit: the interpreter's garbage collections during its shutdown would otherwise walk every
+    object of jax, the models and the run (about a CPU second after a tiny run) only to free memory
+    the process hands back to the OS anyway. Objects are still released by reference counting and exit
+    handlers run as usual; `main` without `own_process` (in-process callers: tests, scripts) freezes
+    nothing."""
+    status = main(own_process=True)
     gc.freeze()
     sys.exit(status)
 
