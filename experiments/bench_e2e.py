@@ -92,7 +92,8 @@ def _run(cmd: list[str], out: pathlib.Path, timeout: float, warmup: int, env: di
     tensor_msgs = sum(d["count"] for d in summary["wire_detail"] if d["axis"] == "tensor")
     return {"step_s": statistics.median(steps[warmup:]), "steps_s": steps, "wall_s": time.perf_counter() - t0,
             "wire_bytes_per_step": summary["wire_bytes_per_step"], "tensor_messages_per_step": tensor_msgs,
-            "emulated_link": summary.get("emulated_link"), "final_train_loss": summary["final_train_loss"]}
+            "wire_detail": summary["wire_detail"], "emulated_link": summary.get("emulated_link"),
+            "final_train_loss": summary["final_train_loss"]}
 
 
 def _variants(specs: list[str], p: argparse.ArgumentParser) -> dict[str, list[str]]:
@@ -240,7 +241,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
                 "byte_bound": byte_bound(f, r_bytes) if local else None,
                 "wire_bytes_per_step": runs[v][0]["wire_bytes_per_step"],
                 "tensor_messages_per_step": runs[v][0]["tensor_messages_per_step"],
-                "runs": [{k: x for k, x in r.items() if k != "emulated_link"} for r in runs[v]],
+                "wire_detail": runs[v][0]["wire_detail"],  # per axis, op and dtype: count and bytes
+                "runs": [{k: x for k, x in r.items() if k not in ("emulated_link", "wire_detail")} for r in runs[v]],
             })
     result = {"format": "taco_jax.bench_e2e/3", "command": shlex.join(["python", "-m", "experiments.bench_e2e",
                                                                         *(argv if argv is not None else sys.argv[1:])]),

@@ -209,7 +209,8 @@ def _fake_run(cmd, out, timeout, warmup, env):
     taco = "taco" in cmd
     return {"step_s": 0.3 if taco else 0.4, "steps_s": [0.5, 0.4, 0.4], "wall_s": 1.0,
             "wire_bytes_per_step": {"tensor": 500 if taco else 1000}, "tensor_messages_per_step": 10,
-            "emulated_link": None, "final_train_loss": 7.0}
+            "wire_detail": [{"axis": "tensor", "op": "all-reduce", "dtype": "u8" if taco else "bf16", "count": 10,
+                             "bytes": 500 if taco else 1000}], "emulated_link": None, "final_train_loss": 7.0}
 
 
 def test_a_run_on_a_loaded_machine_is_written_as_not_a_result(tmp_path, monkeypatch, capsys):
@@ -292,7 +293,10 @@ def test_one_process_step_runs_the_transport_the_processes_resolve_to(tmp_path, 
     def run(cmd, out, timeout, warmup, env):  # the bookkeeping only: no processes
         commands.append(cmd)
         return {"step_s": 0.5 if "launch" in cmd else 0.3, "wire_bytes_per_step": {"tensor": 1e6},
-                "tensor_messages_per_step": 10, "emulated_link": None, "final_train_loss": 1.0}
+                "tensor_messages_per_step": 10, "wire_detail": detail, "emulated_link": None,
+                "final_train_loss": 1.0}
+
+    detail = [{"axis": "tensor", "op": "all-reduce", "dtype": "bf16", "count": 10, "bytes": 1000000}]
 
     monkeypatch.setattr(bench_e2e, "_run", run)
     res = bench_e2e.main(["--links", "none", "--rounds", "1", "--out", str(tmp_path),
@@ -303,5 +307,6 @@ def test_one_process_step_runs_the_transport_the_processes_resolve_to(tmp_path, 
     recorded = json.loads((tmp_path / "bench_e2e.json").read_text())
     assert {v: r["transport"] for v, r in recorded["local"].items()} == {"exact": "gloo", "x": "xla"}
     assert [r["local_transport"] for r in res["rows"]] == ["gloo", "xla"]
+    assert all(r["wire_detail"] == detail and "wire_detail" not in r["runs"][0] for r in res["rows"])
     launched = [c for c in commands if "launch" in c]
     assert ["--transport" in c for c in launched] == [False, True]  # the processes resolve "auto" themselves
