@@ -41,9 +41,13 @@ Conformance rule (tested in tests/test_kernels.py against `reference` on the sam
   Measured agreement of each backend: custom_calls/README.md ("Conformance, measured").
 
 Training-level rule (a backend vs `reference`, same config and seed):
-  * the per-step training loss agrees to 1e-4 relative over the first steps (tested for ffi on 6
-    steps in tests/test_train.py). Later the runs drift apart: rare one-step code flips change the
-    weights by float noise, which training amplifies like any other reordering of float sums;
+  * the first step's loss (the same weights, so only the codec differs) agrees to 1e-5 relative,
+    and the first six steps' to 1e-3 (tested for ffi in tests/test_train.py). From the first
+    update on, the runs differ by more than the codec's error: AdamW's first update is
+    lr * sign(gradient) in every entry, so each gradient entry near zero whose sign flips with a
+    rare one-step code flip moves its weight by 2 * lr (gpt2-tiny, TP=4, float32: 0.48 % of the
+    entries, step-2 loss 1.1e-4 relative apart). Later the runs drift apart as training amplifies
+    these differences like any other reordering of float sums;
   * so the run-level check is against seed noise: over two or more seeds, the backend's mean
     final validation loss lies within two standard errors of the difference from the reference's
     mean (4 seeds measured for ffi, numbers in docs/results.md).
