@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from _procs import TINY, cli, losses, metrics, run, start, wait_for
+from _procs import TEST_XLA_FLAGS, TINY, cli, losses, metrics, run, start, wait_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -206,7 +206,7 @@ def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
 
     e = {k: v for k, v in os.environ.items() if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
                                                            "JAX_PROCESS_ID")}
-    e.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    e.update(XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _GLOO_RS, "1" if workaround else "0"], env=e, capture_output=True,
                          text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from _procs import ROOT, TINY, cli, run
+from _procs import ROOT, TEST_XLA_FLAGS, TINY, cli, run
 
 from taco_jax.cli import _parser, config_from_argv, main
 
@@ -364,7 +364,7 @@ def test_x64_changes_no_dtype_and_no_wire_byte(cache):
 
     path = os.pathsep.join((str(ROOT / "tests"), str(ROOT)))
     r = run([sys.executable, "-c", code], cache, timeout=300, JAX_ENABLE_X64="1", PYTHONPATH=path,
-            XLA_FLAGS="--xla_force_host_platform_device_count=8")
+            XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=8")
     assert r.returncode == 0, r.stderr[-3000:]
     on = json.loads(r.stdout.split("RESULT ", 1)[1])
     off = _dtypes_and_wire()
