@@ -413,6 +413,10 @@ def _data_or_sample(args) -> int:
             return 0
         from taco_jax.train.sample import sample
 
+        for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature),
+                        ("--top-k", args.top_k)):
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{flag} {v} must be a finite number >= 0")
         print(sample(args.source, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                      seed=args.seed))
         return 0
@@ -630,10 +634,10 @@ def _train_or_compare(args, file_policy: dict | None, own_process: bool = False)
 
 
 def run() -> None:
-    """The `taco-jax` command (and `python -m taco_jax.cli`): `main(own_process=True)` with the process's
-    arguments, its status the exit status. The objects still alive then are frozen (`gc.freeze`) before
-    the exit: the interpreter's garbage collections during its shutdown would otherwise walk every
-    object of jax, the models and the run (about a CPU second after a tiny run) only to free memory
+    """The `taco-jax` command (and `python -m taco_jax`, `python -m taco_jax.cli`): `main(own_process=True)`
+    with the process's arguments, its status the exit status. The objects still alive then are frozen
+    (`gc.freeze`) before the exit: the interpreter's garbage collections during its shutdown would
+    otherwise walk every object of jax, the models and the run (about a CPU second after a tiny run) only to free memory
     the process hands back to the OS anyway. Objects are still released by reference counting and exit
     handlers run as usual; `main` without `own_process` (in-process callers: tests, scripts) freezes
     nothing."""

@@ -87,6 +87,7 @@ def test_toml_with_tables_round_trips(tmp_path):
     (TrainingSection, dict(grad_clip=-1.0),
      r"grad_clip=-1.0 must be a positive, finite global norm; set by --grad-clip"),
     (TrainingSection, dict(grad_clip=0.0), r"grad_clip=0.0 must be a positive"),
+    (TrainingSection, dict(steps=2**32), r"steps=4294967296 must be <= 2\*\*31 - 1 = 2147483647 .*; set by --steps"),
     (TrainingSection, dict(min_lr_ratio=-0.1), r"min_lr_ratio=-0.1 must be in \[0, 1\]"),
     (TrainingSection, dict(min_lr_ratio=2.0), r"min_lr_ratio=2.0 must be in \[0, 1\]"),
     (TrainingSection, dict(weight_decay=-1.0), r"weight_decay=-1.0 must be >= 0 and finite; set by --weight-decay"),

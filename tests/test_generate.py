@@ -57,3 +57,6 @@ def test_bad_requests_are_named():
         generate(model, params, np.zeros((1, 0), np.int32), 1)
     with pytest.raises(ValueError, match="temperature=-1"):
         generate(model, params, np.zeros(2, np.int32), 1, temperature=-1)
+    for name, bad in (("temperature", float("nan")), ("top_k", -2), ("max_new_tokens", -1)):
+        with pytest.raises(ValueError, match=f"^{name}={bad} must be a finite number >= 0$"):
+            generate(model, params, np.zeros(2, np.int32), **{"max_new_tokens": 1, name: bad})

@@ -172,6 +172,11 @@ def test_cli_prepare_data_and_sample_errors(corpus, tmp_path, capsys):
     assert "is neither a run folder nor an HF checkpoint" in capsys.readouterr().err
     assert main(["sample", "--from", str(QWEN3), "--prompt", "MACBETH:", "--max-new-tokens", "60"]) == 2
     assert "exceeds the model's block_size=64" in capsys.readouterr().err
+    for flag, value in (("--temperature", "nan"), ("--top-k", "-1"), ("--max-new-tokens", "-3"),
+                        ("--temperature", "inf")):  # each named alone, before the checkpoint is read
+        assert main(["sample", "--from", str(tmp_path / "missing"), "--prompt", "x", flag, value]) == 2
+        shown = float(value) if flag == "--temperature" else int(value)
+        assert capsys.readouterr().err.strip() == f"taco-jax: error: {flag} {shown} must be a finite number >= 0"
 
 
 def test_each_device_reads_only_its_own_rows():

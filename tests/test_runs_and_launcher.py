@@ -84,7 +84,8 @@ def _shadowing_folder(tmp_path) -> pathlib.Path:
 def test_launch_from_a_folder_holding_another_taco_jax(tmp_path):
     """The launcher (here `python -P`, as the console script: no working directory on its path) started
     in a folder holding another `taco_jax`: its processes import the launcher's package; the package's
-    folder goes first on their PYTHONPATH unless it is there already."""
+    folder goes first on their PYTHONPATH unless it is there already. `python -m taco_jax` is the same
+    command."""
     cwd = _shadowing_folder(tmp_path)
     r = subprocess.run([sys.executable, "-P", "-m", "taco_jax.cli", "launch", "--processes", "2", "--", "--version"],
                        cwd=cwd, env=env(tmp_path / "cache"), capture_output=True, text=True, timeout=120)
@@ -92,6 +93,9 @@ def test_launch_from_a_folder_holding_another_taco_jax(tmp_path):
     assert sorted(line for line in r.stdout.splitlines() if "taco-jax" in line) == ["[0] taco-jax 0.1.0",
                                                                                      "[1] taco-jax 0.1.0"]
     assert launch_mod.child_env({})["PYTHONPATH"] == str(ROOT)
+    r = subprocess.run([sys.executable, "-m", "taco_jax", "--version"], cwd=ROOT, env=env(tmp_path / "cache"),
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, "taco-jax 0.1.0"), r.stderr[-3000:]
     assert launch_mod.child_env({"PYTHONPATH": f"{ROOT}/"})["PYTHONPATH"] == f"{ROOT}/"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -95,9 +96,9 @@ def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temp
     ids = ids[None] if one else ids
     if ids.ndim != 2 or ids.shape[1] == 0:
         raise ValueError(f"prompt must be token ids [B, T] or [T] with T >= 1, got shape {np.shape(prompt)}")
-    if max_new_tokens < 0 or not temperature >= 0 or top_k < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}, temperature={temperature} and top_k={top_k} "
-                         "must be >= 0")
+    for name, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k)):
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"{name}={v} must be a finite number >= 0")
     if ids.min() < 0 or ids.max() >= model.vocab_size:
         raise ValueError(f"prompt ids must be in [0, {model.vocab_size}), got [{ids.min()}, {ids.max()}]")
     total = ids.shape[1] + max_new_tokens

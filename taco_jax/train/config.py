@@ -227,6 +227,9 @@ class TrainingSection:
 
     def __post_init__(self):
         _positive("training", self, ("steps",))
+        if self.steps > 2**31 - 1:
+            raise _invalid("training", "steps", self.steps,
+                           "must be <= 2**31 - 1 = 2147483647 (the schedule and optimizer count steps in int32)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise _invalid("training", "lr", self.lr, "must be positive and finite")
         if not (self.grad_clip > 0 and math.isfinite(self.grad_clip)):
