@@ -637,10 +637,10 @@ def run() -> None:
     """The `taco-jax` command (and `python -m taco_jax`, `python -m taco_jax.cli`): `main(own_process=True)`
     with the process's arguments, its status the exit status. The objects still alive then are frozen
     (`gc.freeze`) before the exit: the interpreter's garbage collections during its shutdown would
-    otherwise walk every object of jax, the models and the run (about a CPU second after a tiny run) only to free memory
-    the process hands back to the OS anyway. Objects are still released by reference counting and exit
-    handlers run as usual; `main` without `own_process` (in-process callers: tests, scripts) freezes
-    nothing."""
+    otherwise walk every object of jax, the models and the run (about a CPU second after a tiny run)
+    only to free memory the process hands back to the OS anyway. Objects are still released by
+    reference counting and exit handlers run as usual; `main` without `own_process` (in-process
+    callers: tests, scripts) freezes nothing."""
     status = main(own_process=True)
     gc.freeze()
     sys.exit(status)
