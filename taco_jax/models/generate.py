@@ -87,9 +87,9 @@ def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temp
     `allowed`: bool [vocab_size], the ids that may be generated (e.g. those the tokenizer has: a
     model's vocabulary may be larger than its tokenizer's, or have holes); the others' logits are
     -inf before the choice. None: every id.
-    Raises ValueError for an empty prompt, a negative count / temperature / top_k, ids outside the
-    vocabulary, a total length over the model's block_size, or an `allowed` of another shape or
-    with no id.
+    Raises ValueError for an empty prompt, a negative or non-finite count / temperature / top_k, ids
+    outside the vocabulary, a total length over the model's block_size, or an `allowed` of another
+    shape or with no id.
     """
     ids = np.asarray(prompt)
     one = ids.ndim == 1
