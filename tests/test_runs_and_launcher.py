@@ -93,10 +93,10 @@ def test_launch_from_a_folder_holding_another_taco_jax(tmp_path):
     assert sorted(line for line in r.stdout.splitlines() if "taco-jax" in line) == ["[0] taco-jax 0.1.0",
                                                                                      "[1] taco-jax 0.1.0"]
     assert launch_mod.child_env({})["PYTHONPATH"] == str(ROOT)
+    assert launch_mod.child_env({"PYTHONPATH": f"{ROOT}/"})["PYTHONPATH"] == f"{ROOT}/"
     r = subprocess.run([sys.executable, "-m", "taco_jax", "--version"], cwd=ROOT, env=env(tmp_path / "cache"),
                        capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stdout.strip()) == (0, "taco-jax 0.1.0"), r.stderr[-3000:]
-    assert launch_mod.child_env({"PYTHONPATH": f"{ROOT}/"})["PYTHONPATH"] == f"{ROOT}/"
 
 
 def test_launch_reads_the_mesh_of_a_config_file(tmp_path):
