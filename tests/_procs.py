@@ -15,7 +15,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: A tiny run: seconds per step on 2 loaded cores. No final checkpoint (Orbax's first save in a process
 #: compiles its slicing of every shard: seconds); the tests of the final checkpoint give --final-checkpoint.
-TINY = ["--model", "gpt2-tiny", "--batch-size", "8", "--seq-len", "32", "--eval-every", "100", "--eval-batches", "1",
+#: No evaluation (tracing and compiling the eval step: about a second of a child's 5-6 CPU s with a warm
+#: compilation cache); the tests that read validation losses give --eval-batches 1 (the last flag wins).
+TINY = ["--model", "gpt2-tiny", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "0",
         "--log-every", "1", "--no-final-checkpoint", "--seed", "0"]
 
 
@@ -25,15 +27,18 @@ TINY = ["--model", "gpt2-tiny", "--batch-size", "8", "--seq-len", "32", "--eval-
 #: train step on data=2,tensor=4, taco): 12.9 s at the defaults, 6.8 s at -O0, 5.8 s with the loop
 #: emitters; a tiny eager op (thousands in a cold suite) 43 -> 27 ms. (The concurrency-optimized
 #: scheduler's off switch saved 0.3 s more but changed the compiled temp memory: block remat then no
-#: longer lowered it, `test_mixed_precision.py`; not used.) The HLO and the wire bytes do not depend
-#: on these flags; float results do (code generation differs, e.g. in FMA fusion; through bf16
-#: roundings and FP8 codes a bf16 run's losses move by ~1e-4 and its grad norms by up to 1e-3
-#: relative), so every comparison in the suite is between programs compiled alike
-#: (`test_environment.py` checks the suite's flags against the defaults).
+#: longer lowered it, `test_mixed_precision.py`; not used.) At -O0, no Eigen thread pool inside an op
+#: either: the suite's 2 workers and their children already fill the 2 cores. Three concurrent cold
+#: gpt2-tiny train processes took 9.5-9.7 CPU s each with it, 11.2-11.5 without; one in-process pair of
+#: test files alone, 34.4-34.8 against 33.2-33.7 CPU s (the same within noise; Zen 4 VM). The HLO and
+#: the wire bytes do not depend on these flags; float results do (code generation and the split of a
+#: matmul differ, e.g. in FMA fusion; through bf16 roundings and FP8 codes a bf16 run's losses move by
+#: ~1e-4 and its grad norms by up to 1e-3 relative), so every comparison in the suite is between
+#: programs compiled alike (`test_environment.py` checks the suite's flags against the defaults).
 #: `make test TACO_TEST_XLA_OPT=3` runs the suite as users compile (no flag of these).
 _OPT = os.environ.get("TACO_TEST_XLA_OPT", "0")
 TEST_XLA_FLAGS = " ".join((f"--xla_backend_optimization_level={_OPT}",) + (
-    ("--xla_cpu_use_fusion_emitters=false",) if _OPT == "0" else ()))
+    ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_multi_thread_eigen=false") if _OPT == "0" else ()))
 #: The persistent compilation cache settings of the test process and its children (tests/conftest.py).
 CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY": "1"}
 

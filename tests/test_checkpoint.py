@@ -237,7 +237,7 @@ def test_state_sharded_like_the_parameters_at_init_restore_and_export(tmp_path):
 # real processes: kill and resume
 
 
-ARGS = ["train", *TINY, "--steps", "6", "--checkpoint-every", "2", "--comm", "taco"]
+ARGS = ["train", *TINY, "--eval-batches", "1", "--steps", "6", "--checkpoint-every", "2", "--comm", "taco"]  # val at 6
 
 
 def _records(out) -> list[dict]:

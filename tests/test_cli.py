@@ -134,8 +134,9 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
 
 
 def test_compare_refuses_a_policy_that_compresses_nothing(tmp_path):
-    """compare --comm none, or a codec only on an axis the mesh lacks, would train the exact run twice:
-    refused before training, naming the way out."""
+    """compare --comm none, or a codec only on an axis the mesh lacks, would train the exact run twice,
+    and --eval-batches 0 would leave no validation loss to compare: refused before training, naming
+    the way out."""
     from taco_jax.train.compare import compare
 
     with pytest.raises(ValueError, match=r"this policy compresses no site \(--comm none.*both runs would be exact"):
@@ -143,6 +144,8 @@ def test_compare_refuses_a_policy_that_compresses_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"compresses the tensor axis, which mesh='data=8' does not have .*both "
                                          r"runs would be exact"):
         compare(TrainConfig.from_flags(mesh="data=8", out=str(tmp_path / "c")), progress=False)
+    with pytest.raises(ValueError, match=r"validation losses, and --eval-batches 0 evaluates nothing"):
+        compare(TrainConfig.from_flags(eval_batches=0, out=str(tmp_path / "c")), progress=False)
     assert not (tmp_path / "c").exists()
 
 

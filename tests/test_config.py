@@ -98,6 +98,8 @@ def test_toml_with_tables_round_trips(tmp_path):
     (CheckpointSection, dict(out=""),
      r"out='' must name a folder; an empty one would write .*; set by --out or \[checkpoint\] out$"),
     (LoggingSection, dict(profile_dir="p"), r"profile_dir='p' is given without profile_steps"),
+    (LoggingSection, dict(eval_batches=-1), r"eval_batches=-1 must be >= 0 \(0: off\); set by --eval-batches"),
+    (LoggingSection, dict(eval_every=0), r"eval_every=0 must be positive; set by --eval-every"),
 ])
 def test_a_section_rejects_its_bad_value_naming_it(section, values, match):
     with pytest.raises(ValueError, match=match):

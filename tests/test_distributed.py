@@ -295,7 +295,10 @@ def test_two_processes_match_one(tmp_path, cache, mesh_spec, extra, capsys):
     log = (tmp_path / "p2.log").read_text()
     assert _summaries(log) == 1, log[-2000:]  # one summary, from process 0
     _check_quiet(log, steps=3, model=dict(zip(args, args[1:]))["--model"])  # the last --model given
-    assert json.loads((tmp_path / "p2" / "summary.json").read_text())["processes"] == 2
+    summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
+    assert summary["processes"] == 2
+    # TINY's --eval-batches 0: no evaluation, none logged or summarized
+    assert summary["final_val_loss"] is None and not any("val_loss" in r for r in metrics(tmp_path / "p2"))
     assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["checkpoints", "config.json", "loss.png",
                                                                    "metrics.jsonl", "summary.json", "tokenizer.json"]
     # no --checkpoint-every: the final checkpoint only, written by both processes

@@ -83,8 +83,8 @@ def test_f32_messages_and_other_transports_are_unchanged():
 
 
 #: An exact bf16 run on tensor=2 (2 processes x 1 device, or one process x 2 devices).
-EXACT_BF16 = [*TINY, "--steps", "2", "--eval-every", "2", "--mesh", "data=1,tensor=2", "--dtype", "bfloat16",
-              "--no-progress"]
+EXACT_BF16 = [*TINY, "--steps", "2", "--eval-every", "2", "--eval-batches", "1", "--mesh", "data=1,tensor=2",
+              "--dtype", "bfloat16", "--no-progress"]
 
 
 def _check_bf16_wire_and_losses(two, one) -> None:

@@ -28,9 +28,13 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     bytes per step of each run by mesh axis with the compressed / exact ratio per axis.
     In a multi-process run (`taco-jax launch --processes N -- compare ...`) every process trains
     both runs on the distributed runtime and returns the summary; process 0 writes the files.
-    Raises: as `train`; ValueError before any training when `<out>` cannot be written, or when the
-    policy compresses no site (the two runs would be the same).
+    Raises: as `train`; ValueError before any training when `<out>` cannot be written, when the
+    policy compresses no site (the two runs would be the same), or with `--eval-batches 0` (no
+    validation loss to compare).
     """
+    if not cfg.logging.eval_batches:
+        raise ValueError("compare compares the two runs' validation losses, and --eval-batches 0 evaluates "
+                         "nothing: give --eval-batches 1 or more")
     policy, axes = cfg.communication.policy, cfg.parallelism.axes
     compressed = sorted({a for a, sites in AXIS_SITES.items() for s in sites if getattr(policy, s).kind != "none"})
     if not compressed:

@@ -347,7 +347,7 @@ class LoggingSection:
     captures, the SQNR monitor, profiles and TensorBoard."""
 
     eval_every: int = 50  # steps between validation evaluations (and at the last step)
-    eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays)
+    eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays; 0: no evaluation)
     log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
     capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
     monitor_every: int = 0  # log per-site SQNR of compressed vs exact TP collectives on steps k % N == 0 and the last
@@ -358,8 +358,8 @@ class LoggingSection:
     tensorboard: bool = False  # also write the metrics as TensorBoard event files to <out>/tensorboard
 
     def __post_init__(self):
-        _positive("logging", self, ("eval_every", "eval_batches"))
-        for f in ("capture", "log_every", "monitor_every"):
+        _positive("logging", self, ("eval_every",))
+        for f in ("eval_batches", "capture", "log_every", "monitor_every"):
             if getattr(self, f) < 0:
                 raise _invalid("logging", f, getattr(self, f), "must be >= 0 (0: off)")
         for f in ("monitor_warn_sqnr", "monitor_min_sqnr"):

@@ -261,7 +261,8 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
     if monitor and not monitor.sites:
         say("[taco-jax] --monitor-every: no tensor site is compressed (or no tensor axis); nothing to monitor")
     val = [dist.global_arrays(run.batch_sharding, x, y) for x, y in
-           eval_batches(run.dataset.val, cfg.data.batch_size, cfg.data.seq_len, max_batches=cfg.logging.eval_batches)]
+           eval_batches(run.dataset.val, cfg.data.batch_size, cfg.data.seq_len, max_batches=cfg.logging.eval_batches)
+           ] if cfg.logging.eval_batches else []  # --eval-batches 0: no evaluation (no eval step is compiled)
     if len(val) < cfg.logging.eval_batches:
         say(f"[taco-jax] warning: --eval-batches {cfg.logging.eval_batches}, but the validation split holds "
             f"{len(val)} batches of {cfg.data.batch_size} x {cfg.data.seq_len} tokens: each evaluation uses those "
@@ -288,7 +289,7 @@ def make_hooks(run: Run, acct: Accounting, state: hooks.RunState, progress: bool
         if cfg.logging.tensorboard and run.writer else None,
         hooks.MonitorCheck(monitor, rel(metrics, run.out)) if monitor else None,
         hooks.MetricsLog(metrics, run.out, state.history, run.writer, cfg.training.allow_nonfinite),
-        hooks.Evaluate(evaluate, cfg.logging.eval_every, steps, cfg.training.allow_nonfinite),
+        hooks.Evaluate(evaluate, cfg.logging.eval_every, steps, cfg.training.allow_nonfinite) if val else None,
         hooks.CodecErrors() if checked else None,
         hooks.Capture(capture.Recorder.start(cfg, run.out, trainer)) if cfg.logging.capture else None,
         hooks.MonitorMeasure(monitor) if monitor else None,
