@@ -273,6 +273,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.steps, args.batch_size, args.seq_len, args.eval_batches = 2, 3, 2, 32, 2
+    if args.eval_batches < 1:  # the study measures validation losses
+        p.error(f"--eval-batches {args.eval_batches}: the study compares validation losses; give 1 or more")
     variants = ["none"] + [v for v in args.variants if v != "none"]
     import jax
 

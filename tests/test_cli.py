@@ -92,6 +92,25 @@ def test_run_asked_to_continue_writes_strict_json_resolved_policy_and_progress_l
     assert "step 2/4" in err and "step 4/4" in err
 
 
+def test_resume_without_evaluation_reports_no_final_val_loss(tmp_path, capsys):
+    """A run that evaluated (step 2), resumed to step 3 with --eval-batches 0: the progress line shows
+    step 2's val loss named as step 2's; summary.json's final_val_loss is null and the summary block
+    shows none (the final weights were not evaluated); nothing of step 3 is a val loss."""
+    out = str(tmp_path / "run")
+    assert main(["train", "--steps", "2", "--warmup-steps", "0", "--out", out, *TINY]) == 0
+    capsys.readouterr()
+    assert main(["train", "--steps", "3", "--warmup-steps", "0", "--out", out, "--resume", "--log-every", "1",
+                 *TINY[:-1], "--eval-batches", "0"]) == 0
+    captured = capsys.readouterr()
+    summary = _strict_loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_val_loss"] is None and summary["resumed_from_step"] == 2
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3] and "val_loss" in recs[1] and "val_loss" not in recs[2]
+    line = rf"step 3/3 loss \d+\.\d{{4}} val {recs[1]['val_loss']:.4f} \(step 2\)"
+    assert re.search(line, captured.err), captured.err
+    assert "val loss" not in captured.out
+
+
 def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
     from PIL import Image
 
@@ -144,7 +163,7 @@ def test_compare_refuses_a_policy_that_compresses_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"compresses the tensor axis, which mesh='data=8' does not have .*both "
                                          r"runs would be exact"):
         compare(TrainConfig.from_flags(mesh="data=8", out=str(tmp_path / "c")), progress=False)
-    with pytest.raises(ValueError, match=r"validation losses, and --eval-batches 0 evaluates nothing"):
+    with pytest.raises(ValueError, match=r"eval_batches=0 evaluates nothing, .*: give 1 or more; set by --eval-b"):
         compare(TrainConfig.from_flags(eval_batches=0, out=str(tmp_path / "c")), progress=False)
     assert not (tmp_path / "c").exists()
 

@@ -35,6 +35,14 @@ def test_paired_ci_rejects(bad):
         fidelity_runs.paired_ci([1.0, 2.0], confidence=1.0)
 
 
+def test_study_refuses_no_evaluation(tmp_path, capsys):
+    """--eval-batches 0 leaves the study nothing to compare: refused before anything runs, naming it."""
+    with pytest.raises(SystemExit):
+        fidelity_runs.main(["--eval-batches", "0", "--out", str(tmp_path / "s")])
+    assert "--eval-batches 0: the study compares validation losses; give 1 or more" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def test_summary_and_markdown_format():
     """summarize() on synthetic records: paired Δ in %, CI, exact spread and validation noise."""
     recs = []

@@ -33,8 +33,8 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     validation loss to compare).
     """
     if not cfg.logging.eval_batches:
-        raise ValueError("compare compares the two runs' validation losses, and --eval-batches 0 evaluates "
-                         "nothing: give --eval-batches 1 or more")
+        raise ValueError("eval_batches=0 evaluates nothing, and compare compares the two runs' validation losses: "
+                         "give 1 or more; set by --eval-batches or [logging] eval_batches")
     policy, axes = cfg.communication.policy, cfg.parallelism.axes
     compressed = sorted({a for a, sites in AXIS_SITES.items() for s in sites if getattr(policy, s).kind != "none"})
     if not compressed:

@@ -23,7 +23,8 @@ def plot_monitor(path, metrics, title: str) -> pathlib.Path:
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(1, 1.2))
     ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=0.8, label="train")
     ev = [r for r in recs if "val_loss" in r]
-    ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="val")
+    if ev:  # none with --eval-batches 0
+        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="val")
     ax.set(ylabel="cross-entropy (nats/token)")
     ax.legend(fontsize=8)
     mon = [r for r in recs if "monitor" in r]
@@ -64,8 +65,9 @@ def plot_losses(path, runs: dict, title: str) -> pathlib.Path:
         line, = ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=0.8, alpha=0.7,
                         label=f"{label}: train")
         ev = [r for r in recs if "val_loss" in r]
-        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=line.get_color(),
-                label=f"{label}: val")
+        if ev:  # none with --eval-batches 0
+            ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=line.get_color(),
+                    label=f"{label}: val")
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
