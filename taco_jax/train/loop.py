@@ -315,7 +315,7 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         "steps": cfg.training.steps,
         "final_train_loss": float(np.mean([r["loss"] for r in history[-10:]])),
         "final_train_loss_steps": len(history[-10:]),  # the steps it averages (fewer than 10 in a short run)
-        # the last step's evaluation; None with --eval-batches 0 (also when resuming a run that evaluated)
+        # the latest evaluation's; None with --eval-batches 0 (also when resuming a run that evaluated)
         "final_val_loss": state.val_loss if cfg.logging.eval_batches else None,
         "tokens_per_s": run.tokens_per_step * (len(history) and history[-1]["step"] - start) / wall,
         # steady state: the median training step after this run's first (no evaluation, checkpoint or warmup)
