@@ -30,8 +30,9 @@ one-device processes puts each tensor pair inside a node (`check_tensor_in_node`
 
 Each link is measured before the run by a bulk TCP transfer between the namespaces (bounded in
 bytes and time; payload bits/s, i.e. without Ethernet/IP/TCP headers: ~95 % of the tbf rate): the
-bucket's burst, which passes at once, and then at least `MIN_PROBE_BYTES` timed at the receiver, so
-slow links (down to `MIN_RATE_BPS`, the slowest accepted) are measured too.
+bucket's burst, which passes at once, and then at least `MIN_PROBE_BYTES` timed at the receiver by
+the kernel's arrival stamps, so slow links (down to `MIN_RATE_BPS`, the slowest accepted) are
+measured too, also while the cores are busy.
 Cleanup: `Cluster.close()` (run end, failure, SIGTERM), a reaper process that cleans up when the
 launcher dies by any signal (it waits for the end of a pipe), and `cleanup_stale()` at the next
 start or `taco-jax launch --cleanup` (namespaces whose launcher is gone).
@@ -48,6 +49,7 @@ import re
 import shutil
 import site
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -268,11 +270,30 @@ def probe_bytes(rate_bps: float, seconds: float = 0.5, max_bytes: int = 256 << 2
     return _burst(rate_bps), int(min(max(rate_bps / 8 * seconds, MIN_PROBE_BYTES), max_bytes))
 
 
+#: SO_TIMESTAMPNS (Linux, asm-generic/socket.h; not in Python's socket module): a read's ancillary data
+#: carries the kernel's arrival time of the last data it returned.
+_SO_TIMESTAMPNS = 35
+_TIMESPEC = struct.Struct("@qq")
+
+
+def _recv_stamped(conn: socket.socket, size: int) -> tuple[bytes, float]:
+    """One read of up to `size` bytes and the arrival time (CLOCK_REALTIME, s) of its last byte, stamped
+    by the kernel (`_SO_TIMESTAMPNS`): a reader that runs late on a busy machine reads the times the
+    bytes arrived, not its own. Without a stamp (an empty read), the reader's clock."""
+    data, anc, _, _ = conn.recvmsg(size, socket.CMSG_SPACE(_TIMESPEC.size))
+    for level, kind, raw in anc:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(raw) >= _TIMESPEC.size:
+            sec, nsec = _TIMESPEC.unpack(raw[:_TIMESPEC.size])
+            return data, sec + nsec * 1e-9
+    return data, time.time()
+
+
 def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds: float = 0.5,
             max_bytes: int = 256 << 20) -> float:
     """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`
-    (`probe_bytes`: the bucket's burst, then the timed bytes), timed at the receiver from the end
-    of the burst to the last byte; bounded by 4 × the timed bytes' time at `rate_bps` + 5 s.
+    (`probe_bytes`: the bucket's burst, then the timed bytes), timed by the receiver's kernel
+    (arrival stamps, `_recv_stamped`) from the end of the burst to the last byte; bounded by 4 × the
+    timed bytes' time at `rate_bps` + 5 s.
     Raises EmulationUnavailable naming what arrived (or the socket error) when too little did."""
     burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
     limit = 4 * timed * 8 / rate_bps + 5
@@ -284,10 +305,13 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
         try:
             conn, _ = srv.accept()
             conn.settimeout(limit)
+            conn.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
             n, t0, n0, t1 = 0, None, 0, None
-            while b := conn.recv(1 << 20):
-                n += len(b)
-                t1 = time.perf_counter()
+            while True:
+                b, t = _recv_stamped(conn, 1 << 20)
+                if not b:
+                    break
+                n, t1 = n + len(b), t  # every byte read so far arrived by t (the kernel's stamp)
                 if t0 is None and n >= burst:  # the bucket's burst passed at once: time what follows
                     t0, n0 = t1, n
                 got["n"] = n
