@@ -312,9 +312,8 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
             conn.settimeout(limit)
             n, t0, n0, t1 = 0, None, 0, None
             while True:
-                # all that is queued: a read that stopped inside a coalesced segment would time the rest
-                # of that segment (arrived at its stamp) as later bytes (read up to the burst's end, a
-                # 100 kbit/s link measured 4x its rate)
+                # all that is queued, never part of a coalesced segment: the rest of that segment arrived
+                # at its stamp, and timing it as later bytes overstates the rate
                 b, t = _recv_stamped(conn, 1 << 20)
                 if not b:
                     break
