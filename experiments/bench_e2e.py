@@ -49,6 +49,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,7 +81,11 @@ def local_transport(flags: list[str]) -> str:
 
 
 def _run(cmd: list[str], out: pathlib.Path, timeout: float, warmup: int, env: dict) -> dict:
-    """Runs one training command; returns its median step time (after `warmup` steps) and summary."""
+    """Runs one training command into its run folder `out` (this benchmark's own: a folder left by an
+    interrupted or loaded earlier run is removed first); returns its median step time (after `warmup`
+    steps) and summary."""
+    if out.exists():
+        shutil.rmtree(out)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if r.returncode:
@@ -112,6 +117,20 @@ def _links(specs: list[str]) -> list[str]:
     out = []
     for s in specs:  # "250mbit,1gbit" (no '=') is a list; "intra=..,inter=.." is one two-tier link
         out += [s] if "=" in s else [x.strip() for x in s.split(",") if x.strip()]
+    return out
+
+
+def _launch_args(launch_args: str, link: str) -> list[str]:
+    """`taco-jax launch` flags for one link: `--launch-args` and `--link LINK`; on loopback (`none`) without
+    `--nodes K`, which only places processes on an emulated link's nodes (the same processes, unshaped)."""
+    args = shlex.split(launch_args)
+    if link != "none":
+        return [*args, "--link", link]
+    out, skip = [], False
+    for x in args:
+        if not skip and x != "--nodes" and not x.startswith("--nodes="):
+            out.append(x)
+        skip = x == "--nodes"
     return out
 
 
@@ -212,8 +231,7 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
             k = rnd % len(names)
             for v in names[k:] + names[:k]:
                 d = out / f"{link.replace(',', '_').replace('=', '-')}_{v}_r{rnd}"
-                launch = (["launch", "--processes", str(a.processes), *shlex.split(a.launch_args)]
-                          + ([] if link == "none" else ["--link", link]))
+                launch = ["launch", "--processes", str(a.processes), *_launch_args(a.launch_args, link)]
                 with guard.watch(f"{link} round {rnd} {v}"):
                     runs[v].append(_run(cli_command(*launch, "--", "train", *train, *variants[v], "--out", str(d)),
                                         d, a.timeout, a.warmup, env))

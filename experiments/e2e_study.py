@@ -10,12 +10,15 @@ bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP
    t_local(v) = v's step in one process (compute, plus the codec for TACO: codec time =
    t_local(taco) − t_local(exact)), n_msg and B = the compiled step's collectives per step and
    wire bytes per device (summary.json, HLO), m = B / n_msg (mean message, MB). α (seconds per
-   collective: gloo's per-message cost) and κ (how much longer a step's bidirectional, bursty
-   transfer takes than its bytes at the rate a one-way bulk transfer measured; it grows with the
-   message) are fitted by least squares of the relative error over the exact rows of the link sweep
-   (`FIT_CONFIGS`) on shaped links only; every other row (TACO, other configurations) is a
-   prediction. Loopback (`none`) uses the shipped gloo calibration's α and bandwidth
-   (taco_jax/perf/calibration_cpu_gloo.json). Also the bandwidth bound: the byte bound
+   collective) and κ (how much longer a step's bidirectional, bursty transfer takes than its bytes at
+   the rate a one-way bulk transfer measured; it grows with the message) are fitted by least squares
+   of the relative error over the exact rows of the link sweep (`FIT_CONFIGS`) on shaped links only;
+   every other row (TACO, other configurations) is a prediction. Loopback (`none`) uses the shipped
+   gloo calibration's α and bandwidth (taco_jax/perf/calibration_cpu_gloo.json). Beside it, the
+   **loopback model**: the same form with t_loop(v), v's multi-process step on loopback (the same
+   processes on the same cores, no namespaces, no shaping; every configuration runs it), in place of
+   t_local(v), fitted on the same rows: its α is what a shaped link adds per collective, while the
+   cost of the processes sharing the cores stays in t_loop. Also the bandwidth bound: the byte bound
    with f_bw = κ·B/R / t (the exact step's byte-proportional share) in place of f (which also holds
    the per-collective costs that no byte reduction removes).
 2. **Predictions for GPU clusters** with the same kind of model (`taco_jax.perf.model.step_time`,
@@ -47,6 +50,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shlex
 import sys
 
@@ -69,17 +73,19 @@ def _cfg(model="gpt2-narrow", processes=2, mesh="data=1,tensor=2", dtype="bfloat
     return args + [a for v in variants for a in ("--variant", v)]
 
 
-#: name -> bench_e2e arguments (batch 256 × 32 tokens, 8 steps, median of the last 6, 2 rounds).
+#: name -> bench_e2e arguments (batch 256 × 32 tokens, 8 steps, median of the last 6, 2 rounds). Every
+#: configuration also runs on loopback (`none`): the cost model's anchor.
 CONFIGS = {
     "gpt2_tp2_sp_bf16": _cfg(links=MAIN_LINKS),
     "gpt2_tp2_sp_f32": _cfg(dtype="float32", links=MAIN_LINKS),
     "gpt2_tp2_bf16_chunks": _cfg(sp=False, links=("250mbit", "none"), variants=(*bench_e2e.DEFAULT_VARIANTS, *CHUNKS)),
-    "gpt2_tp2_sp_bf16_overlap": _cfg(variants=(*bench_e2e.DEFAULT_VARIANTS, f"exact_cm=--comm none {CM}",
+    "gpt2_tp2_sp_bf16_overlap": _cfg(links=("250mbit", "none"),
+                                     variants=(*bench_e2e.DEFAULT_VARIANTS, f"exact_cm=--comm none {CM}",
                                                f"taco_cm=--comm taco {CM}"), local=False),
     "qwen3_tp2_sp_bf16": _cfg(model="qwen3-narrow", links=("250mbit", "1gbit", "none")),
     "qwen3_tp4_sp_bf16": _cfg(model="qwen3-narrow", processes=4, mesh="data=1,tensor=4",
                               links=("250mbit", "1gbit", "none")),
-    "gpt2_dp2_tp2_two_tier": _cfg(processes=4, mesh="data=2,tensor=2", links=("intra=1gbit,inter=100mbit",),
+    "gpt2_dp2_tp2_two_tier": _cfg(processes=4, mesh="data=2,tensor=2", links=("intra=1gbit,inter=100mbit", "none"),
                                   launch="--nodes 2",
                                   variants=("exact=--comm none", "taco=--comm taco --dp-comm taco")),
 }
@@ -122,19 +128,21 @@ def _comm_s(row: dict, link: tuple[float, float, float], loopback: tuple[float, 
     return row["tensor_messages_per_step"] * link[0], _efficiency(row, link) * _transfer_s(row, loopback)
 
 
-def _predict(row: dict, local_s: float, link: tuple[float, float, float], loopback: tuple[float, float]) -> float:
-    """t_local + n_msg · α + κ · B / R."""
-    return local_s + sum(_comm_s(row, link, loopback))
+def _predict(row: dict, anchor_s: float, link: tuple[float, float, float], loopback: tuple[float, float]) -> float:
+    """t_anchor + n_msg · α + κ · B / R (t_anchor: the row's loopback step, or its one-process step)."""
+    return anchor_s + sum(_comm_s(row, link, loopback))
 
 
-def _fit_link(rows: list[dict]) -> tuple[float, float, float]:
+def _fit_link(rows: list[dict], anchor: str = "loopback_s_per_step") -> tuple[float, float, float]:
     """(α, κ0, κ1) minimising Σ ((t_pred − t)/t)² over shaped-link rows: linear least squares of
-    t − t_local = n_msg · α + (κ0 + κ1 · m) · B/R (m: mean message MB), each row divided by its t.
-    With one message size among the rows κ1 = 0; a negative α or κ1 is refitted as 0."""
+    t − t_anchor = n_msg · α + (κ0 + κ1 · m) · B/R (m: mean message MB), each row divided by its t;
+    t_anchor is the row's `anchor` field (its multi-process loopback step, or its one-process step for
+    the one-process model). With one message size among the rows κ1 = 0; a negative α or κ1 is refitted
+    as 0."""
     n = np.array([r["tensor_messages_per_step"] for r in rows], float)
     tr = np.array([_transfer_s(r, None) for r in rows], float)
     m = np.array([_mean_message_mb(r) for r in rows], float)
-    y = np.array([r["s_per_step"] - r["local_s_per_step"] for r in rows], float)
+    y = np.array([r["s_per_step"] - r[anchor] for r in rows], float)
     w = 1.0 / np.array([r["s_per_step"] for r in rows], float)
     cols = {"alpha": n, "k0": tr, "k1": tr * m}
     if np.ptp(m) <= 1e-3 * m.max():
@@ -146,6 +154,11 @@ def _fit_link(rows: list[dict]) -> tuple[float, float, float]:
         if not bad:
             return float(got.get("alpha", 0.0)), float(got["k0"]), float(got.get("k1", 0.0))
         cols.pop(bad[0])
+
+
+def _span(rows: list[dict], key: str) -> list[float] | None:
+    v = [r[key] for r in rows if r.get(key) is not None]
+    return [min(v), max(v)] if v else None
 
 
 def analyze(out: pathlib.Path) -> dict:
@@ -163,10 +176,25 @@ def analyze(out: pathlib.Path) -> dict:
     if len(fit_rows) < 3:
         raise ValueError(f"the cost model is fitted on the link sweep ({', '.join(FIT_CONFIGS)}): {len(fit_rows)} "
                          f"exact rows on shaped links under {out}, need >= 3; run `--only {' '.join(FIT_CONFIGS)}`")
-    link = _fit_link(fit_rows)
+    link = _fit_link(fit_rows, "local_s_per_step")
     for r in modelled:
         r["model_s_per_step"] = _predict(r, r["local_s_per_step"], link, loopback)
         r["model_error"] = r["model_s_per_step"] / r["s_per_step"] - 1.0
+    # The loopback model: each configuration and variant's multi-process step on loopback (the same
+    # processes on the same cores, no namespaces, no shaping) as the anchor in place of the one-process
+    # step, fitted on the same rows; what a shaped link adds to the processes' own step.
+    loops = {(r["config"], r["variant"]): r["s_per_step"] for r in rows if not r["measured_bit_per_s"]}
+    shaped = [r for r in rows if r["measured_bit_per_s"]]
+    for r in rows:
+        r["loopback_s_per_step"] = loops.get((r["config"], r["variant"]))
+    loop_fit = [r for r in fit_rows if r["loopback_s_per_step"] is not None]
+    loop_link = _fit_link(loop_fit) if len(loop_fit) >= 3 else None
+    fitted = {id(r) for r in fit_rows}
+    for r in shaped:
+        r["model_fitted"] = id(r) in fitted
+        if loop_link is not None and r["loopback_s_per_step"] is not None:
+            r["loop_model_s_per_step"] = _predict(r, r["loopback_s_per_step"], loop_link, loopback)
+            r["loop_model_error"] = r["loop_model_s_per_step"] / r["s_per_step"] - 1.0
     for n in studies:  # model speedups against the config's exact variant, same link; the bandwidth bound
         base = {r["link"]: r for r in rows if r["config"] == n and r["variant"] == "exact"}
         for r in (r for r in rows if r["config"] == n):
@@ -177,8 +205,14 @@ def analyze(out: pathlib.Path) -> dict:
                 f_bw = min(_comm_s(b, link, loopback)[1] / b["s_per_step"], 1.0)  # the byte-proportional share
                 r["bandwidth_fraction"] = f_bw
                 r["bandwidth_bound"] = bench_e2e.byte_bound(f_bw, r["byte_ratio"])
+    held = [r for r in shaped if not r["model_fitted"]]
     gpu = gpu_predictions(rows, link)
     result = {"format": "taco_jax.e2e_study/1", "alpha_s": link[0], "kappa0": link[1], "kappa1_per_mb": link[2],
+              "loopback_model": None if loop_link is None else
+              {"alpha_s": loop_link[0], "kappa0": loop_link[1], "kappa1_per_mb": loop_link[2]},
+              "model_error": {"fitted": _span(fit_rows, "model_error"), "held_out": _span(held, "model_error"),
+                              "loopback_model_fitted": _span(loop_fit, "loop_model_error"),
+                              "loopback_model_held_out": _span(held, "loop_model_error"), "held_out_rows": len(held)},
               "loopback_alpha_s": loopback[0], "loopback_bytes_per_s": 1.0 / loopback[1],
               "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} CPUs, Linux {platform.release()}",
@@ -206,8 +240,18 @@ def _emulated_rate_for(f_target: float, row_exact: dict, link: tuple[float, floa
 
 def gpu_predictions(rows: list[dict], link: tuple[float, float, float]) -> list[dict]:
     """Predicted speedups of TACO on the TP axis (and with DP/PP codecs) for the paper's settings, each
-    with its TP link set to every declared GPU link; plus the emulated rate of the same comm fraction."""
-    from taco_jax.perf import model, paper
+    with its TP link set to every declared GPU link; plus the emulated rate of the same comm fraction.
+    Each speedup carries the model's error on this study's TACO rows (`range_*`: the point times 1 + e
+    for the smallest and largest e = measured / model speedup − 1, `perf.uncertainty.errors_from_study`),
+    and a setting on its own hardware with a published speedup of COCCL's gets `published_error` =
+    published / model − 1 (TACO on TP + DP + PP, as COCCL compresses every axis)."""
+    from taco_jax.perf import model, paper, uncertainty
+
+    try:
+        errs = [r["speedup_error"] for r in uncertainty.errors_from_study({"rows": rows})["rows"]]
+        span = (min(errs), max(errs))
+    except ValueError:  # no TACO row on a shaped link with a model prediction
+        span = None
 
     tp_links = [("H100/H200 NVLink 4 (450 GB/s)", model.H200, model.NVLINK4),
                 ("H800 NVLink (200 GB/s)", model.H800, model.NVLINK_H800),
@@ -217,9 +261,10 @@ def gpu_predictions(rows: list[dict], link: tuple[float, float, float]) -> list[
                 and r["local_s_per_step"] is not None and r["measured_bit_per_s"]), None)
     out = []
     pol = paper.policies()
-    for label, cfg, lay, _hw, published in paper.settings():
+    for label, cfg, lay, own_hw, published in paper.settings():
         if "FP32 wire" in label or "IB)" in label:
             continue
+        coccl = re.fullmatch(r"COCCL ([\d.]+)x", published)
         for link_name, hw, tp_link in tp_links:
             hw2 = dataclasses.replace(hw, intra=tp_link, gpus_per_node=max(hw.gpus_per_node, lay.tp))
             base = model.step_time(cfg, lay, hw2)
@@ -228,6 +273,11 @@ def gpu_predictions(rows: list[dict], link: tuple[float, float, float]) -> list[
                    "comm_fraction": base["comm_fraction"], "tp_comm_fraction": f_tp,
                    "taco_tp": model.speedup(cfg, lay, hw2, pol["taco_tp"]),
                    "taco_tp+dp+pp": model.speedup(cfg, lay, hw2, pol["taco_tp+dp+pp"]), "published": published}
+            if span is not None:
+                for k in ("taco_tp", "taco_tp+dp+pp"):
+                    row[f"range_{k}"] = [row[k] * (1 + span[0]), row[k] * (1 + span[1])]
+            if coccl and hw is own_hw and tp_link is own_hw.intra:
+                row["published_error"] = float(coccl[1]) / row["taco_tp+dp+pp"] - 1.0
             if ref and 0 < f_tp < 1:
                 row["emulated_bit_per_s"] = _emulated_rate_for(f_tp, ref, link)
             out.append(row)
@@ -239,18 +289,27 @@ def _rate_label(r: dict) -> str:
     return "loopback" if not m else ", ".join(f"{k} {v / 1e6:,.0f}" for k, v in m.items())
 
 
+def _pct_span(v: list[float] | None) -> str:
+    return "-" if not v else f"{100 * v[0]:+.1f} … {100 * v[1]:+.1f} %"
+
+
 def markdown(res: dict) -> str:
     loaded = res.get("loaded", [])
     L = [f"**LOADED machine: {', '.join(loaded)} ran busier than the study allows (--allow-loaded); "
          "not results.**", ""] if loaded else []
+    lm = res.get("loopback_model")
     L += [f"Machine: {res['machine']}. Fitted on the exact rows of {', '.join(FIT_CONFIGS)} on shaped links: "
-         f"α = {1e3 * res['alpha_s']:.2f} ms per collective, κ = {res['kappa0']:.2f} + {res['kappa1_per_mb']:.2f} × "
-         "mean message MB (a step's "
-         "transfer time / its bytes at the measured rate). "
-         f"Loopback rows: the shipped gloo calibration (α = {1e6 * res['loopback_alpha_s']:.0f} µs, "
-         f"{res['loopback_bytes_per_s'] / 1e9:.2f} GB/s). f: 1 − one-process step / exact step; byte bound "
-         "1 / ((1 − f) + f·r). f_bw: the exact step's byte-proportional share (model: κ·B/R / t); bandwidth bound: "
-         "the same with f_bw (what cutting bytes alone can give: the per-collective part stays).", ""]
+          f"α = {1e3 * res['alpha_s']:.2f} ms per collective, κ = {res['kappa0']:.2f} + {res['kappa1_per_mb']:.2f} × "
+          "mean message MB (a step's "
+          "transfer time / its bytes at the measured rate). "
+          f"Loopback rows: the shipped gloo calibration (α = {1e6 * res['loopback_alpha_s']:.0f} µs, "
+          f"{res['loopback_bytes_per_s'] / 1e9:.2f} GB/s). f: 1 − one-process step / exact step; byte bound "
+          "1 / ((1 − f) + f·r). f_bw: the exact step's byte-proportional share (model: κ·B/R / t); bandwidth bound: "
+          "the same with f_bw (what cutting bytes alone can give: the per-collective part stays). "
+          + ("" if lm is None else
+             "In brackets: the loopback model (the variant's multi-process step on loopback in place of its "
+             f"one-process step, fitted on the same rows: α = {1e3 * lm['alpha_s']:.2f} ms, κ = {lm['kappa0']:.2f} + "
+             f"{lm['kappa1_per_mb']:.2f} × m)."), ""]
     by_cfg = {}
     for r in res["rows"]:
         by_cfg.setdefault(r["config"], []).append(r)
@@ -269,18 +328,48 @@ def markdown(res: dict) -> str:
             bbw = "-" if "bandwidth_bound" not in r or ex else f"{r['bandwidth_bound']:.2f}×"
             mod = "-" if "model_s_per_step" not in r else \
                 f"{r['model_s_per_step']:.3f} ({100 * r['model_error']:+.0f} %)"
+            if "loop_model_error" in r:
+                mod += f" [{100 * r['loop_model_error']:+.0f} %]"
             ms = "-" if "model_speedup" not in r or ex else f"{r['model_speedup']:.2f}×"
             L.append(f"| {r['link']} ({_rate_label(r)}) | {r['variant']} | {r['s_per_step']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | {sp} | {f} | {r['byte_ratio']:.3f} | {bound} | {fbw} | {bbw} | "
                      f"{mod} | {ms} |")
         L.append("")
+    held = [r for r in res["rows"] if r.get("model_fitted") is False]
+    err = res["model_error"]
+    if held:
+        L += ["### The models on the shaped rows they were not fitted on", "",
+              f"One-process model: fitted rows {_pct_span(err['fitted'])}, the {len(held)} others "
+              f"{_pct_span(err['held_out'])}. Loopback model: fitted rows {_pct_span(err['loopback_model_fitted'])}, "
+              f"the others {_pct_span(err['loopback_model_held_out'])} (error: model / measured − 1).", "",
+              "| configuration | link | variant | measured s/step | one-process s/step | model (error) | "
+              "loopback s/step | loopback model (error) |", "|---|---|---|---|---|---|---|---|"]
+
+        def _cell(r, k):
+            return "-" if f"{k}_s_per_step" not in r else \
+                f"{r[f'{k}_s_per_step']:.3f} ({100 * r[f'{k}_error']:+.1f} %)"
+        for r in held:
+            loc = "-" if r["local_s_per_step"] is None else f"{r['local_s_per_step']:.3f}"
+            lp = "-" if r["loopback_s_per_step"] is None else f"{r['loopback_s_per_step']:.3f}"
+            L.append(f"| {r['config']} | {r['link']} | {r['variant']} | {r['s_per_step']:.3f} | {loc} | "
+                     f"{_cell(r, 'model')} | {lp} | {_cell(r, 'loop_model')} |")
+        L.append("")
     L += ["### Predicted on GPU clusters (taco_jax.perf.model, declared hardware; not measured)", "",
-          "| setting | TP link | exact step s | TP comm fraction | TACO TP | TACO TP+DP+PP | emulated rate of the same "
-          "fraction (gpt2-narrow bf16 SP TP2) | published |", "|---|---|---|---|---|---|---|---|"]
+          "Ranges: the point times 1 + e for the smallest and largest error e = measured / model speedup − 1 of "
+          "this study's TACO rows on shaped links. Published error: published / model − 1 (TACO TP+DP+PP, on the "
+          "setting's own hardware).", "",
+          "| setting | TP link | exact step s | TP comm fraction | TACO TP [range] | TACO TP+DP+PP [range] | emulated "
+          "rate of the same fraction (gpt2-narrow bf16 SP TP2) | published (error) |",
+          "|---|---|---|---|---|---|---|---|"]
+
+    def _rng(g, k):
+        r = g.get(f"range_{k}")
+        return f"{g[k]:.2f}×" + ("" if r is None else f" [{r[0]:.2f}, {r[1]:.2f}]")
     for g in res["gpu_predictions"]:
         em = "-" if "emulated_bit_per_s" not in g else f"{g['emulated_bit_per_s'] / 1e6:,.0f} Mbit/s"
+        pub = g["published"] + ("" if "published_error" not in g else f" ({100 * g['published_error']:+.0f} %)")
         L.append(f"| {g['setting']} | {g['tp_link']} | {g['exact_step_s']:.2f} | {g['tp_comm_fraction']:.2f} | "
-                 f"{g['taco_tp']:.2f}× | {g['taco_tp+dp+pp']:.2f}× | {em} | {g['published']} |")
+                 f"{_rng(g, 'taco_tp')} | {_rng(g, 'taco_tp+dp+pp')} | {em} | {pub} |")
     return "\n".join(L) + "\n"
 
 
@@ -306,8 +395,9 @@ def plot(res: dict, path: pathlib.Path) -> None:
         if all("bandwidth_bound" in r for r in rows):
             ax.plot(x, [r["bandwidth_bound"] for r in rows], "-.", color=color, lw=0.8,
                     label=f"bandwidth bound {label}")
-        if all("model_speedup" in r for r in rows):
-            ax.plot(x, [r["model_speedup"] for r in rows], ":", color=color, marker="x", label=f"model {label}")
+        mod = [(xi, r["model_speedup"]) for xi, r in zip(x, rows) if "model_speedup" in r]
+        if mod:
+            ax.plot(*zip(*mod), ":", color=color, marker="x", label=f"model {label}")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel(f"link rate, measured payload Mbit/s (rightmost: loopback, ~{loop_bits / 1e9:.0f} Gbit/s)")

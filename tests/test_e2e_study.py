@@ -6,6 +6,7 @@ is tested in tests/test_emulated_links.py."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ def test_bad_variants_are_refused_naming_them(specs, capsys):
 
 
 def _row(link_bits, local, msgs, tensor_bytes, alpha, variant="exact", data_bytes=0, kappa=1.0, kappa1=0.0):
-    row = {"config": "c", "link": "x", "variant": variant, "local_s_per_step": local,
+    row = {"config": "c", "link": "x", "variant": variant, "local_s_per_step": local, "loopback_s_per_step": local,
            "measured_bit_per_s": None if link_bits is None else {"link": link_bits},
            "tensor_messages_per_step": msgs, "wire_bytes_per_step": {"tensor": tensor_bytes}}
     if data_bytes:
@@ -51,6 +52,9 @@ def test_link_fit_recovers_latency_and_efficiency_and_the_model_reproduces_the_s
             for n in (100, 200) for b in (9.5e6, 19e6)]
     got = e2e_study._fit_link(rows)
     assert got == pytest.approx((alpha, kappa, kappa1), rel=1e-6, abs=1e-9)
+    for r in rows:  # the one-process model's anchor: the same fit against the one-process step
+        r["loopback_s_per_step"] += 0.05
+    assert e2e_study._fit_link(rows, "local_s_per_step") == pytest.approx(got, rel=1e-6, abs=1e-9)
     for r in rows:
         assert e2e_study._predict(r, r["local_s_per_step"], got, LOOPBACK) == pytest.approx(r["s_per_step"], rel=1e-9)
 
@@ -85,18 +89,22 @@ def test_emulated_rate_of_a_transfer_fraction_inverts_the_model():
 
 def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch, capsys):
     """A study folder with one configuration (rows built from the model with a known α) gives study.json,
-    study.md (every row, the model's error, the GPU table) and the plot; a configuration run on a loaded
-    machine is labelled so in both and on the terminal."""
+    study.md (every row, the model's error, both models on the rows they were not fitted on, the GPU
+    table with error ranges) and the plot; a configuration run on a loaded machine is labelled so in
+    both and on the terminal."""
     monkeypatch.setattr(e2e_study, "CONFIGS", {"gpt2_tp2_sp_bf16": []})
     alpha, rows = 2e-4, []
-    for bits, n in ((50e6, 200), (1e9, 100), (250e6, 150), (500e6, 120)):
+    for bits, n in ((50e6, 200), (1e9, 100), (250e6, 150), (500e6, 120), (None, 150)):
         ex = _row(bits, 0.30, n, 9.5e6 * (1 + (n == 120)), alpha, kappa=1.4, kappa1=0.3)
         tc = _row(bits, 0.34, n + 20, 5.1e6, alpha, variant="taco", kappa=1.4, kappa1=0.3)
         for r in (ex, tc):
-            r.update(link=f"{bits:.0f}", speedup_median=ex["s_per_step"] / r["s_per_step"], tokens_per_s=1.0,
-                     comm_fraction=0.5, byte_ratio=0.536, byte_bound=1.3)
+            if bits is None:  # loopback: the multi-process step without a link (here: the one-process step)
+                r["s_per_step"] = r["local_s_per_step"]
+            r.update(link=f"{bits:.0f}" if bits else "none", speedup_median=ex["s_per_step"] / r["s_per_step"],
+                     tokens_per_s=1.0, comm_fraction=0.5, byte_ratio=0.536, byte_bound=1.3)
             r["speedup_min"] = r["speedup_max"] = r["speedup_median"]
-            r.pop("config")
+            for k in ("config", "loopback_s_per_step"):
+                r.pop(k)
         rows += [ex, tc]
     d = tmp_path / "gpt2_tp2_sp_bf16"
     d.mkdir()
@@ -105,17 +113,49 @@ def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch, c
     res = e2e_study.analyze(tmp_path)
     assert res["loaded"] == ["gpt2_tp2_sp_bf16"] and "LOADED: gpt2_tp2_sp_bf16" in capsys.readouterr().err
     assert (res["alpha_s"], res["kappa0"], res["kappa1_per_mb"]) == pytest.approx((alpha, 1.4, 0.3), rel=1e-6)
-    assert all(abs(r["model_error"]) < 1e-6 for r in res["rows"])
-    taco = [r for r in res["rows"] if r["variant"] == "taco"]
+    lm = res["loopback_model"]
+    assert (lm["alpha_s"], lm["kappa0"], lm["kappa1_per_mb"]) == pytest.approx((alpha, 1.4, 0.3), rel=1e-6)
+    shaped = [r for r in res["rows"] if r["link"] != "none"]
+    assert all(abs(r["model_error"]) < 1e-6 and abs(r["loop_model_error"]) < 1e-6 for r in shaped)
+    assert [r["model_fitted"] for r in shaped] == [True, False] * 4 and res["model_error"]["held_out_rows"] == 4
+    taco = [r for r in shaped if r["variant"] == "taco"]
     assert all(r["model_speedup"] == pytest.approx(r["speedup_median"]) for r in taco)
     assert all(r["codec_s_per_step"] == pytest.approx(0.04) for r in taco)
     assert all(1.0 < r["bandwidth_bound"] < 1 / 0.536 for r in taco)
-    links = {g["tp_link"] for g in res["gpu_predictions"]}
-    assert len(links) == 4 and all(g["taco_tp"] > 0.5 for g in res["gpu_predictions"])
+    gpu = res["gpu_predictions"]
+    assert len({g["tp_link"] for g in gpu}) == 4 and all(g["taco_tp"] > 0.5 for g in gpu)
+    # the model's error here is 0, so each range is the point; COCCL's settings on H800 NVLink get an error
+    assert all(g["range_taco_tp"] == pytest.approx([g["taco_tp"]] * 2) for g in gpu)
+    coccl = [g for g in gpu if "published_error" in g]
+    assert len(coccl) == 4 and all(g["tp_link"].startswith("H800") and g["published"].startswith("COCCL")
+                                   for g in coccl)
     md = (tmp_path / "study.md").read_text()
-    assert md.count("| taco |") == 4 and "Predicted on GPU clusters" in md
+    assert md.count("| taco |") == 5 + 4 and "Predicted on GPU clusters" in md  # the config table + held out
+    assert "### The models on the shaped rows they were not fitted on" in md and md.count("| gpt2_tp2_sp_bf16 | ") == 4
     assert md.startswith("**LOADED machine") and "### gpt2_tp2_sp_bf16 (LOADED machine: not a result)" in md
     assert (tmp_path / "speedup_vs_link.png").stat().st_size > 10_000
+
+
+def test_the_loopback_model_keeps_the_processes_sharing_of_the_cores_out_of_alpha():
+    """When the processes' sharing of the cores costs a time per collective that loopback shows too, the
+    one-process model folds it into α and the loopback model leaves it in its anchor (the loopback step)."""
+    alpha, share = 3e-4, 3e-3
+    rows = [_row(bits, 0.3, n, b, alpha, kappa=1.3) for bits in (50e6, 250e6, 1e9, 4e9) for n in (40, 80)
+            for b in (9.5e6, 19e6)]
+    for r in rows:
+        r["loopback_s_per_step"] = r["local_s_per_step"] + r["tensor_messages_per_step"] * share
+        r["s_per_step"] += r["tensor_messages_per_step"] * share
+    assert e2e_study._fit_link(rows) == pytest.approx((alpha, 1.3, 0.0), rel=1e-6, abs=1e-9)
+    assert e2e_study._fit_link(rows, "local_s_per_step") == pytest.approx((alpha + share, 1.3, 0.0), rel=1e-6,
+                                                                         abs=1e-9)
+
+
+def test_a_two_tier_loopback_run_drops_the_nodes_flag():
+    assert bench_e2e._launch_args("--nodes 2", "intra=1gbit,inter=100mbit") == [
+        "--nodes", "2", "--link", "intra=1gbit,inter=100mbit"]
+    assert bench_e2e._launch_args("--nodes 2 --verbose", "none") == ["--verbose"]
+    assert bench_e2e._launch_args("--nodes=2", "none") == [] and bench_e2e._launch_args("", "1gbit") == [
+        "--link", "1gbit"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -310,3 +350,22 @@ def test_one_process_step_runs_the_transport_the_processes_resolve_to(tmp_path, 
     assert all(r["wire_detail"] == detail and "wire_detail" not in r["runs"][0] for r in res["rows"])
     launched = [c for c in commands if "launch" in c]
     assert ["--transport" in c for c in launched] == [False, True]  # the processes resolve "auto" themselves
+
+
+def test_a_run_folder_left_by_an_interrupted_run_is_replaced(tmp_path, monkeypatch):
+    """Rerunning a configuration (after a loaded or interrupted run) reuses its run folders: the old
+    folder, checkpoints included, is removed before the run, so `train` does not refuse it."""
+    out = tmp_path / "local_exact"
+    (out / "checkpoints" / "8").mkdir(parents=True)
+
+    def train(cmd, **kw):  # what `taco-jax train --out DIR` leaves (no process: the bookkeeping only)
+        o = pathlib.Path(cmd[-1])
+        o.mkdir()  # fails if the old folder is still there
+        (o / "metrics.jsonl").write_text("".join(json.dumps({"step_s": s}) + "\n" for s in (9, 1, 2, 3)))
+        (o / "summary.json").write_text(json.dumps({"wire_bytes_per_step": {"tensor": 8}, "final_train_loss": 1,
+                                                    "wire_detail": [{"axis": "tensor", "count": 3}]}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench_e2e.subprocess, "run", train)
+    got = bench_e2e._run(["taco-jax", "train", "--out", str(out)], out, 60, 1, {})
+    assert got["step_s"] == 2 and got["tensor_messages_per_step"] == 3 and not (out / "checkpoints").exists()

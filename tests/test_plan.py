@@ -83,17 +83,19 @@ def _emulated_gpu_table() -> list[list[str]]:
 
 def test_predict_reproduces_the_emulated_gpu_table():
     """`predict --paper` gives docs/emulated.md's GPU table: per setting and TP link the TP share of
-    the exact step and both speedups, to the table's two decimals; every row carries a range that
-    holds the point."""
+    the exact step and both speedups, to the table's two decimals, each with the emulated error range
+    of `perf.uncertainty` (the table's brackets); every row carries a range that holds the point."""
     table = _emulated_gpu_table()
     rows = planner.paper_table()
+    errors = uncertainty.summary()
     assert len(rows) == len(table) >= 16
     for row, cells in zip(rows, table, strict=True):
         assert (row["setting"], row["tp_link"]) == (cells[0], cells[1])
         assert f"{row['tp_comm_fraction']:.2f}" == cells[2]
-        assert f"{row['taco_tp']:.2f}×" == cells[3]
-        assert f"{row['taco_tp+dp+pp']:.2f}×" == cells[4]
-        assert row["published"] == cells[6]
+        for k, cell in (("taco_tp", cells[3]), ("taco_tp+dp+pp", cells[4])):
+            lo, hi = uncertainty.speedup_range(row[k], errors)["emulated"]
+            assert f"{row[k]:.2f}× [{lo:.2f}, {hi:.2f}]" == cell
+        assert row["published"].replace("x", "×") == cells[6].split(" (")[0]
         assert row["range"][0] <= row["taco_tp"] <= row["range"][1]
     head, *body = planner.paper_lines(rows)  # what `predict --paper` prints: a header over aligned columns
     assert head.split()[:2] == ["setting", "TP"] and "TP share" in head and head.endswith("published")
