@@ -152,7 +152,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     p.add_argument("--links", nargs="+", default=["250mbit", "1gbit", "none"],
                    help="link rates (none = loopback) or one two-tier intra=RATE,inter=RATE per argument")
     p.add_argument("--processes", type=int, default=2, help="processes (default: 2)")
-    p.add_argument("--launch-args", default="", help="more `taco-jax launch` flags, e.g. \"--nodes 2\"")
+    p.add_argument("--launch-args", default="",
+                   help="more `taco-jax launch` flags, e.g. \"--nodes 2\" (left out on loopback, `none`)")
     p.add_argument("--mesh", default="data=1,tensor=2", help="mesh (default: data=1,tensor=2)")
     p.add_argument("--model", default="gpt2-narrow", choices=sorted(PRESETS), metavar="PRESET",
                    help="model preset (default: gpt2-narrow)")
@@ -170,7 +171,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds per link, variant order rotated each round (default: 2)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run, then it fails")
-    p.add_argument("--out", default="runs/bench_e2e")
+    p.add_argument("--out", default="runs/bench_e2e",
+                   help="result folder (default: %(default)s); its run folders are replaced on a rerun")
     load_guard.add_arguments(p)
     a = p.parse_args(argv)
     if a.calibrate_probe:

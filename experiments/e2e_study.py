@@ -29,7 +29,7 @@ bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP
 3. Writes `<out>/study.json`, `<out>/study.md` (the tables, each with its command) and
    `<out>/speedup_vs_link.png` (measured, byte bound, model).
 
-  python -m experiments.e2e_study --out runs/e2e_study              # everything (~70 min on 2 cores)
+  python -m experiments.e2e_study --out runs/e2e_study              # everything (> 70 min on 2 cores)
   python -m experiments.e2e_study --out runs/e2e_study --only gpt2_tp2_sp_bf16
   python -m experiments.e2e_study --out runs/e2e_study --analyze    # tables and plot only
 
@@ -161,11 +161,32 @@ def _span(rows: list[dict], key: str) -> list[float] | None:
     return [min(v), max(v)] if v else None
 
 
+def _load(path: pathlib.Path) -> dict:
+    """A configuration's bench_e2e.json; ValueError naming the file if it is not one."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError("no list of rows")
+        return data
+    except ValueError as e:
+        raise ValueError(f"{path} is not a bench_e2e result ({e}); rerun that configuration (--only NAME --force)") \
+            from None
+
+
+def _machine(studies: dict) -> str:
+    """The machine(s) the runs recorded (their load guard's), else the analysing host, said so."""
+    seen = {json.dumps(s["load_guard"]["machine"], sort_keys=True) for s in studies.values()
+            if (s.get("load_guard") or {}).get("machine")}
+    if seen:
+        return "; ".join(f"{m['node']}: {m['cpu']}, {m['cpus']} CPUs" for m in map(json.loads, sorted(seen)))
+    return (f"not recorded by the runs (analysed on {platform.node()}: {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} CPUs, Linux {platform.release()})")
+
+
 def analyze(out: pathlib.Path) -> dict:
     cal = json.loads(CALIBRATION.read_text())["link"]
     loopback = (cal["alpha_s"], cal["beta_s_per_byte"])
-    studies = {n: json.loads((out / n / "bench_e2e.json").read_text()) for n in CONFIGS
-               if (out / n / "bench_e2e.json").exists()}
+    studies = {n: _load(out / n / "bench_e2e.json") for n in CONFIGS if (out / n / "bench_e2e.json").exists()}
     loaded = [n for n, s in studies.items() if s.get("loaded")]
     # every row with a one-process step gets the model; (α, κ0, κ1) from the link sweep's exact rows on
     # shaped links (FIT_CONFIGS); every other row is a prediction
@@ -206,16 +227,17 @@ def analyze(out: pathlib.Path) -> dict:
                 r["bandwidth_fraction"] = f_bw
                 r["bandwidth_bound"] = bench_e2e.byte_bound(f_bw, r["byte_ratio"])
     held = [r for r in shaped if not r["model_fitted"]]
+    n_held = {k: sum(f"{k}_error" in r for r in held) for k in ("model", "loop_model")}
     gpu = gpu_predictions(rows, link)
     result = {"format": "taco_jax.e2e_study/1", "alpha_s": link[0], "kappa0": link[1], "kappa1_per_mb": link[2],
               "loopback_model": None if loop_link is None else
               {"alpha_s": loop_link[0], "kappa0": loop_link[1], "kappa1_per_mb": loop_link[2]},
               "model_error": {"fitted": _span(fit_rows, "model_error"), "held_out": _span(held, "model_error"),
                               "loopback_model_fitted": _span(loop_fit, "loop_model_error"),
-                              "loopback_model_held_out": _span(held, "loop_model_error"), "held_out_rows": len(held)},
+                              "loopback_model_held_out": _span(held, "loop_model_error"), "held_out_rows": len(held),
+                              "held_out_modelled": n_held["model"], "loopback_held_out_modelled": n_held["loop_model"]},
               "loopback_alpha_s": loopback[0], "loopback_bytes_per_s": 1.0 / loopback[1],
-              "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
-                         f"{os.cpu_count()} CPUs, Linux {platform.release()}",
+              "machine": _machine(studies), "fit_configs": sorted({r["config"] for r in fit_rows}),
               "commands": {n: s["command"] for n, s in studies.items()}, "rows": rows, "gpu_predictions": gpu,
               "loaded": loaded}
     jsonio.write(out / "study.json", result)
@@ -298,7 +320,8 @@ def markdown(res: dict) -> str:
     L = [f"**LOADED machine: {', '.join(loaded)} ran busier than the study allows (--allow-loaded); "
          "not results.**", ""] if loaded else []
     lm = res.get("loopback_model")
-    L += [f"Machine: {res['machine']}. Fitted on the exact rows of {', '.join(FIT_CONFIGS)} on shaped links: "
+    fitc = ", ".join(res.get("fit_configs") or FIT_CONFIGS)
+    L += [f"Machine: {res['machine']}. Fitted on the exact rows of {fitc} on shaped links: "
           f"α = {1e3 * res['alpha_s']:.2f} ms per collective, κ = {res['kappa0']:.2f} + {res['kappa1_per_mb']:.2f} × "
           "mean message MB (a step's "
           "transfer time / its bytes at the measured rate). "
@@ -339,9 +362,11 @@ def markdown(res: dict) -> str:
     err = res["model_error"]
     if held:
         L += ["### The models on the shaped rows they were not fitted on", "",
-              f"One-process model: fitted rows {_pct_span(err['fitted'])}, the {len(held)} others "
-              f"{_pct_span(err['held_out'])}. Loopback model: fitted rows {_pct_span(err['loopback_model_fitted'])}, "
-              f"the others {_pct_span(err['loopback_model_held_out'])} (error: model / measured − 1).", "",
+              f"One-process model: fitted rows {_pct_span(err['fitted'])}, {err['held_out_modelled']} of the "
+              f"{len(held)} others (those with a one-process step) {_pct_span(err['held_out'])}. Loopback model: "
+              f"fitted rows {_pct_span(err['loopback_model_fitted'])}, {err['loopback_held_out_modelled']} others "
+              f"(those with a loopback row) {_pct_span(err['loopback_model_held_out'])} (error: model / measured − 1; "
+              "a configuration without either has '-').", "",
               "| configuration | link | variant | measured s/step | one-process s/step | model (error) | "
               "loopback s/step | loopback model (error) |", "|---|---|---|---|---|---|---|---|"]
 
@@ -412,8 +437,11 @@ def plot(res: dict, path: pathlib.Path) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--out", default="runs/e2e_study")
-    p.add_argument("--only", nargs="+", choices=sorted(CONFIGS), help="run these configurations only")
+    p.add_argument("--out", default="runs/e2e_study",
+                   help="study folder: <out>/<configuration>/bench_e2e.json, study.json, study.md "
+                        "(default: %(default)s)")
+    p.add_argument("--only", nargs="+", choices=sorted(CONFIGS), metavar="NAME",
+                   help=f"run these configurations only ({', '.join(sorted(CONFIGS))})")
     p.add_argument("--force", action="store_true", help="rerun configurations that have results")
     p.add_argument("--analyze", action="store_true", help="only tables and plot from existing results")
     p.add_argument("--rounds", type=int, help="override every configuration's rounds")
@@ -425,7 +453,8 @@ def main(argv=None) -> dict:
         p.error(f"--rounds {a.rounds} must be >= 1")
     out = pathlib.Path(a.out)
     if a.analyze and not any((out / n / "bench_e2e.json").exists() for n in CONFIGS):
-        p.error(f"no results under {out} (no <configuration>/bench_e2e.json); run without --analyze first")
+        p.error(f"no results under {out} (no <configuration>/bench_e2e.json for a configuration of "
+                f"{', '.join(CONFIGS)}); run without --analyze first")
     todo = [] if a.analyze else [n for n in a.only or CONFIGS if a.force or not (out / n / "bench_e2e.json").exists()]
     for name in [] if a.analyze else [n for n in a.only or CONFIGS if n not in todo]:
         print(f"[e2e_study] {name}: results exist, skipped (--force reruns)", flush=True)

@@ -118,6 +118,7 @@ def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch, c
     shaped = [r for r in res["rows"] if r["link"] != "none"]
     assert all(abs(r["model_error"]) < 1e-6 and abs(r["loop_model_error"]) < 1e-6 for r in shaped)
     assert [r["model_fitted"] for r in shaped] == [True, False] * 4 and res["model_error"]["held_out_rows"] == 4
+    assert res["fit_configs"] == ["gpt2_tp2_sp_bf16"] and res["machine"].startswith("not recorded by the runs")
     taco = [r for r in shaped if r["variant"] == "taco"]
     assert all(r["model_speedup"] == pytest.approx(r["speedup_median"]) for r in taco)
     assert all(r["codec_s_per_step"] == pytest.approx(0.04) for r in taco)
@@ -369,3 +370,13 @@ def test_a_run_folder_left_by_an_interrupted_run_is_replaced(tmp_path, monkeypat
     monkeypatch.setattr(bench_e2e.subprocess, "run", train)
     got = bench_e2e._run(["taco-jax", "train", "--out", str(out)], out, 60, 1, {})
     assert got["step_s"] == 2 and got["tensor_messages_per_step"] == 3 and not (out / "checkpoints").exists()
+
+
+def test_a_broken_result_file_is_named(tmp_path, capsys):
+    """A truncated or foreign bench_e2e.json fails the analysis naming the file, not with a bare parse error."""
+    d = tmp_path / "gpt2_tp2_sp_bf16"
+    d.mkdir()
+    (d / "bench_e2e.json").write_text('{"rows": [{"link": "50')
+    with pytest.raises(SystemExit) as e:
+        e2e_study.main(["--out", str(tmp_path), "--analyze"])
+    assert e.value.code == 2 and f"{d / 'bench_e2e.json'} is not a bench_e2e result" in capsys.readouterr().err
