@@ -17,8 +17,9 @@ bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP
    gloo calibration's α and bandwidth (taco_jax/perf/calibration_cpu_gloo.json). Beside it, the
    **loopback model**: the same form with t_loop(v), v's multi-process step on loopback (the same
    processes on the same cores, no namespaces, no shaping; every configuration runs it), in place of
-   t_local(v), fitted on the same rows: its α is what a shaped link adds per collective, while the
-   cost of the processes sharing the cores stays in t_loop. Also the bandwidth bound: the byte bound
+   t_local(v), fitted on the same rows: n·α is what a shaped link adds beyond κ·B/R (per collective
+   only if the fitted rows differ in n), while the cost of the processes sharing the cores stays in
+   t_loop. Also the bandwidth bound: the byte bound
    with f_bw = κ·B/R / t (the exact step's byte-proportional share) in place of f (which also holds
    the per-collective costs that no byte reduction removes).
 2. **Predictions for GPU clusters** with the same kind of model (`taco_jax.perf.model.step_time`,
