@@ -298,7 +298,8 @@ def gpu_predictions(rows: list[dict], link: tuple[float, float, float]) -> list[
                    "taco_tp+dp+pp": model.speedup(cfg, lay, hw2, pol["taco_tp+dp+pp"]), "published": published}
             if span is not None:
                 for k in ("taco_tp", "taco_tp+dp+pp"):
-                    row[f"range_{k}"] = [row[k] * (1 + span[0]), row[k] * (1 + span[1])]
+                    row[f"range_{k}"] = uncertainty.speedup_range(row[k], {"emulated": {"speedup_error": span}})[
+                        "emulated"]
             if coccl and hw is own_hw and tp_link is own_hw.intra:
                 row["published_error"] = float(coccl[1]) / row["taco_tp+dp+pp"] - 1.0
             if ref and 0 < f_tp < 1:
