@@ -37,7 +37,9 @@ a compute probe against its calibration, the load average) and warns on stderr w
 the study allows; then it does not start, or writes `<out>/bench_e2e.loaded.json` and `.md` (marked
 `loaded`, never read as a result) instead of `bench_e2e.json` and exits with status 3.
 `--allow-loaded` runs and writes the result anyway, labelled loaded wherever it is printed.
-`--calibrate-probe` times the probe on a quiet machine (experiments/load_probe.json).
+`--wait-quiet SECONDS` waits (up to SECONDS each time) for a busy machine to be quiet instead, checks
+it after every round too, and runs a round (or one-process run) it was busy during again; the result
+says how often. `--calibrate-probe` times the probe on a quiet machine (experiments/load_probe.json).
 The whole study (models, TP 2/4, SP on/off, bf16/f32, the link sweep, the cost model):
 experiments/e2e_study.py, `make bench-e2e`.
 """
@@ -45,6 +47,7 @@ experiments/e2e_study.py, `make bench-e2e`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -201,7 +204,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     names = list(variants)
     out = pathlib.Path(a.out)
     if guard is None:
-        guard = load_guard.Guard(processes=a.processes, allow_loaded=a.allow_loaded, tag="[bench_e2e]")
+        guard = load_guard.Guard(processes=a.processes, allow_loaded=a.allow_loaded, tag="[bench_e2e]",
+                                 wait_s=a.wait_quiet)
     if not guard.started:
         guard.check("before the study", start=True)
         guard.refuse_start()
@@ -218,27 +222,41 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
         for v, flags in variants.items():
             d = out / f"local_{v}"
             transport = local_transport([*train, *flags])
-            with guard.watch(f"one process {v}"):
-                local[v] = _run(cli_command("train", *train, *flags, "--transport", transport, "--out", str(d)), d,
-                                a.timeout, a.warmup, env)
+            for attempt in itertools.count():  # once, unless --wait-quiet discards a busy run
+                since = guard.mark()
+                with guard.watch(f"one process {v}"):
+                    local[v] = _run(cli_command("train", *train, *flags, "--transport", transport, "--out", str(d)), d,
+                                    a.timeout, a.warmup, env)
+                print(f"[bench_e2e] one process {v} (--transport {transport}): {local[v]['step_s']:.4f} s/step"
+                      f"{guard.run_label}", flush=True)
+                if guard.wait_s > 0:
+                    guard.check(f"after one process {v}", wait=False)
+                if not guard.redo(since, f"one process {v}", attempt):
+                    break
             local[v]["transport"] = transport
-            print(f"[bench_e2e] one process {v} (--transport {transport}): {local[v]['step_s']:.4f} s/step"
-                  f"{guard.label}", flush=True)
     rows = []
     for link in links:
         runs = {v: [] for v in names}
         for rnd in range(a.rounds):
-            if guard.runs_since_check:
-                guard.check(f"before {link} round {rnd}")
             k = rnd % len(names)
-            for v in names[k:] + names[:k]:
-                d = out / f"{link.replace(',', '_').replace('=', '-')}_{v}_r{rnd}"
-                launch = ["launch", "--processes", str(a.processes), *_launch_args(a.launch_args, link)]
-                with guard.watch(f"{link} round {rnd} {v}"):
-                    runs[v].append(_run(cli_command(*launch, "--", "train", *train, *variants[v], "--out", str(d)),
-                                        d, a.timeout, a.warmup, env))
-                print(f"[bench_e2e] {link} round {rnd} {v}: {runs[v][-1]['step_s']:.4f} s/step{guard.label}",
-                      flush=True)
+            for attempt in itertools.count():  # once, unless --wait-quiet discards a busy round
+                if guard.runs_since_check:
+                    guard.check(f"before {link} round {rnd}")
+                since, got = guard.mark(), {}
+                for v in names[k:] + names[:k]:
+                    d = out / f"{link.replace(',', '_').replace('=', '-')}_{v}_r{rnd}"
+                    launch = ["launch", "--processes", str(a.processes), *_launch_args(a.launch_args, link)]
+                    with guard.watch(f"{link} round {rnd} {v}"):
+                        got[v] = _run(cli_command(*launch, "--", "train", *train, *variants[v], "--out", str(d)),
+                                      d, a.timeout, a.warmup, env)
+                    print(f"[bench_e2e] {link} round {rnd} {v}: {got[v]['step_s']:.4f} s/step{guard.run_label}",
+                          flush=True)
+                if guard.wait_s > 0:
+                    guard.check(f"after {link} round {rnd}", wait=False)
+                if not guard.redo(since, f"{link} round {rnd}", attempt):
+                    break
+            for v in names:
+                runs[v].append(got[v])
         base = names[0]
         t_base = statistics.median(r["step_s"] for r in runs[base])
         f_raw = 1.0 - local[base]["step_s"] / t_base if local else float("nan")
@@ -273,10 +291,15 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     refused = guard.loaded and not guard.allow_loaded
     name = "bench_e2e.loaded" if refused else "bench_e2e"
     jsonio.write(out / f"{name}.json", result)
-    busy = [c for c in result["load_guard"]["checks"] if c["busy"]]
+    lg = result["load_guard"]
+    busy = [c for c in lg["checks"] if c["busy"] and not c.get("waited") and not c.get("redone")]
     head = [] if not guard.loaded else [
-        f"**LOADED machine: not a result.** {len(busy)} of {len(result['load_guard']['checks'])} load checks were "
+        f"**LOADED machine: not a result.** {len(busy)} of {len(lg['checks'])} load checks were "
         f"busier than the study allows (first, {busy[0]['where']}: {'; '.join(busy[0]['reasons'])}).", ""]
+    if lg["waited_checks"] or lg["redone"]:
+        head += [f"Waited out a busy machine (`--wait-quiet {guard.wait_s:g}`): {lg['waited_checks']} busy checks "
+                 f"waited through; {len(lg['redone'])} runs or rounds discarded after a busy check and run again"
+                 f"{': ' + ', '.join(lg['redone']) if lg['redone'] else ''}.", ""]
     lines = [*head, f"`{result['command']}`", "",
              "| link | measured Mbit/s | variant | s/step | tokens/s | speedup (median [min, max]) | f | r | bound |",
              "|---|---|---|---|---|---|---|---|---|"]

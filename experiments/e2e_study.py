@@ -40,7 +40,8 @@ machine before the study and during every configuration: busier than allowed bef
 study does not start; during a configuration, its result goes to `bench_e2e.loaded.json` (never read
 here) and the study stops with exit status 3, keeping the configurations finished before it.
 `--allow-loaded` runs on and labels loaded configurations in study.json, study.md and the terminal;
-`--calibrate-probe` times the guard's probe on a quiet machine.
+`--wait-quiet SECONDS` waits out a busy machine instead and runs a round it was busy during again
+(experiments/load_guard.py); `--calibrate-probe` times the guard's probe on a quiet machine.
 """
 
 from __future__ import annotations
@@ -462,7 +463,8 @@ def main(argv=None) -> dict:
         print(f"[e2e_study] {name}: results exist, skipped (--force reruns)", flush=True)
     if todo:
         procs = max(int(CONFIGS[n][CONFIGS[n].index("--processes") + 1]) for n in todo)
-        guard = load_guard.Guard(processes=procs, allow_loaded=a.allow_loaded, tag="[e2e_study]")
+        guard = load_guard.Guard(processes=procs, allow_loaded=a.allow_loaded, tag="[e2e_study]",
+                                 wait_s=a.wait_quiet)
         guard.check("before the study", start=True)
         guard.refuse_start()
         for name in todo:

@@ -18,6 +18,13 @@ Three measurements, each judged against a limit of `Limits`:
 
 A check that exceeds a limit prints a warning naming the measurements on stderr at once; the study
 marks its result `loaded` and does not write it as a result (bench_e2e.py) unless `--allow-loaded`.
+
+With `--wait-quiet SECONDS` (`Guard.wait_s`) a busy machine is waited out instead: a busy check is
+repeated every `WAIT_POLL_S` until one is quiet (for at most SECONDS each time), and a round during
+which the machine was busy (over a run, or at the check after it) is discarded and run again once
+the machine is quiet (`Guard.redo`; at most `MAX_REDOS` times per round). The checks waited through
+and those of discarded rounds stay in the record (`waited`, `redone`) and do not make the result
+loaded; one busy check that the wait does not end does.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ CALIBRATION_RUNS = 5
 PROBE_CALIBRATION = pathlib.Path(__file__).resolve().with_name("load_probe.json")
 #: Exit status of a study that refused to write a result (a subclass of SystemExit carries it).
 LOADED_EXIT = 3
+#: Seconds between the checks of a wait for a quiet machine (`Guard.wait_s` > 0).
+WAIT_POLL_S = 5.0
+#: Discarded attempts of one round (`Guard.redo`) before its busy checks count as loaded.
+MAX_REDOS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,47 +188,66 @@ def add_arguments(p) -> None:
     p.add_argument("--calibrate-probe", action="store_true",
                    help=f"time the load guard's compute probe on this (quiet) machine into {PROBE_CALIBRATION.name}, "
                         "then exit")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="on a busy machine, wait up to SECONDS (each time) for it to be quiet and run a round it "
+                        "was busy during again, instead of stopping (default: 0, stop)")
 
 
 class Guard:
     """Measures the machine before and during a study and says, on stderr, when it is busier than
     `limits` allow.
 
-    processes: the study's own processes per run (for the load average's allowance). `measure` (for
-    tests) replaces the measurement: a function of `where` returning a dict with keys
-    `other_cpu_cores`, `probe_s`, `load_average_1min` (each may be None)."""
+    processes: the study's own processes per run (for the load average's allowance). wait_s: > 0 waits
+    out a busy machine (module docstring; seconds per wait). `measure` (for tests) replaces the
+    measurement: a function of `where` returning a dict with keys `other_cpu_cores`, `probe_s`,
+    `load_average_1min` (each may be None). `sleep` (for tests) replaces time.sleep.
+    Raises ValueError for wait_s < 0."""
 
     def __init__(self, *, processes: int, allow_loaded: bool = False, limits: Limits = Limits(),
-                 calibration: pathlib.Path = PROBE_CALIBRATION, tag: str = "[load guard]", measure=None):
+                 calibration: pathlib.Path = PROBE_CALIBRATION, tag: str = "[load guard]", measure=None,
+                 wait_s: float = 0.0, sleep=time.sleep):
+        if not wait_s >= 0:
+            raise ValueError(f"wait_s={wait_s!r} (--wait-quiet) must be >= 0 seconds")
         self.processes, self.allow_loaded, self.limits, self.tag = processes, allow_loaded, limits, tag
+        self.wait_s, self._sleep = wait_s, sleep
         self.calibrated_s, self.calibration_note = load_calibration(calibration)
         self._measure = measure
         self.checks: list[dict] = []
         self.started = False
         self._first = 0  # the checks of the result being measured: checks[_first:]
         self.runs_since_check = 0  # `watch` blocks since the last `check`
+        self.redone: list[str] = []  # rounds of the result being measured that `redo` discarded
 
     @property
     def loaded(self) -> bool:
         """Whether a check of the result being measured (since the last `next_result`) found the
         machine busier than allowed."""
-        return any(c["busy"] for c in self.checks[self._first:])
+        return any(c["busy"] and not c.get("waited") and not c.get("redone") for c in self.checks[self._first:])
 
     def next_result(self) -> None:
         """Starts the checks of the next result (a study's next configuration)."""
         self._first = len(self.checks)
+        self.redone = []
 
     @property
     def label(self) -> str:
         """' [LOADED]' once the machine was found busy (for every printed result), else ''."""
         return " [LOADED]" if self.loaded else ""
 
+    @property
+    def run_label(self) -> str:
+        """The label of a run's printed line: ' [busy: runs again]' after a busy check that `redo`
+        will discard (wait_s > 0), else `label`."""
+        last = self.checks[-1] if self.checks else {}
+        return " [busy: runs again]" if self.wait_s > 0 and last.get("busy") and not last.get("waited") else self.label
+
     def _warn(self, text: str) -> None:
         print(f"{self.tag} {text}", file=sys.stderr, flush=True)
 
-    def judge(self, where: str, m: dict, *, start: bool) -> dict:
+    def judge(self, where: str, m: dict, *, start: bool, quiet: bool = False) -> dict:
         """Adds the check `m` (keys other_cpu_cores, probe_s, load_average_1min; None = not measured)
-        taken at `where`, with its reasons; warns on stderr when busy. Returns the check."""
+        taken at `where`, with its reasons; warns on stderr when busy (not when `quiet`: a repeated
+        check of a wait). Returns the check."""
         lim, reasons = self.limits, []
         cores = os.cpu_count() or 1
         other = m.get("other_cpu_cores")
@@ -236,15 +266,52 @@ class Guard:
                            f"{self.processes} processes of the study)")
         check = {"where": where, **m, "probe_ratio": ratio, "busy": bool(reasons), "reasons": reasons}
         self.checks.append(check)
-        if reasons:
+        if reasons and not quiet:
             self._warn(f"WARNING: the machine is busier than the study allows ({where}): {'; '.join(reasons)}. "
                        "Timings now are not results.")
         return check
 
-    def check(self, where: str, *, start: bool = False) -> dict:
+    def check(self, where: str, *, start: bool = False, wait: bool = True) -> dict:
         """Measures other processes' CPU over the compute probe, the probe, and the load average;
         judges them (`judge`). start: the first check of a study (also judges the load average, and
-        says when the probe is not calibrated)."""
+        says when the probe is not calibrated). With `wait_s` > 0 and `wait` a busy check is marked
+        `waited` and repeated every WAIT_POLL_S until one is quiet or wait_s has passed (wait=False: the
+        check after a round, which `redo` judges); returns the last check."""
+        c = self._check(where, start=start)
+        if not (c["busy"] and self.wait_s > 0 and wait):
+            return c
+        t0 = time.monotonic()
+        self._warn(f"waiting up to {self.wait_s:.0f} s for a quiet machine ({where})")
+        while c["busy"] and time.monotonic() - t0 < self.wait_s:
+            c["waited"] = True
+            self._sleep(WAIT_POLL_S)
+            c = self._check(where, start=start, quiet=True)
+        waited = time.monotonic() - t0
+        self._warn(f"quiet again ({where}) after {waited:.0f} s" if not c["busy"] else
+                   f"still busy ({where}) after {waited:.0f} s: {'; '.join(c['reasons'])}; this check counts")
+        return c
+
+    def mark(self) -> int:
+        """A position in the record, for `redo`: the checks from here on are the next round's."""
+        return len(self.checks)
+
+    def redo(self, since: int, what: str, attempt: int) -> bool:
+        """With wait_s > 0: when a check since `since` (a round's, from `mark`) is busy and `attempt`
+        (0 for the first run of the round) < MAX_REDOS, marks those checks `redone`, says so on stderr,
+        waits for a quiet machine and returns True: the caller discards the round and runs it again.
+        Otherwise False (busy checks then make the result loaded)."""
+        busy = [c for c in self.checks[since:] if c["busy"] and not c.get("waited")]
+        if not busy or self.wait_s <= 0 or attempt >= MAX_REDOS:
+            return False
+        for c in self.checks[since:]:
+            c["redone"] = True
+        self.redone.append(what)
+        self._warn(f"{what} discarded (the machine was busy: {busy[0]['where']}: {'; '.join(busy[0]['reasons'])}); "
+                   f"it runs again when the machine is quiet (attempt {attempt + 2})")
+        self.check(f"before {what}, attempt {attempt + 2}")
+        return True
+
+    def _check(self, where: str, *, start: bool, quiet: bool = False) -> dict:
         if self._measure is not None:
             m = self._measure(where)
         else:
@@ -258,7 +325,7 @@ class Guard:
             if self.calibrated_s is None:
                 self._warn(f"note: {self.calibration_note}: the compute probe is not judged; calibrate it on a "
                            "quiet machine with --calibrate-probe")
-        return self.judge(where, m, start=start)
+        return self.judge(where, m, start=start, quiet=quiet)
 
     @contextlib.contextmanager
     def watch(self, where: str):
@@ -282,7 +349,10 @@ class Guard:
         """The guard's record of the result being measured, for its JSON."""
         return {"loaded": self.loaded, "allow_loaded": self.allow_loaded, "limits": dataclasses.asdict(self.limits),
                 "calibrated_probe_s": self.calibrated_s, "calibration": self.calibration_note,
-                "machine": machine(), "checks": self.checks[self._first:]}
+                "machine": machine(), "wait_s": self.wait_s,
+                "waited_checks": sum(bool(c.get("waited")) for c in self.checks[self._first:]),
+                "redone": list(self.redone),
+                "checks": self.checks[self._first:]}
 
 
 def main(argv=None) -> dict:

@@ -305,6 +305,51 @@ def test_the_study_stops_at_a_loaded_configuration_and_keeps_the_finished_ones(t
     assert not (tmp_path / "three").exists()
 
 
+def test_wait_quiet_waits_out_a_busy_machine_and_runs_a_busy_round_again(tmp_path, monkeypatch, capsys):
+    """--wait-quiet: a busy check before the study is repeated until quiet; a round during which the
+    machine was busy (over a run, or at the check after it) is discarded and run again; the result is
+    written, not loaded, and says what was waited through and run again. A machine that stays busy
+    past the wait still makes the result loaded."""
+    calls = []
+
+    def _counting_run(cmd, out, timeout, warmup, env):
+        calls.append(out.name)
+        return _fake_run(cmd, out, timeout, warmup, env)
+
+    monkeypatch.setattr(bench_e2e, "_run", _counting_run)
+    seen = {}
+
+    def measure(where):  # busy: the first check, the first attempt of round 1's taco run, after one process taco
+        seen[where] = seen.get(where, 0) + 1
+        busy = (where in ("before the study", "none round 1 taco", "after one process taco") and seen[where] == 1)
+        return _measured(other=1.5 if busy else 0.0)
+
+    guard = load_guard.Guard(processes=2, measure=measure, tag="[bench_e2e]", wait_s=60, sleep=lambda s: None)
+    res = bench_e2e.main(["--links", "none", "--rounds", "2", "--out", str(tmp_path / "a")], guard=guard)
+    assert not res["loaded"] and (tmp_path / "a" / "bench_e2e.json").exists()
+    err = capsys.readouterr().err
+    assert "waiting up to 60 s for a quiet machine (before the study)" in err and "quiet again (before the study)" in err
+    assert "none round 1 discarded (the machine was busy: none round 1 taco: other processes used 1.50" in err
+    assert res["load_guard"]["redone"] == ["one process taco", "none round 1"]
+    assert res["load_guard"]["waited_checks"] == 1
+    # each discarded run ran twice, every other once; the kept rows hold one run per round
+    assert calls == ["local_exact", "local_taco", "local_taco", "none_exact_r0", "none_taco_r0",
+                     "none_taco_r1", "none_exact_r1", "none_taco_r1", "none_exact_r1"]
+    assert all(len(r["runs"]) == 2 for r in res["rows"])
+    assert (tmp_path / "a" / "bench_e2e.md").read_text().startswith(
+        "Waited out a busy machine (`--wait-quiet 60`): 1 busy checks waited through; 2 runs or rounds discarded")
+
+    def always_busy(where):
+        return _measured(other=1.5)
+
+    guard = load_guard.Guard(processes=2, measure=always_busy, tag="[bench_e2e]", wait_s=0.01, sleep=lambda s: None)
+    with pytest.raises(load_guard.Loaded):
+        bench_e2e.main(["--links", "none", "--out", str(tmp_path / "b")], guard=guard)
+    assert "still busy (before the study) after 0 s" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="wait_s=-1"):
+        load_guard.Guard(processes=2, wait_s=-1)
+
+
 def test_a_cpu_burner_makes_the_study_warn_and_not_start(tmp_path, capsys):
     """A real busy machine: 3 busy-loop processes on this machine's cores; the one-rate command warns on
     the terminal naming the measurement and writes nothing."""
