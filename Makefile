@@ -103,7 +103,8 @@ bench-e2e: install
 ## One link, exact vs TACO (gpt2-narrow, TP=2 + SP, 2 processes, 2 rounds; ~3 min at 250 Mbit/s; root for a shaped
 ## link): `make bench-e2e-link LINK=150mbit` (LINK: a rate, none = loopback, or intra=RATE,inter=RATE with
 ## LINK_ARGS='--launch-args "--nodes 2"'). Table and JSON in runs/bench_e2e/<link> (LINK_OUT=DIR elsewhere); other options:
-## LINK_ARGS (python -m experiments.bench_e2e --help). Both bench-e2e targets refuse a busy machine (docs/emulated.md).
+## LINK_ARGS (python -m experiments.bench_e2e --help). Both bench-e2e targets refuse a busy machine (docs/emulated.md);
+## on a shared host, E2E_ARGS / LINK_ARGS="--wait-quiet 900" waits it out and reruns a round it was busy during.
 comma    := ,
 LINK     ?= 250mbit
 LINK_OUT ?= runs/bench_e2e/$(subst =,-,$(subst $(comma),_,$(LINK)))

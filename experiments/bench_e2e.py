@@ -228,7 +228,7 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
                     local[v] = _run(cli_command("train", *train, *flags, "--transport", transport, "--out", str(d)), d,
                                     a.timeout, a.warmup, env)
                 print(f"[bench_e2e] one process {v} (--transport {transport}): {local[v]['step_s']:.4f} s/step"
-                      f"{guard.run_label}", flush=True)
+                      f"{guard.run_label(since, attempt)}", flush=True)
                 if guard.wait_s > 0:
                     guard.check(f"after one process {v}", wait=False)
                 if not guard.redo(since, f"one process {v}", attempt):
@@ -249,8 +249,10 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
                     with guard.watch(f"{link} round {rnd} {v}"):
                         got[v] = _run(cli_command(*launch, "--", "train", *train, *variants[v], "--out", str(d)),
                                       d, a.timeout, a.warmup, env)
-                    print(f"[bench_e2e] {link} round {rnd} {v}: {got[v]['step_s']:.4f} s/step{guard.run_label}",
-                          flush=True)
+                    print(f"[bench_e2e] {link} round {rnd} {v}: {got[v]['step_s']:.4f} s/step"
+                          f"{guard.run_label(since, attempt)}", flush=True)
+                    if guard.will_redo(since, attempt):
+                        break  # the round runs again: its other variants now would be discarded too
                 if guard.wait_s > 0:
                     guard.check(f"after {link} round {rnd}", wait=False)
                 if not guard.redo(since, f"{link} round {rnd}", attempt):
@@ -284,7 +286,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
             })
     result = {"format": "taco_jax.bench_e2e/3", "command": shlex.join(["python", "-m", "experiments.bench_e2e",
                                                                         *(argv if argv is not None else sys.argv[1:])]),
-              "config": {**vars(a), "variant": {v: shlex.join(f) for v, f in variants.items()}},
+              "config": {**vars(a), "variant": {v: shlex.join(f) for v, f in variants.items()},
+                         "allow_loaded": guard.allow_loaded, "wait_quiet": guard.wait_s},  # the guard's (a study passes its own)
               "local": {v: {k: x for k, x in r.items() if k != "emulated_link"} for v, r in local.items()},
               "rows": rows, "note": "timings of a shared/loaded machine are not results; rerun on a quiet one",
               "loaded": guard.loaded, "load_guard": guard.summary()}

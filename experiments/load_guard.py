@@ -181,6 +181,19 @@ def calibrate(path: pathlib.Path = PROBE_CALIBRATION, limits: Limits = Limits())
     return cal
 
 
+def _wait_seconds(text: str) -> float:
+    """argparse type of --wait-quiet: a finite number of seconds >= 0."""
+    import argparse  # noqa: PLC0415
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (v >= 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"--wait-quiet {text!r} must be a finite number of seconds >= 0")
+    return v
+
+
 def add_arguments(p) -> None:
     """The guard's flags of a study's argument parser."""
     p.add_argument("--allow-loaded", action="store_true",
@@ -188,9 +201,9 @@ def add_arguments(p) -> None:
     p.add_argument("--calibrate-probe", action="store_true",
                    help=f"time the load guard's compute probe on this (quiet) machine into {PROBE_CALIBRATION.name}, "
                         "then exit")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--wait-quiet", type=_wait_seconds, default=0.0, metavar="SECONDS",
                    help="on a busy machine, wait up to SECONDS (each time) for it to be quiet and run a round it "
-                        "was busy during again, instead of stopping (default: 0, stop)")
+                        "was busy during again, instead of refusing the result (default: 0, refuse)")
 
 
 class Guard:
@@ -206,8 +219,8 @@ class Guard:
     def __init__(self, *, processes: int, allow_loaded: bool = False, limits: Limits = Limits(),
                  calibration: pathlib.Path = PROBE_CALIBRATION, tag: str = "[load guard]", measure=None,
                  wait_s: float = 0.0, sleep=time.sleep):
-        if not wait_s >= 0:
-            raise ValueError(f"wait_s={wait_s!r} (--wait-quiet) must be >= 0 seconds")
+        if not (wait_s >= 0 and wait_s != float("inf")):
+            raise ValueError(f"wait_s={wait_s!r} (--wait-quiet) must be a finite number of seconds >= 0")
         self.processes, self.allow_loaded, self.limits, self.tag = processes, allow_loaded, limits, tag
         self.wait_s, self._sleep = wait_s, sleep
         self.calibrated_s, self.calibration_note = load_calibration(calibration)
@@ -234,12 +247,19 @@ class Guard:
         """' [LOADED]' once the machine was found busy (for every printed result), else ''."""
         return " [LOADED]" if self.loaded else ""
 
-    @property
-    def run_label(self) -> str:
-        """The label of a run's printed line: ' [busy: runs again]' after a busy check that `redo`
-        will discard (wait_s > 0), else `label`."""
-        last = self.checks[-1] if self.checks else {}
-        return " [busy: runs again]" if self.wait_s > 0 and last.get("busy") and not last.get("waited") else self.label
+    def will_redo(self, since: int, attempt: int) -> bool:
+        """Whether `redo(since, ..., attempt)` would discard the round: wait_s > 0, a check since
+        `since` is busy (not one waited through), attempt < MAX_REDOS, and the result is not already
+        loaded by a wait that ran out (unless loaded results are allowed: then running again still helps)."""
+        busy = any(c["busy"] and not c.get("waited") for c in self.checks[since:])
+        before = self.checks[self._first:since]
+        lost = any(c["busy"] and not c.get("waited") and not c.get("redone") for c in before)
+        return self.wait_s > 0 and busy and attempt < MAX_REDOS and not (lost and not self.allow_loaded)
+
+    def run_label(self, since: int, attempt: int) -> str:
+        """The label of a run's printed line: ' [busy: runs again]' when the round it belongs to (its
+        checks from `since`) will be discarded (`will_redo`), else `label`."""
+        return " [busy: runs again]" if self.will_redo(since, attempt) else self.label
 
     def _warn(self, text: str) -> None:
         print(f"{self.tag} {text}", file=sys.stderr, flush=True)
@@ -284,7 +304,7 @@ class Guard:
         self._warn(f"waiting up to {self.wait_s:.0f} s for a quiet machine ({where})")
         while c["busy"] and time.monotonic() - t0 < self.wait_s:
             c["waited"] = True
-            self._sleep(WAIT_POLL_S)
+            self._sleep(min(WAIT_POLL_S, max(self.wait_s - (time.monotonic() - t0), 0.0)))
             c = self._check(where, start=start, quiet=True)
         waited = time.monotonic() - t0
         self._warn(f"quiet again ({where}) after {waited:.0f} s" if not c["busy"] else
@@ -296,13 +316,13 @@ class Guard:
         return len(self.checks)
 
     def redo(self, since: int, what: str, attempt: int) -> bool:
-        """With wait_s > 0: when a check since `since` (a round's, from `mark`) is busy and `attempt`
-        (0 for the first run of the round) < MAX_REDOS, marks those checks `redone`, says so on stderr,
-        waits for a quiet machine and returns True: the caller discards the round and runs it again.
+        """When `will_redo(since, attempt)` (`since`: the round's first check, from `mark`; `attempt`: 0
+        for the round's first run), marks the checks since `since` `redone`, says so on stderr, waits
+        for a quiet machine and returns True: the caller discards the round and runs it again.
         Otherwise False (busy checks then make the result loaded)."""
-        busy = [c for c in self.checks[since:] if c["busy"] and not c.get("waited")]
-        if not busy or self.wait_s <= 0 or attempt >= MAX_REDOS:
+        if not self.will_redo(since, attempt):
             return False
+        busy = [c for c in self.checks[since:] if c["busy"] and not c.get("waited")]
         for c in self.checks[since:]:
             c["redone"] = True
         self.redone.append(what)
@@ -322,7 +342,7 @@ class Guard:
         self.runs_since_check = 0
         if start:
             self.started = True
-            if self.calibrated_s is None:
+            if self.calibrated_s is None and not quiet:
                 self._warn(f"note: {self.calibration_note}: the compute probe is not judged; calibrate it on a "
                            "quiet machine with --calibrate-probe")
         return self.judge(where, m, start=start, quiet=quiet)

@@ -89,6 +89,7 @@ def main(argv=None) -> dict:
     from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
+    from taco_jax.codec import get_kind  # noqa: PLC0415
     from taco_jax.parallel.mesh import DATA  # noqa: PLC0415
     from taco_jax.train.config import TrainConfig  # noqa: PLC0415
     from taco_jax.train.step import make_trainer  # noqa: PLC0415
@@ -96,12 +97,13 @@ def main(argv=None) -> dict:
     variants = args.variants.split(",")
     state = {}
     for v in variants:
+        kind = None if v == "none" else get_kind(v)  # the codec flags go to the variants they apply to
+        codec = {} if kind is None else {"algorithm": args.algorithm, **(
+            {"backend": args.backend} if kind.backends else {}), **(
+            {"reduce_domain": args.reduce_domain} if kind.transform_reduce else {})}
         cfg = TrainConfig.from_flags(comm=v, mesh=args.mesh, model=args.model, batch_size=args.batch_size,
-                                     seq_len=args.seq_len, dtype=args.dtype, backend=args.backend,
-                                     vocab_size=args.vocab_size,
-                                     algorithm=args.algorithm, reduce_domain=args.reduce_domain,
-                                     sequence_parallel=args.sequence_parallel,
-                                     transport=args.transport)
+                                     seq_len=args.seq_len, dtype=args.dtype, vocab_size=args.vocab_size,
+                                     sequence_parallel=args.sequence_parallel, transport=args.transport, **codec)
         tr = make_trainer(cfg)
         sharding = NamedSharding(tr.mesh, P(*(a for a in (DATA,) if a in tr.mesh.axis_names)))
         rng = np.random.default_rng(0)

@@ -250,6 +250,53 @@ def test_bad_flags_name_the_value(flags, match):
         TrainConfig.from_flags(**flags)
 
 
+@pytest.mark.parametrize("flags,match", [
+    (dict(comm="int8", fmt="e5m2"), r"fmt='e5m2' has no effect: it needs a codec with FP8 codes, and this run has "
+                                    r"comm='int8', dp_comm='none', pp_comm='none'; drop the flag.*"
+                                    r"; set by --fmt or \[communication\] fmt$"),
+    (dict(comm="fp8_tensor", group_size=64), r"group_size=64 has no effect: it needs a codec with per-group scales"),
+    (dict(comm="int8", backend="ffi"), r"backend='ffi' has no effect: it needs a codec of a kind with group "
+                                       r"backends \(taco"),
+    (dict(comm="int8", reduce_domain="hadamard"), r"reduce_domain='hadamard' has no effect: .*transform domain"),
+    (dict(comm="none", dp_comm="taco", scale_layout="folded"), r"scale_layout='folded' has no effect: it needs a "
+                                                               r"taco codec on the tensor axis"),
+    (dict(comm="none", dp_comm="int8", codec_kind="int8"), r"codec_kind='int8' has no effect: it needs --comm taco"),
+    (dict(comm="none", dp_comm="int8", group_axis="token"), r"group_axis='token' has no effect"),
+    (dict(comm="none", pp_comm="taco", chunks=4), r"chunks=4 has no effect: it needs a codec on the tensor-axis "
+                                                  r"all-reduce \(ar_fwd, ar_bwd\)"),
+    (dict(comm="taco", site=[f"{s}:fmt=e4m3" for s in TENSOR_SITES], fmt="e5m2"),
+     r"fmt='e5m2' has no effect: .* with its --policy / --site \(set the field there"),
+])
+def test_a_codec_flag_that_reaches_no_codec_is_refused(flags, match):
+    """A codec flag away from its default must change some codec of a compressed run."""
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_flags(**flags)
+
+
+@pytest.mark.parametrize("flags,match", [
+    (dict(comm="none", fmt="e5m2"), r"fmt='e5m2' has no effect: .*comm='none'.*; the run is exact, so it is ignored"),
+    (dict(comm="none", backend="pallas"), r"backend='pallas' has no effect"),
+    (dict(comm="none", chunks=4, nonfinite="zero"), r"nonfinite='zero' has no effect"),
+])
+def test_a_codec_flag_of_an_exact_run_is_named_in_a_warning(flags, match):
+    """The exact baseline of a configured run (its codec flags and --comm none) runs, with a warning."""
+    with pytest.warns(UserWarning, match=match):
+        cfg = TrainConfig.from_flags(**flags)
+    assert all(getattr(cfg.communication.policy, s).kind == "none" for s in SITES)
+
+
+@pytest.mark.parametrize("flags", [
+    dict(comm="none", dp_comm="int8", backend="auto", fmt="e4m3"),  # defaults are never refused
+    dict(comm="int8", dp_comm="taco", backend="ffi"),  # the data axis's taco takes the backend
+    dict(comm="none", pp_comm="taco", fmt="e5m2", nonfinite="zero", group_size=64),
+    dict(comm="none", site=["ar_bwd:kind=taco"], backend="reference"),  # a site's new kind takes --backend
+    dict(comm="fp8_tensor", chunks=4, group_size=64),  # chunk boundaries are multiples of G
+    dict(comm="int8", codec_kind="int8"),
+])
+def test_a_codec_flag_that_reaches_some_axis_is_accepted(flags):
+    assert TrainConfig.from_flags(**flags).communication.policy != CommPolicy.none()
+
+
 def test_out_that_cannot_be_a_folder_is_one_clear_error(tmp_path, capsys):
     afile = tmp_path / "taken"
     afile.write_text("x")

@@ -328,13 +328,14 @@ def test_wait_quiet_waits_out_a_busy_machine_and_runs_a_busy_round_again(tmp_pat
     res = bench_e2e.main(["--links", "none", "--rounds", "2", "--out", str(tmp_path / "a")], guard=guard)
     assert not res["loaded"] and (tmp_path / "a" / "bench_e2e.json").exists()
     err = capsys.readouterr().err
-    assert "waiting up to 60 s for a quiet machine (before the study)" in err and "quiet again (before the study)" in err
+    assert "waiting up to 60 s for a quiet machine (before the study)" in err
+    assert "quiet again (before the study)" in err
     assert "none round 1 discarded (the machine was busy: none round 1 taco: other processes used 1.50" in err
     assert res["load_guard"]["redone"] == ["one process taco", "none round 1"]
     assert res["load_guard"]["waited_checks"] == 1
     # each discarded run ran twice, every other once; the kept rows hold one run per round
     assert calls == ["local_exact", "local_taco", "local_taco", "none_exact_r0", "none_taco_r0",
-                     "none_taco_r1", "none_exact_r1", "none_taco_r1", "none_exact_r1"]
+                     "none_taco_r1", "none_taco_r1", "none_exact_r1"]  # a busy run ends its round's attempt
     assert all(len(r["runs"]) == 2 for r in res["rows"])
     assert (tmp_path / "a" / "bench_e2e.md").read_text().startswith(
         "Waited out a busy machine (`--wait-quiet 60`): 1 busy checks waited through; 2 runs or rounds discarded")
@@ -348,6 +349,26 @@ def test_wait_quiet_waits_out_a_busy_machine_and_runs_a_busy_round_again(tmp_pat
     assert "still busy (before the study) after 0 s" in capsys.readouterr().err
     with pytest.raises(ValueError, match="wait_s=-1"):
         load_guard.Guard(processes=2, wait_s=-1)
+    for bad in ("inf", "-3", "soon"):
+        with pytest.raises(SystemExit) as e:
+            bench_e2e.main(["--links", "none", "--wait-quiet", bad])
+        assert e.value.code == 2 and f"--wait-quiet {bad!r} must be a finite number" in capsys.readouterr().err
+
+
+def test_wait_quiet_gives_up_on_a_round_that_stays_busy(tmp_path, monkeypatch, capsys):
+    """A round busy at every attempt runs MAX_REDOS + 1 times, then its busy checks make the result loaded."""
+    monkeypatch.setattr(bench_e2e, "_run", _fake_run)
+    monkeypatch.setattr(load_guard, "MAX_REDOS", 2)
+
+    def measure(where):  # quiet at every check, busy over every run of round 0 on loopback
+        return _measured(other=1.5 if where.startswith("none round 0 ") else 0.0)
+
+    guard = load_guard.Guard(processes=2, measure=measure, wait_s=60, sleep=lambda s: None, allow_loaded=True)
+    res = bench_e2e.main(["--links", "none", "--rounds", "1", "--no-local", "--out", str(tmp_path)], guard=guard)
+    assert res["loaded"] and res["load_guard"]["redone"] == ["none round 0", "none round 0"]
+    out = capsys.readouterr().out
+    assert out.count("[busy: runs again]") == 2 and "none round 0 exact: 0.4000 s/step [LOADED]" in out
+    assert res["config"]["wait_quiet"] == 60 and res["config"]["allow_loaded"]
 
 
 def test_a_cpu_burner_makes_the_study_warn_and_not_start(tmp_path, capsys):

@@ -53,6 +53,11 @@ def test_plan_matches_a_real_run_in_the_same_process(model, tmp_path):
     mem = compiled["memory"]
     assert mem["analysis"] and mem["argument"] > 0 and mem["temp"] > 0
     assert mem["params"] + mem["opt_state"] + mem["batch"] == pytest.approx(mem["argument"], rel=0.01)
+    # on the CPU mesh the terminal leads with the GPU estimate and labels XLA:CPU's own analysis
+    text = planner.lines(result)
+    at = next(i for i, line in enumerate(text) if line.startswith("memory per device"))
+    assert text[at].startswith("memory per device, GPU estimate: parameters + optimizer state + FP32 gradients")
+    assert text[at + 2].startswith("  XLA:CPU's analysis of this compile, not a GPU's") and " peak " in text[at + 2]
 
     run = loop.prepare(cfg)
     state = loop.initial_state(run)

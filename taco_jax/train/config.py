@@ -12,9 +12,11 @@ import json
 import math
 import os
 import re
+import warnings
 
 from taco_jax.codec import NONE, CodecConfig, codec_kinds, get_kind
 from taco_jax.codec.config import TRANSPORTS
+from taco_jax.codec.kinds import registered as registered_kinds
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
 from taco_jax.models import GPTConfig, get_config
 from taco_jax.parallel.context import check_tp_overlap
@@ -26,6 +28,9 @@ from taco_jax.parallel.pipeline import check_pipeline
 DEFAULT_MODEL = "gpt2-tiny"
 #: Entries of the Shakespeare BPE (and the vocabulary of a CPU-sized preset on it) without `--vocab-size`.
 DEFAULT_VOCAB = 2048
+#: The policy sites of the tensor-axis all-reduce: `--algorithm`, `--chunks`, `--reduce-domain` apply there
+#: (`collectives.megatron`).
+AR_SITES = ("ar_fwd", "ar_bwd")
 #: Mesh axis -> the policy sites whose messages travel on it.
 AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
 
@@ -94,7 +99,51 @@ class CommFlags:
         for spec in self.site:
             name, fields = parse_site(spec)
             policy = policy.with_sites({name: site_codec(getattr(policy, name), fields, spec, self)})
+        self._check_effect(policy)
         return policy
+
+    def _check_effect(self, policy: CommPolicy) -> None:
+        """A codec flag set away from its default must reach a codec of `policy`, so that it is never
+        silently ignored. Where the run compresses something, one that reaches none is an error
+        (ValueError naming it: `--comm int8 --fmt e5m2`, int8 has no FP8 format); where the whole
+        policy is exact (`--comm none`, the baseline of a configured run) a UserWarning names it."""
+        codecs = [(s, c) for s, c in ((s, getattr(policy, s)) for s in SITES) if c.kind != "none"]
+        spec = {c.kind: get_kind(c.kind) for _, c in codecs}
+        chunked = self.chunks != 1
+        applies = {  # flag -> (whether some codec takes its value, what it needs)
+            "codec_kind": (self.comm in ("taco", self.codec_kind)
+                           and any(c.kind == self.codec_kind for s, c in codecs if s in TENSOR_SITES),
+                           "--comm taco (it names the kind of that codec; or write --comm KIND)"),
+            "fmt": (any(spec[c.kind].fp8 and c.fmt == self.fmt for _, c in codecs), "a codec with FP8 codes"),
+            "group_size": (any((spec[c.kind].grouped or chunked) and c.group_size == self.group_size
+                               for _, c in codecs), "a codec with per-group scales (or --chunks)"),
+            "scale_layout": (any(c.scale_layout == self.scale_layout for s, c in codecs if s in TENSOR_SITES),
+                             "a taco codec on the tensor axis"),
+            "group_axis": (any(c.group_axis == self.group_axis for s, c in codecs if s in TENSOR_SITES),
+                           "a codec on the tensor axis"),
+            "nonfinite": (any(c.nonfinite == self.nonfinite for _, c in codecs), "a codec"),
+            "backend": (any(spec[c.kind].backends and c.backend == self.backend for _, c in codecs),
+                        "a codec of a kind with group backends (" +
+                        ", ".join(k.name for k in registered_kinds() if k.backends) + ")"),
+            "reduce_domain": (any(spec[c.kind].transform_reduce for s, c in codecs if s in AR_SITES),
+                              "a tensor-axis all-reduce codec that sums in its transform domain (" +
+                              ", ".join(k.name for k in registered_kinds() if k.transform_reduce) + ")"),
+            **{f: (any(s in AR_SITES for s, _ in codecs), "a codec on the tensor-axis all-reduce (ar_fwd, ar_bwd)")
+               for f in ("algorithm", "chunks")},
+            "min_bytes": (bool(codecs), "a codec"),
+        }
+        default = CommFlags()
+        for flag, (reached, needs) in applies.items():
+            if getattr(self, flag) == getattr(default, flag) or reached:
+                continue
+            used = ", ".join(f"{s}={getattr(self, s)!r}" for s in ("comm", "dp_comm", "pp_comm"))
+            tail = (" with its --policy / --site (set the field there, e.g. --site ar_bwd:kind=taco,fmt=e5m2)"
+                    if self.policy_file or self.site else "")
+            msg = f"{flag}={getattr(self, flag)!r} has no effect: it needs {needs}, and this run has {used}{tail}"
+            if not codecs:
+                warnings.warn(f"{msg}; the run is exact, so it is ignored", UserWarning, stacklevel=4)
+                continue
+            raise _named(ValueError(f"{msg}; drop the flag or choose a codec it applies to"), flag)
 
 
 def parse_site(spec: str) -> tuple[str, dict]:

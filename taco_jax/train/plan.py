@@ -462,17 +462,22 @@ def lines(result: dict) -> list[str]:
              f"{codec['decode_GBps']:,.0f} GB/s encode/decode ({_codec_source(hw)})")
     c = result.get("compiled")
     if c:
-        m = c["memory"]
-        L.append(f"memory per device ({c['platform']}, XLA memory analysis): peak {_mib(m.get('peak'))} = arguments "
-                 f"{_mib(m.get('argument'))} + outputs {_mib(m.get('output'))} - aliased {_mib(m.get('alias'))} + "
-                 f"temporaries {_mib(m.get('temp'))}")
-        L.append(f"  arguments: parameters {_mib(m['params'])}, optimizer state {_mib(m['opt_state'])}, batch "
-                 f"{_mib(m['batch'])}; activations and scratch: the temporaries")
-        est = m["estimate"]
-        L.append(f"  GPU estimate: parameters + optimizer state + FP32 gradients "
-                 f"{_mib(m['params'] * 2 + m['opt_state'])} + activations {_mib(est['activations'])} "
-                 f"({est['layers']} layers x {_microbatches(est['in_flight'])} in flight x {_mib(est['per_layer'])}, "
-                 f"--remat {est['remat']}) = {_mib(est['total'])}")
+        m, est = c["memory"], c["memory"]["estimate"]
+        xla = (f"peak {_mib(m.get('peak'))} = arguments {_mib(m.get('argument'))} + outputs {_mib(m.get('output'))} "
+               f"- aliased {_mib(m.get('alias'))} + temporaries {_mib(m.get('temp'))}" if m["analysis"] else
+               "not available (the backend gave no memory analysis)")
+        gpu = (f"parameters + optimizer state + FP32 gradients {_mib(m['params'] * 2 + m['opt_state'])} + activations "
+               f"{_mib(est['activations'])} ({est['layers']} layers x {_microbatches(est['in_flight'])} in flight x "
+               f"{_mib(est['per_layer'])}, --remat {est['remat']}) = {_mib(est['total'])}")
+        args = (f"parameters {_mib(m['params'])}, optimizer state {_mib(m['opt_state'])}, batch {_mib(m['batch'])}")
+        if c["platform"] == "cpu":  # XLA:CPU's temporaries are not a GPU's activations (docs/plan.md)
+            L.append(f"memory per device, GPU estimate: {gpu}")
+            L.append(f"  arguments (exact shapes, any backend): {args}")
+            L.append(f"  XLA:CPU's analysis of this compile, not a GPU's (its temporaries hold no GPU schedule): {xla}")
+        else:
+            L.append(f"memory per device ({c['platform']}, XLA memory analysis): {xla}")
+            L.append(f"  arguments: {args}; activations and scratch: the temporaries")
+            L.append(f"  estimate: {gpu}")
         L.append(f"compile: {c['compile_s']:.1f} s on {c['devices']} {c['platform']} devices")
         L.append("wire bytes per step and device, by axis: " + ", ".join(
             f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())) + "; as issued (bf16 as bf16, "
@@ -519,8 +524,12 @@ def markdown(result: dict) -> str:
     c = result.get("compiled")
     if c:
         m = c["memory"]
+        cpu = c["platform"] == "cpu"
         L += ["## Memory per device (XLA memory analysis of the compiled step on "
               f"{c['devices']} {c['platform']} devices)", "",
+              *(["XLA:CPU's buffer assignment, not a GPU's: its temporaries follow no GPU schedule and hardly move "
+                 "with `--remat`; the arguments are exact on any backend. The GPU estimate follows the table.", ""]
+                if cpu else []),
               "| part | bytes |", "|---|---|"]
         L += [f"| {k} | {_mib(m.get(v))} |" for k, v in (
             ("parameters", "params"), ("optimizer state", "opt_state"), ("batch", "batch"),
