@@ -94,7 +94,7 @@ fidelity-long: install $(CORPUS)/corpus.json
 
 ## Where compression pays: exact vs TACO end to end on emulated links (network namespaces: root), the
 ## link sweep, TP 2/4, SP on/off, bf16/f32, chunks, the collective matmul, two tiers, and the cost model
-## against it (docs/emulated.md; ~70 min on 2 cores before the loopback rows; longer now). One configuration: E2E_ARGS="--only gpt2_tp2_sp_bf16".
+## against it (docs/emulated.md; ~90 min on 2 cores). One configuration: E2E_ARGS="--only gpt2_tp2_sp_bf16".
 E2E_OUT  ?= runs/e2e_study
 E2E_ARGS ?=
 bench-e2e: install
