@@ -287,7 +287,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     result = {"format": "taco_jax.bench_e2e/3", "command": shlex.join(["python", "-m", "experiments.bench_e2e",
                                                                         *(argv if argv is not None else sys.argv[1:])]),
               "config": {**vars(a), "variant": {v: shlex.join(f) for v, f in variants.items()},
-                         "allow_loaded": guard.allow_loaded, "wait_quiet": guard.wait_s},  # the guard's (a study passes its own)
+                         # the guard's settings (a study passes its own guard)
+                         "allow_loaded": guard.allow_loaded, "wait_quiet": guard.wait_s},
               "local": {v: {k: x for k, x in r.items() if k != "emulated_link"} for v, r in local.items()},
               "rows": rows, "note": "timings of a shared/loaded machine are not results; rerun on a quiet one",
               "loaded": guard.loaded, "load_guard": guard.summary()}
@@ -300,7 +301,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
         f"**LOADED machine: not a result.** {len(busy)} of {len(lg['checks'])} load checks were "
         f"busier than the study allows (first, {busy[0]['where']}: {'; '.join(busy[0]['reasons'])}).", ""]
     if lg["waited_checks"] or lg["redone"]:
-        head += [f"Waited out a busy machine (`--wait-quiet {guard.wait_s:g}`): {lg['waited_checks']} busy checks "
+        n = lg["waited_checks"]
+        head += [f"Waited out a busy machine (`--wait-quiet {guard.wait_s:g}`): {n} busy check{'s' * (n != 1)} "
                  f"waited through; {len(lg['redone'])} runs or rounds discarded after a busy check and run again"
                  f"{': ' + ', '.join(lg['redone']) if lg['redone'] else ''}.", ""]
     lines = [*head, f"`{result['command']}`", "",

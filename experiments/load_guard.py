@@ -214,7 +214,7 @@ class Guard:
     out a busy machine (module docstring; seconds per wait). `measure` (for tests) replaces the
     measurement: a function of `where` returning a dict with keys `other_cpu_cores`, `probe_s`,
     `load_average_1min` (each may be None). `sleep` (for tests) replaces time.sleep.
-    Raises ValueError for wait_s < 0."""
+    Raises ValueError for a wait_s that is not a finite number >= 0."""
 
     def __init__(self, *, processes: int, allow_loaded: bool = False, limits: Limits = Limits(),
                  calibration: pathlib.Path = PROBE_CALIBRATION, tag: str = "[load guard]", measure=None,
@@ -362,8 +362,10 @@ class Guard:
     def refuse_start(self) -> None:
         """Raises Loaded (printed) when the first check found the machine busy and loaded runs are not allowed."""
         if self.loaded and not self.allow_loaded:
-            refuse(f"{self.tag} not started: {'; '.join(self.checks[-1]['reasons'])}. Run on a quiet "
-                         "machine, or pass --allow-loaded to run anyway (results labelled loaded)")
+            waited = f" after waiting {self.wait_s:g} s (--wait-quiet)" if self.wait_s > 0 else ""
+            refuse(f"{self.tag} not started{waited}: {'; '.join(self.checks[-1]['reasons'])}. Run on a quiet "
+                         "machine (the 1-minute load average falls slowly after other work: wait longer with "
+                         "--wait-quiet), or pass --allow-loaded to run anyway (results labelled loaded)")
 
     def summary(self) -> dict:
         """The guard's record of the result being measured, for its JSON."""

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import warnings
 
 #: Exit status of a run that started but failed (non-finite loss, a codec's nonfinite="error").
 EXIT_RUN_FAILED = 1
@@ -424,6 +425,20 @@ def _data_or_sample(args) -> int:
         return _error(e, EXIT_BAD_INPUT)
 
 
+def _show_warning(message, category, *rest, **kw):
+    """warnings.showwarning of the command line: a `FlagWarning` as "[taco-jax] warning: ..." on
+    stderr; any other warning as Python shows it."""
+    from taco_jax.train.config import FlagWarning
+
+    if issubclass(category, FlagWarning):
+        print(f"[taco-jax] warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _show_warning.python(message, category, *rest, **kw)
+
+
+_show_warning.python = warnings.showwarning
+
+
 def main(argv=None, *, own_process: bool = False) -> int:
     """Runs `taco-jax ARGV...` (default: the process's arguments); returns the exit status.
     `own_process`: the command is the whole process (`run`), so the objects of the modules it
@@ -432,6 +447,10 @@ def main(argv=None, *, own_process: bool = False) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     from taco_jax.train import jsonio
+
+    if warnings.showwarning is not _show_warning:  # a flag with no effect: one line, as the CLI's own warnings
+        _show_warning.python = warnings.showwarning
+        warnings.showwarning = _show_warning
 
     if args.command == "calibrate":  # one host device; no mesh
         from taco_jax.train.calibrate import main_args

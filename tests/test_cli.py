@@ -273,6 +273,32 @@ def test_a_codec_flag_that_reaches_no_codec_is_refused(flags, match):
         TrainConfig.from_flags(**flags)
 
 
+def test_a_policy_file_or_one_shot_that_overrides_a_flag_is_named(tmp_path):
+    """A policy file's own all-reduce settings win over the flags: a flag it overrides is refused, as
+    are the two-shot settings with the one-shot all-reduce."""
+    pol = tmp_path / "pol.json"
+    pol.write_text(json.dumps({"sites": {"ar_bwd": {"kind": "int8"}}, "reduce_domain": "signal", "chunks": 1,
+                               "all_reduce_algorithm": "two_shot", "min_bytes": 0}))
+    for flag, value, field in (("chunks", 4, "chunks"), ("algorithm", "one_shot", "all_reduce_algorithm"),
+                               ("min_bytes", 4096, "min_bytes")):
+        with pytest.raises(ValueError, match=rf"{flag}={value!r} has no effect: the policy file '{pol}' sets "
+                                             rf"{field}="):
+            TrainConfig.from_flags(policy_file=str(pol), **{flag: value})
+    for flag, value in (("chunks", 2), ("reduce_domain", "hadamard")):
+        with pytest.raises(ValueError, match=rf"{flag}={value!r} has no effect with algorithm='one_shot'"):
+            TrainConfig.from_flags(algorithm="one_shot", **{flag: value})
+    # --codec-kind none with --comm taco makes the tensor axis exact: it has an effect
+    assert TrainConfig.from_flags(comm="taco", codec_kind="none", dp_comm="int8").communication.policy.ar_fwd.kind == \
+        "none"
+
+
+def test_the_command_line_prints_a_flag_warning_on_one_line(capsys):
+    assert main(["predict", "--model", "gpt2-tiny", "--mesh", "data=2,tensor=4", "--hardware", "h200",
+                 "--comm", "none", "--fmt", "e5m2"]) == 0
+    err = capsys.readouterr().err
+    assert "[taco-jax] warning: fmt='e5m2' has no effect" in err and "UserWarning" not in err
+
+
 @pytest.mark.parametrize("flags,match", [
     (dict(comm="none", fmt="e5m2"), r"fmt='e5m2' has no effect: .*comm='none'.*; the run is exact, so it is ignored"),
     (dict(comm="none", backend="pallas"), r"backend='pallas' has no effect"),

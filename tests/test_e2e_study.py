@@ -338,7 +338,7 @@ def test_wait_quiet_waits_out_a_busy_machine_and_runs_a_busy_round_again(tmp_pat
                      "none_taco_r1", "none_taco_r1", "none_exact_r1"]  # a busy run ends its round's attempt
     assert all(len(r["runs"]) == 2 for r in res["rows"])
     assert (tmp_path / "a" / "bench_e2e.md").read_text().startswith(
-        "Waited out a busy machine (`--wait-quiet 60`): 1 busy checks waited through; 2 runs or rounds discarded")
+        "Waited out a busy machine (`--wait-quiet 60`): 1 busy check waited through; 2 runs or rounds discarded")
 
     def always_busy(where):
         return _measured(other=1.5)

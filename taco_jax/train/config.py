@@ -35,6 +35,11 @@ AR_SITES = ("ar_fwd", "ar_bwd")
 AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
 
 
+class FlagWarning(UserWarning):
+    """A flag that has no effect on this run (`CommFlags._check_effect`); `taco-jax` prints it as
+    "[taco-jax] warning: ..."."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CommFlags:
     """The communication flags of `taco-jax train`, as typed (each field is a flag: underscores -> dashes).
@@ -111,9 +116,8 @@ class CommFlags:
         spec = {c.kind: get_kind(c.kind) for _, c in codecs}
         chunked = self.chunks != 1
         applies = {  # flag -> (whether some codec takes its value, what it needs)
-            "codec_kind": (self.comm in ("taco", self.codec_kind)
-                           and any(c.kind == self.codec_kind for s, c in codecs if s in TENSOR_SITES),
-                           "--comm taco (it names the kind of that codec; or write --comm KIND)"),
+            "codec_kind": (self.comm in ("taco", self.codec_kind), "--comm taco (it names the kind of that codec; "
+                           "or write --comm KIND)"),
             "fmt": (any(spec[c.kind].fp8 and c.fmt == self.fmt for _, c in codecs), "a codec with FP8 codes"),
             "group_size": (any((spec[c.kind].grouped or chunked) and c.group_size == self.group_size
                                for _, c in codecs), "a codec with per-group scales (or --chunks)"),
@@ -133,6 +137,17 @@ class CommFlags:
             "min_bytes": (bool(codecs), "a codec"),
         }
         default = CommFlags()
+        for flag, field in (("algorithm", "all_reduce_algorithm"), ("min_bytes", "min_bytes"),
+                            ("reduce_domain", "reduce_domain"), ("chunks", "chunks")):
+            if getattr(self, flag) != getattr(default, flag) and getattr(policy, field) != getattr(self, flag):
+                raise _named(ValueError(
+                    f"{flag}={getattr(self, flag)!r} has no effect: the policy file {self.policy_file!r} sets "
+                    f"{field}={getattr(policy, field)!r}; drop the flag or change the file"), flag)
+        if self.algorithm == "one_shot":  # the one-shot all-reduce sends whole messages: no chunks, no domain
+            for flag in ("chunks", "reduce_domain"):
+                if getattr(self, flag) != getattr(default, flag):
+                    raise _named(ValueError(f"{flag}={getattr(self, flag)!r} has no effect with algorithm='one_shot' "
+                                            "(it applies to the two-shot all-reduce); drop one of them"), flag)
         for flag, (reached, needs) in applies.items():
             if getattr(self, flag) == getattr(default, flag) or reached:
                 continue
@@ -141,7 +156,7 @@ class CommFlags:
                     if self.policy_file or self.site else "")
             msg = f"{flag}={getattr(self, flag)!r} has no effect: it needs {needs}, and this run has {used}{tail}"
             if not codecs:
-                warnings.warn(f"{msg}; the run is exact, so it is ignored", UserWarning, stacklevel=4)
+                warnings.warn(f"{msg}; the run is exact, so it is ignored", FlagWarning, stacklevel=4)
                 continue
             raise _named(ValueError(f"{msg}; drop the flag or choose a codec it applies to"), flag)
 
