@@ -111,7 +111,9 @@ class CommFlags:
         """A codec flag set away from its default must reach a codec of `policy`, so that it is never
         silently ignored. Where the run compresses something, one that reaches none is an error
         (ValueError naming it: `--comm int8 --fmt e5m2`, int8 has no FP8 format); where the whole
-        policy is exact (`--comm none`, the baseline of a configured run) a UserWarning names it."""
+        policy is exact (`--comm none`, the baseline of a configured run) a FlagWarning names it. A
+        `--policy` file's own all-reduce settings that override a flag, and the two-shot settings with
+        `--algorithm one_shot`, are errors too."""
         codecs = [(s, c) for s, c in ((s, getattr(policy, s)) for s in SITES) if c.kind != "none"]
         spec = {c.kind: get_kind(c.kind) for _, c in codecs}
         chunked = self.chunks != 1
@@ -139,7 +141,8 @@ class CommFlags:
         default = CommFlags()
         for flag, field in (("algorithm", "all_reduce_algorithm"), ("min_bytes", "min_bytes"),
                             ("reduce_domain", "reduce_domain"), ("chunks", "chunks")):
-            if getattr(self, flag) != getattr(default, flag) and getattr(policy, field) != getattr(self, flag):
+            if self.policy_file and getattr(self, flag) != getattr(default, flag) and \
+                    getattr(policy, field) != getattr(self, flag):
                 raise _named(ValueError(
                     f"{flag}={getattr(self, flag)!r} has no effect: the policy file {self.policy_file!r} sets "
                     f"{field}={getattr(policy, field)!r}; drop the flag or change the file"), flag)
