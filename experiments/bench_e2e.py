@@ -296,7 +296,7 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     name = "bench_e2e.loaded" if refused else "bench_e2e"
     jsonio.write(out / f"{name}.json", result)
     lg = result["load_guard"]
-    busy = [c for c in lg["checks"] if c["busy"] and not c.get("waited") and not c.get("redone")]
+    busy = [c for c in lg["checks"] if load_guard.counts(c)]
     head = [] if not guard.loaded else [
         f"**LOADED machine: not a result.** {len(busy)} of {len(lg['checks'])} load checks were "
         f"busier than the study allows (first, {busy[0]['where']}: {'; '.join(busy[0]['reasons'])}).", ""]

@@ -181,6 +181,11 @@ def calibrate(path: pathlib.Path = PROBE_CALIBRATION, limits: Limits = Limits())
     return cal
 
 
+def counts(check: dict) -> bool:
+    """Whether `check` makes its result loaded: busy, and neither waited through nor of a discarded round."""
+    return check["busy"] and not check.get("waited") and not check.get("redone")
+
+
 def _wait_seconds(text: str) -> float:
     """argparse type of --wait-quiet: a finite number of seconds >= 0."""
     import argparse  # noqa: PLC0415
@@ -235,7 +240,7 @@ class Guard:
     def loaded(self) -> bool:
         """Whether a check of the result being measured (since the last `next_result`) found the
         machine busier than allowed."""
-        return any(c["busy"] and not c.get("waited") and not c.get("redone") for c in self.checks[self._first:])
+        return any(counts(c) for c in self.checks[self._first:])
 
     def next_result(self) -> None:
         """Starts the checks of the next result (a study's next configuration)."""
@@ -252,8 +257,7 @@ class Guard:
         `since` is busy (not one waited through), attempt < MAX_REDOS, and the result is not already
         loaded by a wait that ran out (unless loaded results are allowed: then running again still helps)."""
         busy = any(c["busy"] and not c.get("waited") for c in self.checks[since:])
-        before = self.checks[self._first:since]
-        lost = any(c["busy"] and not c.get("waited") and not c.get("redone") for c in before)
+        lost = any(counts(c) for c in self.checks[self._first:since])
         return self.wait_s > 0 and busy and attempt < MAX_REDOS and not (lost and not self.allow_loaded)
 
     def run_label(self, since: int, attempt: int) -> str:
