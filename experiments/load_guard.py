@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import platform
@@ -194,9 +195,13 @@ def _wait_seconds(text: str) -> float:
         v = float(text)
     except ValueError:
         v = float("nan")
-    if not (v >= 0 and v != float("inf")):
+    if not _seconds_ok(v):
         raise argparse.ArgumentTypeError(f"--wait-quiet {text!r} must be a finite number of seconds >= 0")
     return v
+
+
+def _seconds_ok(v: float) -> bool:
+    return math.isfinite(v) and v >= 0
 
 
 def add_arguments(p) -> None:
@@ -224,7 +229,7 @@ class Guard:
     def __init__(self, *, processes: int, allow_loaded: bool = False, limits: Limits = Limits(),
                  calibration: pathlib.Path = PROBE_CALIBRATION, tag: str = "[load guard]", measure=None,
                  wait_s: float = 0.0, sleep=time.sleep):
-        if not (wait_s >= 0 and wait_s != float("inf")):
+        if not _seconds_ok(wait_s):
             raise ValueError(f"wait_s={wait_s!r} (--wait-quiet) must be a finite number of seconds >= 0")
         self.processes, self.allow_loaded, self.limits, self.tag = processes, allow_loaded, limits, tag
         self.wait_s, self._sleep = wait_s, sleep

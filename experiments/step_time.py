@@ -97,10 +97,14 @@ def main(argv=None) -> dict:
     variants = args.variants.split(",")
     state = {}
     for v in variants:
-        kind = None if v == "none" else get_kind(v)  # the codec flags go to the variants they apply to
-        codec = {} if kind is None else {"algorithm": args.algorithm, **(
-            {"backend": args.backend} if kind.backends else {}), **(
-            {"reduce_domain": args.reduce_domain} if kind.transform_reduce else {})}
+        codec = {}  # the codec flags go to the variants they apply to (an exact one takes none)
+        if v != "none":
+            kind = get_kind(v)
+            codec["algorithm"] = args.algorithm
+            if kind.backends:
+                codec["backend"] = args.backend
+            if kind.transform_reduce:
+                codec["reduce_domain"] = args.reduce_domain
         cfg = TrainConfig.from_flags(comm=v, mesh=args.mesh, model=args.model, batch_size=args.batch_size,
                                      seq_len=args.seq_len, dtype=args.dtype, vocab_size=args.vocab_size,
                                      sequence_parallel=args.sequence_parallel, transport=args.transport, **codec)

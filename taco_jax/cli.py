@@ -436,9 +436,6 @@ def _show_warning(message, category, *rest, **kw):
         _show_warning.python(message, category, *rest, **kw)
 
 
-_show_warning.python = warnings.showwarning
-
-
 def main(argv=None, *, own_process: bool = False) -> int:
     """Runs `taco-jax ARGV...` (default: the process's arguments); returns the exit status.
     `own_process`: the command is the whole process (`run`), so the objects of the modules it
