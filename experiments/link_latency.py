@@ -19,8 +19,10 @@ variant): no propagation delay is emulated, so the ideal has none. Per variant a
 fits t = α + SIZE / R_eff over the sizes' medians (least squares): α is the per-message cost.
 
 Variants (`--variants`; every egress of the link: x0 of both processes, both switch ports):
-  base       what `taco_jax.emulate` installs: tbf as `tbf` on the processes' x0 (send side),
-             bucket max(32 KB, R·1 ms) on the switch ports (receive side)
+  base       what `taco_jax.emulate` installs: tbf with bucket max(4 KB, R·250 µs) on the processes'
+             x0 (send side), bucket max(32 KB, R·1 ms) on the switch ports (receive side)
+  base32k    base with the send bucket of `tbf` (the emulator's until 2026-12-03): its first 32 KB
+             pass at once after a gap
   tbf        tbf rate R burst max(32 KB, R·250 µs) latency 100ms on all four (the same bucket on
              both sides)
   tbf5ms     the same with latency 5ms (a short queue)
@@ -56,7 +58,8 @@ import time
 
 from taco_jax import emulate
 
-VARIANTS = ("base", "tbf", "tbf5ms", "tbfburst", "rxburst", "rx1ms", "nogso", "ackbypass", "sendonly", "none")
+VARIANTS = ("base", "base32k", "tbf", "tbf5ms", "tbfburst", "rxburst", "rx1ms", "nogso", "ackbypass", "sendonly",
+            "none")
 SOCKOPTS = ("nodelay", "quickack", "bufs4m", "delay")
 
 
@@ -92,6 +95,10 @@ def apply_variant(cl: emulate.Cluster, variant: str, rate: float) -> None:
             continue
         if variant == "base":
             burst = emulate._burst(rate) if proc_side else emulate._receive_burst(rate)
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *_tbf(rate, burst))
+            continue
+        if variant == "base32k":
+            burst = max(32 * 1024, int(rate / 8 * 250e-6)) if proc_side else emulate._receive_burst(rate)
             _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *_tbf(rate, burst))
             continue
         if variant in ("tbf", "sendonly"):

@@ -11,18 +11,22 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
     that node's processes. No interface is made in the caller's namespace.
   - Routes are per peer (/32): a peer on the same node via `i0`, any other via `x0`.
   - Every interface is shaped on egress on both sides (process side and switch side, so a
-    process neither sends nor receives faster than its link): `tbf rate R burst B latency 100ms`.
-    Send side (the process's interface): B = max(32 KB, R × 250 µs), a small bucket, so the
-    messages of a step are shaped too (at high rates the bucket must cover the timer's granularity
-    or the rate is not reached). Receive side (the switch port toward the process): B_rx =
-    max(32 KB, R × 1 ms). Its input is already shaped to R by the sender's tbf, whose timer fires
-    late when the cores are busy; a bucket as small as the sender's then idles through that delay
-    and loses the tokens: two such queues in series delivered 0.74–0.83 of 1 Gbit/s on a loaded
-    2-core machine (the sender's alone: 0.95). B_rx holds 1 ms of the delay, so the link keeps its
-    rate (0.93–0.96 from 250 Mbit/s to 4 Gbit/s under the same load); the receive cap still holds
-    for traffic from several senders, which may exceed R by B_rx after an idle period. Per message,
-    a shaped link costs what an unshaped veth does, ~0.3–0.5 ms under load (docs/emulated.md, "The
-    per-message cost of an emulated link").
+    process neither sends nor receives faster than its link): `tbf rate R burst B limit L`,
+    L = B + max(100 ms of the rate, 64 KB) (`latency 100ms`, and room for TCP's initial window on
+    slow links).
+    Send side (the process's interface): B = max(4 KB, R × 250 µs), a small bucket, so the messages of a
+    step are shaped too (at high rates the bucket must cover the timer's granularity or the rate is not
+    reached; 4 KB holds two full frames). A bucket passes its bytes at once after an idle gap, which no real
+    link does: with the 32 KB floor used until 2026-12-03 the first 32 KB of every message were free below 1
+    Gbit/s (1.1 ms at 250 Mbit/s, 5.5 ms at 50 Mbit/s), which favoured small messages, i.e. TACO and its
+    chunks (docs/emulated.md, "The bucket"). Receive side (the switch port toward the process): B_rx =
+    max(32 KB, R × 1 ms). Its input is already shaped to R by the sender's tbf, whose timer fires late when
+    the cores are busy; a bucket as small as the sender's then idles through that delay and loses the
+    tokens: two such queues in series delivered 0.74–0.83 of 1 Gbit/s on a loaded 2-core machine (the
+    sender's alone: 0.95). B_rx holds 1 ms of the delay, so the link keeps its rate (0.93–0.96 from 250
+    Mbit/s to 4 Gbit/s under the same load); the receive cap still holds for traffic from several senders,
+    which may exceed R by B_rx after an idle period. Per message, a shaped link costs what an unshaped veth
+    does, ~0.3–0.5 ms under load (docs/emulated.md, "The per-message cost of an emulated link").
 Two tiers (`--link intra=8gbit,inter=1gbit --nodes K`): processes 0..N/K-1 are node 0, the next
 N/K node 1, ... . Devices of process i are global devices i·d .. (i+1)·d-1 and a mesh spec
 takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nodes of 2
@@ -224,9 +228,24 @@ def _addr(i: int) -> str:
     return f"198.18.{i // 250}.{i % 250 + 1}"
 
 
+#: Smallest send-side tbf bucket (bytes): two full Ethernet frames (1,514 bytes each) and a little more.
+SEND_BURST_MIN_BYTES = 4096
+
+
 def _burst(rate_bps: float) -> int:
-    """Bytes of the send side's tbf bucket at `rate_bps`: max(32 KB, 250 µs of the rate)."""
-    return max(32 * 1024, int(rate_bps / 8 * 250e-6))
+    """Bytes of the send side's tbf bucket at `rate_bps`: max(`SEND_BURST_MIN_BYTES`, 250 µs of the rate)."""
+    return max(SEND_BURST_MIN_BYTES, int(rate_bps / 8 * 250e-6))
+
+
+#: Fewest bytes a tbf queue holds beyond its bucket: TCP's initial window (10 segments) and more, so a
+#: slow link does not drop the first packets of a transfer (at 400 kbit/s, 100 ms of the rate is 5 KB).
+QUEUE_MIN_BYTES = 64 * 1024
+
+
+def _queue_bytes(rate_bps: float, burst: int) -> int:
+    """tbf's `limit` at `rate_bps` with bucket `burst`: the bucket and max(100 ms of the rate,
+    `QUEUE_MIN_BYTES`) of queue (`latency 100ms` at rates above ~5 Mbit/s)."""
+    return burst + max(int(rate_bps / 8 * 0.1), QUEUE_MIN_BYTES)
 
 
 def _receive_burst(rate_bps: float) -> int:
@@ -404,7 +423,7 @@ class Cluster:
                 for where, d, burst in ((sw, port, _receive_burst(rate)), (ns, dev, _burst(rate))):
                     _sh("ip", "-n", where, "link", "set", d, "up")
                     _sh("tc", "-n", where, "qdisc", "add", "dev", d, "root", "tbf", "rate", f"{int(rate)}bit",
-                        "burst", str(burst), "latency", "100ms")
+                        "burst", str(burst), "limit", str(_queue_bytes(rate, burst)))
             _sh("ip", "-n", ns, "addr", "add", f"{self.addrs[i]}/32", "dev", "x0")
             for j in range(self.processes):
                 if j != i:
