@@ -310,8 +310,10 @@ def gpu_predictions(rows: list[dict], link: tuple[float, float, float]) -> list[
 
 
 def _rate_label(r: dict) -> str:
-    m = r["measured_bit_per_s"]
-    return "loopback" if not m else ", ".join(f"{k} {v / 1e6:,.0f}" for k, v in m.items())
+    """'link 239' (measured payload Mbit/s per tier), with '; 250 in frames' where the run recorded it."""
+    m, w = r["measured_bit_per_s"], r.get("measured_wire_bit_per_s") or {}
+    return "loopback" if not m else ", ".join(
+        f"{k} {v / 1e6:,.0f}" + (f"; {w[k] / 1e6:,.0f} in frames" if k in w else "") for k, v in m.items())
 
 
 def _pct_span(v: list[float] | None) -> str:

@@ -307,12 +307,28 @@ def _recv_stamped(conn: socket.socket, size: int) -> tuple[bytes, float]:
     return data, time.time()
 
 
+#: The links' MTU (the veth default, which the emulator keeps) and the Ethernet header tbf counts with each
+#: packet: a full TCP segment of `mss` payload bytes is a frame of MTU_BYTES + ETHERNET_HEADER_BYTES bytes.
+MTU_BYTES = 1500
+ETHERNET_HEADER_BYTES = 14
+
+
+def wire_bit_per_s(payload_bit_per_s: float, mss: int) -> float:
+    """The frame rate (bits/s of Ethernet frames, what tbf's rate counts) of a bulk TCP transfer that moved
+    `payload_bit_per_s` in full segments of `mss` payload bytes: × (MTU_BYTES + 14) / mss (1514 / 1448 =
+    1.0456 with TCP timestamps). Raises ValueError for an `mss` outside (0, MTU_BYTES)."""
+    if not 0 < mss < MTU_BYTES:
+        raise ValueError(f"mss {mss!r} is not a TCP payload size below the MTU {MTU_BYTES}")
+    return payload_bit_per_s * (MTU_BYTES + ETHERNET_HEADER_BYTES) / mss
+
+
 def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds: float = 0.5,
-            max_bytes: int = 256 << 20) -> float:
+            max_bytes: int = 256 << 20, info: dict | None = None) -> float:
     """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`
     (`probe_bytes`: the bucket's burst, then the timed bytes), timed by the receiver's kernel
     (arrival stamps, `_recv_stamped`) from the end of the burst to the last byte; bounded by 4 × the
-    timed bytes' time at `rate_bps` + 5 s.
+    timed bytes' time at `rate_bps` + 5 s. `info`, if given, receives the connection's "mss" (payload
+    bytes per full segment, TCP_MAXSEG) for `wire_bit_per_s`.
     Raises EmulationUnavailable naming what arrived (or the socket error) when too little did."""
     burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
     limit = 4 * timed * 8 / rate_bps + 5
@@ -354,6 +370,8 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
         with _in_netns(src_ns, socket.socket) as c:
             c.settimeout(limit)
             c.connect((dst_addr, srv.getsockname()[1]))
+            if info is not None:
+                info["mss"] = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
             buf, sent = b"\0" * (1 << 16), 0
             while sent < total and time.monotonic() < deadline:
                 sent += c.send(buf[:total - sent])
@@ -464,15 +482,20 @@ class Cluster:
         rates = {"link": self.spec.inter, "inter": self.spec.inter, "intra": self.spec.intra}
         links = []
         for tier, i, j in self.peers():
-            got, tries = measure(self.names[i], self.names[j], self.addrs[j], rates[tier], seconds=seconds), 1
+            info = {}
+            got, tries = measure(self.names[i], self.names[j], self.addrs[j], rates[tier], seconds=seconds,
+                                 info=info), 1
             if got < RETEST_BELOW * rates[tier]:
                 got = max(got, measure(self.names[i], self.names[j], self.addrs[j], rates[tier], seconds=seconds))
                 tries = 2
-            links.append({"tier": tier, "from": i, "to": j, "measured_bit_per_s": got, "tries": tries})
+            links.append({"tier": tier, "from": i, "to": j, "measured_bit_per_s": got, "tries": tries,
+                          "mss": info["mss"], "measured_wire_bit_per_s": wire_bit_per_s(got, info["mss"])})
         tiers = {}
         for tier in dict.fromkeys(x["tier"] for x in links):
             got = sorted(x["measured_bit_per_s"] for x in links if x["tier"] == tier)
+            mss = min(x["mss"] for x in links if x["tier"] == tier)
             tiers[tier] = {"requested_bit_per_s": rates[tier], "measured_bit_per_s": got[len(got) // 2],
+                           "measured_wire_bit_per_s": wire_bit_per_s(got[len(got) // 2], mss), "mss": mss,
                            "measured_min_bit_per_s": got[0], "burst_bytes": _burst(rates[tier]),
                            "receive_burst_bytes": _receive_burst(rates[tier])}
         tensor_tier = "intra" if "intra" in tiers else next(iter(tiers), None)
@@ -480,7 +503,8 @@ class Cluster:
                 "node_of_process": self.node_of, "addresses": self.addrs, "tiers": tiers, "links": links,
                 "tensor_tier": tensor_tier,
                 "method": "tbf on each interface's egress, both sides (send bucket burst_bytes, receive bucket "
-                          "receive_burst_bytes); TCP bulk transfer per link, payload bits/s"}
+                          "receive_burst_bytes); TCP bulk transfer per link, payload bits/s "
+                          "(measured_wire_bit_per_s: the same as Ethernet frames, as tbf counts them)"}
 
     def close(self) -> None:
         """Removes every namespace, interface and hosts file of the run; ends the reaper."""

@@ -154,9 +154,20 @@ def test_measured_rates_within_15_percent_and_nothing_left():
         for link in d["links"]:
             want = d["tiers"][link["tier"]]["requested_bit_per_s"]
             assert 0.85 * want <= link["measured_bit_per_s"] <= 1.15 * want, (text, link)
+            # full segments of 1448 payload bytes (TCP timestamps on) in 1514-byte frames, what tbf counts
+            assert link["mss"] == 1448, link
+            assert link["measured_wire_bit_per_s"] == pytest.approx(link["measured_bit_per_s"] * 1514 / 1448)
         assert {x["tier"] for x in d["links"]} == ({"link"} if not nodes else {"intra", "inter"})
         assert d["tensor_tier"] == ("link" if not nodes else "intra")
         assert not _leftovers(os.getpid())
+
+
+def test_wire_rate_of_a_payload_rate():
+    """Payload bits/s → Ethernet-frame bits/s: × 1514 / MSS; an MSS that is no TCP payload size is refused."""
+    assert emulate.wire_bit_per_s(1448e6, 1448) == pytest.approx(1514e6)
+    for bad in (0, 1500, -1):
+        with pytest.raises(ValueError, match=rf"mss {bad} is not"):
+            emulate.wire_bit_per_s(1e9, bad)
 
 
 def test_links_slower_than_the_minimum_are_refused():
