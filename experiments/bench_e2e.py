@@ -273,7 +273,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
                 "measured_bit_per_s": None if not measured else
                 {k: m["measured_bit_per_s"] for k, m in measured["tiers"].items()},
                 "measured_wire_bit_per_s": None if not measured else
-                {k: m["measured_wire_bit_per_s"] for k, m in measured["tiers"].items()},
+                {k: m["measured_wire_bit_per_s"] for k, m in measured["tiers"].items()
+                 if "measured_wire_bit_per_s" in m},
                 "tokens_per_step": a.batch_size * a.seq_len, "s_per_step": t,
                 "tokens_per_s": a.batch_size * a.seq_len / t,
                 "speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
@@ -308,12 +309,12 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
                  f"waited through; {len(lg['redone'])} runs or rounds discarded after a busy check and run again"
                  f"{': ' + ', '.join(lg['redone']) if lg['redone'] else ''}.", ""]
     lines = [*head, f"`{result['command']}`", "",
-             "| link | measured Mbit/s (payload; in frames) | variant | s/step | tokens/s | "
+             "| link | measured Mbit/s (payload; in frames, where recorded) | variant | s/step | tokens/s | "
              "speedup (median [min, max]) | f | r | bound |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = "-" if not r["measured_bit_per_s"] else \
-            ", ".join(f"{k} {v / 1e6:.0f}" + ("" if not r.get("measured_wire_bit_per_s") else
+            ", ".join(f"{k} {v / 1e6:.0f}" + ("" if k not in (r.get("measured_wire_bit_per_s") or {}) else
                                                f"; {r['measured_wire_bit_per_s'][k] / 1e6:.0f}")
                       for k, v in r["measured_bit_per_s"].items())
         bound = "-" if r["byte_bound"] is None else f"{r['byte_bound']:.2f}×"

@@ -93,13 +93,11 @@ def apply_variant(cl: emulate.Cluster, variant: str, rate: float) -> None:
         _sh("ip", "-n", ns, "link", "set", dev, "gso_max_size", "65536")
         if variant == "none" or (variant == "sendonly" and not proc_side):
             continue
-        if variant == "base":
-            burst = emulate._burst(rate) if proc_side else emulate._receive_burst(rate)
-            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *_tbf(rate, burst))
-            continue
-        if variant == "base32k":
-            burst = max(32 * 1024, int(rate / 8 * 250e-6)) if proc_side else emulate._receive_burst(rate)
-            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *_tbf(rate, burst))
+        if variant in ("base", "base32k"):  # the emulator's queue limit (= latency 100ms above ~5 Mbit/s)
+            send = emulate._burst(rate) if variant == "base" else max(32 * 1024, int(rate / 8 * 250e-6))
+            burst = send if proc_side else emulate._receive_burst(rate)
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit", "burst",
+                str(burst), "limit", str(emulate._queue_bytes(rate, burst)))
             continue
         if variant in ("tbf", "sendonly"):
             _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *_tbf(rate, b))

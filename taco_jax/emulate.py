@@ -18,7 +18,7 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
     step are shaped too (at high rates the bucket must cover the timer's granularity or the rate is not
     reached; 4 KB holds two full frames). A bucket passes its bytes at once after an idle gap, which no real
     link does: with the 32 KB floor used until 2026-12-03 the first 32 KB of every message were free below 1
-    Gbit/s (1.1 ms at 250 Mbit/s, 5.5 ms at 50 Mbit/s), which favoured small messages, i.e. TACO and its
+    Gbit/s (1.05 ms at 250 Mbit/s, 5.2 ms at 50 Mbit/s), which favoured small messages, i.e. TACO and its
     chunks (docs/emulated.md, "The bucket"). Receive side (the switch port toward the process): B_rx =
     max(32 KB, R × 1 ms). Its input is already shaped to R by the sender's tbf, whose timer fires late when
     the cores are busy; a bucket as small as the sender's then idles through that delay and loses the

@@ -446,3 +446,13 @@ def test_a_broken_result_file_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         e2e_study.main(["--out", str(tmp_path), "--analyze"])
     assert e.value.code == 2 and f"{d / 'bench_e2e.json'} is not a bench_e2e result" in capsys.readouterr().err
+
+
+def test_rate_label_gives_the_frame_rate_where_recorded():
+    """study.md's link column: payload Mbit/s per tier, the rate in Ethernet frames beside it where the run
+    recorded it (runs before the link test read the MSS have none), 'loopback' without a link."""
+    row = {"measured_bit_per_s": {"intra": 9.4e8, "inter": 9.5e7}}
+    assert e2e_study._rate_label(row) == "intra 940, inter 95"
+    row["measured_wire_bit_per_s"] = {"intra": 9.83e8}
+    assert e2e_study._rate_label(row) == "intra 940; 983 in frames, inter 95"
+    assert e2e_study._rate_label({"measured_bit_per_s": None}) == "loopback"

@@ -192,6 +192,16 @@ def test_link_test_reads_the_kernel_s_arrival_times():
         c = socket.create_connection(srv.getsockname())
         conn, _ = srv.accept()
         with conn, c:
+            # Linux turns receive timestamps on through a deferred work item (net_enable_timestamp), so on
+            # a busy machine the first packets after the option can arrive unstamped: wait until one is
+            for _ in range(200):
+                c.sendall(b"w")
+                _, anc, _, _ = conn.recvmsg(1, socket.CMSG_SPACE(emulate._TIMESPEC.size))
+                if anc:
+                    break
+                time.sleep(0.01)
+            else:
+                pytest.fail("no receive timestamp within 2 s of SO_TIMESTAMPNS")
             before = time.time()
             c.sendall(b"x" * 1000)  # on loopback in the receiver's queue when sendall returns
             after = time.time()
@@ -223,13 +233,15 @@ def test_a_message_after_an_idle_gap_is_shaped():
     """A real link has no token bucket: a 64 KB message sent after 50 ms idle takes at least its bytes
     over the rate, less the send bucket (`SEND_BURST_MIN_BYTES`, which passes at once). Until 2026-12-03
     a 32 KB bucket let half of it through at once (docs/emulated.md, "The bucket"). Timed one way plus a
-    1-byte answer; the fastest of 5 (a busy machine only makes it slower); 50 Mbit/s (namespaces: root)."""
+    1-byte answer; the fastest of 5 (a busy machine only makes it slower); 50 Mbit/s (namespaces: root).
+    The rate is the most TCP payload tbf can pass (its rate in frames × 1448 / 1514), not the link test's
+    reading, which a busy machine lowers."""
     import socket
     import threading
 
     size = 64 * 1024
+    rate = 50e6 / 8 * 1448 / (emulate.MTU_BYTES + emulate.ETHERNET_HEADER_BYTES)
     with emulate.Cluster(2, emulate.LinkSpec.parse("50mbit")) as c:
-        rate = c.measure_links()["links"][0]["measured_bit_per_s"] / 8
         srv = emulate._in_netns(c.names[1], lambda: socket.create_server((c.addrs[1], 0)))
         a = emulate._in_netns(c.names[0], socket.socket)
         a.connect((c.addrs[1], srv.getsockname()[1]))
