@@ -94,7 +94,7 @@ def apply_variant(cl: emulate.Cluster, variant: str, rate: float) -> None:
         if variant == "none" or (variant == "sendonly" and not proc_side):
             continue
         if variant in ("base", "base32k"):  # the emulator's queue limit (= latency 100ms above ~5 Mbit/s)
-            send = emulate._burst(rate) if variant == "base" else max(32 * 1024, int(rate / 8 * 250e-6))
+            send = emulate._burst(rate) if variant == "base" else b  # base32k: the send bucket of `tbf`
             burst = send if proc_side else emulate._receive_burst(rate)
             _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit", "burst",
                 str(burst), "limit", str(emulate._queue_bytes(rate, burst)))

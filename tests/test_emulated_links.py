@@ -244,29 +244,34 @@ def test_a_message_after_an_idle_gap_is_shaped():
     with emulate.Cluster(2, emulate.LinkSpec.parse("50mbit")) as c:
         srv = emulate._in_netns(c.names[1], lambda: socket.create_server((c.addrs[1], 0)))
         a = emulate._in_netns(c.names[0], socket.socket)
+        for sock in (srv, a):
+            sock.settimeout(10)  # a broken link fails the test within seconds, never hangs it
         a.connect((c.addrs[1], srv.getsockname()[1]))
         b, _ = srv.accept()
+        b.settimeout(10)
         srv.close()
 
         def echo():
             for _ in range(5):
                 got = 0
                 while got < size:
-                    got += len(b.recv(size - got))
+                    chunk = b.recv(size - got)
+                    if not chunk:  # the other side closed (the test failed): stop
+                        return
+                    got += len(chunk)
                 b.sendall(b"k")
 
-        t = threading.Thread(target=echo, daemon=True)
-        t.start()
-        times = []
-        for _ in range(5):
-            time.sleep(0.05)
-            t0 = time.perf_counter()
-            a.sendall(bytes(size))
-            assert a.recv(1) == b"k"
-            times.append(time.perf_counter() - t0)
-        t.join(timeout=10)
-        a.close()
-        b.close()
+        with a, b:
+            t = threading.Thread(target=echo, daemon=True)
+            t.start()
+            times = []
+            for _ in range(5):
+                time.sleep(0.05)
+                t0 = time.perf_counter()
+                a.sendall(bytes(size))
+                assert a.recv(1) == b"k"
+                times.append(time.perf_counter() - t0)
+            t.join(timeout=10)
     assert min(times) >= 0.9 * (size - emulate.SEND_BURST_MIN_BYTES) / rate, (times, rate)
     assert not _leftovers(os.getpid())
 
