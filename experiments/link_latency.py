@@ -85,9 +85,12 @@ def _tbf(rate: float, burst: int, latency: str = "100ms") -> list[str]:
     return ["tbf", "rate", f"{int(rate)}bit", "burst", str(burst), "latency", latency]
 
 
-def apply_variant(cl: emulate.Cluster, variant: str, rate: float) -> None:
-    """Replaces the root qdisc of every egress of the link by `variant`'s (module docstring)."""
+def apply_variant(cl: emulate.Cluster, variant: str, rate: float) -> int:
+    """Replaces the root qdisc of every egress of the link by `variant`'s (module docstring); returns the
+    bytes its processes' (send-side) bucket passes at once, for the link test (`emulate.measure`'s burst;
+    0 for an unshaped link)."""
     b = max(32 * 1024, int(rate / 8 * 250e-6))
+    send_bucket = {"none": 0, "base": emulate._burst(rate), "tbfburst": max(256 * 1024, int(rate / 8 * 2e-3))}
     for ns, dev, proc_side in _egresses(cl):
         subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
         _sh("ip", "-n", ns, "link", "set", dev, "gso_max_size", "65536")
@@ -124,6 +127,7 @@ def apply_variant(cl: emulate.Cluster, variant: str, rate: float) -> None:
                 "u32", "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:0")
         else:
             raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    return send_bucket.get(variant, b)
 
 
 def _connect(cl: emulate.Cluster, sockopt: str) -> tuple[socket.socket, socket.socket]:
@@ -254,8 +258,8 @@ def main(argv=None):
         for rnd in range(args.rounds):
             order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
             for v in order:
-                apply_variant(cl, v, rate)
-                r = emulate.measure(cl.names[0], cl.names[1], cl.addrs[1], rate, seconds=0.3)
+                bucket = apply_variant(cl, v, rate)
+                r = emulate.measure(cl.names[0], cl.names[1], cl.addrs[1], rate, seconds=0.3, burst=bucket)
                 rates.setdefault(v, []).append(r)
                 for so in sockopts:
                     a, b = _connect(cl, so)

@@ -176,7 +176,7 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
                         usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
                               "[--verbose] -- train [flags ...]\n       taco-jax launch --cleanup", allow_abbrev=False)
     lp.add_argument("--processes", type=int, default=0, help="number of local processes")
-    lp.add_argument("--link", default="", metavar="RATE|intra=RATE,inter=RATE",
+    lp.add_argument("--link", default=None, metavar="RATE|intra=RATE,inter=RATE",
                     help="emulated cluster: each process in its own network namespace, links shaped to RATE "
                          "(e.g. 1gbit, 100mbit; root only; docs/distributed.md)")
     lp.add_argument("--nodes", type=int, default=0, help="with --link intra=...,inter=...: processes in K nodes")

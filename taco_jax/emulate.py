@@ -323,14 +323,18 @@ def wire_bit_per_s(payload_bit_per_s: float, mss: int) -> float:
 
 
 def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds: float = 0.5,
-            max_bytes: int = 256 << 20, info: dict | None = None) -> float:
+            max_bytes: int = 256 << 20, info: dict | None = None, burst: int | None = None) -> float:
     """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`
     (`probe_bytes`: the bucket's burst, then the timed bytes), timed by the receiver's kernel
     (arrival stamps, `_recv_stamped`) from the end of the burst to the last byte; bounded by 4 × the
-    timed bytes' time at `rate_bps` + 5 s. `info`, if given, receives the connection's "mss" (payload
-    bytes per full segment, TCP_MAXSEG) for `wire_bit_per_s`.
-    Raises EmulationUnavailable naming what arrived (or the socket error) when too little did."""
-    burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
+    timed bytes' time at `rate_bps` + 5 s. `burst`: bytes the link's bucket passes at once (default
+    `_burst(rate_bps)`, the emulator's; `experiments/link_latency.py` passes its variants' buckets).
+    `info`, if given, receives the connection's "mss" (payload bytes per full segment, TCP_MAXSEG)
+    for `wire_bit_per_s`.
+    Raises EmulationUnavailable naming what arrived (or the socket error) when too little did, or when
+    everything arrived at once (the link passed more than `burst` bytes unshaped)."""
+    default_burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
+    burst = default_burst if burst is None else int(burst)
     limit = 4 * timed * 8 / rate_bps + 5
     srv = _in_netns(dst_ns, lambda: socket.create_server((dst_addr, 0)))
     got = {"n": 0}
@@ -381,9 +385,14 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
         th.join(timeout=max(0.1, deadline - time.monotonic() + 1))
         srv.close()
     if not got.get("dt") or not got.get("timed"):
-        why = (f"{type(got['error']).__name__}: {got['error']}" if "error" in got else
-               f"{got['n']} of {total} bytes arrived within {limit:.3g} s (a {burst}-byte burst, then {timed} "
-               f"timed bytes at {rate_bps / 1e6:g} Mbit/s)")
+        if "error" in got:
+            why = f"{type(got['error']).__name__}: {got['error']}"
+        elif got["n"] >= total:
+            why = (f"all {total} bytes arrived at once, so none could be timed: the link passed more than its "
+                   f"{burst}-byte burst unshaped (a bigger tbf bucket than the one this test skips?)")
+        else:
+            why = (f"{got['n']} of {total} bytes arrived within {limit:.3g} s (a {burst}-byte burst, then {timed} "
+                   f"timed bytes at {rate_bps / 1e6:g} Mbit/s)")
         raise EmulationUnavailable(f"link test {src_ns} -> {dst_ns} ({dst_addr}) moved too little data to time: "
                                    f"{why}")
     return got["timed"] * 8 / got["dt"]

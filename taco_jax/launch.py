@@ -110,12 +110,13 @@ def malloc_env(env: dict, malloc: str = "keep") -> dict:
 
 
 def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0, env=None, out=None,
-           malloc: str = "keep", link: str = "", nodes: int = 0, verbose: bool = False) -> int:
+           malloc: str = "keep", link: str | None = None, nodes: int = 0, verbose: bool = False) -> int:
     """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
     the first failure's; the others then get `FAILED_GRACE_S` after SIGTERM). `out`: stream for the
     prefixed lines (default stdout). `malloc`: the processes' allocator setting ("keep" or
     "default", see the module docstring). `link`, `nodes`: an emulated cluster (module docstring;
-    "" = plain local processes on 127.0.0.1). `verbose`: every line of the processes, gloo's
+    None = plain local processes on 127.0.0.1; an empty string is refused, not read as none).
+    `verbose`: every line of the processes, gloo's
     connection lines included. `config_of`: argv -> the `TrainConfig` the command runs
     (`cli.config_from_argv`, passed in by the CLI: this module sits below it), checked before any
     process starts.
@@ -129,7 +130,8 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
         raise ValueError(f"processes={processes} must be >= 1")
     if not argv:
         raise ValueError("no command after `--`; e.g. taco-jax launch --processes 2 -- train --steps 20")
-    for flag in ("--coordinator", "--num-processes", "--process-id", *(("--emulated-link",) if link else ())):
+    own = ("--coordinator", "--num-processes", "--process-id", *(("--emulated-link",) if link is not None else ()))
+    for flag in own:
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise ValueError(f"{flag} is set by the launcher; remove it from the command")
     out = out or sys.stdout
@@ -137,8 +139,8 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     axes = cfg.parallelism.axes if cfg is not None else None
     if axes:
         check_mesh_fits(axes, processes)
-    spec = emulate.LinkSpec.parse(link, nodes) if link else None
-    if nodes and not link:
+    spec = emulate.LinkSpec.parse(link, nodes) if link is not None else None
+    if nodes and link is None:
         raise ValueError(f"--nodes {nodes} needs --link intra=RATE,inter=RATE")
     if spec is not None:
         node_of = spec.node_of(processes)

@@ -107,6 +107,10 @@ def test_launch_refuses_bad_links_before_anything_runs(capsys):
     assert taco_cli.main(["launch", "--processes", "2", "--link", "1gbit/s", "--", "train"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("taco-jax: error: link rate '1gbit/s'"), err
+    # an empty --link (e.g. an unset shell variable) is refused, not run unshaped
+    assert taco_cli.main(["launch", "--processes", "2", "--link", "", "--", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("taco-jax: error: link rate ''"), err
 
 
 def test_refusal_names_what_is_missing(monkeypatch, capsys):
@@ -225,6 +229,26 @@ def test_slow_links_are_measured():
         for link in d["links"]:
             want = emulate.parse_rate(text)
             assert 0.85 * want <= link["measured_bit_per_s"] <= 1.15 * want, (text, link)
+    assert not _leftovers(os.getpid())
+
+
+@needs_netns
+def test_link_test_skips_the_bucket_it_is_given():
+    """A link whose bucket holds the whole probe is refused by name ("arrived at once"), not read as a
+    nonsense rate; told the bucket (`burst=`, as experiments/link_latency.py does for its variants), the
+    test skips it and reads the rate (namespaces: root)."""
+    sys.path.insert(0, str(ROOT))
+    from experiments import link_latency
+
+    rate = 400e3
+    with emulate.Cluster(2, emulate.LinkSpec.parse("400kbit")) as c:
+        bucket = link_latency.apply_variant(c, "base32k", rate)  # 32 KB bucket: the whole 27 KB probe passes
+        assert bucket == 32 * 1024
+        with pytest.raises(emulate.EmulationUnavailable, match="arrived at once"):
+            emulate.measure(c.names[0], c.names[1], c.addrs[1], 1e5, seconds=0.1)
+        time.sleep(bucket * 8 / rate)  # the bucket refills
+        got = emulate.measure(c.names[0], c.names[1], c.addrs[1], rate, seconds=0.3, burst=bucket)
+    assert 0.85 * rate <= got <= 1.02 * rate, got
     assert not _leftovers(os.getpid())
 
 
