@@ -2,7 +2,8 @@
 
 Two sources:
 - **emulated**: the end-to-end study on an emulated cluster (docs/emulated.md; rows of
-  docs/bench/e2e_study_2026-12-01/study.json, shipped as `model_errors.json` beside this module,
+  docs/bench/e2e_study_2026-12-03b/study.json, the rerun with the emulator's 4 KB send bucket;
+  shipped as `model_errors.json` beside this module,
   `errors_from_study`): per configuration and shaped link, the measured TACO speedup over exact
   against the model's, and the model's step-time error for exact and TACO. Loopback rows (the
   transfer is CPU work on the same cores, which an α-β link does not describe) and chunked
@@ -26,7 +27,7 @@ import re
 ERRORS_FILE = pathlib.Path(__file__).with_name("model_errors.json")
 ERRORS_FORMAT = "taco_jax.perf.model_errors/1"
 #: The study `model_errors.json` was derived from (in the repository).
-STUDY = "docs/bench/e2e_study_2026-12-01/study.json"
+STUDY = "docs/bench/e2e_study_2026-12-03b/study.json"
 
 
 def errors_from_study(study: dict) -> dict:
@@ -92,7 +93,7 @@ def summary() -> dict:
         "emulated": {"speedup_error": span(emu), "step_error": [min(steps), max(steps)], "points": len(emu),
                      "configs": sorted({r["config"] for r in emu}),
                      "what": "measured TACO speedup over exact on an emulated cluster (2-core CPU VM, shaped links "
-                             "48 Mbit/s-3.8 Gbit/s; docs/emulated.md) against the model's, per configuration"},
+                             "47 Mbit/s-3.8 Gbit/s; docs/emulated.md) against the model's, per configuration"},
         "coccl": {"speedup_error": span(coccl), "points": len(coccl), "settings": [r["setting"] for r in coccl],
                   "what": "COCCL's published end-to-end speedups on 32 H800 (its own codecs) against the model's "
                           "with TACO on TP + DP + PP"},
