@@ -9,7 +9,8 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
   - one "switch" namespace `...-sw` holding a bridge `bx` that joins every process's `x0` and,
     in the two-tier form, one bridge `bn<k>` per node joining the `i0` (intra-node) interfaces of
     that node's processes. No interface is made in the caller's namespace.
-  - Routes are per peer (/32): a peer on the same node via `i0`, any other via `x0`.
+  - Routes are per peer (/32): a peer on the same node via `i0`, any other via `x0`. The links carry
+    IPv4 only (`IPV6_DEFAULT`): no traffic of their own.
   - Every interface is shaped on egress on both sides (process side and switch side, so a
     process neither sends nor receives faster than its link): `tbf rate R burst B limit L`,
     L = B + max(100 ms of the rate, 64 KB) (`latency 100ms`, and room for TCP's initial window on
@@ -270,6 +271,12 @@ def _in_netns(ns: str, fn):
         os.close(here)
 
 
+#: The namespace's default IPv6 setting of new interfaces (per namespace). `Cluster` sets it to 1 in its
+#: namespaces before making their links: otherwise every link's own IPv6 (link-local address, duplicate
+#: address detection, router solicitations, MLD reports: 6 packets, 516 bytes in its first 3 s, measured
+#: with `tc -s`) takes turns on the shaped link, ~40 ms of a 100 kbit/s link, during the link test too.
+IPV6_DEFAULT = pathlib.Path("/proc/sys/net/ipv6/conf/default/disable_ipv6")
+
 #: Fewest payload bytes a link test times after the bucket's burst: 16 full TCP segments, so the
 #: rate of a slow link is read over more than a few packets (±1 segment: ~6 %).
 MIN_PROBE_BYTES = 16 * 1448
@@ -279,7 +286,8 @@ MIN_RATE_BPS = 100e3
 
 
 #: `Cluster.measure_links` measures a link again when it reads below this fraction of its rate
-#: (TCP payload over tbf reads ~0.95 on a quiet machine).
+#: (TCP payload over tbf reads ~0.95 on a quiet machine; near 100 kbit/s a spurious retransmission
+#: timeout of TCP reads 0.90: docs/distributed.md, "Measured before the run").
 RETEST_BELOW = 0.9
 
 
@@ -438,6 +446,8 @@ class Cluster:
         for ns in self.names:
             _sh("ip", "netns", "add", ns)
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            if IPV6_DEFAULT.exists():  # before the links are made: they get no IPv6 (no stray packets on them)
+                _in_netns(ns, lambda: IPV6_DEFAULT.write_text("1\n"))
         bridges = {b for i in range(self.processes) for _, b, _ in self._tiers(i)}
         for b in sorted(bridges):
             _sh("ip", "-n", sw, "link", "add", b, "type", "bridge")

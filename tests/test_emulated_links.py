@@ -233,6 +233,23 @@ def test_slow_links_are_measured():
 
 
 @needs_netns
+def test_links_carry_no_traffic_of_their_own():
+    """The shaped links carry only the run's traffic: no IPv6 of their own (link-local addresses, duplicate
+    address detection, router solicitations and MLD reports sent 3 packets in the first second before,
+    `emulate.IPV6_DEFAULT`), counted by each process-side tbf (namespaces: root)."""
+    with emulate.Cluster(2, emulate.LinkSpec.parse("1gbit")) as c:
+        time.sleep(1.5)
+        for ns in c.names[:2]:
+            out = subprocess.run(["tc", "-s", "-n", ns, "qdisc", "show", "dev", "x0"], capture_output=True,
+                                 text=True, check=True).stdout
+            assert re.search(r"Sent 0 bytes 0 pkt", out), (ns, out)
+            addrs = subprocess.run(["ip", "-n", ns, "-6", "addr", "show", "dev", "x0"], capture_output=True,
+                                   text=True, check=True).stdout
+            assert "inet6" not in addrs, addrs
+    assert not _leftovers(os.getpid())
+
+
+@needs_netns
 def test_link_test_skips_the_bucket_it_is_given():
     """A link whose bucket holds the whole probe is refused by name ("arrived at once"), not read as a
     nonsense rate; told the bucket (`burst=`, as experiments/link_latency.py does for its variants), the
