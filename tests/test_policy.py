@@ -158,6 +158,10 @@ def test_calibrate_errors(tmp_path):
     from taco_jax.cli import main
 
     assert main(["calibrate", "--captures", str(tmp_path / "nowhere")]) == 2
+    for bad in (0, -3):  # 0 was read as "no limit", -3 failed inside numpy
+        with pytest.raises(ValueError, match=f"max_messages={bad} must be an integer >= 1"):
+            calibrate(cap, tmp_path / "p.json", max_messages=bad, progress=False)
+        assert main(["calibrate", "--captures", str(cap), "--max-messages", str(bad)]) == 2
 
 
 TIE_CANDIDATES = [CodecConfig(kind="fp8_tensor"), CodecConfig(kind="int8"), CodecConfig(kind="int4", group_size=512),

@@ -158,13 +158,15 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
       max_messages: messages per site in each split (memory / time bound).
       cands: the candidate codecs (default `candidates()`, the whole family).
     Returns: the report dict (also written next to `out`).
-    Raises: ValueError for a folder without captures or a budget no candidate meets.
+    Raises: ValueError for a folder without captures, a budget no candidate meets, or max_messages < 1.
     """
     captures = pathlib.Path(captures)
     if not (captures / "meta.json").exists() and (captures / "captures" / "meta.json").exists():
         captures = captures / "captures"
     if not budget > 0:
         raise ValueError(f"budget={budget!r} must be > 0 bytes per element")
+    if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+        raise ValueError(f"max_messages={max_messages!r} must be an integer >= 1 (messages per site in each split)")
     meta, msgs = load_captures(captures)
     msgs = [m for m in msgs if m.site in TENSOR_SITES]
     excluded = nonfinite_messages(msgs)
