@@ -117,6 +117,22 @@ def test_other_model_or_vocab_refused_naming_it(saved, tmp_path):
     ck.close()
 
 
+def test_pipelined_and_unpipelined_layouts_are_refused_naming_the_layouts(saved):
+    """The saved unpipelined checkpoint into a pipelined run (stage = 2, 2 microbatches): refused, naming both
+    layouts and a parameter first; an array the checkpoint lacks is said so (not "None")."""
+    d, _, _, _ = saved
+    cfg = TrainConfig.from_flags(mesh="data=2,stage=2,tensor=2", microbatches=2, steps=4, batch_size=8, seq_len=32,
+                                 comm="none")
+    params, opt_state = make_trainer(cfg).init()
+    ck = Checkpoints(d, keep=2)
+    with pytest.raises(CheckpointError) as e:
+        ck.check(3, cfg.to_dict(), params, opt_state)
+    ck.close()
+    msg = str(e.value)
+    assert "the checkpoint's layout is unpipelined, this run's pipelined (stage > 1 or microbatches > 1)" in msg, msg
+    assert "e.g. ['params']" in msg and "has no such array" in msg and "None" not in msg, msg
+
+
 def _copy(d, tmp_path) -> pathlib.Path:
     dst = tmp_path / "checkpoints"
     shutil.copytree(d, dst)

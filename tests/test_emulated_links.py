@@ -254,7 +254,6 @@ def test_link_test_skips_the_bucket_it_is_given():
     """A link whose bucket holds the whole probe is refused by name ("arrived at once"), not read as a
     nonsense rate; told the bucket (`burst=`, as experiments/link_latency.py does for its variants), the
     test skips it and reads the rate (namespaces: root)."""
-    sys.path.insert(0, str(ROOT))
     from experiments import link_latency
 
     rate = 400e3

@@ -229,11 +229,20 @@ class Checkpoints:
         want = {k: [list(v.shape), str(v.dtype)] for k, v in _paths(state).items()}
         have = meta.get("shapes", {})
         pads = _padding_axes(have, want, _saved_padded_vocab(saved, vocab), vocab)
-        diff = [f"{k}: checkpoint {have.get(k)} vs this run {want.get(k)}"
-                for k in sorted(set(want) | set(have)) if have.get(k) != want.get(k) and k not in pads]
+        keys = sorted(set(want) | set(have), key=lambda k: (not k.startswith("['params']"), k))  # parameters first
+        diff = [f"{k}: checkpoint {have.get(k, 'has no such array')} vs this run {want.get(k, 'has no such array')}"
+                for k in keys if have.get(k) != want.get(k) and k not in pads]
         if diff:
+            layouts = {name: _pipelined(flags) for name, flags in (("checkpoint", saved), ("this run", config))}
+            hint = ""
+            if None not in layouts.values() and len(set(layouts.values())) == 2:
+                lay = {k: "pipelined (stage > 1 or microbatches > 1)" if v else "unpipelined"
+                       for k, v in layouts.items()}
+                hint = (f"; the checkpoint's layout is {lay['checkpoint']}, this run's {lay['this run']}: they "
+                        "store the decoder layers differently, resume with the saving run's stage / microbatches "
+                        "or another --out")
             raise CheckpointError(f"checkpoint {where} does not match this run's parameters / optimizer state "
-                                  f"({len(diff)} differ; e.g. {'; '.join(diff[:3])})")
+                                  f"({len(diff)} differ; e.g. {'; '.join(diff[:3])}){hint}")
         return meta
 
     def restore(self, step: int, config: dict, params, opt_state, *, shardings=None,
@@ -364,6 +373,16 @@ def _flags(config: dict) -> dict:
     from taco_jax.train.config import flag_values
 
     return flag_values(config, "checkpoint config")
+
+
+def _pipelined(flags: dict) -> bool | None:
+    """Whether a run of these flags (`_flags`) steps in the pipeline layout (`TrainConfig.pipelined`);
+    None when its mesh or microbatches are not recorded."""
+    from taco_jax.parallel.mesh import STAGE, parse_mesh
+
+    if "mesh" not in flags or "microbatches" not in flags:
+        return None
+    return parse_mesh(flags["mesh"]).get(STAGE, 1) > 1 or int(flags["microbatches"]) > 1
 
 
 def _saved_padded_vocab(saved: dict, vocab: tuple[int, int] | None) -> int | None:
