@@ -482,6 +482,13 @@ def main(argv=None, *, own_process: bool = False) -> int:
     except ValueError as e:
         return _error(e, EXIT_BAD_INPUT)
     if args.command in ("plan", "predict"):
+        if args.command == "predict" and args.paper:  # its settings are fixed: another flag would be ignored
+            given = sorted({a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)
+                            if a.startswith("--")} - {"--paper", "--json"})
+            if given:
+                return _error(ValueError(f"predict --paper prints the paper's fixed settings and takes no other flag "
+                                         f"(got {', '.join(given)}); leave out --paper to predict your own run"),
+                              EXIT_BAD_INPUT)
         return _plan(args, file_policy)
     return _train_or_compare(args, file_policy, own_process)
 

@@ -219,6 +219,19 @@ def test_own_hardware_file_and_the_shipped_table(tmp_path, capsys):
     assert hw["intra"]["GBps"] == pytest.approx(0.7 * 64)
     assert main(["predict", "--hardware", "tpu9"]) == 2
     assert "hardware='tpu9' is not declared" in capsys.readouterr().err
+    # nodes of 3 GPUs: a tensor axis of 4 would span them unevenly (3 + 1); 2 fits one; nodes of 2: 4 spans two
+    for gpus, tp, ok in ((3, 4, False), (3, 2, True), (2, 4, True)):
+        f = tmp_path / f"n{gpus}.toml"
+        f.write_text(_OWN.replace("gpus_per_node = 4", f"gpus_per_node = {gpus}"))
+        assert main(["predict", "--hardware-file", str(f), "--mesh", f"tensor={tp}", "--json"]) == (0 if ok else 2)
+        err = capsys.readouterr().err
+        assert ok or f"tensor axis ({tp} ranks) does not fit nodes of {gpus} GPUs" in err, err
+    # predict --paper takes no flag of its own run; --comm none predicts nothing to bound
+    assert main(["predict", "--paper", "--hardware-file", "/nonexistent"]) == 2
+    assert "takes no other flag (got --hardware-file)" in capsys.readouterr().err
+    assert main(["predict", "--mesh", "tensor=2", "--comm", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "this policy compresses no site" in out and "range" not in out and "threshold none" in out, out
     shipped = load_hardware()
     assert set(shipped) == {"h100", "h200", "h800", "a100", "b200", "l40s"}
     assert {k: s.codec_status for k, s in shipped.items() if s.codec_status == "measured"} == {"h200": "measured"}

@@ -151,8 +151,13 @@ def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None) -> mode
     `tp_span_nodes` nodes (the cost model then puts TP, and the axes outside it, on the inter-node
     link). None: Megatron placement (TP inside a node while it fits: ceil(tp / gpus_per_node) nodes).
     Raises ValueError when `tp_span_nodes` does not divide `tp`, or leaves more ranks per node than
-    the node has GPUs."""
+    the node has GPUs, or (None) when a `tp` larger than a node is not a multiple of its GPUs (the
+    group would span nodes unevenly)."""
     if tp_span_nodes is None:
+        if tp > hw.gpus_per_node and tp % hw.gpus_per_node:
+            raise ValueError(f"the tensor axis ({tp} ranks) does not fit nodes of {hw.gpus_per_node} GPUs ({hw.name}) "
+                             f"evenly; give a tensor size that divides or is a multiple of {hw.gpus_per_node}, or "
+                             "--tp-span-nodes K with K dividing it")
         return hw
     if not (isinstance(tp_span_nodes, int) and tp_span_nodes >= 1):
         raise ValueError(f"tp_span_nodes={tp_span_nodes!r} must be an integer >= 1")

@@ -503,10 +503,16 @@ def lines(result: dict) -> list[str]:
                     ("data_s", "data axis"), ("stage_s", "stage axis")):
         L.append(f"  {name:26s} {_ms(e[k]):>13s} {_ms(t[k]):>13s}")
     L.append(f"  {'throughput':26s} {_tokens_per_s(e['tokens_per_s']):>13s} {_tokens_per_s(t['tokens_per_s']):>13s}")
-    L.append(f"predicted speedup {p['speedup']:.2f}x, range {r['all'][0]:.2f}-{r['all'][1]:.2f}x (emulated "
-             f"cluster {r['emulated'][0]:.2f}-{r['emulated'][1]:.2f}x; COCCL on 32 H800 "
-             f"{r['coccl'][0]:.2f}-{r['coccl'][1]:.2f}x)")
-    L.append(f"--min-bytes auto on this hardware: threshold {_bytes(p['auto_threshold_bytes'])}; " + "; ".join(
+    if all(s["auto"] == "exact (declared)" for s in p["sites"]):  # exact against exact: no prediction to bound
+        L.append("predicted speedup 1.00x: this policy compresses no site (give --comm taco or a --policy to "
+                 "predict one)")
+        threshold = "none (no compressed site)"
+    else:
+        L.append(f"predicted speedup {p['speedup']:.2f}x, range {r['all'][0]:.2f}-{r['all'][1]:.2f}x (emulated "
+                 f"cluster {r['emulated'][0]:.2f}-{r['emulated'][1]:.2f}x; COCCL on 32 H800 "
+                 f"{r['coccl'][0]:.2f}-{r['coccl'][1]:.2f}x)")
+        threshold = _bytes(p["auto_threshold_bytes"])
+    L.append(f"--min-bytes auto on this hardware: threshold {threshold}; " + "; ".join(
         f"{s['site']} {_bytes(s['message_bytes'])} (break-even {_bytes(s['break_even_bytes'])}) -> {s['auto']}"
         for s in p["sites"]))
     return L
@@ -563,13 +569,17 @@ def markdown(result: dict) -> str:
         ("step_s", "step"), ("compute_s", "compute"), ("tensor_s", "tensor axis"), ("data_s", "data axis"),
         ("stage_s", "stage axis"))]
     L.append(f"| throughput | {_tokens_per_s(e['tokens_per_s'])} | {_tokens_per_s(t['tokens_per_s'])} |")
-    L += ["", f"Predicted speedup **{p['speedup']:.2f}×**, range {r['all'][0]:.2f}–{r['all'][1]:.2f}× "
-          f"(emulated cluster {r['emulated'][0]:.2f}–{r['emulated'][1]:.2f}×, {p['errors']['emulated']['points']} "
-          f"points; COCCL's 32 H800 {r['coccl'][0]:.2f}–{r['coccl'][1]:.2f}×, {p['errors']['coccl']['points']} "
-          f"settings). With only the sites predicted to gain ({', '.join(p['auto_sites']) or 'none'}): "
-          f"{p['auto_speedup']:.2f}×.", "",
-          f"`--min-bytes auto` here: threshold {_bytes(p['auto_threshold_bytes'])}.", "",
-          "| site | axis | op | message | break-even | --min-bytes auto |", "|---|---|---|---|---|---|"]
+    if all(s["auto"] == "exact (declared)" for s in p["sites"]):  # as `lines`
+        L += ["", "Predicted speedup **1.00×**: this policy compresses no site.", "",
+              "`--min-bytes auto` here: threshold none (no compressed site).", ""]
+    else:
+        L += ["", f"Predicted speedup **{p['speedup']:.2f}×**, range {r['all'][0]:.2f}–{r['all'][1]:.2f}× "
+              f"(emulated cluster {r['emulated'][0]:.2f}–{r['emulated'][1]:.2f}×, {p['errors']['emulated']['points']} "
+              f"points; COCCL's 32 H800 {r['coccl'][0]:.2f}–{r['coccl'][1]:.2f}×, {p['errors']['coccl']['points']} "
+              f"settings). With only the sites predicted to gain ({', '.join(p['auto_sites']) or 'none'}): "
+              f"{p['auto_speedup']:.2f}×.", "",
+              f"`--min-bytes auto` here: threshold {_bytes(p['auto_threshold_bytes'])}.", ""]
+    L += ["| site | axis | op | message | break-even | --min-bytes auto |", "|---|---|---|---|---|---|"]
     L += [f"| {s['site']} | {s['axis']} | {s['op']} | {_bytes(s['message_bytes'])} | {_bytes(s['break_even_bytes'])} "
           f"| {s['auto']} |" for s in p["sites"]]
     return "\n".join(L) + "\n"
