@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import warnings
 
 import pytest
 
@@ -386,3 +387,15 @@ def test_a_usage_error_is_one_line_naming_the_flag(argv, message, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_a_schedule_without_a_pipeline_is_a_warning():
+    """`--schedule 1f1b` on a run with stage = 1 and one microbatch orders nothing: a warning, not silence;
+    with a pipeline (microbatches > 1) none."""
+    from taco_jax.train.config import FlagWarning
+
+    with pytest.warns(FlagWarning, match=r"schedule='1f1b' has no effect: this run has no pipeline"):
+        TrainConfig.from_flags(schedule="1f1b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlagWarning)
+        TrainConfig.from_flags(schedule="1f1b", mesh="data=2,stage=2,tensor=2", microbatches=2)

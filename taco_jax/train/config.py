@@ -544,6 +544,10 @@ class TrainConfig:
             check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), microbatches, self.parallelism.schedule)
         except ValueError as e:
             raise ValueError(f"{e} ({mesh}, --microbatches {microbatches}, model {self.model.name})") from None
+        if self.parallelism.schedule != ParallelismSection.schedule and not self.parallelism.pipelined:
+            warnings.warn(f"schedule={self.parallelism.schedule!r} has no effect: this run has no pipeline ({mesh}, "
+                          f"--microbatches {microbatches}; a schedule orders stage > 1 or microbatches > 1), so it "
+                          "is ignored", FlagWarning, stacklevel=3)
         if self.logging.capture and self.parallelism.pipelined:
             raise ValueError(f"capture={self.logging.capture} needs the unpipelined layout (stage=1, microbatches=1); "
                              "capture on pipelined meshes is not supported")
