@@ -472,7 +472,12 @@ def main(argv=None, *, own_process: bool = False) -> int:
                 return 0
             if args.processes < 1:
                 raise ValueError(f"--processes {args.processes} must be >= 1")
-            return launch(args.processes, args.argv[1:] if args.argv[:1] == ["--"] else args.argv,
+            command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+            known = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            if command and not command[0].startswith("-") and command[0] not in known:  # before any process starts
+                raise ValueError(f"launch: {command[0]!r} is not a taco-jax command; e.g. taco-jax launch --processes "
+                                 "2 -- train --steps 20")
+            return launch(args.processes, command,
                           config_of=config_from_argv,
                           malloc=args.malloc, link=args.link, nodes=args.nodes, verbose=args.verbose)
         except ValueError as e:

@@ -107,6 +107,9 @@ def test_launch_refuses_bad_links_before_anything_runs(capsys):
     assert taco_cli.main(["launch", "--processes", "2", "--link", "1gbit/s", "--", "train"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("taco-jax: error: link rate '1gbit/s'"), err
+    # an unknown command is refused once, before any process starts
+    assert taco_cli.main(["launch", "--processes", "2", "--", "bogus"]) == 2
+    assert "launch: 'bogus' is not a taco-jax command" in capsys.readouterr().err
     # an empty --link (e.g. an unset shell variable) is refused, not run unshaped
     assert taco_cli.main(["launch", "--processes", "2", "--link", "", "--", "train"]) == 2
     err = capsys.readouterr().err
