@@ -414,10 +414,11 @@ def _data_or_sample(args) -> int:
             return 0
         from taco_jax.train.sample import sample
 
-        for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature),
-                        ("--top-k", args.top_k)):
-            if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{flag} {v} must be a finite number >= 0")
+        for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--top-k", args.top_k)):
+            if v < 0:
+                raise ValueError(f"{flag} {v} must be an integer >= 0")
+        if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+            raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0")
         print(sample(args.source, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                      seed=args.seed))
         return 0

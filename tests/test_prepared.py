@@ -175,8 +175,13 @@ def test_cli_prepare_data_and_sample_errors(corpus, tmp_path, capsys):
     for flag, value in (("--temperature", "nan"), ("--top-k", "-1"), ("--max-new-tokens", "-3"),
                         ("--temperature", "inf")):  # each named alone, before the checkpoint is read
         assert main(["sample", "--from", str(tmp_path / "missing"), "--prompt", "x", flag, value]) == 2
-        shown = float(value) if flag == "--temperature" else int(value)
-        assert capsys.readouterr().err.strip() == f"taco-jax: error: {flag} {shown} must be a finite number >= 0"
+        want = f"{float(value)} must be a finite number >= 0" if flag == "--temperature" else \
+            f"{int(value)} must be an integer >= 0"
+        assert capsys.readouterr().err.strip() == f"taco-jax: error: {flag} {want}"
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text("{}")  # the run's config file given instead of its folder
+    assert main(["sample", "--from", str(tmp_path / "r" / "config.json"), "--prompt", "x"]) == 2
+    assert f"give the folder that holds it, --from {str(tmp_path / 'r')!r}" in capsys.readouterr().err
 
 
 def test_each_device_reads_only_its_own_rows():

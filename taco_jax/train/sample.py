@@ -99,7 +99,10 @@ def load_for_sampling(source):
     src = pathlib.Path(source)
     conf_file = src / "config.json"
     if not conf_file.is_file():
-        raise ValueError(f"--from {source!r} is neither a run folder nor an HF checkpoint (no config.json)")
+        hint = (f"; give the folder that holds it, --from {str(src.parent)!r}" if src.name == "config.json"
+                and src.is_file() else "")
+        raise ValueError(f"--from {source!r} is neither a run folder nor an HF checkpoint (no config.json in it)"
+                         f"{hint}")
     conf = json.loads(conf_file.read_text())
     tokenizer = src / "tokenizer.json"
     if not tokenizer.is_file():
