@@ -270,9 +270,10 @@ def _add_plan(sub, helps, explicit: bool) -> None:
         own.add_argument("--layers", type=_positive_int("layers"), default=None, metavar="L",
                          help="override the model's depth (decoder layers)")
         own.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+        own.add_argument("--devices", type=_positive_int("devices"), default=None, metavar="N",
+                         help="devices of the run (default: the mesh size; must equal it)"
+                              + ("; plan simulates that many CPU devices" if name == "plan" else ""))
         if name == "plan":
-            own.add_argument("--devices", type=_positive_int("devices"), default=None, metavar="N",
-                             help="simulated CPU devices (default: the mesh size; must equal it)")
             own.add_argument("--no-compile", action="store_true", help="the cost model only (= predict)")
             sp.set_defaults(out="runs/plan")
         else:
@@ -506,7 +507,7 @@ def _plan(args, file_policy: dict | None) -> int:
     import pathlib
 
     compile_ = args.command == "plan" and not args.no_compile
-    if args.command == "plan":
+    if not (args.command == "predict" and args.paper):
         from taco_jax.parallel.mesh import parse_mesh
 
         try:

@@ -279,6 +279,10 @@ def test_plan_cli_writes_json_and_markdown_without_compiling(tmp_path, capsys):
     assert "GB/s encode/decode (measured on an H200)" in text
     assert main(["plan", "--mesh", "data=2,tensor=4", "--devices", "4", "--out", str(out)]) == 2
     assert "devices=4 differs" in capsys.readouterr().err
+    assert main(["predict", "--mesh", "data=2,tensor=4", "--devices", "4"]) == 2  # as plan --no-compile
+    assert "devices=4 differs" in capsys.readouterr().err
+    assert main(["predict", "--mesh", "data=2,tensor=4", "--devices", "8", "--json"]) == 0
+    capsys.readouterr()
     # a train config file's run folder is not plan's output folder: plan writes to its own --out
     conf = tmp_path / "run.toml"
     conf.write_text(f'[model]\nname = "gpt2-tiny"\n[checkpoint]\nout = "{tmp_path / "trainrun"}"\n')
