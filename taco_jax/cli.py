@@ -194,7 +194,8 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     cal.add_argument("--out", default="policy.json", help="policy file to write (for `train --policy FILE`)")
     cal.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                      help="max wire bytes per element of a chosen codec (= TACO's E4M3 G=128 dual codec)")
-    cal.add_argument("--max-messages", type=int, default=16, help="messages per site in each split")
+    cal.add_argument("--max-messages", type=int, default=16,
+                     help="messages per site in each split (0: all of them; memory and time grow with it)")
     cal.add_argument("--kinds", nargs="+", default=None, help="restrict the candidates to these codec kinds")
     _add_data_and_sample(sub)
     for parser in sub.choices.values():  # no abbreviations anywhere: a typo or prefix is refused, not another flag

@@ -149,17 +149,26 @@ def test_calibrate_writes_a_policy_at_least_as_good_as_every_fixed_choice(tmp_pa
     assert set(json.loads((tmp_path / "policy.json").read_text())["sites"]) <= set(SITES)
 
 
-def test_calibrate_errors(tmp_path):
+def test_calibrate_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="holds no meta.json"):
         calibrate(tmp_path, tmp_path / "p.json", progress=False)
     cap = _fake_captures(tmp_path)
     with pytest.raises(ValueError, match="no candidate codec fits"):
         calibrate(cap, tmp_path / "p.json", budget=0.3, cands=[CodecConfig(kind="int8")], progress=False)
+    import taco_jax.train.calibrate as cal_mod
+
+    def no_evaluation(*a, **k):
+        raise AssertionError("a budget no candidate meets is refused before any candidate is evaluated")
+
+    with monkeypatch.context() as m:
+        m.setattr(cal_mod, "evaluate", no_evaluation)
+        with pytest.raises(ValueError, match=r"budget=0.1 bytes/element: no candidate codec fits site"):
+            calibrate(cap, tmp_path / "p.json", budget=0.1, progress=False)
     from taco_jax.cli import main
 
     assert main(["calibrate", "--captures", str(tmp_path / "nowhere")]) == 2
-    for bad in (0, -3):  # 0 was read as "no limit", -3 failed inside numpy
-        with pytest.raises(ValueError, match=f"max_messages={bad} must be an integer >= 1"):
+    for bad in (-1, -3):  # failed inside numpy, without the flag's name (0 means all, as its help says)
+        with pytest.raises(ValueError, match=f"max_messages={bad} must be an integer >= 0"):
             calibrate(cap, tmp_path / "p.json", max_messages=bad, progress=False)
         assert main(["calibrate", "--captures", str(cap), "--max-messages", str(bad)]) == 2
 

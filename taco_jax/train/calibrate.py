@@ -155,18 +155,19 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
       captures: the `<run>/captures` folder of `taco-jax train --capture N` (or the run folder).
       out: policy JSON path (read by `taco-jax train --policy FILE`).
       budget: largest wire bytes per element a chosen codec may use.
-      max_messages: messages per site in each split (memory / time bound).
+      max_messages: messages per site in each split (memory / time bound; 0: all of them).
       cands: the candidate codecs (default `candidates()`, the whole family).
     Returns: the report dict (also written next to `out`).
-    Raises: ValueError for a folder without captures, a budget no candidate meets, or max_messages < 1.
+    Raises: ValueError for a folder without captures, a budget no candidate meets, or max_messages < 0.
     """
     captures = pathlib.Path(captures)
     if not (captures / "meta.json").exists() and (captures / "captures" / "meta.json").exists():
         captures = captures / "captures"
     if not budget > 0:
         raise ValueError(f"budget={budget!r} must be > 0 bytes per element")
-    if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
-        raise ValueError(f"max_messages={max_messages!r} must be an integer >= 1 (messages per site in each split)")
+    if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 0:
+        raise ValueError(f"max_messages={max_messages!r} must be an integer >= 0 (messages per site in each split; "
+                         "0: all)")
     meta, msgs = load_captures(captures)
     msgs = [m for m in msgs if m.site in TENSOR_SITES]
     excluded = nonfinite_messages(msgs)
@@ -182,6 +183,10 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
     cands = list(cands or candidates())
     if CodecConfig() not in cands:
         cands.append(CodecConfig())  # the TACO default is always reported
+    for s in sites:  # a budget no candidate meets, refused before evaluating any (bytes need no roundtrip)
+        n = split["calib"][s][0].x.size if split["calib"][s] else None
+        if n and not any(c.wire_bytes_per_element(jnp.float32, n=n) <= budget + 1e-12 for c in cands):
+            raise ValueError(f"budget={budget} bytes/element: no candidate codec fits site {s!r}")
     # 1. every candidate on every site and split
     table = []
     for i, c in enumerate(cands):
