@@ -430,13 +430,19 @@ def _data_or_sample(args) -> int:
 
 def _show_warning(message, category, *rest, **kw):
     """warnings.showwarning of the command line: a `FlagWarning` as "[taco-jax] warning: ..." on
-    stderr; any other warning as Python shows it."""
+    stderr, once per process (a config is checked again where a command derives one from it); any
+    other warning as Python shows it."""
     from taco_jax.train.config import FlagWarning
 
     if issubclass(category, FlagWarning):
-        print(f"[taco-jax] warning: {message}", file=sys.stderr, flush=True)
+        if str(message) not in _show_warning.shown:
+            _show_warning.shown.add(str(message))
+            print(f"[taco-jax] warning: {message}", file=sys.stderr, flush=True)
     else:
         _show_warning.python(message, category, *rest, **kw)
+
+
+_show_warning.shown = set()
 
 
 def main(argv=None, *, own_process: bool = False) -> int:

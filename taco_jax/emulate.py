@@ -285,6 +285,10 @@ MIN_PROBE_BYTES = 16 * 1448
 MIN_RATE_BPS = 100e3
 
 
+#: A link test reading above this multiple of a shaped link's rate means the link is not shaped as the test
+#: assumes (a bucket bigger than the burst it skips): `measure` refuses it instead of returning it.
+UNSHAPED_ABOVE = 1.5
+
 #: `Cluster.measure_links` measures a link again when it reads below this fraction of its rate
 #: (TCP payload over tbf reads ~0.95 on a quiet machine; near 100 kbit/s a spurious retransmission
 #: timeout of TCP reads 0.90: docs/distributed.md, "Measured before the run").
@@ -340,7 +344,8 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
     `info`, if given, receives the connection's "mss" (payload bytes per full segment, TCP_MAXSEG)
     for `wire_bit_per_s`.
     Raises EmulationUnavailable naming what arrived (or the socket error) when too little did, or when
-    everything arrived at once (the link passed more than `burst` bytes unshaped)."""
+    the link passed more than `burst` bytes unshaped (everything at once, or a shaped link read above
+    `UNSHAPED_ABOVE` × its rate)."""
     default_burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
     burst = default_burst if burst is None else int(burst)
     limit = 4 * timed * 8 / rate_bps + 5
@@ -403,7 +408,12 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
                    f"timed bytes at {rate_bps / 1e6:g} Mbit/s)")
         raise EmulationUnavailable(f"link test {src_ns} -> {dst_ns} ({dst_addr}) moved too little data to time: "
                                    f"{why}")
-    return got["timed"] * 8 / got["dt"]
+    rate = got["timed"] * 8 / got["dt"]
+    if burst > 0 and rate > UNSHAPED_ABOVE * rate_bps:
+        raise EmulationUnavailable(f"link test {src_ns} -> {dst_ns} ({dst_addr}) read {rate / 1e6:.4g} Mbit/s on a "
+                                   f"link shaped to {rate_bps / 1e6:g} Mbit/s: the link passed more than its "
+                                   f"{burst}-byte burst unshaped (a bigger tbf bucket than the one this test skips?)")
+    return rate
 
 
 class Cluster:

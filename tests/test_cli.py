@@ -399,3 +399,16 @@ def test_a_schedule_without_a_pipeline_is_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", FlagWarning)
         TrainConfig.from_flags(schedule="1f1b", mesh="data=2,stage=2,tensor=2", microbatches=2)
+        TrainConfig.from_flags()  # the defaults warn of nothing
+
+
+def test_the_command_line_prints_each_flag_warning_once(capsys):
+    """A config checked again where a command derives one from it (compare, plan) warns again; the command
+    line prints each warning once."""
+    from taco_jax import cli
+    from taco_jax.train.config import FlagWarning
+
+    text = "test-only flag warning printed once"
+    for _ in range(3):
+        cli._show_warning(text, FlagWarning, "x.py", 1)
+    assert capsys.readouterr().err.count(text) == 1

@@ -156,7 +156,7 @@ def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None) -> mode
     if tp_span_nodes is None:
         if tp > hw.gpus_per_node and tp % hw.gpus_per_node:
             raise ValueError(f"the tensor axis ({tp} ranks) does not fit nodes of {hw.gpus_per_node} GPUs ({hw.name}) "
-                             f"evenly; give a tensor size that divides or is a multiple of {hw.gpus_per_node}, or "
+                             f"evenly; give a tensor size of at most {hw.gpus_per_node} or a multiple of it, or "
                              "--tp-span-nodes K with K dividing it")
         return hw
     if not (isinstance(tp_span_nodes, int) and tp_span_nodes >= 1):

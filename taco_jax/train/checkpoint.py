@@ -380,9 +380,10 @@ def _pipelined(flags: dict) -> bool | None:
     None when its mesh or microbatches are not recorded."""
     from taco_jax.parallel.mesh import STAGE, parse_mesh
 
-    if "mesh" not in flags or "microbatches" not in flags:
+    try:
+        return parse_mesh(flags["mesh"]).get(STAGE, 1) > 1 or int(flags["microbatches"]) > 1
+    except (KeyError, TypeError, ValueError):  # not recorded, or not readable: no hint
         return None
-    return parse_mesh(flags["mesh"]).get(STAGE, 1) > 1 or int(flags["microbatches"]) > 1
 
 
 def _saved_padded_vocab(saved: dict, vocab: tuple[int, int] | None) -> int | None:

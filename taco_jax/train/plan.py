@@ -503,9 +503,12 @@ def lines(result: dict) -> list[str]:
                     ("data_s", "data axis"), ("stage_s", "stage axis")):
         L.append(f"  {name:26s} {_ms(e[k]):>13s} {_ms(t[k]):>13s}")
     L.append(f"  {'throughput':26s} {_tokens_per_s(e['tokens_per_s']):>13s} {_tokens_per_s(t['tokens_per_s']):>13s}")
-    if all(s["auto"] == "exact (declared)" for s in p["sites"]):  # exact against exact: no prediction to bound
-        L.append("predicted speedup 1.00x: this policy compresses no site (give --comm taco or a --policy to "
-                 "predict one)")
+    if not p["sites"]:  # e.g. one device, or a data axis of one-element sites: nothing crosses a link
+        L.append("predicted speedup 1.00x: no communication site on this mesh (nothing to compress)")
+        threshold = "none (no site)"
+    elif all(s["auto"] == "exact (declared)" for s in p["sites"]):  # exact against exact: nothing to bound
+        L.append("predicted speedup 1.00x: this policy compresses no site of this mesh (--comm, --dp-comm, "
+                 "--pp-comm or a --policy choose codecs)")
         threshold = "none (no compressed site)"
     else:
         L.append(f"predicted speedup {p['speedup']:.2f}x, range {r['all'][0]:.2f}-{r['all'][1]:.2f}x (emulated "
@@ -569,8 +572,9 @@ def markdown(result: dict) -> str:
         ("step_s", "step"), ("compute_s", "compute"), ("tensor_s", "tensor axis"), ("data_s", "data axis"),
         ("stage_s", "stage axis"))]
     L.append(f"| throughput | {_tokens_per_s(e['tokens_per_s'])} | {_tokens_per_s(t['tokens_per_s'])} |")
-    if all(s["auto"] == "exact (declared)" for s in p["sites"]):  # as `lines`
-        L += ["", "Predicted speedup **1.00×**: this policy compresses no site.", "",
+    if not p["sites"] or all(s["auto"] == "exact (declared)" for s in p["sites"]):  # as `lines`
+        L += ["", "Predicted speedup **1.00×**: " + ("no communication site on this mesh." if not p["sites"] else
+                                                     "this policy compresses no site of this mesh."), "",
               "`--min-bytes auto` here: threshold none (no compressed site).", ""]
     else:
         L += ["", f"Predicted speedup **{p['speedup']:.2f}×**, range {r['all'][0]:.2f}–{r['all'][1]:.2f}× "
