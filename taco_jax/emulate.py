@@ -397,12 +397,12 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
     finally:
         th.join(timeout=max(0.1, deadline - time.monotonic() + 1))
         srv.close()
+    unshaped = f"the link passed more than its {burst}-byte burst unshaped (a bigger tbf bucket than this test skips?)"
     if not got.get("dt") or not got.get("timed"):
         if "error" in got:
             why = f"{type(got['error']).__name__}: {got['error']}"
         elif got["n"] >= total:
-            why = (f"all {total} bytes arrived at once, so none could be timed: the link passed more than its "
-                   f"{burst}-byte burst unshaped (a bigger tbf bucket than the one this test skips?)")
+            why = f"all {total} bytes arrived at once, so none could be timed: {unshaped}"
         else:
             why = (f"{got['n']} of {total} bytes arrived within {limit:.3g} s (a {burst}-byte burst, then {timed} "
                    f"timed bytes at {rate_bps / 1e6:g} Mbit/s)")
@@ -411,8 +411,7 @@ def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds
     rate = got["timed"] * 8 / got["dt"]
     if burst > 0 and rate > UNSHAPED_ABOVE * rate_bps:
         raise EmulationUnavailable(f"link test {src_ns} -> {dst_ns} ({dst_addr}) read {rate / 1e6:.4g} Mbit/s on a "
-                                   f"link shaped to {rate_bps / 1e6:g} Mbit/s: the link passed more than its "
-                                   f"{burst}-byte burst unshaped (a bigger tbf bucket than the one this test skips?)")
+                                   f"link shaped to {rate_bps / 1e6:g} Mbit/s: {unshaped}")
     return rate
 
 
