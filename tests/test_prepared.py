@@ -180,8 +180,10 @@ def test_cli_prepare_data_and_sample_errors(corpus, tmp_path, capsys):
         assert capsys.readouterr().err.strip() == f"taco-jax: error: {flag} {want}"
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "config.json").write_text("{}")  # the run's config file given instead of its folder
-    assert main(["sample", "--from", str(tmp_path / "r" / "config.json"), "--prompt", "x"]) == 2
-    assert f"give the folder that holds it, --from {str(tmp_path / 'r')!r}" in capsys.readouterr().err
+    (tmp_path / "r" / "summary.json").write_text("{}")
+    for inside in ("config.json", "summary.json"):  # a file of the run given instead of its folder
+        assert main(["sample", "--from", str(tmp_path / "r" / inside), "--prompt", "x"]) == 2
+        assert f"give the folder that holds it, --from {str(tmp_path / 'r')!r}" in capsys.readouterr().err
 
 
 def test_each_device_reads_only_its_own_rows():

@@ -515,9 +515,9 @@ def lines(result: dict) -> list[str]:
                  f"cluster {r['emulated'][0]:.2f}-{r['emulated'][1]:.2f}x; COCCL on 32 H800 "
                  f"{r['coccl'][0]:.2f}-{r['coccl'][1]:.2f}x)")
         threshold = _bytes(p["auto_threshold_bytes"])
-    L.append(f"--min-bytes auto on this hardware: threshold {threshold}; " + "; ".join(
+    L.append(f"--min-bytes auto on this hardware: threshold {threshold}" + "".join("; " + x for x in (
         f"{s['site']} {_bytes(s['message_bytes'])} (break-even {_bytes(s['break_even_bytes'])}) -> {s['auto']}"
-        for s in p["sites"]))
+        for s in p["sites"])))
     return L
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import warnings
 
 import numpy as np
 
@@ -33,9 +34,11 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
 
     from taco_jax.models.generate import InferenceModel
     from taco_jax.train.checkpoint import Checkpoints
-    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.config import FlagWarning, TrainConfig
 
-    cfg = TrainConfig.from_dict({k: v for k, v in conf.items() if k != "policy"}, where=str(run / "config.json"))
+    with warnings.catch_warnings():  # the run's training flags (e.g. a schedule with no effect) are not this command's
+        warnings.simplefilter("ignore", FlagWarning)
+        cfg = TrainConfig.from_dict({k: v for k, v in conf.items() if k != "policy"}, where=str(run / "config.json"))
     ckpt = Checkpoints(run / "checkpoints", keep=cfg.checkpoint.keep_checkpoints)
     try:
         steps = ckpt.steps()
@@ -99,8 +102,8 @@ def load_for_sampling(source):
     src = pathlib.Path(source)
     conf_file = src / "config.json"
     if not conf_file.is_file():
-        hint = (f"; give the folder that holds it, --from {str(src.parent)!r}" if src.name == "config.json"
-                and src.is_file() else "")
+        run = next((p for p in (src.parent, src.parent.parent) if src.exists() and (p / "config.json").is_file()), None)
+        hint = f"; give the folder that holds it, --from {str(run)!r}" if run is not None else ""
         raise ValueError(f"--from {source!r} is neither a run folder nor an HF checkpoint (no config.json in it)"
                          f"{hint}")
     conf = json.loads(conf_file.read_text())
