@@ -376,13 +376,13 @@ def _flags(config: dict) -> dict:
 
 
 def _pipelined(flags: dict) -> bool | None:
-    """Whether a run of these flags (`_flags`) steps in the pipeline layout (`TrainConfig.pipelined`);
-    None when its mesh or microbatches are not recorded."""
-    from taco_jax.parallel.mesh import STAGE, parse_mesh
+    """Whether a run of these flags (`_flags`) steps in the pipeline layout (`ParallelismSection.pipelined`);
+    None when its mesh or microbatches are not recorded or not readable."""
+    from taco_jax.train.config import ParallelismSection
 
     try:
-        return parse_mesh(flags["mesh"]).get(STAGE, 1) > 1 or int(flags["microbatches"]) > 1
-    except (KeyError, TypeError, ValueError):  # not recorded, or not readable: no hint
+        return ParallelismSection(mesh=flags["mesh"], microbatches=int(flags["microbatches"])).pipelined
+    except (KeyError, TypeError, ValueError):  # no hint
         return None
 
 

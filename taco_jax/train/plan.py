@@ -503,13 +503,9 @@ def lines(result: dict) -> list[str]:
                     ("data_s", "data axis"), ("stage_s", "stage axis")):
         L.append(f"  {name:26s} {_ms(e[k]):>13s} {_ms(t[k]):>13s}")
     L.append(f"  {'throughput':26s} {_tokens_per_s(e['tokens_per_s']):>13s} {_tokens_per_s(t['tokens_per_s']):>13s}")
-    if not p["sites"]:  # e.g. one device, or a data axis of one-element sites: nothing crosses a link
-        L.append("predicted speedup 1.00x: no communication site on this mesh (nothing to compress)")
-        threshold = "none (no site)"
-    elif all(s["auto"] == "exact (declared)" for s in p["sites"]):  # exact against exact: nothing to bound
-        L.append("predicted speedup 1.00x: this policy compresses no site of this mesh (--comm, --dp-comm, "
-                 "--pp-comm or a --policy choose codecs)")
-        threshold = "none (no compressed site)"
+    if nothing := _nothing_to_bound(p):
+        L.append(f"predicted speedup 1.00x: {nothing[0]}")
+        threshold = nothing[1]
     else:
         L.append(f"predicted speedup {p['speedup']:.2f}x, range {r['all'][0]:.2f}-{r['all'][1]:.2f}x (emulated "
                  f"cluster {r['emulated'][0]:.2f}-{r['emulated'][1]:.2f}x; COCCL on 32 H800 "
@@ -519,6 +515,17 @@ def lines(result: dict) -> list[str]:
         f"{s['site']} {_bytes(s['message_bytes'])} (break-even {_bytes(s['break_even_bytes'])}) -> {s['auto']}"
         for s in p["sites"])))
     return L
+
+
+def _nothing_to_bound(p: dict) -> tuple[str, str] | None:
+    """(why, threshold text) when the prediction `p` compares exact with exact: no site on the mesh (one
+    device) or none compressed; None otherwise."""
+    if not p["sites"]:
+        return "no communication site on this mesh (nothing to compress)", "none (no site)"
+    if all(s["auto"] == "exact (declared)" for s in p["sites"]):
+        return ("this policy compresses no site of this mesh (--comm, --dp-comm, --pp-comm or a --policy choose "
+                "codecs)", "none (no compressed site)")
+    return None
 
 
 def markdown(result: dict) -> str:
@@ -572,10 +579,9 @@ def markdown(result: dict) -> str:
         ("step_s", "step"), ("compute_s", "compute"), ("tensor_s", "tensor axis"), ("data_s", "data axis"),
         ("stage_s", "stage axis"))]
     L.append(f"| throughput | {_tokens_per_s(e['tokens_per_s'])} | {_tokens_per_s(t['tokens_per_s'])} |")
-    if not p["sites"] or all(s["auto"] == "exact (declared)" for s in p["sites"]):  # as `lines`
-        L += ["", "Predicted speedup **1.00×**: " + ("no communication site on this mesh." if not p["sites"] else
-                                                     "this policy compresses no site of this mesh."), "",
-              "`--min-bytes auto` here: threshold none (no compressed site).", ""]
+    if nothing := _nothing_to_bound(p):
+        L += ["", f"Predicted speedup **1.00×**: {nothing[0]}.", "",
+              f"`--min-bytes auto` here: threshold {nothing[1]}.", ""]
     else:
         L += ["", f"Predicted speedup **{p['speedup']:.2f}×**, range {r['all'][0]:.2f}–{r['all'][1]:.2f}× "
               f"(emulated cluster {r['emulated'][0]:.2f}–{r['emulated'][1]:.2f}×, {p['errors']['emulated']['points']} "
