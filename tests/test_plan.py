@@ -220,18 +220,33 @@ def test_own_hardware_file_and_the_shipped_table(tmp_path, capsys):
     assert main(["predict", "--hardware", "tpu9"]) == 2
     assert "hardware='tpu9' is not declared" in capsys.readouterr().err
     # nodes of 3 GPUs: a tensor axis of 4 would span them unevenly (3 + 1); 2 fits one; nodes of 2: 4 spans two
-    for gpus, tp, ok in ((3, 4, False), (3, 2, True), (2, 4, True)):
+    for gpus, mesh, ok, why in ((3, "tensor=4", False, "does not fit nodes of 3 GPUs"), (3, "tensor=2", True, ""),
+                                (2, "tensor=4", True, ""),
+                                # 6 GPUs on nodes of 3: the tensor pair of ranks 2 and 3 would cross nodes
+                                (3, "data=3,tensor=2", False, "(2 ranks) does not divide nodes of 3 GPUs"),
+                                (4, "data=3,tensor=2", True, "")):
         f = tmp_path / f"n{gpus}.toml"
         f.write_text(_OWN.replace("gpus_per_node = 4", f"gpus_per_node = {gpus}"))
-        assert main(["predict", "--hardware-file", str(f), "--mesh", f"tensor={tp}", "--json"]) == (0 if ok else 2)
+        assert main(["predict", "--hardware-file", str(f), "--mesh", mesh, "--batch-size", "12", "--json"]) == \
+            (0 if ok else 2)
         err = capsys.readouterr().err
-        assert ok or f"tensor axis ({tp} ranks) does not fit nodes of {gpus} GPUs" in err, err
+        assert ok or why in err, err
     # predict --paper takes no flag of its own run; --comm none predicts nothing to bound
     assert main(["predict", "--paper", "--hardware-file", "/nonexistent"]) == 2
     assert "takes no other flag (got --hardware-file)" in capsys.readouterr().err
+    paper_only, paper_and_mesh = tmp_path / "paper.toml", tmp_path / "paper_mesh.toml"
+    paper_only.write_text("paper = true\n")
+    paper_and_mesh.write_text('paper = true\nmesh = "tensor=2"\n')
+    assert main(["predict", "--config", str(paper_only)]) == 0  # the file says --paper and nothing else
+    assert "GPT-6.7B" in capsys.readouterr().out
+    assert main(["predict", "--config", str(paper_and_mesh)]) == 2
+    assert f"(got --config '{paper_and_mesh}' setting --mesh)" in capsys.readouterr().err
     assert main(["predict", "--mesh", "tensor=2", "--comm", "none"]) == 0
     out = capsys.readouterr().out
     assert "this policy compresses no site" in out and "range" not in out and "threshold none" in out, out
+    assert main(["predict", "--mesh", "tensor=2", "--comm", "none", "--json"]) == 0  # no range in the JSON either
+    p = json.loads(capsys.readouterr().out)["predict"]
+    assert p["range"] is None and p["auto_threshold_bytes"] is None and p["speedup"] == 1.0
     assert main(["predict", "--mesh", "tensor=1", "--comm", "taco"]) == 0  # one device: nothing crosses a link
     out = capsys.readouterr().out
     assert "no communication site on this mesh" in out and out.rstrip().endswith("threshold none (no site)"), out

@@ -149,7 +149,7 @@ def test_calibrate_writes_a_policy_at_least_as_good_as_every_fixed_choice(tmp_pa
     assert set(json.loads((tmp_path / "policy.json").read_text())["sites"]) <= set(SITES)
 
 
-def test_calibrate_errors(tmp_path, monkeypatch):
+def test_calibrate_errors(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="holds no meta.json"):
         calibrate(tmp_path, tmp_path / "p.json", progress=False)
     cap = _fake_captures(tmp_path)
@@ -171,6 +171,9 @@ def test_calibrate_errors(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=f"max_messages={bad} must be an integer >= 0"):
             calibrate(cap, tmp_path / "p.json", max_messages=bad, progress=False)
         assert main(["calibrate", "--captures", str(cap), "--max-messages", str(bad)]) == 2
+        assert f"--max-messages {bad} must be >= 0" in capsys.readouterr().err  # the flag, not the keyword
+    assert main(["calibrate", "--captures", str(cap), "--budget", "0"]) == 2
+    assert "--budget 0.0 must be > 0" in capsys.readouterr().err
 
 
 TIE_CANDIDATES = [CodecConfig(kind="fp8_tensor"), CodecConfig(kind="int8"), CodecConfig(kind="int4", group_size=512),

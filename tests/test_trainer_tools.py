@@ -18,6 +18,7 @@ from taco_jax.data.shakespeare import EOT
 from taco_jax.models import load_hf
 from taco_jax.train import jsonio
 from taco_jax.train.config import flag_values
+from taco_jax.train.profile import hlo_op_names
 from taco_jax.train.sample import load_for_sampling
 
 QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
@@ -30,66 +31,11 @@ def _cache(tokenizer_dir, monkeypatch):
     monkeypatch.setenv("TACO_JAX_CACHE", str(tokenizer_dir))
 
 
-# ------------------------------------------------------------------------------------------------
-# reading an XSpace (`*.xplane.pb`) without its .proto: the protobuf wire format, field numbers from
-# tsl/profiler/protobuf/xplane.proto and xla/service/hlo.proto
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            return n, i
-
-
-def _fields(buf: bytes, number: int) -> list:
-    """The values of field `number` of a protobuf message (ints for varints, bytes otherwise)."""
-    out, i = [], 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        wire = key & 7
-        if wire == 0:
-            v, i = _varint(buf, i)
-        elif wire == 2:
-            n, i = _varint(buf, i)
-            v, i = buf[i:i + n], i + n
-        else:  # fixed 64 / 32 bits
-            size = 8 if wire == 1 else 4
-            v, i = buf[i:i + size], i + size
-        if key >> 3 == number:
-            out.append(v)
-    return out
-
-
-def _op_names(xspace: bytes) -> dict[str, dict[str, str]]:
-    """{HLO module: {instruction: op_name metadata}} of the HLO protos the profiler stores in its
-    "/host:metadata" plane (XSpace.planes=1; XPlane.name=2, event_metadata=4 (map: value=2);
-    XEventMetadata.stats=5; XStat.bytes_value=6 = HloProto; HloProto.hlo_module=1; module name=1,
-    computations=3; computation instructions=2; instruction name=1, metadata=7; OpMetadata.op_name=2)."""
-    modules = {}
-    for plane in _fields(xspace, 1):
-        if _fields(plane, 2) != [b"/host:metadata"]:
-            continue
-        for entry in _fields(plane, 4):
-            for stat in (s for meta in _fields(entry, 2) for s in _fields(meta, 5)):
-                for module in (m for hlo in _fields(stat, 6) for m in _fields(hlo, 1)):
-                    ops = modules.setdefault(_fields(module, 1)[0].decode(), {})
-                    for ins in (i for comp in _fields(module, 3) for i in _fields(comp, 2)):
-                        meta = _fields(ins, 7)
-                        name = _fields(meta[0], 2) if meta else []
-                        ops[_fields(ins, 1)[0].decode()] = name[0].decode() if name else ""
-    return modules
-
-
 def _executed_scopes(xplane_path) -> tuple[dict[str, set], list[int]]:
     """({HLO module: taco_* scopes in the op names of its ops that ran}, numbers of the traced steps)."""
     from jax.profiler import ProfileData
 
-    names = _op_names(open(xplane_path, "rb").read())
+    names = hlo_op_names(open(xplane_path, "rb").read())
     scopes, steps = {}, []
     for plane in ProfileData.from_file(str(xplane_path)).planes:
         for line in plane.lines:
@@ -128,6 +74,14 @@ def test_toml_config_profile_tensorboard_and_export(tmp_path, capsys, monkeypatc
     scopes, steps = _executed_scopes(xplane)
     assert steps == [2, 3]
     assert {"taco_encode", "taco_decode", "taco_psum"} <= scopes["jit_train_step"], scopes
+    # experiments/codec_time.py's reading of the same trace: the codec's share of each traced step
+    from experiments.codec_time import summarize
+    from taco_jax.kernels import ffi_codec
+
+    share = summarize(xplane, out / "metrics.jsonl", 0, jax.device_count())
+    assert share["steps"] == 2 and min(share["codec"], share["collectives"], share["other"], share["step_ms"]) > 0
+    assert share["codec"] < share["other"], share
+    assert not ffi_codec.available() or any(k.endswith("taco_encode") for k in share["ffi_call_us"]), share
 
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()

@@ -160,13 +160,14 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     (`perf.hardware.with_tp_span`). Returns a JSON-ready dict: "hardware", "layout", "links" (the
     link each axis crosses), "exact" and "policy" step times {"step_s", "compute_s", "tensor_s",
     "stage_s", "data_s", "tokens_per_s"} (per-axis times: whole step, exposed), "speedup" with its
-    "range" per error source (`perf.uncertainty.speedup_range`), "step_range_s", "errors" (the
-    sources), "sites" (per-site messages, break-even sizes, the choice of `--min-bytes auto`) and
+    "range" per error source (`perf.uncertainty.speedup_range`; None, as "auto_threshold_bytes",
+    when the policy compresses no site of the mesh), "step_range_s", "errors" (the sources), "sites"
+    (per-site messages, break-even sizes, the choice of `--min-bytes auto`) and
     "auto_speedup" (the policy with only the sites the model predicts to gain, `model.auto_policy`).
     Raises ValueError for a layout the model cannot take (e.g. tp_span_nodes not dividing tp).
     """
     layout = layout_of(cfg)
-    hw = with_tp_span(spec.hardware, layout.tp, tp_span_nodes)
+    hw = with_tp_span(spec.hardware, layout.tp, tp_span_nodes, gpus=layout.gpus)
     mcfg = cfg.model_config
     policy = resolve_policy(cfg.communication.policy, layout, hw)
     slots = layout.n_micro + layout.pp - 1
@@ -185,7 +186,7 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     given = cfg.communication.policy
     sites, threshold = _site_rows(mcfg, layout, hw, given if given.min_bytes != "auto" else
                                   dataclasses.replace(given, min_bytes=0))
-    return {
+    result = {
         "hardware": spec.describe(),
         "layout": dataclasses.asdict(layout) | {"gpus": layout.gpus, "tp_span_nodes": tp_span_nodes
                                                 or -(-layout.tp // spec.hardware.gpus_per_node)},
@@ -201,6 +202,9 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
         "auto_speedup": exact["step_s"] / model.step_time(mcfg, layout, hw, auto)["step_s"],
         "auto_sites": [s for s in SITES if getattr(auto, s).kind != "none"],
     }
+    if _nothing_to_bound(result):  # exact against exact: no speedup range, no threshold to give
+        result["range"] = result["auto_threshold_bytes"] = None
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
@@ -343,8 +347,9 @@ def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = No
     Raises ValueError as those two."""
     out = {"format": PLAN_FORMAT, "config": cfg.to_dict(), "predict": predict(cfg, spec, tp_span_nodes=tp_span_nodes)}
     if compile:
-        policy = resolve_policy(cfg.communication.policy, layout_of(cfg), with_tp_span(spec.hardware, layout_of(cfg).tp,
-                                                                          tp_span_nodes))
+        layout = layout_of(cfg)
+        policy = resolve_policy(cfg.communication.policy, layout,
+                                with_tp_span(spec.hardware, layout.tp, tp_span_nodes, gpus=layout.gpus))
         run_cfg = cfg.replace(policy=policy)
         run_cfg.__dict__["model_config"] = cfg.model_config  # keep a --layers override
         out["compiled"] = compile_step(run_cfg, devices)

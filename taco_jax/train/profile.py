@@ -7,7 +7,8 @@ The trace goes to `--profile-dir` (default `<out>/profile`; process i of a multi
 reads its thunks' concurrency). Each traced step is a
 `StepTraceAnnotation` ("train_step", its number); the compiled program's ops carry the named scopes
 of the compressed collectives (`taco_encode`, `taco_decode`, `taco_reduce`, `taco_psum`,
-`taco_all_gather`, ...) in their op names, which the profiler's views group by.
+`taco_all_gather`, ...) in their op names, which the profiler's views group by; `op_events` reads
+them back from the trace (`experiments/codec_time.py` sums the codec's share of a step).
 """
 
 from __future__ import annotations
@@ -55,3 +56,77 @@ class ProfileSteps(Hook):
         if self.tracing:
             self.tracing = False
             jax.profiler.stop_trace()
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading a trace back: an XSpace (`*.xplane.pb`) without its .proto, from the protobuf wire format
+# (field numbers from tsl/profiler/protobuf/xplane.proto and xla/service/hlo.proto).
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return n, i
+
+
+def _fields(buf: bytes, number: int) -> list:
+    """The values of field `number` of a protobuf message (ints for varints, bytes otherwise)."""
+    out, i = [], 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        wire = key & 7
+        if wire == 0:
+            v, i = _varint(buf, i)
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            v, i = buf[i:i + n], i + n
+        else:  # fixed 64 / 32 bits
+            size = 8 if wire == 1 else 4
+            v, i = buf[i:i + size], i + size
+        if key >> 3 == number:
+            out.append(v)
+    return out
+
+
+def hlo_op_names(xspace: bytes) -> dict[str, dict[str, str]]:
+    """{HLO module: {instruction: op_name metadata}} of the HLO protos the profiler stores in its
+    "/host:metadata" plane of the XSpace bytes `xspace` (XSpace.planes=1; XPlane.name=2,
+    event_metadata=4 (map: value=2); XEventMetadata.stats=5; XStat.bytes_value=6 = HloProto;
+    HloProto.hlo_module=1; module name=1, computations=3; computation instructions=2; instruction
+    name=1, metadata=7; OpMetadata.op_name=2). The op name holds the named scopes (`taco_encode`, ...)."""
+    modules = {}
+    for plane in _fields(xspace, 1):
+        if _fields(plane, 2) != [b"/host:metadata"]:
+            continue
+        for entry in _fields(plane, 4):
+            for stat in (s for meta in _fields(entry, 2) for s in _fields(meta, 5)):
+                for module in (m for hlo in _fields(stat, 6) for m in _fields(hlo, 1)):
+                    ops = modules.setdefault(_fields(module, 1)[0].decode(), {})
+                    for ins in (i for comp in _fields(module, 3) for i in _fields(comp, 2)):
+                        meta = _fields(ins, 7)
+                        name = _fields(meta[0], 2) if meta else []
+                        ops[_fields(ins, 1)[0].decode()] = name[0].decode() if name else ""
+    return modules
+
+
+def op_events(xplane_path, module_prefix: str = "jit_train_step") -> list[tuple[int, int, str, str]]:
+    """The executed HLO ops of the modules named `module_prefix...` in the trace file `xplane_path`
+    (`*.xplane.pb`), sorted by start: (start ns, duration ns, HLO instruction, op_name with its
+    named scopes). On XLA:CPU each simulated device's ops appear once per execution."""
+    from jax.profiler import ProfileData
+
+    names = hlo_op_names(pathlib.Path(xplane_path).read_bytes())
+    events = []
+    for plane in ProfileData.from_file(str(xplane_path)).planes:
+        for line in plane.lines:
+            for ev in line.events:
+                stats = dict(ev.stats)
+                module, op = stats.get("hlo_module"), stats.get("hlo_op")
+                if module and op and module.startswith(module_prefix):
+                    events.append((ev.start_ns, ev.duration_ns, op, names.get(module, {}).get(op, "")))
+    return sorted(events)
