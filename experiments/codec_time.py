@@ -11,18 +11,22 @@ printed beside it.
     python -m experiments.codec_time --out runs/codec_time --trees OLD .          # before / after
 
 Each `--trees` entry is a checkout of taco_jax with its C++ library built (`make ffi` there; an old
-commit: `git worktree add OLD COMMIT && make -C OLD/custom_calls PYTHON=$PWD/.venv/bin/python`). A
+commit: `git worktree add OLD COMMIT && make -C OLD/custom_calls PYTHON=$PWD/.venv/bin/python`); a tree
+without `taco_jax/kernels/_lib/libtaco_codec_cpu.so` is refused (it would measure the jnp fallback). A
 run imports that tree's `taco_jax` (this interpreter, the tree as its working directory) and wraps
 `taco_jax.cli.main` in `jax.profiler.start_trace` / `stop_trace`, so a commit older than
 `--profile-steps` is measured the same way. The trees and `--comm none` / `taco` alternate within each
 of `--rounds` rounds, so load that drifts hits every variant alike. Default run: gpt2-narrow, batch
-256 × 32, bf16, `data=1,tensor=2` with sequence parallelism (the `bench_e2e` one-process step of the
-GPU-codec issue), 12 steps, the first 4 left out.
+256 × 32, bf16, `data=1,tensor=2` with sequence parallelism (the run of the GPU-codec issue's codec-time
+line; XLA's in-process collectives, where `bench_e2e`'s one-process step gives `--transport gloo`: the
+codec's ops are the same), 12 steps, the first 4 left out. `--out` must not hold runs of an earlier call.
 
 Prints per tree: codec ms per device and step, median [min, max] over rounds; the median FFI call by
-collective; the TACO − exact step time per round (from metrics.jsonl). Writes `codec_time.json` to
-`--out`. Times are wall clock under the profiler (which adds to every op alike), on whatever machine
-runs it: the load probe's ratio (experiments/load_guard.py) before and after is recorded.
+collective; the TACO − exact step time per round (from metrics.jsonl); a line per run goes to stderr.
+Writes `codec_time.json` to `--out`. Times are wall clock under the profiler (which adds to every op
+alike), on whatever machine runs it: the load probe's time over its calibrated time
+(experiments/load_guard.py) before and after is printed and recorded, with a warning above
+`BUSY_PROBE`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from experiments.common import ROOT
 #: The one-process step of the GPU-codec issue (docs/results.md, "The codec's time in a training step").
 TRAIN_ARGS = ["--model", "gpt2-narrow", "--mesh", "data=1,tensor=2", "--batch-size", "256", "--seq-len", "32",
               "--dtype", "bfloat16", "--sequence-parallel", "--checkpoint-every", "0", "--no-progress"]
+
+#: The load probe's time over its calibrated time above which the machine counts as busy (warned).
+BUSY_PROBE = 1.25
 
 _DRIVER = """
 import sys, jax, taco_jax
@@ -125,19 +132,29 @@ def main(argv=None) -> dict:
                    help="more `taco-jax train` flags, after the default run's (the last one wins)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps <= args.skip or args.skip < 0:
-        p.error(f"need --rounds >= 1 and 0 <= --skip < --steps (got {args.rounds}, {args.skip}, {args.steps})")
+        p.error(f"need --rounds >= 1 and 0 <= --skip < --steps (got --rounds {args.rounds}, --skip {args.skip}, "
+                f"--steps {args.steps})")
     trees = [pathlib.Path(t).resolve() for t in args.trees]
     for t in trees:
         if not (t / "taco_jax" / "cli.py").exists():
             p.error(f"--trees {str(t)!r} is not a taco_jax checkout (no taco_jax/cli.py)")
+        if not (t / "taco_jax" / "kernels" / "_lib" / "libtaco_codec_cpu.so").exists():
+            p.error(f"--trees {str(t)!r} has no C++ codec library (taco_jax/kernels/_lib/libtaco_codec_cpu.so): "
+                    f"build it (make -C {t}/custom_calls PYTHON={sys.executable}), or the run measures the jnp "
+                    "fallback")
     out = pathlib.Path(args.out)
+    if earlier := sorted(out.glob("tree*_*_*")):
+        p.error(f"--out {str(out)!r} holds runs of an earlier call ({earlier[0].name}, ...): give a new folder")
     result = {"trees": [str(t) for t in trees], "train_args": TRAIN_ARGS + args.train_args, "skip": args.skip,
               "probe_before": _probe_ratio(), "runs": []}
     for r in range(args.rounds):
         for i, tree in enumerate(trees):
             for comm in ("none", "taco"):
                 d = out / f"tree{i}_{comm}_{r}"
-                run_one(tree, comm, d, args.steps, 2, args.train_args)
+                try:
+                    run_one(tree, comm, d, args.steps, 2, args.train_args)
+                except RuntimeError as e:
+                    raise SystemExit(f"codec_time: {e}") from None
                 (xplane,) = d.glob("trace/plugins/profile/*/*.xplane.pb")
                 s = summarize(xplane, d / "run" / "metrics.jsonl", args.skip, 2)
                 result["runs"].append({"round": r, "tree": i, "comm": comm, **s})
@@ -159,7 +176,14 @@ def main(argv=None) -> dict:
               + ", ".join(f"{d:+.1f}" for d in diff) + f" ms (median {statistics.median(diff):+.1f})")
         for k, v in calls.items():
             print(f"    FFI call {k}: median {v:.0f} us")
-    print(f"load probe / calibrated time: {result['probe_before']} before, {result['probe_after']} after")
+    ratios = [result["probe_before"], result["probe_after"]]
+    if None in ratios:
+        print("load probe: not calibrated on this machine (python -m experiments.load_guard --calibrate-probe)")
+    else:
+        print(f"load probe / calibrated time: {ratios[0]:.2f} before, {ratios[1]:.2f} after")
+        if max(ratios) > BUSY_PROBE:
+            print(f"WARNING: the machine was busy (probe above {BUSY_PROBE}x its calibrated time): the times "
+                  "are slower than a quiet machine's", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     (out / "codec_time.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

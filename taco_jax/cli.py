@@ -466,7 +466,7 @@ def main(argv=None, *, own_process: bool = False) -> int:
                 raise ValueError(f"--max-messages {args.max_messages} must be >= 0 (messages per site in each split; "
                                  "0: all of them)")
             if not args.budget > 0:
-                raise ValueError(f"--budget {args.budget} must be > 0 (wire bytes per element)")
+                raise ValueError(f"--budget {args.budget:g} must be > 0 (wire bytes per element)")
             result = main_args(args.captures, args.out, args.budget, args.max_messages, args.kinds)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)
@@ -502,18 +502,22 @@ def main(argv=None, *, own_process: bool = False) -> int:
         return _error(e, EXIT_BAD_INPUT)
     if args.command in ("plan", "predict"):
         if args.command == "predict" and args.paper:  # its settings are fixed: another flag would be ignored
-            given = sorted({a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)
-                            if a.startswith("--")} - {"--paper", "--json", "--config"})
+            typed = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+            given = sorted(typed - {"--paper", "--json", "--config"})
             if args.config:  # the file's own settings, named as their flags (a file holding only paper = true is fine)
                 values, policy = _config_values(parser.flag_parsers["predict"], args.config)
+                first = ("--mesh", "--model", "--comm", "--hardware", "--hardware-file", "policy")  # named first
                 keys = sorted({"--" + k.replace("_", "-") for k in values} - {"--paper", "--json"}
-                              | ({"policy"} if policy is not None else set()))
+                              | ({"policy"} if policy is not None else set()),
+                              key=lambda k: (first.index(k) if k in first else len(first), k))
                 if keys:
                     given.append(f"--config {args.config!r} setting {', '.join(keys[:6])}"
                                  + (f" and {len(keys) - 6} more" if len(keys) > 6 else ""))
             if given:
-                return _error(ValueError(f"predict --paper prints the paper's fixed settings and takes no other flag "
-                                         f"(got {', '.join(given)}); leave out --paper to predict your own run"),
+                source = "" if "--paper" in typed else f"--config {args.config!r} sets paper = true: "
+                return _error(ValueError(f"{source}predict --paper prints the paper's fixed settings and takes no "
+                                         f"other flag (got {', '.join(given)}); leave out --paper to predict your own "
+                                         "run"),
                               EXIT_BAD_INPUT)
         return _plan(args, file_policy)
     return _train_or_compare(args, file_policy, own_process)

@@ -220,15 +220,20 @@ def test_own_hardware_file_and_the_shipped_table(tmp_path, capsys):
     assert main(["predict", "--hardware", "tpu9"]) == 2
     assert "hardware='tpu9' is not declared" in capsys.readouterr().err
     # nodes of 3 GPUs: a tensor axis of 4 would span them unevenly (3 + 1); 2 fits one; nodes of 2: 4 spans two
-    for gpus, mesh, ok, why in ((3, "tensor=4", False, "does not fit nodes of 3 GPUs"), (3, "tensor=2", True, ""),
-                                (2, "tensor=4", True, ""),
-                                # 6 GPUs on nodes of 3: the tensor pair of ranks 2 and 3 would cross nodes
-                                (3, "data=3,tensor=2", False, "(2 ranks) does not divide nodes of 3 GPUs"),
-                                (4, "data=3,tensor=2", True, "")):
+    for gpus, mesh, span, ok, why in (
+            (3, "tensor=4", [], False, "does not fit nodes of 3 GPUs"), (3, "tensor=2", [], True, ""),
+            (2, "tensor=4", [], True, ""),
+            # 6 GPUs on nodes of 3: the tensor pair of ranks 2 and 3 would cross nodes (TP said to sit in one node too)
+            (3, "data=3,tensor=2", [], False, "(2 ranks) does not divide nodes of 3 GPUs"),
+            (3, "data=3,tensor=2", ["--tp-span-nodes", "1"], False, "(2 ranks) does not divide nodes of 3 GPUs"),
+            (4, "data=3,tensor=2", [], True, ""),
+            # 2 ranks of each group in a node of 3: the next group would cross a node boundary
+            (3, "data=3,tensor=4", ["--tp-span-nodes", "2"], False, "puts 2 tensor ranks in each node of 3 GPUs"),
+            (4, "data=3,tensor=4", ["--tp-span-nodes", "2"], True, "")):
         f = tmp_path / f"n{gpus}.toml"
         f.write_text(_OWN.replace("gpus_per_node = 4", f"gpus_per_node = {gpus}"))
-        assert main(["predict", "--hardware-file", str(f), "--mesh", mesh, "--batch-size", "12", "--json"]) == \
-            (0 if ok else 2)
+        assert main(["predict", "--hardware-file", str(f), "--mesh", mesh, "--batch-size", "12", *span,
+                     "--json"]) == (0 if ok else 2)
         err = capsys.readouterr().err
         assert ok or why in err, err
     # predict --paper takes no flag of its own run; --comm none predicts nothing to bound
@@ -241,6 +246,8 @@ def test_own_hardware_file_and_the_shipped_table(tmp_path, capsys):
     assert "GPT-6.7B" in capsys.readouterr().out
     assert main(["predict", "--config", str(paper_and_mesh)]) == 2
     assert f"(got --config '{paper_and_mesh}' setting --mesh)" in capsys.readouterr().err
+    assert main(["predict", "--config", str(paper_only), "--mesh", "tensor=2"]) == 2  # --paper from the file
+    assert capsys.readouterr().err.startswith(f"taco-jax: error: --config '{paper_only}' sets paper = true: ")
     assert main(["predict", "--mesh", "tensor=2", "--comm", "none"]) == 0
     out = capsys.readouterr().out
     assert "this policy compresses no site" in out and "range" not in out and "threshold none" in out, out

@@ -151,21 +151,23 @@ def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None, gpus: i
     `tp_span_nodes` nodes (the cost model then puts TP, and the axes outside it, on the inter-node
     link). None: Megatron placement (TP inside a node while it fits: ceil(tp / gpus_per_node) nodes).
     Raises ValueError when `tp_span_nodes` does not divide `tp`, or leaves more ranks per node than
-    the node has GPUs, or (None) when a `tp` larger than a node is not a multiple of its GPUs (the
-    group would span nodes unevenly), or when a smaller `tp` does not divide a node's GPUs and the
-    run (`gpus` in all, when given) fills more than one node: with the tensor axis innermost, one
-    group would then cross a node boundary (nodes of 3 GPUs, tensor 2: ranks 2 and 3)."""
-    if tp_span_nodes is None:
-        if tp > hw.gpus_per_node and tp % hw.gpus_per_node:
-            raise ValueError(f"the tensor axis ({tp} ranks) does not fit nodes of {hw.gpus_per_node} GPUs ({hw.name}) "
-                             f"evenly; give a tensor size of at most {hw.gpus_per_node} or a multiple of it, or "
-                             "--tp-span-nodes K with K dividing it")
+    the node has GPUs, or (K > 1) a number of ranks per node that does not divide its GPUs, or
+    (None) when a `tp` larger than a node is not a multiple of its GPUs (the group would span nodes
+    unevenly), or (None or 1) when a smaller `tp` does not divide a node's GPUs and the run (`gpus` in
+    all, when given) fills more than one node: with the tensor axis innermost, one group would then
+    cross a node boundary (nodes of 3 GPUs, tensor 2: ranks 2 and 3)."""
+    if tp_span_nodes is None and tp > hw.gpus_per_node and tp % hw.gpus_per_node:
+        raise ValueError(f"the tensor axis ({tp} ranks) does not fit nodes of {hw.gpus_per_node} GPUs ({hw.name}) "
+                         f"evenly; give a tensor size of at most {hw.gpus_per_node} or a multiple of it, or "
+                         "--tp-span-nodes K with K dividing it")
+    if tp_span_nodes is None or tp_span_nodes == 1:
         if tp < hw.gpus_per_node and hw.gpus_per_node % tp and gpus is not None and gpus > hw.gpus_per_node:
             raise ValueError(f"the tensor axis ({tp} ranks) does not divide nodes of {hw.gpus_per_node} GPUs "
                              f"({hw.name}): of a run on {gpus} GPUs, some tensor groups would cross a node boundary "
                              f"(ranks {hw.gpus_per_node - 1} and {hw.gpus_per_node}); give a tensor size dividing "
                              f"{hw.gpus_per_node}, or a multiple of it")
-        return hw
+        if tp_span_nodes is None:
+            return hw
     if not (isinstance(tp_span_nodes, int) and tp_span_nodes >= 1):
         raise ValueError(f"tp_span_nodes={tp_span_nodes!r} must be an integer >= 1")
     if tp % tp_span_nodes:
@@ -176,4 +178,8 @@ def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None, gpus: i
                          f"GPUs ({hw.name}); give at least {-(-tp // hw.gpus_per_node)} nodes")
     if tp_span_nodes == 1:
         return hw
+    if hw.gpus_per_node % per_node:
+        raise ValueError(f"tp_span_nodes={tp_span_nodes} puts {per_node} tensor ranks in each node of "
+                         f"{hw.gpus_per_node} GPUs ({hw.name}), which {per_node} does not divide: the next group "
+                         "would cross a node boundary; give K with tp / K dividing the node's GPUs")
     return dataclasses.replace(hw, gpus_per_node=per_node)
