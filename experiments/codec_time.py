@@ -25,8 +25,8 @@ Prints per tree: codec ms per device and step, median [min, max] over rounds; th
 collective; the TACO − exact step time per round (from metrics.jsonl); a line per run goes to stderr.
 Writes `codec_time.json` to `--out`. Times are wall clock under the profiler (which adds to every op
 alike), on whatever machine runs it: the load probe's time over its calibrated time
-(experiments/load_guard.py) before and after is printed and recorded, with a warning above
-`BUSY_PROBE`.
+(experiments/load_guard.py) before and after is printed and recorded, with a warning above the
+guard's `Limits.probe_slowdown`.
 """
 
 from __future__ import annotations
@@ -46,9 +46,6 @@ from experiments.common import ROOT
 #: The one-process step of the GPU-codec issue (docs/results.md, "The codec's time in a training step").
 TRAIN_ARGS = ["--model", "gpt2-narrow", "--mesh", "data=1,tensor=2", "--batch-size", "256", "--seq-len", "32",
               "--dtype", "bfloat16", "--sequence-parallel", "--checkpoint-every", "0", "--no-progress"]
-
-#: The load probe's time over its calibrated time above which the machine counts as busy (warned).
-BUSY_PROBE = 1.25
 
 _DRIVER = """
 import sys, jax, taco_jax
@@ -180,10 +177,12 @@ def main(argv=None) -> dict:
     if None in ratios:
         print("load probe: not calibrated on this machine (python -m experiments.load_guard --calibrate-probe)")
     else:
+        from experiments.load_guard import Limits
+
         print(f"load probe / calibrated time: {ratios[0]:.2f} before, {ratios[1]:.2f} after")
-        if max(ratios) > BUSY_PROBE:
-            print(f"WARNING: the machine was busy (probe above {BUSY_PROBE}x its calibrated time): the times "
-                  "are slower than a quiet machine's", file=sys.stderr)
+        if max(ratios) > Limits.probe_slowdown:
+            print(f"WARNING: the machine was busy (probe above {Limits.probe_slowdown}x its calibrated time): the "
+                  "times are slower than a quiet machine's", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     (out / "codec_time.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
