@@ -174,7 +174,8 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     _add_plan(sub, helps, explicit)
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
                         usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
-                              "[--verbose] -- train [flags ...]\n       taco-jax launch --cleanup", allow_abbrev=False)
+                              "[--pin-cpus] [--verbose] -- train [flags ...]\n       taco-jax launch --cleanup",
+                        allow_abbrev=False)
     lp.add_argument("--processes", type=int, default=0, help="number of local processes")
     lp.add_argument("--link", default=None, metavar="RATE|intra=RATE,inter=RATE",
                     help="emulated cluster: each process in its own network namespace, links shaped to RATE "
@@ -187,6 +188,10 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     lp.add_argument("--malloc", choices=("keep", "default"), default="keep",
                     help="keep: the processes' glibc keeps freed memory for reuse instead of mapping large "
                          "buffers anew (GLIBC_TUNABLES, unless already set); default: leave the allocator alone")
+    lp.add_argument("--pin-cpus", action="store_true",
+                    help="run each process on its own share of the CPUs (process i: CPUs i*N/P .. (i+1)*N/P - 1 "
+                         "of the N this launcher may use; more processes than CPUs share them), as each rank owns its "
+                         "GPU; the codec's thread pool sizes to that share. Default: every process on every CPU")
     lp.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command for every process (train / compare)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
                          formatter_class=_HelpFormatter, allow_abbrev=False)
@@ -493,7 +498,8 @@ def main(argv=None, *, own_process: bool = False) -> int:
                                  "2 -- train --steps 20")
             return launch(args.processes, command,
                           config_of=config_from_argv,
-                          malloc=args.malloc, link=args.link, nodes=args.nodes, verbose=args.verbose)
+                          malloc=args.malloc, link=args.link, nodes=args.nodes, verbose=args.verbose,
+                          pin_cpus=args.pin_cpus)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)
     try:

@@ -64,6 +64,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def _child_setup(cpus: set[int] | None):
+    """A `preexec_fn`: `_die_with_parent`, then the CPU affinity `cpus` (None: unchanged)."""
+    def setup():
+        _die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
     with socket.socket() as s:
@@ -109,15 +118,36 @@ def malloc_env(env: dict, malloc: str = "keep") -> dict:
     return env
 
 
+def cpu_shares(processes: int, cpus: list[int] | None = None) -> list[set[int]]:
+    """Each process's CPUs under `launch(..., pin_cpus=True)`: the launcher's CPUs (`cpus`, default
+    `os.sched_getaffinity(0)`, sorted) in `processes` contiguous shares, the first
+    len(cpus) mod processes one CPU larger; with more processes than CPUs, process i gets CPU
+    i mod len(cpus) (processes then share). Raises ValueError for processes < 1 or no CPUs."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if processes < 1 or not cpus:
+        raise ValueError(f"cpu_shares needs processes >= 1 and CPUs (got {processes}, {cpus})")
+    if processes >= len(cpus):
+        return [{cpus[i % len(cpus)]} for i in range(processes)]
+    q, r = divmod(len(cpus), processes)
+    shares, start = [], 0
+    for i in range(processes):
+        n = q + (i < r)
+        shares.append(set(cpus[start:start + n]))
+        start += n
+    return shares
+
+
 def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0, env=None, out=None,
-           malloc: str = "keep", link: str | None = None, nodes: int = 0, verbose: bool = False) -> int:
+           malloc: str = "keep", link: str | None = None, nodes: int = 0, verbose: bool = False,
+           pin_cpus: bool = False) -> int:
     """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
     the first failure's; the others then get `FAILED_GRACE_S` after SIGTERM). `out`: stream for the
     prefixed lines (default stdout). `malloc`: the processes' allocator setting ("keep" or
     "default", see the module docstring). `link`, `nodes`: an emulated cluster (module docstring;
     None = plain local processes on 127.0.0.1; an empty string is refused, not read as none).
-    `verbose`: every line of the processes, gloo's
-    connection lines included. `config_of`: argv -> the `TrainConfig` the command runs
+    `verbose`: every line of the processes, gloo's connection lines included. `pin_cpus`: process i
+    runs on its own share of the launcher's CPUs (`cpu_shares`), as a rank owns its accelerator,
+    instead of every process on every CPU. `config_of`: argv -> the `TrainConfig` the command runs
     (`cli.config_from_argv`, passed in by the CLI: this module sits below it), checked before any
     process starts.
     Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, a
@@ -153,9 +183,10 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
         base["XLA_FLAGS"] = (base.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={n_mesh // processes}").strip()
     base["PYTHONUNBUFFERED"] = "1"
+    shares = cpu_shares(processes) if pin_cpus else None
     if spec is None:
         return _retry_ports(lambda port, busy: _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [],
-                                                    grace_s, out, busy, verbose), out)
+                                                    grace_s, out, busy, verbose, shares), out)
     if processes < 2:
         print(f"[launch] warning: --link {spec.text} with {processes} process shapes no link (nothing to connect)",
               file=sys.stderr, flush=True)
@@ -170,7 +201,8 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
                   f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
         argv = [*argv, "--emulated-link", json.dumps(description)]  # a config field: in config.json
         return _retry_ports(lambda port, busy: _run(processes, argv, base, f"{cluster.addrs[0]}:{port}",
-                                                    cluster.exec_prefix, grace_s, out, busy, verbose), out)
+                                                    cluster.exec_prefix, grace_s, out, busy, verbose, shares),
+                              out)
 
 
 #: Tries of `launch` with a fresh port when the chosen one turned out to be in use (another program
@@ -218,10 +250,11 @@ def _gloo_connected_only(text: str) -> bool:
 
 
 def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out,
-         busy: threading.Event | None = None, verbose: bool = False) -> int:
+         busy: threading.Event | None = None, verbose: bool = False, shares: list[set[int]] | None = None) -> int:
     """Starts the processes (`wrap(i) + python -P -m taco_jax.cli ...`) and waits (see `launch`). `busy`
     is set when process 0 reports `coordinator` in use. Without `verbose`, gloo's connection lines
-    are left out when every peer connected (`_gloo_connected_only`)."""
+    are left out when every peer connected (`_gloo_connected_only`). `shares`: process i's CPUs (set
+    before its exec, so `ip netns exec` and python inherit them), or None for all."""
     from taco_jax.train.distributed import PORT_IN_USE
 
     busy_line = f"coordinator {coordinator} {PORT_IN_USE}"
@@ -230,7 +263,8 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
         cmd = [*wrap(i), *cli_command(*argv, "--coordinator", coordinator, "--num-processes", str(processes),
                                       "--process-id", str(i))]
         procs.append(subprocess.Popen(cmd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True, preexec_fn=_die_with_parent))
+                                      start_new_session=True, preexec_fn=_child_setup(None if shares is None
+                                                                                       else shares[i])))
     lock = threading.Lock()
 
     def pump(i, p):

@@ -220,3 +220,36 @@ def test_make_train_twice_replaces_its_own_compare_outputs(tmp_path):
     args, *listing = seen.read_text().splitlines()
     assert args == f"compare --out {out} --steps 3"
     assert listing == ["notes.txt"]  # what compare found: the earlier outputs gone, the other file kept
+
+
+def test_cpu_shares_split_the_launchers_cpus():
+    """`launch --pin-cpus`: contiguous shares, the first ones one CPU larger; more processes than
+    CPUs wrap around (they share); nothing to split is refused."""
+    assert launch_mod.cpu_shares(2, [0, 1]) == [{0}, {1}]
+    assert launch_mod.cpu_shares(2, [4, 0, 2, 1, 3]) == [{0, 1, 2}, {3, 4}]
+    assert launch_mod.cpu_shares(3, [0, 1, 2, 3]) == [{0, 1}, {2}, {3}]
+    assert launch_mod.cpu_shares(4, [0, 1]) == [{0}, {1}, {0}, {1}]
+    assert launch_mod.cpu_shares(1, [0, 1]) == [{0, 1}]
+    with pytest.raises(ValueError, match=r"processes >= 1 and CPUs \(got 0"):
+        launch_mod.cpu_shares(0, [0, 1])
+    with pytest.raises(ValueError, match=r"\(got 2, \[\]\)"):
+        launch_mod.cpu_shares(2, [])
+
+
+def test_pinned_processes_start_on_their_share():
+    """Each process starts with its share as its CPU affinity (set before exec, so the namespace
+    wrapper and python inherit it); without shares, every CPU the launcher has."""
+    import io
+
+    def cpus(text):  # "0-2,5" -> {0, 1, 2, 5}
+        return {c for part in text.split(",") for a, _, b in [part.partition("-")]
+                for c in range(int(a), int(b or a) + 1)}
+
+    report = ["sh", "-c", "grep Cpus_allowed_list /proc/self/status"]  # the cli command follows as sh's $0.., unread
+    for shares in (launch_mod.cpu_shares(2), None):
+        out = io.StringIO()
+        status = launch_mod._run(2, ["--version"], dict(os.environ), "127.0.0.1:1", lambda i: report, 5.0, out,
+                                 shares=shares)
+        assert status == 0, out.getvalue()
+        got = {int(m[1]): cpus(m[2]) for m in re.finditer(r"\[(\d)\] Cpus_allowed_list:\s*(\S+)", out.getvalue())}
+        assert got == {i: (shares[i] if shares else os.sched_getaffinity(0)) for i in range(2)}, out.getvalue()
