@@ -91,6 +91,15 @@ CONFIGS = {
                                   launch="--nodes 2",
                                   variants=("exact=--comm none", "taco=--comm taco --dp-comm taco")),
 }
+def pinned(args: list[str]) -> list[str]:
+    """A configuration's bench_e2e arguments with `taco-jax launch --pin-cpus` added to its launch flags
+    (each process on its own share of the CPUs; `taco_jax.launch.cpu_shares`)."""
+    if any(a.startswith("--launch-args=") for a in args):
+        return [f"{a} --pin-cpus" if a.startswith("--launch-args=") and "--pin-cpus" not in a.split() else a
+                for a in args]
+    return [*args, "--launch-args=--pin-cpus"]
+
+
 #: The configurations whose exact rows on shaped links fit the emulated link's (α, κ0, κ1).
 FIT_CONFIGS = ("gpt2_tp2_sp_bf16", "gpt2_tp2_sp_f32")
 CALIBRATION = pathlib.Path(__file__).resolve().parents[1] / "taco_jax/perf/calibration_cpu_gloo.json"
@@ -450,6 +459,9 @@ def main(argv=None) -> dict:
     p.add_argument("--force", action="store_true", help="rerun configurations that have results")
     p.add_argument("--analyze", action="store_true", help="only tables and plot from existing results")
     p.add_argument("--rounds", type=int, help="override every configuration's rounds")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="run each configuration's processes each on its own share of the CPUs (`taco-jax launch "
+                        "--pin-cpus`), as each rank owns its GPU; the one-process steps are unchanged")
     load_guard.add_arguments(p)
     a = p.parse_args(argv)
     if a.calibrate_probe:
@@ -471,6 +483,7 @@ def main(argv=None) -> dict:
         guard.refuse_start()
         for name in todo:
             args = CONFIGS[name] + (["--rounds", str(a.rounds)] if a.rounds is not None else [])
+            args = pinned(args) if a.pin_cpus else args
             print(f"[e2e_study] {name}: python -m experiments.bench_e2e {shlex.join(args)}", flush=True)
             try:
                 bench_e2e.main([*args, "--out", str(out / name)], guard=guard)

@@ -159,6 +159,15 @@ def test_a_two_tier_loopback_run_drops_the_nodes_flag():
         "--link", "1gbit"]
 
 
+def test_pinned_configurations_add_the_flag_to_their_launch_args():
+    assert e2e_study.pinned(["--links", "none"]) == ["--links", "none", "--launch-args=--pin-cpus"]
+    two_tier = e2e_study.pinned(e2e_study.CONFIGS["gpt2_dp2_tp2_two_tier"])
+    assert "--launch-args=--nodes 2 --pin-cpus" in two_tier and len(two_tier) == len(
+        e2e_study.CONFIGS["gpt2_dp2_tp2_two_tier"])
+    assert e2e_study.pinned(two_tier) == two_tier
+    assert bench_e2e._launch_args("--nodes 2 --pin-cpus", "none") == ["--pin-cpus"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--links", "fast"], "link rate 'fast'"), (["--links", "intra=1gbit"], "must be RATE or intra=RATE,inter=RATE"),
     (["--rounds", "0"], "--rounds 0 must be >= 1"), (["--steps", "2", "--warmup", "2"], "--steps 2 must be >"),
