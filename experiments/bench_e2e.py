@@ -146,6 +146,25 @@ def _bytes(run: dict) -> float:
     return float(sum(run["wire_bytes_per_step"].values()))
 
 
+#: Flags whose value is itself a list of flags: `--launch-args --pin-cpus` is taken as
+#: `--launch-args=--pin-cpus` (argparse alone reads a value that starts with "-" as a missing one).
+FLAG_LIST_FLAGS = ("--launch-args", "--train-args")
+
+
+def _joined(argv: list[str]) -> list[str]:
+    """`argv` with each of FLAG_LIST_FLAGS and its following word joined by "=" (the word then may begin
+    with "-"); a flag given last stays as it is (argparse names it)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in FLAG_LIST_FLAGS and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     """Runs the study of `argv` and returns its result. `guard`: a study's load guard whose first
     check was made (experiments/e2e_study.py); by default one of this command's own. Raises
@@ -156,7 +175,8 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
                    help="link rates (none = loopback) or one two-tier intra=RATE,inter=RATE per argument")
     p.add_argument("--processes", type=int, default=2, help="processes (default: 2)")
     p.add_argument("--launch-args", default="",
-                   help="more `taco-jax launch` flags, e.g. \"--nodes 2\" (left out on loopback, `none`)")
+                   help="more `taco-jax launch` flags, e.g. \"--nodes 2\" or --pin-cpus (--nodes is left out on "
+                        "loopback, `none`; the one-process steps take none of them)")
     p.add_argument("--mesh", default="data=1,tensor=2", help="mesh (default: data=1,tensor=2)")
     p.add_argument("--model", default="gpt2-narrow", choices=sorted(PRESETS), metavar="PRESET",
                    help="model preset (default: gpt2-narrow)")
@@ -177,7 +197,7 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     p.add_argument("--out", default="runs/bench_e2e",
                    help="result folder (default: %(default)s); its run folders are replaced on a rerun")
     load_guard.add_arguments(p)
-    a = p.parse_args(argv)
+    a = p.parse_args(_joined(sys.argv[1:] if argv is None else list(argv)))
     if a.calibrate_probe:
         cal = load_guard.calibrate()
         print(f"[bench_e2e] compute probe: {cal['probe_s']:.3f} s (median of {len(cal['runs_s'])}) on "

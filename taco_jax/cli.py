@@ -41,10 +41,17 @@ class _Parser(argparse.ArgumentParser):
                         if isinstance(a, argparse._SubParsersAction) and getattr(args, "command", None) in a.choices),
                        self)
             flags = [o for a in sub._actions for o in a.option_strings]
-            close = [difflib.get_close_matches(e.split("=")[0], flags, n=1) for e in extras if e.startswith("-")]
+            close = [_closest_flag(e.split("=")[0], flags) for e in extras if e.startswith("-")]
             hint = "; ".join(f"did you mean {c[0]}?" for c in close if c)
             sub.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({hint})" if hint else ""))
         return args
+
+
+def _closest_flag(typed: str, flags: list[str]) -> list[str]:
+    """[the flag `typed` most likely means] or []: the only flag it begins (`--pin` -> `--pin-cpus`; the
+    parsers take no abbreviations), else difflib's closest."""
+    starts = [f for f in flags if f.startswith(typed)]
+    return starts if len(starts) == 1 else difflib.get_close_matches(typed, flags, n=1)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -189,9 +196,11 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
                     help="keep: the processes' glibc keeps freed memory for reuse instead of mapping large "
                          "buffers anew (GLIBC_TUNABLES, unless already set); default: leave the allocator alone")
     lp.add_argument("--pin-cpus", action="store_true",
-                    help="run each process on its own share of the CPUs (process i: CPUs i*N/P .. (i+1)*N/P - 1 "
-                         "of the N this launcher may use; more processes than CPUs share them), as each rank owns its "
-                         "GPU; the codec's thread pool sizes to that share. Default: every process on every CPU")
+                    help="run each process on its own share of the CPUs this launcher may use, as each rank owns "
+                         "its GPU: contiguous shares of the sorted CPU list, the first (CPUs mod processes) one CPU "
+                         "larger; with more processes than CPUs, process i gets the (i mod CPUs)-th and they share. "
+                         "The shares are printed; the codec's thread pool sizes to its share. Default: every "
+                         "process on every CPU")
     lp.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command for every process (train / compare)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
                          formatter_class=_HelpFormatter, allow_abbrev=False)
@@ -493,6 +502,12 @@ def main(argv=None, *, own_process: bool = False) -> int:
                 raise ValueError(f"--processes {args.processes} must be >= 1")
             command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
             known = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            own = {o for a in known["launch"]._actions for o in a.option_strings} - {"-h", "--help"}
+            misplaced = next((a for a in command if a.split("=")[0] in own), None)
+            if misplaced is not None:  # no command takes a launch flag: it was meant for the launcher
+                flag = misplaced.split("=")[0]
+                raise ValueError(f"launch: {flag} is a flag of `taco-jax launch`, not of the command after `--`; "
+                                 f"put it before `--` (e.g. taco-jax launch --processes 2 {flag} ... -- train ...)")
             if command and not command[0].startswith("-") and command[0] not in known:  # before any process starts
                 raise ValueError(f"launch: {command[0]!r} is not a taco-jax command; e.g. taco-jax launch --processes "
                                  "2 -- train --steps 20")

@@ -64,6 +64,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def _cpu_list(cpus: set[int]) -> str:
+    """{0, 1, 2, 5} -> "CPUs 0-2,5", {3} -> "CPU 3" (the kernel's list format)."""
+    runs, start = [], None
+    ordered = sorted(cpus)
+    for a, b in zip(ordered, [*ordered[1:], None]):
+        start = a if start is None else start
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = None
+    return ("CPUs " if len(cpus) > 1 else "CPU ") + ",".join(runs)
+
+
 def _child_setup(cpus: set[int] | None):
     """A `preexec_fn`: `_die_with_parent`, then the CPU affinity `cpus` (None: unchanged)."""
     def setup():
@@ -146,8 +158,8 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     "default", see the module docstring). `link`, `nodes`: an emulated cluster (module docstring;
     None = plain local processes on 127.0.0.1; an empty string is refused, not read as none).
     `verbose`: every line of the processes, gloo's connection lines included. `pin_cpus`: process i
-    runs on its own share of the launcher's CPUs (`cpu_shares`), as a rank owns its accelerator,
-    instead of every process on every CPU. `config_of`: argv -> the `TrainConfig` the command runs
+    runs on its own share of the launcher's CPUs (`cpu_shares`, printed to `out`), as a rank owns its
+    accelerator, instead of every process on every CPU. `config_of`: argv -> the `TrainConfig` the command runs
     (`cli.config_from_argv`, passed in by the CLI: this module sits below it), checked before any
     process starts.
     Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, a
@@ -184,6 +196,11 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
                              f" --xla_force_host_platform_device_count={n_mesh // processes}").strip()
     base["PYTHONUNBUFFERED"] = "1"
     shares = cpu_shares(processes) if pin_cpus else None
+    if shares is not None:
+        shared = len({min(c) for c in shares}) < processes
+        print("[launch] CPUs: " + ", ".join(f"process {i} on {_cpu_list(c)}" for i, c in enumerate(shares))
+              + (f" ({processes} processes on {len(set().union(*shares))} CPUs: they share)" if shared else ""),
+              file=out, flush=True)
     if spec is None:
         return _retry_ports(lambda port, busy: _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [],
                                                     grace_s, out, busy, verbose, shares), out)

@@ -381,6 +381,8 @@ def test_help_gives_each_flag_one_default(command, capsys):
     (["trian"], "taco-jax: error: argument command: invalid choice: 'trian'"),
     (["train", "--stpes", "5"], "taco-jax train: error: unrecognized arguments: --stpes 5 (did you mean --steps?) "
                                 "(all flags: taco-jax train --help)"),
+    (["launch", "--pin", "--", "train"], "taco-jax launch: error: unrecognized arguments: --pin (did you mean "
+                                         "--pin-cpus?)"),  # the flag it begins, not difflib's --link
 ])
 def test_a_usage_error_is_one_line_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -412,3 +414,15 @@ def test_the_command_line_prints_each_flag_warning_once(capsys):
     for _ in range(3):
         cli._show_warning(text, FlagWarning, "x.py", 1)
     assert capsys.readouterr().err.count(text) == 1
+
+
+@pytest.mark.parametrize("command,flag", [(["train", "--pin-cpus"], "--pin-cpus"),
+                                          (["compare", "--steps", "3", "--link=1gbit"], "--link"),
+                                          (["--pin-cpus", "train"], "--pin-cpus")])
+def test_a_launch_flag_after_the_double_dash_is_named_before_any_process_starts(command, flag, capsys):
+    """No command takes the launcher's own flags: one given after `--` is refused once, naming where it
+    goes (before, `train` refused it in every process, or in none of them when it came first)."""
+    assert main(["launch", "--processes", "2", "--", *command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"launch: {flag} is a flag of `taco-jax launch`, not of the command after " \
+        f"`--`; put it before `--`" in err, err

@@ -166,12 +166,17 @@ def test_pinned_configurations_add_the_flag_to_their_launch_args():
         e2e_study.CONFIGS["gpt2_dp2_tp2_two_tier"])
     assert e2e_study.pinned(two_tier) == two_tier
     assert bench_e2e._launch_args("--nodes 2 --pin-cpus", "none") == ["--pin-cpus"]
+    # a flag list as the next word, which argparse alone refuses ("expected one argument")
+    assert bench_e2e._joined(["--launch-args", "--pin-cpus", "--train-args", "--vocab-size 512", "--rounds", "2"]) == [
+        "--launch-args=--pin-cpus", "--train-args=--vocab-size 512", "--rounds", "2"]
+    assert bench_e2e._joined(["--links", "none", "--launch-args"]) == ["--links", "none", "--launch-args"]
 
 
 @pytest.mark.parametrize("args,message", [
     (["--links", "fast"], "link rate 'fast'"), (["--links", "intra=1gbit"], "must be RATE or intra=RATE,inter=RATE"),
     (["--rounds", "0"], "--rounds 0 must be >= 1"), (["--steps", "2", "--warmup", "2"], "--steps 2 must be >"),
-    (["--processes", "1"], "--processes 1 must be >= 2"), (["--dtype", "foo"], "invalid choice: 'foo'")])
+    (["--processes", "1"], "--processes 1 must be >= 2"), (["--dtype", "foo"], "invalid choice: 'foo'"),
+    (["--launch-args", "--pin-cpus", "--rounds", "0"], "--rounds 0 must be >= 1")])  # the flag list is taken
 def test_bad_arguments_fail_before_any_run(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_e2e.main([*args, "--out", str(tmp_path / "out")])

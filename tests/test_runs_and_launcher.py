@@ -4,6 +4,7 @@ arrays without a tokenizer,
 the launcher started from a folder holding another `taco_jax`, the mesh of a `--config` file, and
 `--step-timeout auto` guarding the evaluation (a peer SIGSTOPped there is named within the limit)."""
 
+import json
 import math
 import os
 import pathlib
@@ -15,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from _procs import ROOT, TINY, env, metrics, wait_for
+from _procs import ROOT, TINY, cli, env, metrics, run, wait_for
 
 from taco_jax import launch as launch_mod
 from taco_jax.cli import config_from_argv, main
@@ -253,3 +254,18 @@ def test_pinned_processes_start_on_their_share():
         assert status == 0, out.getvalue()
         got = {int(m[1]): cpus(m[2]) for m in re.finditer(r"\[(\d)\] Cpus_allowed_list:\s*(\S+)", out.getvalue())}
         assert got == {i: (shares[i] if shares else os.sched_getaffinity(0)) for i in range(2)}, out.getvalue()
+
+
+def test_a_pinned_run_reports_and_records_its_cpus(tmp_path, cache):
+    """`launch --pin-cpus -- train`: the launcher prints each process's share; process 0's summary.json
+    records the CPUs it ran on (its share), an unpinned run all of the launcher's."""
+    shares = launch_mod.cpu_shares(2)
+    for pin in (True, False):
+        out = tmp_path / f"pin{pin}"
+        r = run(cli("launch", "--processes", "2", *(["--pin-cpus"] if pin else []), "--", "train", *TINY,
+                    "--steps", "1", "--mesh", "data=1,tensor=2", "--out", out), cache)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["process_cpus"] == sorted(shares[0] if pin else os.sched_getaffinity(0))
+        assert ("[launch] CPUs: process 0 on " in r.stdout) == pin, r.stdout[-2000:]
+    assert launch_mod._cpu_list({0, 1, 2, 5}) == "CPUs 0-2,5" and launch_mod._cpu_list({3}) == "CPU 3"

@@ -332,6 +332,8 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         "wire_bytes_per_step_issued_as_f32": as_f32(acct.issued["detail"]),  # every bf16 message at 4 bytes
         "devices": f"{len(jax.devices())}x {jax.devices()[0].platform}",
         "processes": jax.process_count(),
+        # the CPUs process 0 may run on (`launch --pin-cpus`: its share); None where the OS does not say
+        "process_cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     if "step_timeout_auto" in ends:  # --step-timeout auto: the watchdog's limit at the end of the run
         summary["step_timeout_auto"] = ends.pop("step_timeout_auto")
