@@ -507,7 +507,7 @@ def main(argv=None, *, own_process: bool = False) -> int:
             if misplaced is not None:  # no command takes a launch flag: it was meant for the launcher
                 flag = misplaced.split("=")[0]
                 raise ValueError(f"launch: {flag} is a flag of `taco-jax launch`, not of the command after `--`; "
-                                 f"put it before `--` (e.g. taco-jax launch --processes 2 {flag} ... -- train ...)")
+                                 "put it before `--` (taco-jax launch [launch flags] -- train ...)")
             if command and not command[0].startswith("-") and command[0] not in known:  # before any process starts
                 raise ValueError(f"launch: {command[0]!r} is not a taco-jax command; e.g. taco-jax launch --processes "
                                  "2 -- train --steps 20")

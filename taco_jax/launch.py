@@ -199,7 +199,7 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     if shares is not None:
         shared = len({min(c) for c in shares}) < processes
         print("[launch] CPUs: " + ", ".join(f"process {i} on {_cpu_list(c)}" for i, c in enumerate(shares))
-              + (f" ({processes} processes on {len(set().union(*shares))} CPUs: they share)" if shared else ""),
+              + (f" ({processes} processes on {_cpu_list(set().union(*shares))}: they share)" if shared else ""),
               file=out, flush=True)
     if spec is None:
         return _retry_ports(lambda port, busy: _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [],
