@@ -91,6 +91,8 @@ CONFIGS = {
                                   launch="--nodes 2",
                                   variants=("exact=--comm none", "taco=--comm taco --dp-comm taco")),
 }
+
+
 def pinned(args: list[str]) -> list[str]:
     """A configuration's bench_e2e arguments with `taco-jax launch --pin-cpus` added to its launch flags
     (each process on its own share of the CPUs; `taco_jax.launch.cpu_shares`)."""

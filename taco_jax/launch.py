@@ -197,7 +197,7 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     base["PYTHONUNBUFFERED"] = "1"
     shares = cpu_shares(processes) if pin_cpus else None
     if shares is not None:
-        shared = len({min(c) for c in shares}) < processes
+        shared = sum(map(len, shares)) > len(set().union(*shares))  # a CPU in two shares
         print("[launch] CPUs: " + ", ".join(f"process {i} on {_cpu_list(c)}" for i, c in enumerate(shares))
               + (f" ({processes} processes on {_cpu_list(set().union(*shares))}: they share)" if shared else ""),
               file=out, flush=True)
