@@ -186,6 +186,63 @@ def test_cli_prepare_data_and_sample_errors(corpus, tmp_path, capsys):
         assert f"give the folder that holds it, --from {str(tmp_path / 'r')!r}" in capsys.readouterr().err
 
 
+def test_symlinked_folders_are_read_once_and_the_sources_counted(corpus, tmp_path, capsys):
+    """A symlinked sub-folder is followed as a symlinked file is read (`Path.rglob` skipped it without
+    a word); a link back up (a loop) or to a folder already read adds nothing; the count of sources
+    is printed; a dangling source symlink is refused naming it."""
+    from taco_jax.cli import main
+
+    top, outside = tmp_path / "top", tmp_path / "outside"
+    top.mkdir()
+    outside.mkdir()
+    (top / "a.txt").symlink_to(corpus / "a.txt")
+    (outside / "b.md").write_text((corpus / "b.md").read_text())
+    (top / "sub").symlink_to(outside, target_is_directory=True)
+    (top / "sub2").symlink_to(outside, target_is_directory=True)  # the same folder again: read once
+    (top / "up").symlink_to(top, target_is_directory=True)  # a loop
+    assert main(["prepare-data", str(top), "--init-from", str(QWEN3), "--out", str(tmp_path / "d"),
+                 "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["sources"] == 2
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert [pathlib.Path(s["path"]) for s in meta["sources"]] == [corpus / "a.txt", outside / "b.md"]
+    (top / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    assert main(["prepare-data", str(top), "--init-from", str(QWEN3), "--out", str(tmp_path / "e")]) == 2
+    assert capsys.readouterr().err.strip() == (f"taco-jax: error: {str(top / 'gone.txt')!r} is a symlink to "
+                                              f"{str(tmp_path / 'nowhere.txt')!r}, which does not exist")
+    assert not (tmp_path / "e").exists()
+
+
+def test_init_from_a_missing_folder_says_so_and_that_nothing_is_downloaded(corpus, tmp_path, capsys, monkeypatch):
+    """`prepare-data --init-from Qwen3-0.6B` (the README's name, which reads as a Hub id) without such a
+    folder: said, with that nothing is downloaded; a folder without tokenizer.json is still named as such."""
+    from taco_jax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    why = (f"the folder {str(tmp_path / 'Qwen3-0.6B')!r} does not exist; --init-from takes a local Hugging Face "
+           "checkpoint folder (config.json, *.safetensors, tokenizer.json) and nothing is downloaded: fetch it "
+           "first (e.g. `huggingface-cli download ORG/Qwen3-0.6B --local-dir Qwen3-0.6B`)")
+    assert main(["prepare-data", str(corpus / "a.txt"), "--init-from", "Qwen3-0.6B", "--out", "d"]) == 2
+    assert capsys.readouterr().err.strip() == f"taco-jax: error: init_from='Qwen3-0.6B': {why}"
+    assert main(["prepare-data", str(corpus / "a.txt"), "--init-from", str(tmp_path), "--out", "d"]) == 2
+    assert capsys.readouterr().err.strip() == (f"taco-jax: error: init_from={str(tmp_path)!r} has no tokenizer.json; "
+                                              "give --tokenizer PATH")
+
+
+def test_sample_seed_outside_jax_s_range_is_refused_naming_the_flag(tmp_path, capsys):
+    """`sample --seed` beyond 2**63 - 1 (or negative) is refused as the other flags are, before the
+    checkpoint is read (it was an OverflowError traceback from jax.random.key); `generate` refuses it too."""
+    from taco_jax.cli import main
+    from taco_jax.train.sample import sample_ids
+
+    for seed in (2**63, -1):
+        assert main(["sample", "--from", str(tmp_path / "missing"), "--prompt", "x", "--seed", str(seed)]) == 2
+        assert capsys.readouterr().err.strip() == f"taco-jax: error: --seed {seed} must be in [0, 2**63) (JAX's seeds)"
+    with pytest.raises(ValueError, match=r"^seed=9223372036854775808 must be in \[0, 2\*\*63\)"):
+        sample_ids(QWEN3, "MACBETH", 2, seed=2**63)
+    assert main(["sample", "--from", str(QWEN3), "--prompt", "MACBETH", "--max-new-tokens", "2", "--temperature", "1",
+                 "--seed", str(2**63 - 1)]) == 0
+
+
 def test_each_device_reads_only_its_own_rows():
     """`global_batch` reads, for each device, the windows of its own rows of the batch only (so a
     process of a multi-process run touches only its rows of the memory-mapped file)."""

@@ -124,13 +124,13 @@ def _pieces(text: str, limit: int) -> Iterator[str]:
 
 def source_files(inputs: Sequence[str]) -> list[pathlib.Path]:
     """The files of `inputs` (files, or folders read recursively: their `.txt` / `.md` / `.text` /
-    `.jsonl` files sorted by path). Raises ValueError naming a missing input, a folder without such
-    files, or a file of another kind named directly."""
+    `.jsonl` files sorted by path; `_folder_files`). Raises ValueError naming a missing input, a folder
+    without such files, or a file of another kind named directly."""
     files = []
     for item in inputs:
         p = pathlib.Path(item)
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+            found = _folder_files(p)
             if not found:
                 raise ValueError(f"{item!r} holds no {' / '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} file")
             files += found
@@ -139,6 +139,38 @@ def source_files(inputs: Sequence[str]) -> list[pathlib.Path]:
         else:
             raise ValueError(f"input {item!r} is neither a file nor a folder")
     return files
+
+
+def _folder_files(root: pathlib.Path) -> list[pathlib.Path]:
+    """The source files under folder `root`, sorted by path, symlinked folders followed (as symlinked
+    files are read): each folder once, so a link back up (a loop) or to a folder already read adds
+    nothing. Raises ValueError naming a folder that cannot be listed, or a source-named symlink whose
+    target does not exist (`Path.rglob` would skip both without a word)."""
+    def unreadable(e: OSError):
+        raise ValueError(f"folder {e.filename!r} under {str(root)!r} cannot be read ({e.strerror or e})")
+
+    def ident(path) -> tuple[int, int]:
+        st = os.stat(path)
+        return st.st_dev, st.st_ino
+
+    seen, found = {ident(root)}, []
+    for folder, subs, names in os.walk(root, onerror=unreadable, followlinks=True):
+        keep = []
+        for d in sorted(subs):  # the first name of a folder reached twice is the one kept
+            key = ident(os.path.join(folder, d))
+            if key not in seen:
+                seen.add(key)
+                keep.append(d)
+        subs[:] = keep  # os.walk enters only these
+        for name in names:
+            f = pathlib.Path(folder) / name
+            if f.suffix not in TEXT_SUFFIXES + JSONL_SUFFIXES:
+                continue
+            if f.is_file():
+                found.append(f)
+            elif f.is_symlink() and not f.exists():
+                raise ValueError(f"{str(f)!r} is a symlink to {os.readlink(f)!r}, which does not exist")
+    return sorted(found)
 
 
 def _documents(path: pathlib.Path, text_field: str) -> Iterator[str]:
@@ -196,6 +228,8 @@ def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: 
         raise ValueError(f"vocab_size={vocab_size} must be >= 257 (256 byte tokens + {eot_token})")
     files = source_files(inputs)
     if init_from:
+        if not pathlib.Path(init_from).is_dir():
+            raise ValueError(f"init_from={init_from!r}: {not_a_local_folder(init_from)}")
         tokenizer = str(pathlib.Path(init_from) / "tokenizer.json")
         if not pathlib.Path(tokenizer).is_file():
             raise ValueError(f"init_from={init_from!r} has no tokenizer.json; give --tokenizer PATH")
@@ -261,6 +295,15 @@ def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: 
                 break
         raise
     return meta
+
+
+def not_a_local_folder(path) -> str:
+    """Why `path`, given as a Hugging Face checkpoint folder (`--init-from`), is none: it does not exist,
+    or is a file. A name like "Qwen3-0.6B" reads as a Hub id, but nothing is downloaded."""
+    p = pathlib.Path(path)
+    return (f"the folder {str(p.absolute())!r} {'is a file' if p.exists() else 'does not exist'}; --init-from "
+            "takes a local Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json) and nothing "
+            f"is downloaded: fetch it first (e.g. `huggingface-cli download ORG/{p.name} --local-dir {path}`)")
 
 
 def vocab_size_of(tok: Tokenizer) -> int:

@@ -87,9 +87,9 @@ def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temp
     `allowed`: bool [vocab_size], the ids that may be generated (e.g. those the tokenizer has: a
     model's vocabulary may be larger than its tokenizer's, or have holes); the others' logits are
     -inf before the choice. None: every id.
-    Raises ValueError for an empty prompt, a negative or non-finite count / temperature / top_k, ids
-    outside the vocabulary, a total length over the model's block_size, or an `allowed` of another
-    shape or with no id.
+    Raises ValueError for an empty prompt, a negative or non-finite count / temperature / top_k, a
+    seed outside [0, 2**63), ids outside the vocabulary, a total length over the model's block_size,
+    or an `allowed` of another shape or with no id.
     """
     ids = np.asarray(prompt)
     one = ids.ndim == 1
@@ -99,6 +99,8 @@ def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temp
     for name, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_k", top_k)):
         if not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"{name}={v} must be a finite number >= 0")
+    if not 0 <= seed < 2**63:  # jax.random.key raises OverflowError beyond
+        raise ValueError(f"seed={seed!r} must be in [0, 2**63) (JAX's seeds)")
     if ids.min() < 0 or ids.max() >= model.vocab_size:
         raise ValueError(f"prompt ids must be in [0, {model.vocab_size}), got [{ids.min()}, {ids.max()}]")
     total = ids.shape[1] + max_new_tokens

@@ -92,10 +92,17 @@ def _link(table, where: str) -> tuple[model.Link, str]:
 
 def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
     """{key: HardwareSpec} of a parsed hardware table (`hardware.toml`'s schema).
-    Raises ValueError naming `where`, the entry and the bad key or value."""
+    Raises ValueError naming `where`, the entry and the bad key or value, or both entries whose names
+    differ only in case (keys are lower-cased)."""
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{where}: holds no hardware table ([name] with peak_tflops, mfu, gpus_per_node, "
                          "[name.intra], [name.inter], [name.codec]; see taco_jax/perf/hardware.toml)")
+    same = {}
+    for key in data:  # the key is case-insensitive (`--hardware H100`): two spellings of one name would merge
+        if key.lower() in same:
+            raise ValueError(f"{where}: [{same[key.lower()]}] and [{key}] name one hardware (names are "
+                             "case-insensitive); rename or remove one")
+        same[key.lower()] = key
     out = {}
     for key, table in data.items():
         at = f"{where}: [{key}]"
@@ -120,12 +127,14 @@ def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
 
 def load_hardware(path=None) -> dict[str, HardwareSpec]:
     """The hardware of a TOML (or ".json") file, default the shipped `hardware.toml`.
-    Raises ValueError naming the file when it cannot be read or parsed, or holds a bad entry."""
+    Raises ValueError naming the file (a given one as `--hardware-file`) when it cannot be read or
+    parsed, or holds a bad entry."""
     from taco_jax.train.jsonio import read_table  # same floor; jsonio imports nothing of taco_jax
 
+    what = "--hardware-file" if path else "hardware file"
     path = pathlib.Path(path or HARDWARE_FILE)
-    data = read_table(path, "hardware file")
-    return parse_hardware(data, f"hardware file {str(path)!r}")
+    data = read_table(path, what)
+    return parse_hardware(data, f"{what} {str(path)!r}")
 
 
 def get_hardware(name: str = "", path=None) -> HardwareSpec:

@@ -61,24 +61,48 @@ def read_metrics(path) -> list[dict]:
     return [{k: float(v) if k in ("loss", "val_loss", "grad_norm") else v for k, v in r.items()} for r in recs]
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs) -> dict:
+    """A JSON object's pairs as a dict; raises _DuplicateKey (the key) when a key repeats (`json` would
+    keep the last one silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def read_table(path, what: str) -> dict:
     """The top-level table of TOML file `path`, or of JSON file `path` when its suffix is ".json".
     `what` names the file in errors (e.g. "--config", "hardware file").
 
-    Raises ValueError naming `what` and the file when it cannot be read, does not parse, or does not
-    hold a table / object at the top.
+    Raises ValueError naming `what` and the file when it cannot be read, is not UTF-8 (naming the byte,
+    its offset and line), does not parse, repeats a key in one object, or does not hold a table / object
+    at the top.
     """
     path = pathlib.Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r}: cannot read it ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")  # TOML and JSON files are UTF-8 (whatever the locale's encoding)
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{what} {str(path)!r}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}, "
+                         f"line {line}); save it as UTF-8") from None
     as_json = path.suffix == ".json"
     try:
-        values = json.loads(text) if as_json else tomllib.loads(text)
+        values = json.loads(text, object_pairs_hook=_unique_keys) if as_json else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
         kind = "JSON" if as_json else "TOML (.json files are read as JSON)"
         raise ValueError(f"{what} {str(path)!r}: not valid {kind}: {e}") from None
+    except _DuplicateKey as e:  # TOML refuses a key given twice itself
+        raise ValueError(f"{what} {str(path)!r}: key {e.args[0]!r} is given twice in one object") from None
     if not isinstance(values, dict):
         raise ValueError(f"{what} {str(path)!r}: must hold a table / object at the top, not {type(values).__name__}")
     return values
