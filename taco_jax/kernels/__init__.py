@@ -41,8 +41,13 @@ Conformance rule (tested in tests/test_kernels.py against `reference` on the sam
   Measured agreement of each backend: custom_calls/README.md ("Conformance, measured").
 
 Training-level rule (a backend vs `reference`, same config and seed):
-  * the first step's loss (the same weights, so only the codec differs) agrees to 1e-5 relative,
-    and the first six steps' to 1e-3 (tested for ffi in tests/test_train.py). From the first
+  * on a step's real messages (`train.capture`) the encode conforms as above
+    (`conformance.check_messages`);
+  * the first step's loss (the same weights, so only the codec differs) agrees within what the
+    contract allows: 3.5e-4 relative at gpt2-tiny, twice the largest effect of the contract's
+    deviation injected into the reference (`conformance.step_codes`; the derivation and the
+    one-ulp chaos that makes 1e-5 host-dependent: tests/test_train.py `FIRST_STEP_RTOL`), and
+    the first six steps' to 1e-3 (tested for ffi in tests/test_train.py). From the first
     update on, the runs differ by more than the codec's error: AdamW's first update is
     lr * sign(gradient) in every entry, so each gradient entry near zero whose sign flips with a
     rare one-step code flip moves its weight by 2 * lr (gpt2-tiny, TP=4, float32: 0.48 % of the

@@ -7,6 +7,8 @@ check (`python -m experiments.gpu_check`), so both apply one rule.
   assert_decode_conforms  decoded values against the reference's (in float32 or a narrower output dtype)
   dtype_ulp               one ulp of an output dtype, for that comparison
   check_backend           all three for one registered backend, format and group size
+  check_messages          encode conforms on real messages (e.g. a train step's, `train.capture`)
+  step_codes              FP8 codes moved a number of steps (the contract's flips, injected)
 
 Every check raises AssertionError naming what differs (and by how much); it returns None.
 """
@@ -78,6 +80,57 @@ def assert_conforms(got, want, g: int, r: float = 448.0, max_code_frac: float = 
     frac = np.mean(steps > 0)
     if frac > max_code_frac:
         raise AssertionError(f"{frac:.2e} of codes differ (at most {max_code_frac:g} may)")
+
+
+def step_codes(codes, frac: float, seed: int = 0, *, steps: int = 1):
+    """`codes` (FP8 [..., G], numpy or jax) with a fraction `frac` of them moved `steps` FP8 steps
+    up or down (the signed step count `ordinal` changes by +-steps, clamped to the largest finite
+    code, so no code becomes NaN), at positions and signs fixed by `seed` and the element index:
+    the deviation the contract allows (`max_code_frac` of the codes one step off), made on purpose.
+    Traceable (jnp), for injecting into a backend inside a jitted step. Returns the same dtype and
+    shape. Raises ValueError for `frac` outside [0, 1]."""
+    if not 0.0 <= frac <= 1.0:
+        raise ValueError(f"step_codes: frac={frac} must be in [0, 1]")
+    import jax  # noqa: PLC0415
+
+    top = int(np.max(ordinal(np.array(ml_dtypes.finfo(np.dtype(codes.dtype)).max, codes.dtype))))
+    u = jax.lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)
+    idx = jnp.arange(u.size, dtype=jnp.uint32).reshape(u.shape)
+    h = (idx + jnp.uint32(seed * 7919)) * jnp.uint32(2654435761)  # Knuth's multiplicative hash
+    h = h ^ (h >> 15)
+    move = jnp.where(h < jnp.uint32(min(int(frac * 2.0**32), 2**32 - 1)), jnp.where(h & 1, steps, -steps), 0)
+    o = jnp.clip(jnp.where(u & 0x80, -(u & 0x7F), u & 0x7F) + move, -top, top)
+    u = jnp.where(o < 0, 0x80 | -o, o).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(u, codes.dtype)
+
+
+def check_messages(name: str, messages, cfg: CodecConfig, *, max_code_frac: float = 1e-3) -> float:
+    """Backend `name`'s encode of real messages against `reference`'s (`assert_conforms`), and the
+    decode of the same codes (`assert_decode_conforms`). messages: float32 arrays [..., n] whose
+    element count is a multiple of cfg.group_size (each cut into contiguous groups, spec section 2).
+    Returns the fraction of codes that differ (at most `max_code_frac`). Raises AssertionError
+    naming the first message that does not conform, ValueError for a size that is not whole groups."""
+    import taco_jax.kernels  # noqa: F401, PLC0415  (the backends register on import)
+
+    g = cfg.group_size
+    enc, dec = get_backend(name)
+    flipped = total = 0
+    for i, m in enumerate(messages):
+        m = np.asarray(m, np.float32)
+        if m.size % g:
+            raise ValueError(f"check_messages: message {i} of shape {m.shape} is not whole groups of {g}")
+        xg = jnp.asarray(m.reshape(-1, g))
+        got = enc(xg, cfg, last_count=g)
+        want = reference.encode_groups(xg, cfg, last_count=g)
+        try:
+            assert_conforms(got, want, g, r=cfg.target_range, max_code_frac=max_code_frac)
+            codes, s, a = got
+            assert_decode_conforms(dec(codes, s, a), reference.decode_groups(codes, s, a), g)
+        except AssertionError as e:
+            raise AssertionError(f"message {i} {list(m.shape)}: {e}") from None
+        flipped += int(np.sum(ordinal(got[0]) != ordinal(want[0])))
+        total += m.size
+    return flipped / max(total, 1)
 
 
 def dtype_ulp(values: np.ndarray, dtype) -> np.ndarray:
