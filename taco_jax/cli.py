@@ -579,7 +579,7 @@ def _plan(args, file_policy: dict | None) -> int:
             from taco_jax.train.loop import check_out_dir
 
             out = check_out_dir(args.out)
-        result = planner.plan(cfg, spec, tp_span_nodes=args.tp_span_nodes, compile=compile_)
+        result = planner.plan(cfg, spec, tp_span_nodes=args.tp_span_nodes, compile=compile_, say=_say)
     except ValueError as e:
         return _error(e, EXIT_BAD_INPUT)
     if args.command == "plan":

@@ -6,6 +6,7 @@ errors a bad `--hardware-file` gets."""
 import json
 import pathlib
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -262,6 +263,104 @@ def test_own_hardware_file_and_the_shipped_table(tmp_path, capsys):
     assert {k: s.codec_status for k, s in shipped.items() if s.codec_status == "measured"} == {"h200": "measured"}
     assert all(s.codec_status in CODEC_STATUS and all(s.sources.values()) for s in shipped.values())
     assert "PCIe" in shipped["l40s"].hardware.intra.name
+
+
+def test_predict_gives_no_range_when_min_bytes_keeps_every_site_exact(capsys):
+    """A policy with codecs whose --min-bytes (given, or "auto" resolved on the hardware) is above every
+    message compresses nothing: the speedup is exact against exact, 1.00x with no range (text and JSON),
+    and the line says that nothing is compressed and why; --min-bytes auto's threshold is still given.
+    One byte lower than gpt2-tiny's 262,144-byte tensor messages, they are compressed and the range is back
+    (issue 52 item 9: "1.00x, range 0.87-1.23x" before)."""
+    mesh = ["predict", "--mesh", "data=2,tensor=4", "--hardware", "h200"]
+    for flags, why in ((["--min-bytes", "1000000000"], "(each message of a site with a codec is below --min-bytes "
+                        "1,000,000,000 bytes); exact step "),
+                       (["--min-bytes", "262145"], "below --min-bytes 262,145 bytes)"),
+                       (["--min-bytes", "auto"], "(--min-bytes auto keeps every site exact on this hardware: "
+                        "threshold 1.00 GB, above each message); exact step ")):
+        assert main([*mesh, *flags]) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("predicted speedup"))
+        assert line.startswith("predicted speedup 1.00x: nothing is compressed (") and why in line, line
+        assert "range" not in line and "with the policy" not in line, line
+        assert "--min-bytes auto on this hardware: threshold 1.00 GB;" in out, out
+        assert main([*mesh, *flags, "--json"]) == 0
+        p = json.loads(capsys.readouterr().out)["predict"]
+        assert p["range"] is None and p["compressed_sites"] == [] and p["speedup"] == 1.0, p["range"]
+        assert p["auto_threshold_bytes"] is not None
+    assert main([*mesh, "--min-bytes", "262144", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["predict"]
+    assert p["compressed_sites"] == ["ar_fwd", "ar_bwd"] and p["range"]["all"][0] < p["speedup"] < p["range"]["all"][1]
+    # where compression never pays (docs/plan.md's worked example, NVLink), auto says so
+    assert main(["predict", "--model", "qwen3-8b", "--mesh", "data=2,stage=4,tensor=4", "--microbatches", "8",
+                 "--seq-len", "4096", "--hardware", "h100", "--min-bytes", "auto"]) == 0
+    assert "predicted speedup 1.00x: nothing is compressed (--min-bytes auto keeps every site exact on this " \
+        "hardware: compression never pays here); exact step " in capsys.readouterr().out
+
+
+def test_predict_sets_the_speedup_beside_the_exact_step_and_the_fastest_exact_layout(capsys):
+    """Beside the speedup, `predict` prints the exact step (and the policy's), and the cost model's fastest
+    exact layout of the same GPUs with tensor inside a node and at least this layout's tensor x stage:
+    Qwen3-8B on 32 H100 as data=2,tensor=16 (TP over InfiniBand) gains 1.52x from TACO, but its exact step
+    is 4.72x that of data=2,stage=4,tensor=4 with 8 microbatches (issue 52 item 15). That layout, predicted
+    in turn, is its own fastest, with the same exact step; one GPU has no layout line."""
+    run = ["predict", "--model", "qwen3-8b", "--seq-len", "4096", "--hardware", "h100"]
+    assert main([*run, "--mesh", "data=2,tensor=16", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["predict"]
+    best = p["best_exact"]
+    assert best["mesh"] == "data=2,stage=4,tensor=4" and best["microbatches"] == 8 and best["min_split"] == 16, best
+    assert best["step_s"] < p["exact"]["step_s"] / 4
+    assert main([*run, "--mesh", "data=2,tensor=16"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    line = next(x for x in text if x.startswith("predicted speedup"))
+    assert line.startswith(f"predicted speedup {p['speedup']:.2f}x, range ")
+    assert line.endswith(f"; exact step {p['exact']['step_s'] * 1e3:,.1f} ms, with the policy "
+                         f"{p['policy']['step_s'] * 1e3:,.1f} ms"), line
+    layout = text[text.index(line) + 1]
+    assert layout.startswith("layout: the cost model's fastest exact layout of these 32 GPUs (tensor inside a node; "
+                             "tensor x stage >= 16 as here"), layout
+    assert " is --mesh data=2,stage=4,tensor=4 --microbatches 8 at " \
+        f"{best['step_s'] * 1e3:,.1f} ms a step; this layout's exact step is " \
+        f"{p['exact']['step_s'] / best['step_s']:.2f}x that, with the policy " \
+        f"{p['policy']['step_s'] / best['step_s']:.2f}x" in layout, layout
+    assert main([*run, "--mesh", "data=2,stage=4,tensor=4", "--microbatches", "8", "--json"]) == 0
+    q = json.loads(capsys.readouterr().out)["predict"]
+    assert q["exact"]["step_s"] == pytest.approx(best["step_s"], rel=1e-12) and q["best_exact"] == best
+    assert main([*run, "--mesh", "data=2,stage=4,tensor=4", "--microbatches", "8"]) == 0
+    assert "layout: this layout's exact step is the cost model's fastest of these 32 GPUs" in capsys.readouterr().out
+    assert main(["predict", "--mesh", "tensor=1"]) == 0
+    assert "layout:" not in capsys.readouterr().out
+
+
+def test_plan_says_what_it_compiles_and_how_long_it_took(tmp_path, capsys):
+    """`plan` prints (stderr) a start line naming what it compiles (model, depth, size, mesh, devices) and
+    what to expect, and its wall time when done; stdout keeps the table. While it compiles,
+    `progress_lines` prints a line every few minutes and one just after XLA's 2-minute slow-compile alarm
+    saying what that alarm is, none after the compile (issue 52 item 14)."""
+    assert main(["plan", "--mesh", "data=2", "--layers", "1", "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    said = [x for x in err.splitlines() if x.startswith("plan: ")]
+    assert said[0].startswith("plan: compiling the train step of gpt2-tiny (1 layer, ") and \
+        " parameters) for --mesh data=2, --microbatches 1, on 2 simulated CPU devices: seconds for a tiny model, " \
+        "minutes for a large one" in said[0], said
+    assert re.fullmatch(r"plan: compiled in [\d.]+ s wall \(tracing, lowering and XLA's compile of the step [\d.]+ s; "
+                        r"building the trainer and its abstract state the rest\)", said[-1]), said
+    assert out.splitlines()[0].startswith("gpt2-tiny") and "compile: " in out
+    assert planner.XLA_ALARM_S == 120  # XLA's alarm: xla/service/slow_operation_alarm.cc, 2 minutes
+    said = []
+    with planner.progress_lines(said.append, planner.XLA_ALARM_NOTE, 0.01):  # once
+        with planner.progress_lines(said.append, "plan: still compiling ({minutes:.1f} min so far)", 0.01, 0.01):
+            deadline = time.monotonic() + 30
+            while len(said) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+    after = len(said)
+    time.sleep(0.1)
+    assert after >= 3 and len(said) == after, said  # none after the block
+    alarm = [x for x in said if not x.startswith("plan: still compiling")]
+    assert len(alarm) == 1 and alarm[0].startswith(
+        "plan: XLA's compile of the step has run 0.0 min; if XLA's own compile of the module passes 2 minutes, XLA "
+        "prints \"Very slow compile? If you want to file a bug")
+    assert alarm[0].endswith("its generic alarm for any long compile, harmless here, nothing to file"), alarm
+    assert all(re.fullmatch(r"plan: still compiling \([\d.]+ min so far\)", x) for x in said if x not in alarm), said
 
 
 def test_shipped_model_errors_are_the_study_s():

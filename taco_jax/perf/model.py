@@ -392,12 +392,24 @@ def _site_link(site: str, lk: dict) -> Link:
     return lk["tp"] if site in TENSOR_SITES else lk["dp"] if site == "dp_grads" else lk["pp"]
 
 
-def _site_time(site, op, nbytes, p, link, policy, hw, layout, chunks=1) -> float:
-    codec = getattr(policy, site)
+def site_codec(site: str, nbytes: float, policy: CommPolicy) -> CodecConfig:
+    """The codec `policy` runs at `site` for a message of `nbytes` in the model: the site's own, or
+    exact (NONE) below `min_bytes`. Raises ValueError for an unresolved min_bytes "auto"."""
     if policy.min_bytes == "auto":
         raise ValueError("policy.min_bytes='auto' is unresolved; use taco_jax.perf.resolve_min_bytes first")
-    if nbytes < policy.min_bytes:
-        codec = NONE
+    return NONE if nbytes < policy.min_bytes else getattr(policy, site)
+
+
+def compressed_sites(cfg, layout: Layout, policy: CommPolicy) -> list[str]:
+    """The sites `step_time` compresses under `policy` (`site_codec`): those that run in `layout`
+    (an axis of size 1 moves nothing; a pipeline send runs with pp > 1) with a codec at their message
+    size. Empty: the policy's step is the exact one. Raises ValueError as `site_codec`."""
+    return [site for site, (op, nbytes, p, _, _) in site_messages(cfg, layout).items()
+            if (p > 1 or op == "send") and site_codec(site, nbytes, policy).kind != "none"]
+
+
+def _site_time(site, op, nbytes, p, link, policy, hw, layout, chunks=1) -> float:
+    codec = site_codec(site, nbytes, policy)
     item = layout.grad_bytes if site == "dp_grads" else layout.act_bytes
     speed = None if codec.kind == "none" else hw.codec_speed(codec)
     return collective_time(op, nbytes, p, link, codec, speed, itemsize=item, chunks=chunks)

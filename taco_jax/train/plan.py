@@ -21,6 +21,7 @@ the policy per mesh axis on the named hardware, the speedup with its error bars
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 
@@ -56,14 +57,15 @@ def with_layers(cfg: TrainConfig, layers: int | None) -> TrainConfig:
     return cfg
 
 
-def layout_of(cfg: TrainConfig) -> model.Layout:
-    """The cost model's `Layout` of a run: tensor / data / stage sizes of its mesh, microbatch size
-    batch / (data · microbatches), its sequence length, microbatch count, sequence parallelism, and
-    the compute dtype's bytes on the TP / PP wire (FP32 gradients on the DP wire)."""
+def layout_of(cfg: TrainConfig, axes: dict | None = None, microbatches: int | None = None) -> model.Layout:
+    """The cost model's `Layout` of a run: tensor / data / stage sizes of its mesh (or of `axes`),
+    microbatch size batch / (data · microbatches) (the run's count, or `microbatches`), its sequence
+    length, microbatch count, sequence parallelism, and the compute dtype's bytes on the TP / PP wire
+    (FP32 gradients on the DP wire)."""
     import numpy as np
 
-    axes = cfg.parallelism.axes
-    dp, micro = axes.get("data", 1), cfg.parallelism.microbatches
+    axes = cfg.parallelism.axes if axes is None else axes
+    dp, micro = axes.get("data", 1), microbatches or cfg.parallelism.microbatches
     return model.Layout(tp=axes.get("tensor", 1), dp=dp, pp=axes.get("stage", 1),
                         micro_batch=cfg.data.batch_size // (dp * micro), seq_len=cfg.data.seq_len, n_micro=micro,
                         sequence_parallel=cfg.parallelism.sequence_parallel,
@@ -153,6 +155,47 @@ def resolve_policy(policy: CommPolicy, layout: model.Layout, hw: model.Hardware)
                                                                  sequence_parallel=layout.sequence_parallel))
 
 
+def best_exact_layout(cfg: TrainConfig, spec: HardwareSpec) -> dict | None:
+    """The fastest exact layout of the run's GPUs in the cost model (`model.step_time`, no policy):
+    tensor × data × stage = the run's GPU count with the tensor axis inside a node (Megatron
+    placement, `with_tp_span`), tensor × stage at least the run's (no device holds more of the
+    layers' parameters than in the run's layout: memory is not otherwise checked), and every
+    microbatch count the batch and the pipeline allow; the run's model, global batch, sequence
+    length and sequence parallelism, each split checked as a run checks it (`check_tensor_parallel`
+    with the vocabulary padded for that tensor size, `check_pipeline`). A few hundred model
+    evaluations at most. Returns {"mesh", "microbatches", "step_s", "tokens_per_s", "min_split"
+    (tensor × stage of the run)}, or None when the run has one GPU or no layout qualifies."""
+    from taco_jax.parallel.schedule_math import check_pipeline
+
+    layout = layout_of(cfg)
+    gpus, split, batch = layout.gpus, layout.tp * layout.pp, cfg.data.batch_size
+    if gpus == 1:
+        return None
+    mcfg, node = cfg.model_config, spec.hardware.gpus_per_node
+    best = None
+    for tp in (t for t in range(1, min(node, gpus) + 1) if gpus % t == 0):
+        try:
+            hw = with_tp_span(spec.hardware, tp, None, gpus=gpus)
+            mc = dataclasses.replace(mcfg, vocab_multiple=cfg.model.make_vocab_size_divisible_by * tp)
+            mc.check_tensor_parallel(tp, seq_len=cfg.data.seq_len, sequence_parallel=layout.sequence_parallel)
+        except ValueError:
+            continue
+        for pp in (q for q in range(1, gpus // tp + 1) if gpus // tp % q == 0 and tp * q >= split):
+            dp = gpus // (tp * pp)
+            for m in (k for k in range(1, batch // dp + 1) if batch % (dp * k) == 0):
+                try:
+                    check_pipeline(mc.n_layers, pp, m, cfg.parallelism.schedule)
+                except ValueError:
+                    continue
+                t = model.step_time(mc, layout_of(cfg, {"data": dp, "stage": pp, "tensor": tp}, m), hw)
+                key = (t["step_s"], pp, m, -tp)
+                if best is None or key < best[0]:
+                    mesh = ",".join(f"{a}={n}" for a, n in (("data", dp), ("stage", pp), ("tensor", tp)) if n > 1)
+                    best = key, {"mesh": mesh, "microbatches": m, "step_s": t["step_s"],
+                                 "tokens_per_s": t["tokens_per_s"], "min_split": split}
+    return None if best is None else best[1]
+
+
 def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = None) -> dict:
     """The cost model's prediction of one training step of `cfg` on `spec`'s hardware.
 
@@ -160,10 +203,14 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     (`perf.hardware.with_tp_span`). Returns a JSON-ready dict: "hardware", "layout", "links" (the
     link each axis crosses), "exact" and "policy" step times {"step_s", "compute_s", "tensor_s",
     "stage_s", "data_s", "tokens_per_s"} (per-axis times: whole step, exposed), "speedup" with its
-    "range" per error source (`perf.uncertainty.speedup_range`; None, as "auto_threshold_bytes",
-    when the policy compresses no site of the mesh), "step_range_s", "errors" (the sources), "sites"
-    (per-site messages, break-even sizes, the choice of `--min-bytes auto`) and
-    "auto_speedup" (the policy with only the sites the model predicts to gain, `model.auto_policy`).
+    "range" per error source (`perf.uncertainty.speedup_range`; None when the policy's step is the
+    exact one: no site of the mesh compressed, by the policy's codecs or its `--min-bytes`),
+    "compressed_sites" (those the model compresses, `model.compressed_sites`), "step_range_s",
+    "errors" (the sources), "sites" (per-site messages, break-even sizes, the choice of `--min-bytes
+    auto`), "auto_threshold_bytes" (None, as "range", when the policy declares no codec for a site of
+    the mesh), "auto_speedup" (the policy with only the sites the model predicts to gain,
+    `model.auto_policy`) and "best_exact" (`best_exact_layout`: the fastest exact layout of the same
+    GPUs, to set the speedup beside).
     Raises ValueError for a layout the model cannot take (e.g. tp_span_nodes not dividing tp).
     """
     layout = layout_of(cfg)
@@ -201,9 +248,13 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
         "sites": sites, "auto_threshold_bytes": threshold,
         "auto_speedup": exact["step_s"] / model.step_time(mcfg, layout, hw, auto)["step_s"],
         "auto_sites": [s for s in SITES if getattr(auto, s).kind != "none"],
+        "compressed_sites": model.compressed_sites(mcfg, layout, policy), "min_bytes_auto": given.min_bytes == "auto",
+        "best_exact": best_exact_layout(cfg, spec),
     }
-    if _nothing_to_bound(result):  # exact against exact: no speedup range, no threshold to give
-        result["range"] = result["auto_threshold_bytes"] = None
+    if _nothing_to_bound(result):  # exact against exact: no speedup range
+        result["range"] = None
+        if not _declares_codec(result):  # nor a threshold for --min-bytes auto to give
+            result["auto_threshold_bytes"] = None
     return result
 
 
@@ -290,14 +341,71 @@ def compiled_report(hlo_text: str, mesh, policy: CommPolicy) -> dict:
             "mismatches": _declared_check(policy, rows)}
 
 
-def compile_step(cfg: TrainConfig, devices=None) -> dict:
+#: `compile_step`'s progress lines: one every `STILL_COMPILING_S` seconds of the whole compile, and
+#: one `XLA_ALARM_S` + 1 s into `.compile()` saying what XLA's slow-compile alarm is. XLA logs that
+#: alarm when its own compile of the module passes 2 minutes (xla/service/slow_operation_alarm.cc), a
+#: part of `.compile()`: of two plans of one step here (232 s and 164 s of tracing, lowering and
+#: compiling), the first logged it and the second did not.
+STILL_COMPILING_S = 300.0
+XLA_ALARM_S = 120.0
+XLA_ALARM_NOTE = ("plan: XLA's compile of the step has run {minutes:.1f} min; if XLA's own compile of the module "
+                  "passes 2 minutes, XLA prints \"Very slow compile? If you want to file a bug, run with envvar "
+                  "XLA_FLAGS=--xla_dump_to=...\" (and \"The operation took ...\" when done): its generic alarm for any "
+                  "long compile, harmless here, nothing to file")
+
+
+@contextlib.contextmanager
+def progress_lines(say, text: str, first_s: float, every_s: float | None = None):
+    """While the block runs, `say(text.format(minutes=...))` (the minutes since entering it) `first_s`
+    seconds after entering it, then every `every_s` seconds (None: once), from a daemon thread;
+    none after the block ends."""
+    import threading
+
+    done, t0 = threading.Event(), time.perf_counter()
+
+    def lines():
+        wait = first_s
+        while not done.wait(wait):
+            say(text.format(minutes=(time.perf_counter() - t0) / 60))
+            if every_s is None:
+                return
+            wait = every_s
+
+    thread = threading.Thread(target=lines, name="plan-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _compiling_line(cfg: TrainConfig, n: int, platform: str) -> str:
+    """`compile_step`'s start line: what it compiles (model, depth, size, mesh, devices) and how long
+    that may take."""
+    mc = cfg.model_config
+    n_params = mc.n_params()
+    size = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
+    where = f"{n} simulated CPU devices" if platform == "cpu" else f"{n} {platform} devices"
+    layers = f"{mc.n_layers} layer" + "s" * (mc.n_layers != 1)
+    return (f"plan: compiling the train step of {cfg.model.name} ({layers}, {size} parameters) for --mesh "
+            f"{cfg.parallelism.mesh}, --microbatches {cfg.parallelism.microbatches}, on {where}: seconds for a tiny "
+            "model, minutes for a large one (docs/plan.md: Qwen3-8B on 32 devices, 2-4 min on a 2-core VM, 17 min on "
+            f"a busy one; --layers L compiles a shallower copy sooner); a line every {STILL_COMPILING_S / 60:.0f} min "
+            "until done")
+
+
+def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
     """Lowers and compiles `cfg`'s real train step on abstract inputs and reads it (module docstring).
 
     devices: the mesh's devices (default: the default backend's when it has enough, else the CPU
-    devices; the mesh size must fit). Returns a JSON-ready dict: "platform", "devices", "compile_s",
-    "memory" (per device, bytes: XLA's "temp", "argument", "output", "alias", "generated_code",
-    "peak" = argument + output - alias + temp; "params", "opt_state", "batch" from the argument
-    shapes), `compiled_report`'s entries, and "wire_issued" (the uncompiled HLO's bytes by axis).
+    devices; the mesh size must fit). say: a line printer for progress (`taco-jax plan`: stderr):
+    a start line (`_compiling_line`), a line every `STILL_COMPILING_S`, `XLA_ALARM_NOTE` just after
+    XLA's slow-compile alarm, and the wall time when done; None: silent. Returns a JSON-ready dict:
+    "platform", "devices", "compile_s", "memory" (per device, bytes: XLA's "temp", "argument",
+    "output", "alias", "generated_code", "peak" = argument + output - alias + temp; "params",
+    "opt_state", "batch" from the argument shapes), `compiled_report`'s entries, and "wire_issued"
+    (the uncompiled HLO's bytes by axis).
     Raises ValueError when the mesh does not fit the devices.
     """
     import jax
@@ -316,15 +424,22 @@ def compile_step(cfg: TrainConfig, devices=None) -> dict:
         raise ValueError(f"mesh={cfg.parallelism.mesh!r} needs {n} devices; {len(devices)} {devices[0].platform} "
                          f"devices here (give --devices {n})")
     devices = devices[:n]
-    trainer = make_trainer(cfg, devices)
-    params, opt_state = abstract_state(trainer)
-    axes = tuple(a for a in (DATA,) if a in trainer.mesh.axis_names)
-    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), np.int32,
-                                 sharding=NamedSharding(trainer.mesh, P(axes or None)))
-    t0 = time.perf_counter()
-    lowered = trainer.train_step.lower(params, opt_state, batch, batch)
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
+    say = say or (lambda line: None)
+    say(_compiling_line(cfg, n, devices[0].platform))
+    start = time.perf_counter()
+    with progress_lines(say, "plan: still compiling ({minutes:.1f} min so far)", STILL_COMPILING_S, STILL_COMPILING_S):
+        trainer = make_trainer(cfg, devices)
+        params, opt_state = abstract_state(trainer)
+        axes = tuple(a for a in (DATA,) if a in trainer.mesh.axis_names)
+        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), np.int32,
+                                     sharding=NamedSharding(trainer.mesh, P(axes or None)))
+        t0 = time.perf_counter()
+        lowered = trainer.train_step.lower(params, opt_state, batch, batch)
+        with progress_lines(say, XLA_ALARM_NOTE, XLA_ALARM_S + 1):
+            compiled = lowered.compile()
+        compile_s = time.perf_counter() - t0
+    say(f"plan: compiled in {time.perf_counter() - start:.1f} s wall (tracing, lowering and XLA's compile of the step "
+        f"{compile_s:.1f} s; building the trainer and its abstract state the rest)")
     mem = compiled_memory(compiled)
     if mem is not None:
         mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
@@ -341,10 +456,10 @@ def compile_step(cfg: TrainConfig, devices=None) -> dict:
 
 
 def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = None, compile: bool = True,
-         devices=None) -> dict:
-    """`predict` plus, with `compile`, `compile_step` of the same run: the policy compiled is the
-    one the named hardware would run (`--min-bytes auto` resolved on its tensor link).
-    Raises ValueError as those two."""
+         devices=None, say=None) -> dict:
+    """`predict` plus, with `compile`, `compile_step` of the same run (`say`: its progress lines): the
+    policy compiled is the one the named hardware would run (`--min-bytes auto` resolved on its
+    tensor link). Raises ValueError as those two."""
     out = {"format": PLAN_FORMAT, "config": cfg.to_dict(), "predict": predict(cfg, spec, tp_span_nodes=tp_span_nodes)}
     if compile:
         layout = layout_of(cfg)
@@ -352,7 +467,7 @@ def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = No
                                 with_tp_span(spec.hardware, layout.tp, tp_span_nodes, gpus=layout.gpus))
         run_cfg = cfg.replace(policy=policy)
         run_cfg.__dict__["model_config"] = cfg.model_config  # keep a --layers override
-        out["compiled"] = compile_step(run_cfg, devices)
+        out["compiled"] = compile_step(run_cfg, devices, say)
     return out
 
 
@@ -509,28 +624,67 @@ def lines(result: dict) -> list[str]:
         L.append(f"  {name:26s} {_ms(e[k]):>13s} {_ms(t[k]):>13s}")
     L.append(f"  {'throughput':26s} {_tokens_per_s(e['tokens_per_s']):>13s} {_tokens_per_s(t['tokens_per_s']):>13s}")
     if nothing := _nothing_to_bound(p):
-        L.append(f"predicted speedup 1.00x: {nothing[0]}")
+        L.append(f"predicted speedup 1.00x: {nothing[0]}; {_steps(p)}")
         threshold = nothing[1]
     else:
         L.append(f"predicted speedup {p['speedup']:.2f}x, range {r['all'][0]:.2f}-{r['all'][1]:.2f}x (emulated "
                  f"cluster {r['emulated'][0]:.2f}-{r['emulated'][1]:.2f}x; COCCL on 32 H800 "
-                 f"{r['coccl'][0]:.2f}-{r['coccl'][1]:.2f}x)")
+                 f"{r['coccl'][0]:.2f}-{r['coccl'][1]:.2f}x); {_steps(p)}")
         threshold = _bytes(p["auto_threshold_bytes"])
+    if best := _best_exact(p):
+        L.append(best)
     L.append(f"--min-bytes auto on this hardware: threshold {threshold}" + "".join("; " + x for x in (
         f"{s['site']} {_bytes(s['message_bytes'])} (break-even {_bytes(s['break_even_bytes'])}) -> {s['auto']}"
         for s in p["sites"])))
     return L
 
 
+def _steps(p: dict) -> str:
+    """The step times a speedup divides: the exact step, and the policy's where it differs."""
+    e, t = p["exact"]["step_s"], p["policy"]["step_s"]
+    return f"exact step {_ms(e)}" + (f", with the policy {_ms(t)}" if p["compressed_sites"] else "")
+
+
+def _best_exact(p: dict) -> str | None:
+    """The line on `best_exact_layout`: the fastest exact layout of the same GPUs and how much faster
+    than this layout's exact step (and policy step) it is; None without one."""
+    b = p.get("best_exact")
+    if not b:
+        return None
+    rule = (f"of these {p['layout']['gpus']} GPUs (tensor inside a node; tensor x stage >= {b['min_split']} as here, "
+            "so no device holds more of the layers; memory not checked otherwise)")
+    e, t = p["exact"]["step_s"], p["policy"]["step_s"]
+    if b["step_s"] >= e * (1 - 1e-9):
+        return f"layout: this layout's exact step is the cost model's fastest {rule}"
+    policy = f", with the policy {t / b['step_s']:.2f}x" if p["compressed_sites"] else ""
+    return (f"layout: the cost model's fastest exact layout {rule} is --mesh {b['mesh']} --microbatches "
+            f"{b['microbatches']} at {_ms(b['step_s'])} a step; this layout's exact step is {e / b['step_s']:.2f}x "
+            f"that{policy}")
+
+
+def _declares_codec(p: dict) -> bool:
+    """Whether the policy of the prediction `p` declares a codec for a site of its mesh."""
+    return any(s["auto"] != "exact (declared)" for s in p["sites"])
+
+
 def _nothing_to_bound(p: dict) -> tuple[str, str] | None:
     """(why, threshold text) when the prediction `p` compares exact with exact: no site on the mesh (one
-    device) or none compressed; None otherwise."""
+    device), no codec declared for one, or every declared one's messages below `--min-bytes` (given,
+    or "auto" resolved on this hardware); None otherwise."""
     if not p["sites"]:
         return "no communication site on this mesh (nothing to compress)", "none (no site)"
-    if all(s["auto"] == "exact (declared)" for s in p["sites"]):
+    if not _declares_codec(p):
         return ("this policy compresses no site of this mesh (--comm, --dp-comm, --pp-comm or a --policy choose "
                 "codecs)", "none (no compressed site)")
-    return None
+    if p["compressed_sites"]:
+        return None
+    threshold = _bytes(p["auto_threshold_bytes"])
+    if p["min_bytes_auto"]:
+        why = ("compression never pays here" if p["auto_threshold_bytes"] is None else
+               f"threshold {threshold}, above each message")
+        return f"nothing is compressed (--min-bytes auto keeps every site exact on this hardware: {why})", threshold
+    return (f"nothing is compressed (each message of a site with a codec is below --min-bytes "
+            f"{p['policy_min_bytes']:,} bytes)", threshold)
 
 
 def markdown(result: dict) -> str:
@@ -585,15 +739,17 @@ def markdown(result: dict) -> str:
         ("stage_s", "stage axis"))]
     L.append(f"| throughput | {_tokens_per_s(e['tokens_per_s'])} | {_tokens_per_s(t['tokens_per_s'])} |")
     if nothing := _nothing_to_bound(p):
-        L += ["", f"Predicted speedup **1.00×**: {nothing[0]}.", "",
+        L += ["", f"Predicted speedup **1.00×**: {nothing[0]}; {_steps(p)}.", "",
               f"`--min-bytes auto` here: threshold {nothing[1]}.", ""]
     else:
         L += ["", f"Predicted speedup **{p['speedup']:.2f}×**, range {r['all'][0]:.2f}–{r['all'][1]:.2f}× "
               f"(emulated cluster {r['emulated'][0]:.2f}–{r['emulated'][1]:.2f}×, {p['errors']['emulated']['points']} "
               f"points; COCCL's 32 H800 {r['coccl'][0]:.2f}–{r['coccl'][1]:.2f}×, {p['errors']['coccl']['points']} "
-              f"settings). With only the sites predicted to gain ({', '.join(p['auto_sites']) or 'none'}): "
-              f"{p['auto_speedup']:.2f}×.", "",
+              f"settings); {_steps(p)}. With only the sites predicted to gain "
+              f"({', '.join(p['auto_sites']) or 'none'}): {p['auto_speedup']:.2f}×.", "",
               f"`--min-bytes auto` here: threshold {_bytes(p['auto_threshold_bytes'])}.", ""]
+    if best := _best_exact(p):
+        L += [best[0].upper() + best[1:] + ".", ""]
     L += ["| site | axis | op | message | break-even | --min-bytes auto |", "|---|---|---|---|---|---|"]
     L += [f"| {s['site']} | {s['axis']} | {s['op']} | {_bytes(s['message_bytes'])} | {_bytes(s['break_even_bytes'])} "
           f"| {s['auto']} |" for s in p["sites"]]
