@@ -251,7 +251,8 @@ PLAN_UNUSED = frozenset({
     "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "adam_b1", "adam_b2", "seed",
     "eval_every", "eval_batches", "export_hf", "allow_nonfinite", "log_every", "capture", "monitor_every",
     "monitor_warn_sqnr", "monitor_min_sqnr", "checkpoint_every", "final_checkpoint", "keep_checkpoints", "resume",
-    "resume_fallback", "step_timeout", "emulated_link", "profile_steps", "profile_dir", "tensorboard"})
+    "resume_fallback", "step_timeout", "emulated_link", "profile_steps", "profile_dir", "tensorboard",
+    "overwrite_export"})
 
 
 def _add_plan(sub, helps, explicit: bool) -> None:

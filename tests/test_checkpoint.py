@@ -57,6 +57,56 @@ def test_sample_reads_a_run_checkpoint_without_orbax_warnings(saved, tmp_path, c
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_sample_reads_the_checkpoint_of_a_run_with_microbatches(tmp_path, capsys):
+    """A run with --microbatches 2 on one stage keeps its layers stacked, as with stages
+    (`pipelined_layout`: one predicate for the trainer and `sample`): `sample --from` the run's
+    checkpoint gets the model's layers back, equal to the saved ones, and says which checkpoint it read."""
+    from taco_jax.parallel.pipeline import pipelined_layout
+    from taco_jax.train.sample import _checkpoint_params
+
+    cfg = TrainConfig.from_flags(mesh="data=2,tensor=4", microbatches=2, steps=4, batch_size=8, seq_len=32,
+                                 comm="none")
+    trainer = make_trainer(cfg)
+    assert trainer.staged is not None and cfg.parallelism.pipelined and pipelined_layout(1, 2)
+    assert not pipelined_layout(1, 1) and pipelined_layout(2, 2)
+    params, opt_state = trainer.init()
+    ck = Checkpoints(tmp_path / "checkpoints", keep=1)
+    ck.save(4, params, opt_state, {"data": {"position": 4}, "config": cfg.to_dict()}, wait=True)
+    ck.close()
+    model, got = _checkpoint_params(tmp_path, cfg.to_dict())
+    jax.tree.map(np.testing.assert_array_equal, got, trainer.staged.unstack_layers(jax.device_get(params)))
+    assert np.isfinite(np.asarray(model.logits(got, np.zeros((1, 4), np.int32)))).all()
+    assert f"sample: the weights of {tmp_path / 'checkpoints' / '4'} (the run's latest checkpoint, step 4)" in \
+        capsys.readouterr().err
+
+
+def test_sample_names_the_export_it_reads_and_a_newer_checkpoint(saved, tmp_path, capsys):
+    """`sample --from RUN` reads the run's export (recorded in config.json inside the run folder as
+    {out}/hf) and says so with the export's step; a checkpoint of a later step in the run is warned
+    about (the export is read). An export without its record says that it records no step."""
+    from taco_jax.models.hf import EXPORT_RECORD, save_hf
+    from taco_jax.train.sample import load_for_sampling
+
+    d, cfg, params0, _ = saved  # checkpoint 3
+    shutil.copytree(d, tmp_path / "checkpoints")
+    (tmp_path / "config.json").write_text(json.dumps(cfg.replace(out=str(tmp_path),
+                                                                 export_hf=str(tmp_path / "hf")).to_dict()))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    save_hf(tmp_path / "hf", cfg.model_config, params0, record={"step": 2, "run": str(tmp_path)})
+    assert json.loads((tmp_path / "config.json").read_text())["checkpoint"]["export_hf"] == "{out}/hf"
+    _, got, _ = load_for_sampling(tmp_path)
+    np.testing.assert_array_equal(got["wpe"], params0["wpe"])
+    err = capsys.readouterr().err
+    assert f"[taco-jax] sample: the weights of {tmp_path / 'hf'} (the run's --export-hf, step 2)" in err
+    assert f"[taco-jax] warning: the run's checkpoint {tmp_path / 'checkpoints' / '3'} (step 3) is newer than its " \
+           f"export (step 2); sample reads the export: move {tmp_path / 'hf'} aside to sample the checkpoint" in err
+    (tmp_path / "hf" / EXPORT_RECORD).unlink()
+    load_for_sampling(tmp_path)
+    err = capsys.readouterr().err
+    assert f"(the run's --export-hf, no training step recorded: no {EXPORT_RECORD})" in err
+    assert "(step 3) may be newer than its export" in err
+
+
 def test_restore_names_another_codec_and_learning_rate(saved):
     """Restored by a run with other flags (they hold from then on): each change is named, the
     communication policy by the sites whose codec changed (grouped) and its other settings, and a
@@ -296,8 +346,12 @@ def test_sigkill_during_an_async_save_then_resume_is_bit_exact(tmp_path, cache, 
 
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, cache, uninterrupted):
+    """SIGTERM: a checkpoint of the step the run stopped at and exit 0; the --export-hf written then
+    is said with that step and records it; --resume completes the run as if uninterrupted."""
+    from taco_jax.models.hf import EXPORT_RECORD, read_record
+
     out, log = tmp_path / "run", tmp_path / "log"
-    p = start(cli(*ARGS, "--out", out, "--checkpoint-every", "0"), cache, log)
+    p = start(cli(*ARGS, "--out", out, "--checkpoint-every", "0", "--export-hf", out / "hf"), cache, log)
     wait_for(lambda: "step 2/6" in log.read_text(), p, timeout=400, what="step 2", log=log)
     os.killpg(p.pid, signal.SIGTERM)
     assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
@@ -305,6 +359,9 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, cache, uninterr
     stopped = json.loads((out / "summary.json").read_text())["preempted_at_step"]
     assert 2 <= stopped < 6
     assert "SIGTERM: checkpoint" in text
+    assert f"[taco-jax] HF export of step {stopped}, the step SIGTERM stopped the run at (of steps=6) written to hf " \
+           f"(hf/{EXPORT_RECORD} records the step)" in text, text[-3000:]
+    assert read_record(out / "hf") == {"step": stopped, "steps": 6, "preempted": True, "run": str(out.resolve())}
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [str(stopped)]
     assert [r["step"] for r in metrics(out)] == list(range(1, stopped + 1))
     summary = _resume(out, cache)  # the remaining steps, --checkpoint-every 2 again

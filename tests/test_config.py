@@ -76,6 +76,27 @@ def test_toml_with_tables_round_trips(tmp_path):
     assert TrainConfig.from_dict(recorded) == cfg.replace(policy=cfg.communication.policy)
 
 
+def test_an_export_inside_the_run_folder_is_recorded_relative_to_it(tmp_path, monkeypatch):
+    """config.json records an --export-hf inside --out as "{out}/REL": a run started from that
+    config.json with another --out exports into its own folder, not into the first run's (a path
+    outside --out stays absolute, as the other folders); `{out}/hf` may be given as the flag too."""
+    monkeypatch.chdir(tmp_path)
+    first = TrainConfig.from_flags(out="runs/a", export_hf="runs/a/hf/final")
+    recorded = first.to_dict()["checkpoint"]
+    assert recorded["export_hf"] == "{out}/hf/final" and first.checkpoint.export_dir == "runs/a/hf/final"
+    jsonio.write(tmp_path / "runs.json", first.to_dict())
+    again = config_from_argv(["train", "--config", str(tmp_path / "runs.json"), "--out", "runs/b"])
+    assert again.checkpoint.export_dir == "runs/b/hf/final"
+    outside = TrainConfig.from_flags(out="runs/a", export_hf="exports/a")
+    assert outside.to_dict()["checkpoint"]["export_hf"] == str(tmp_path / "exports" / "a")
+    for export in ("runs/a", "runs/ab/hf"):  # --out itself (refused by the run), a sibling with a common prefix
+        assert TrainConfig.from_flags(out="runs/a", export_hf=export).to_dict()["checkpoint"]["export_hf"] == \
+            str(tmp_path / export)
+    given = config_from_argv(["train", "--out", "runs/d", "--export-hf", "{out}/hf"])
+    assert given.checkpoint.export_dir == "runs/d/hf" and given.to_dict()["checkpoint"]["export_hf"] == "{out}/hf"
+    assert given.replace(out="runs/e").checkpoint.export_dir == "runs/e/hf"
+
+
 @pytest.mark.parametrize("section, values, match", [
     (ModelSection, dict(vocab_size=-1), r"vocab_size=-1 must be >= 0 .*; set by --vocab-size or \[model\] vocab_size"),
     (ModelSection, dict(dtype="fp16"), r"fp16"),
@@ -97,6 +118,8 @@ def test_toml_with_tables_round_trips(tmp_path):
     (CheckpointSection, dict(keep_checkpoints=0), r"keep_checkpoints=0 must be >= 1"),
     (CheckpointSection, dict(out=""),
      r"out='' must name a folder; an empty one would write .*; set by --out or \[checkpoint\] out$"),
+    (CheckpointSection, dict(export_hf="hf/{out}"),
+     r"export_hf='hf/\{out\}' may hold \{out\} only as its first folder, e\.g\. \{out\}/hf .*; set by --export-hf"),
     (LoggingSection, dict(profile_dir="p"), r"profile_dir='p' is given without profile_steps"),
     (LoggingSection, dict(eval_batches=-1), r"eval_batches=-1 must be >= 0 \(0: off\); set by --eval-batches"),
     (LoggingSection, dict(eval_every=0), r"eval_every=0 must be positive; set by --eval-every"),

@@ -42,10 +42,12 @@ def test_continue_pretraining_qwen3_on_two_processes(tmp_path, cache):
         assert p.wait(timeout=420) == 0, (tmp_path / f"p{n}.log").read_text()[-3000:]
 
     # 2 processes (each holding its shards) export what 1 process exports, byte for byte, with the
-    # checkpoint's tokenizer files and generation config
+    # checkpoint's tokenizer files and generation config; each export records its step and run
     one, two = _files(tmp_path / "hf1"), _files(tmp_path / "hf2")
-    assert sorted(two) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                           "tokenizer_config.json"]
+    assert sorted(two) == ["config.json", "generation_config.json", "model.safetensors", hf.EXPORT_RECORD,
+                           "tokenizer.json", "tokenizer_config.json"]
+    assert [json.loads(files.pop(hf.EXPORT_RECORD)) for files in (one, two)] == \
+        [{"step": 9, "steps": 9, "preempted": False, "run": str((tmp_path / f"p{n}").resolve())} for n in (1, 2)]
     assert one == two
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert two[name] == (QWEN3 / name).read_bytes()

@@ -73,6 +73,48 @@ def test_train_on_in_memory_tokens_without_a_tokenizer(tmp_path, capsys):
             prepare(cfg.replace(out=third, export_hf=export), dataset=ds)
 
 
+def test_an_export_into_another_run_s_folder_is_refused_unless_told(tmp_path):
+    """--export-hf outside the run's --out: a folder inside another run's folder, or one holding an HF
+    checkpoint that is not this run's export (another run's, by its record, or one without a record),
+    is refused before anything runs, naming the folder and --overwrite-export (nothing created); this
+    run's own export (inside --out, or recorded with this --out: a resumed run) and any folder with
+    --overwrite-export are accepted."""
+    from taco_jax.models.hf import EXPORT_RECORD
+    from taco_jax.train import jsonio
+    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.loop import check_export_dir
+
+    first, other = tmp_path / "a", tmp_path / "c"
+    first.mkdir()
+    jsonio.write(first / "config.json", TrainConfig.from_flags(out=str(first)).to_dict())  # a run's folder
+
+    def export(folder, run=None):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+        if run is not None:
+            (folder / EXPORT_RECORD).write_text(json.dumps({"step": 2, "run": str(run)}))
+
+    export(first / "hf", first)
+    export(tmp_path / "exports" / "a", first)
+    export(tmp_path / "exports" / "plain")
+    allow = (r"give a folder of this run \(e\.g\. --export-hf '\{out\}/hf': inside --out\) or --overwrite-export to "
+             r"write there anyway \(set by --export-hf or \[checkpoint\] export_hf\)$")
+    inside = rf"lies in '{first}', the folder of another run \(this run's --out is '{other}'\): the export would " \
+             "write into it"
+    for folder, why in ((first / "hf", inside), (first / "new", inside),
+                        (tmp_path / "exports" / "a", rf"already holds the export of run '{first}' \(step 2\): this "
+                                                     "run would replace it"),
+                        (tmp_path / "exports" / "plain", "already holds a Hugging Face checkpoint: this run would "
+                                                         "replace it")):
+        cfg = TrainConfig.from_flags(out=str(other), export_hf=str(folder))
+        with pytest.raises(ValueError, match=rf"^export_hf='{folder}' {why}; {allow}"):
+            check_export_dir(cfg)
+        assert folder.exists() == (folder.name != "new")  # nothing created
+        check_export_dir(cfg.replace(overwrite_export=True))
+    for out, folder in ((first, first / "hf"), (first, tmp_path / "exports" / "a"), (other, other / "hf")):
+        check_export_dir(TrainConfig.from_flags(out=str(out), export_hf=str(folder), resume=True))
+
+
 def _shadowing_folder(tmp_path) -> pathlib.Path:
     """A working directory holding a `taco_jax` package without `__version__` (as the folder that holds
     a clone named taco_jax does): it comes first on the path of `python -m` started there."""

@@ -131,6 +131,46 @@ def test_toml_config_profile_tensorboard_and_export(tmp_path, capsys, monkeypatc
     assert ids[0, prompt.shape[1]:].tolist() == [eot]
 
 
+def test_a_run_of_another_run_s_config_json_exports_into_its_own_folder(tmp_path, capsys):
+    """`train --out A --export-hf A/hf`, then `train --config A/config.json --out B` (another seed):
+    B exports into B/hf (A's config.json records its export inside --out as {out}/hf) and A's export
+    is left as it was; `sample --from A` reads it and says so with its step. An --export-hf into A's
+    folder from another run is refused before anything is built, naming the folder and
+    --overwrite-export. Each export is said with its step and records it (`EXPORT_RECORD`); its
+    files, model.safetensors included, are written 0666 less the umask, as the run's own."""
+    import os
+
+    from taco_jax.models.hf import EXPORT_RECORD, read_record
+
+    first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert main(["train", *TINY, "--eval-batches", "0", "--steps", "2", "--out", str(first), "--export-hf",
+                 str(first / "hf")]) == 0
+    assert f"[taco-jax] HF export of step 2 written to hf (hf/{EXPORT_RECORD} records the step)" in \
+        capsys.readouterr().err
+    assert json.loads((first / "config.json").read_text())["checkpoint"]["export_hf"] == "{out}/hf"
+    assert read_record(first / "hf") == {"step": 2, "steps": 2, "preempted": False, "run": str(first.resolve())}
+    before = {p.name: p.read_bytes() for p in (first / "hf").iterdir()}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [*(first / "hf").iterdir(), first / "config.json"]}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+    assert main(["train", "--config", str(first / "config.json"), "--seed", "1", "--out", str(second)]) == 0
+    assert {p.name: p.read_bytes() for p in (first / "hf").iterdir()} == before
+    assert read_record(second / "hf")["run"] == str(second.resolve())
+    assert (second / "hf" / "model.safetensors").read_bytes() != before["model.safetensors"]
+    assert main(["train", "--config", str(first / "config.json"), "--out", str(third), "--export-hf",
+                 str(first / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"export_hf='{first / 'hf'}' lies in '{first}', the folder of another run" in err
+    assert "--overwrite-export to write there anyway" in err and not (third / "config.json").exists()
+
+    _, params, _ = load_for_sampling(first)
+    jax.tree.map(np.testing.assert_array_equal, params, load_hf(first / "hf")[1])
+    assert f"[taco-jax] sample: the weights of {first / 'hf'} (the run's --export-hf, step 2)" in \
+        capsys.readouterr().err
+
+
 def test_command_line_wins_over_the_config_file(tmp_path, capsys):
     toml = tmp_path / "c.toml"
     toml.write_text('steps = 7\nlr = 1e-3\nmodel = "qwen3-tiny"\nmin_bytes = "auto"\nmonitor_min_sqnr = -inf\n'

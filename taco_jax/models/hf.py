@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 import re
 import struct
@@ -444,9 +445,38 @@ def _layer_slicer(sharding):
     return jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), out_shardings=sharding)
 
 
+#: The file of an export that says what wrote it (`save_hf(..., record=...)`; `transformers` ignores it): for
+#: `taco-jax train --export-hf`, the training step of the weights and the run folder (`read_record`).
+EXPORT_RECORD = "taco_jax_export.json"
+
+
+def read_record(path) -> dict | None:
+    """The `EXPORT_RECORD` of export folder `path` (e.g. {"step": 150, "steps": 2000, "preempted": True,
+    "run": "/abs/runs/qc"}); None when it has none or it is not a JSON object (an export of another
+    tool, or one written before the record existed)."""
+    try:
+        record = json.loads((pathlib.Path(path) / EXPORT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _umask() -> int:
+    """This process's file-creation mask: Linux's /proc line (read without changing it), else set and restored."""
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None = None,
             source=None, tokenizer=None, eos_token_id: int | None = None,
-            stacked_key: str | None = None) -> pathlib.Path:
+            stacked_key: str | None = None, record: dict | None = None) -> pathlib.Path:
     """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`,
     with the tokenizer: `source`'s tokenizer files and `generation_config.json` (`TOKENIZER_FILES`)
     when `source` (an HF checkpoint folder, e.g. `--init-from`) has a `tokenizer.json`, else
@@ -466,6 +496,9 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
       opens a document), the tokenizer_config.json's `bos_token` / `eos_token`, and a
       `generation_config.json` with them unless `source` has its own: `generate` stops at a
       document's end.
+    record: JSON-ready facts about the weights (e.g. {"step": 150, "run": "/abs/runs/qc"}), written
+      last as `EXPORT_RECORD` (a folder with it holds a complete export); a record already in `path`
+      is removed first. Every file is written with mode 0666 less the umask (0644 under umask 022).
     `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
     Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
     """
@@ -489,7 +522,9 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
     if not writer:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    (out / EXPORT_RECORD).unlink(missing_ok=True)  # an earlier export's: not these weights
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", 0o666 & ~_umask())  # safetensors writes 0600; the other files 0666 - umask
     keep = {k: v for k, v in (base_config or {}).items()
             if k not in ("rope_scaling", "torch_dtype", "quantization_config")}
     merged = {**keep, **hf_config(cfg)}
@@ -505,6 +540,8 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
     _write_tokenizer(out, src, tokenizer, eos_token_id)
     if not (src and (src / "generation_config.json").is_file()) and ids["eos_token_id"] is not None:
         (out / "generation_config.json").write_text(json.dumps(ids, indent=2))
+    if record is not None:
+        (out / EXPORT_RECORD).write_text(json.dumps(record, indent=2))
     return out
 
 

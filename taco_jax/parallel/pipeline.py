@@ -2,7 +2,7 @@
 
 One import for the pipeline's public names; each job lives in its own module:
 - `parallel.schedule_math`: validity checks, tick counts, bubbles (`check_pipeline`,
-  `bubble_fraction`, `schedule_stats`, `SCHEDULES`);
+  `pipelined_layout`, `bubble_fraction`, `schedule_stats`, `SCHEDULES`);
 - `parallel.staged`: `StagedModel`, a model cut into embed -> stacked layers -> head, and the
   stacked parameter layout and its PartitionSpecs;
 - `parallel.schedules`: the schedules inside `shard_map` (`gpipe_loss`, `one_f_one_b`,
@@ -12,9 +12,15 @@ One import for the pipeline's public names; each job lives in its own module:
 """
 
 from taco_jax.collectives.pipeline_send import send
-from taco_jax.parallel.schedule_math import SCHEDULES, bubble_fraction, check_pipeline, schedule_stats
+from taco_jax.parallel.schedule_math import (
+    SCHEDULES,
+    bubble_fraction,
+    check_pipeline,
+    pipelined_layout,
+    schedule_stats,
+)
 from taco_jax.parallel.schedules import gpipe_loss, one_f_one_b, value_and_grad
 from taco_jax.parallel.staged import StagedModel
 
 __all__ = ["SCHEDULES", "StagedModel", "bubble_fraction", "check_pipeline", "gpipe_loss", "one_f_one_b",
-           "schedule_stats", "send", "value_and_grad"]
+           "pipelined_layout", "schedule_stats", "send", "value_and_grad"]

@@ -23,6 +23,16 @@ def check_pipeline(n_layers: int, stages: int, microbatches: int, schedule: str 
         raise ValueError(f"microbatches={microbatches} must be >= stage={stages}, else a stage never works")
 
 
+def pipelined_layout(stages: int, microbatches: int) -> bool:
+    """Whether a run of `stages` pipeline stages (the mesh's stage axis, 1 without one) and
+    `microbatches` steps in the pipeline layout: decoder layers stacked along a leading axis
+    (`parallel.staged.StagedModel`) and run by a schedule. True with stage > 1, and with
+    microbatches > 1 on one stage (gradient accumulation through the same schedules). The one test of
+    the layout: the trainer's parameters (`train.step.make_steps`), its checkpoints and `sample`'s
+    reading of them all ask it."""
+    return stages > 1 or microbatches > 1
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """Idle fraction of each stage for GPipe and 1F1B on asynchronous devices: (S-1)/(M+S-1)."""
     return (stages - 1) / (microbatches + stages - 1)

@@ -368,6 +368,14 @@ class Checkpoints:
         return dst
 
 
+def saved_steps(directory) -> list[int]:
+    """Steps of the complete checkpoints in `directory` (`<out>/checkpoints`), ascending, read from the
+    folder names without Orbax (an unfinished save's folder is named "N.orbax-checkpoint-tmp-..."); []
+    when it does not exist."""
+    d = pathlib.Path(directory)
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
 def _flags(config: dict) -> dict:
     """{flag: value} of a recorded run config (`TrainConfig.to_dict()`, or flat as older runs wrote it)."""
     from taco_jax.train.config import flag_values

@@ -7,8 +7,8 @@ from taco_jax.collectives.policy import CommPolicy
 from taco_jax.data import data_label, training_data
 from taco_jax.train import distributed as dist
 from taco_jax.train import jsonio
-from taco_jax.train.config import AXIS_SITES, TrainConfig, flag_values, policy_label
-from taco_jax.train.loop import check_out_dir, check_resumable, train
+from taco_jax.train.config import AXIS_SITES, OUT_DIR, TrainConfig, flag_values, policy_label
+from taco_jax.train.loop import check_export_dir, check_out_dir, check_resumable, train
 from taco_jax.train.plots import plot_losses
 
 
@@ -29,8 +29,9 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     In a multi-process run (`taco-jax launch --processes N -- compare ...`) every process trains
     both runs on the distributed runtime and returns the summary; process 0 writes the files.
     Raises: as `train`; ValueError before any training when `<out>` cannot be written, when the
-    policy compresses no site (the two runs would be the same), or with `--eval-batches 0` (no
-    validation loss to compare).
+    policy compresses no site (the two runs would be the same), with `--eval-batches 0` (no
+    validation loss to compare), or when both runs would export into one `--export-hf` folder
+    (`{out}/hf` exports each into its own) or a run's export is refused (`loop.check_export_dir`).
     """
     if not cfg.logging.eval_batches:
         raise ValueError("eval_batches=0 evaluates nothing, and compare compares the two runs' validation losses: "
@@ -50,9 +51,16 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     ds = training_data(cfg.data.path, cfg.bpe_vocab_size)
     configs = {"none": cfg.replace(policy=CommPolicy.none(), out=str(out / "none")),
                "taco": cfg.replace(out=str(out / "taco"))}
+    export = configs["none"].checkpoint.export_dir
+    if export and export == configs["taco"].checkpoint.export_dir:
+        raise ValueError(f"export_hf={cfg.checkpoint.export_hf!r}: both runs of compare would export into that "
+                         f"folder, the second over the first; give --export-hf '{OUT_DIR}/hf' (each run's folder: "
+                         f"{out / 'none' / 'hf'}, {out / 'taco' / 'hf'}); set by --export-hf or [checkpoint] "
+                         "export_hf")
     for c in configs.values():  # both runs' folders, before either trains
         check_out_dir(c.checkpoint.out)
         check_resumable(c)
+        check_export_dir(c)
     runs = {c: train(run_cfg, dataset=ds, progress=progress) for c, run_cfg in configs.items()}
     base, taco = runs["none"]["final_val_loss"], runs["taco"]["final_val_loss"]
     wire = {c: r["wire_bytes_per_step"] for c, r in runs.items()}

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import pathlib
 import re
 import warnings
 
@@ -22,7 +23,7 @@ from taco_jax.models import GPTConfig, get_config
 from taco_jax.parallel.context import check_tp_overlap
 from taco_jax.parallel.layers import check_compute
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
-from taco_jax.parallel.pipeline import check_pipeline
+from taco_jax.parallel.pipeline import check_pipeline, pipelined_layout
 
 #: The model of a run without `--model` and `--init-from`.
 DEFAULT_MODEL = "gpt2-tiny"
@@ -344,8 +345,8 @@ class ParallelismSection:
 
     @property
     def pipelined(self) -> bool:
-        """Whether steps run the pipeline layout (stage > 1 or microbatches > 1)."""
-        return self.axes.get(STAGE, 1) > 1 or self.microbatches > 1
+        """Whether steps run the pipeline layout (stage > 1 or microbatches > 1; `pipelined_layout`)."""
+        return pipelined_layout(self.axes.get(STAGE, 1), self.microbatches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,9 +396,13 @@ class CheckpointSection:
     keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
     resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
     resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse
-    export_hf: str = ""  # after training, write the parameters as a Hugging Face checkpoint dir (transformers loads it)
+    export_hf: str = ""  # after training (and on SIGTERM) write the weights as an HF checkpoint ({out}/hf: in --out)
+    overwrite_export: bool = False  # let --export-hf replace another run's export or write into another run's folder
 
     def __post_init__(self):
+        if OUT_DIR in self.export_hf and not self.export_hf.startswith(OUT_DIR + "/"):
+            raise _invalid("checkpoint", "export_hf", self.export_hf, f"may hold {OUT_DIR} only as its first folder, "
+                           f"e.g. {OUT_DIR}/hf (the run's --out folder; not --out itself)")
         if not str(self.out).strip():
             raise _invalid("checkpoint", "out", self.out, "must name a folder; an empty one would write the run's "
                            "files into the current folder")
@@ -406,6 +411,14 @@ class CheckpointSection:
                            "must be >= 0 (0: the final checkpoint only)")
         if self.keep_checkpoints < 1:
             raise _invalid("checkpoint", "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+
+    @property
+    def export_dir(self) -> str:
+        """The folder of the HF export: `export_hf` with a leading `{out}/` read as the run's `out`
+        folder (as config.json records an export inside it: `recorded_export`); "" for none."""
+        if self.export_hf.startswith(OUT_DIR + "/"):
+            return str(pathlib.Path(self.out) / self.export_hf.removeprefix(OUT_DIR + "/"))
+        return self.export_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,7 +485,8 @@ FLAGS = {
     "grad_clip": ("training", "grad_clip"), "adam_b1": ("training", "adam_b1"),
     "adam_b2": ("training", "adam_b2"), "seed": ("training", "seed"), "eval_every": ("logging", "eval_every"),
     "eval_batches": ("logging", "eval_batches"), "init_from": ("model", "init_from"), "data": ("data", "path"),
-    "export_hf": ("checkpoint", "export_hf"), "dtype": ("model", "dtype"), "remat": ("model", "remat"),
+    "export_hf": ("checkpoint", "export_hf"), "overwrite_export": ("checkpoint", "overwrite_export"),
+    "dtype": ("model", "dtype"), "remat": ("model", "remat"),
     "make_vocab_size_divisible_by": ("model", "make_vocab_size_divisible_by"),
     "allow_nonfinite": ("training", "allow_nonfinite"), "log_every": ("logging", "log_every"),
     "capture": ("logging", "capture"), "monitor_every": ("logging", "monitor_every"),
@@ -489,7 +503,23 @@ FLAGS = {
 FIELD_FLAGS = {**{v: k for k, v in FLAGS.items()}, ("communication", "policy"): "policy"}
 #: Flags naming folders, recorded absolute (against the current folder) by `TrainConfig.to_dict`: a
 #: run's config.json names the same folders wherever it is read from (`taco-jax sample --from`, `--config`).
+#: An `export_hf` inside the run's `out` is recorded relative to it (`recorded_export`).
 PATH_FLAGS = ("init_from", "data", "export_hf")
+#: The run's `out` folder at the start of `export_hf` ("{out}/hf"): `CheckpointSection.export_dir`.
+OUT_DIR = "{out}"
+
+
+def recorded_export(export: str, out: str) -> str:
+    """How a run's config.json records `export_hf` (`TrainConfig.to_dict`): "{out}/REL" when the folder
+    lies inside the run's `out` folder (so a run started from that config.json with another --out
+    exports into its own folder, never into the first run's), else absolute; "" stays "". E.g.
+    ("runs/qc/hf", "runs/qc") -> "{out}/hf"; ("exports/qc", "runs/qc") -> "/abs/exports/qc"."""
+    if not export or export.startswith(OUT_DIR + "/"):
+        return export
+    path, root = pathlib.Path(os.path.abspath(export)), pathlib.Path(os.path.abspath(out))
+    if path != root and path.is_relative_to(root):
+        return f"{OUT_DIR}/{path.relative_to(root).as_posix()}"
+    return str(path)
 
 
 def _grouped(flags: dict, what: str) -> dict[str, dict]:
@@ -717,7 +747,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """JSON-ready sections {section: {field: value}} (`communication.policy` as
         `CommPolicy.to_dict()`): the `config.json` of a run, and a `--config` file. The folders of
-        `PATH_FLAGS` absolute (resolved against the current folder; "" stays "")."""
+        `PATH_FLAGS` absolute (resolved against the current folder; "" stays ""), but an `export_hf`
+        inside `out` as "{out}/REL" (`recorded_export`)."""
         out = {}
         for name in SECTIONS:
             section = out[name] = {}
@@ -725,6 +756,8 @@ class TrainConfig:
                 value, flag = getattr(getattr(self, name), f.name), FIELD_FLAGS[name, f.name]
                 if flag == "policy":
                     value = value.to_dict()
+                elif flag == "export_hf":
+                    value = recorded_export(value, self.checkpoint.out)
                 elif flag in PATH_FLAGS and value:
                     value = os.path.abspath(value)
                 section[f.name] = value

@@ -27,13 +27,13 @@ from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.data import TokenStream, check_data, check_resumed_data, data_label, eval_batches, training_data
 from taco_jax.models import count_params
-from taco_jax.models.hf import read_config, save_hf
+from taco_jax.models.hf import EXPORT_RECORD, read_config, read_record, save_hf
 from taco_jax.parallel.mesh import DATA, MESH_AXES, STAGE
 from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture, hooks, jsonio, tensorboard
 from taco_jax.train import distributed as dist
-from taco_jax.train.checkpoint import Checkpoints
-from taco_jax.train.config import AXIS_SITES, TrainConfig, flag_values
+from taco_jax.train.checkpoint import Checkpoints, saved_steps
+from taco_jax.train.config import AXIS_SITES, OUT_DIR, TrainConfig, flag_values
 from taco_jax.train.console import rel, say
 from taco_jax.train.monitor import Monitor
 from taco_jax.train.plots import plot_losses, plot_monitor
@@ -93,16 +93,31 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
                 state.inputs, state.targets = run.batches.next(run.batch_sharding)
         ends = run_hooks.end(state)  # the final checkpoint complete
         wall = time.perf_counter() - t_start
-        if cfg.checkpoint.export_hf:  # model layout, vocabulary padding dropped (models/hf.py); multi-process: gathered
-            nbytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
-            last = state.history[-1]["step"] if state.history else 0
-            with run_hooks.guard(f"export to {cfg.checkpoint.export_hf}", last, kind="export", nbytes=nbytes):
-                save_hf(cfg.checkpoint.export_hf, cfg.model_config, state.params,
-                        stacked_key=run.trainer.staged.layer_key if run.trainer.staged else None,  # a layer at a time
-                        base_config=read_config(cfg.model.init_from) if cfg.model.init_from else None,
-                        source=cfg.model.init_from or None, tokenizer=run.dataset.tokenizer_path or None,
-                        eos_token_id=run.dataset.eot_id)
+        if cfg.checkpoint.export_hf:  # also on SIGTERM (the weights of the step it stopped at)
+            write_export(run, state, run_hooks.guard)
     return summarize(run, acct, state, wall, ends)  # 4.
+
+
+def write_export(run: Run, state: hooks.RunState, guard) -> None:
+    """The HF export of the run's weights (`save_hf`: model layout, vocabulary padding dropped; in a
+    multi-process run gathered, every process calls it) to `cfg.checkpoint.export_dir`, recording the
+    step of its weights and the run (`models.hf.EXPORT_RECORD`), then said on stderr with that step.
+    `guard`: the watchdog's (`StepWatchdog.guard`)."""
+    cfg = run.cfg
+    folder = cfg.checkpoint.export_dir
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    last = state.history[-1]["step"] if state.history else 0
+    record = {"step": last, "steps": cfg.training.steps, "preempted": bool(state.preempted),
+              "run": str(run.out.resolve())}
+    with guard(f"export to {folder}", last, kind="export", nbytes=nbytes):
+        save_hf(folder, cfg.model_config, state.params,
+                stacked_key=run.trainer.staged.layer_key if run.trainer.staged else None,  # a layer at a time
+                base_config=read_config(cfg.model.init_from) if cfg.model.init_from else None,
+                source=cfg.model.init_from or None, tokenizer=run.dataset.tokenizer_path or None,
+                eos_token_id=run.dataset.eot_id, record=record)
+    why = f", the step SIGTERM stopped the run at (of steps={cfg.training.steps})" if state.preempted else ""
+    say(f"[taco-jax] HF export of step {last}{why} written to {rel(folder, run.out)} "
+        f"({rel(pathlib.Path(folder) / EXPORT_RECORD, run.out)} records the step)")
 
 
 @dataclasses.dataclass
@@ -347,7 +362,7 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
         summary["preempted_at_step"] = state.preempted
     par = cfg.parallelism
     stages = par.axes.get(STAGE, 1)
-    if stages > 1 or par.microbatches > 1:  # pipeline: schedule and its bubble (parallel/pipeline.py)
+    if par.pipelined:  # pipeline: schedule and its bubble (parallel/pipeline.py)
         summary["pipeline"] = {"schedule": par.schedule, "stages": stages, "microbatches": par.microbatches,
                                **schedule_stats(par.schedule, stages, par.microbatches)}
     summary.update(ends)
@@ -374,8 +389,7 @@ def check_resumable(cfg: TrainConfig) -> None:
     if cfg.checkpoint.resume:
         return
     ckpt = pathlib.Path(cfg.checkpoint.out) / "checkpoints"
-    saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
-    if saved:
+    if saved := saved_steps(ckpt):
         raise ValueError(f"{ckpt} holds checkpoints (latest step {saved[-1]}); give --resume to continue "
                          "that run, or another --out")
 
@@ -392,18 +406,48 @@ def previous_outputs(out) -> list[str]:
 def check_export_dir(cfg: TrainConfig) -> None:
     """Raises ValueError, before anything runs, when `--export-hf` cannot receive the export: an
     existing file, the run's own `--out` (the export's config.json would replace the run's), or a
-    folder that cannot be created and written (`check_out_dir`, which creates it)."""
-    export = cfg.checkpoint.export_hf
+    folder that cannot be created and written (`check_out_dir`, which creates it). Unless
+    `--overwrite-export`, also a folder outside the run's `--out` that lies in another run's folder
+    (`run_folder`), or that holds an HF checkpoint other than this run's export (its
+    `EXPORT_RECORD` names this `--out`: a resumed run exports again): a run writes into no other
+    run's folder and replaces no other checkpoint unless told to."""
+    export = cfg.checkpoint.export_dir
     if not export:
         return
-    if pathlib.Path(export).resolve() == pathlib.Path(cfg.checkpoint.out).resolve():
+    where = "(set by --export-hf or [checkpoint] export_hf)"
+    path, out = pathlib.Path(export).resolve(), pathlib.Path(cfg.checkpoint.out).resolve()
+    if path == out:
         raise ValueError(f"export_hf={export!r} is the run's --out folder: the Hugging Face config.json would "
-                         "replace the run's; give another folder (set by --export-hf or [checkpoint] export_hf)")
+                         f"replace the run's; give another folder, e.g. {OUT_DIR}/hf {where}")
+    if not cfg.checkpoint.overwrite_export and not path.is_relative_to(out):
+        allow = (f"give a folder of this run (e.g. --export-hf '{OUT_DIR}/hf': inside --out) or --overwrite-export "
+                 f"to write there anyway {where}")
+        owner = next((d for d in (path, *path.parents) if run_folder(d)), None)
+        if owner is not None:
+            raise ValueError(f"export_hf={export!r} lies in {str(owner)!r}, the folder of another run (this run's "
+                             f"--out is {str(out)!r}): the export would write into it; {allow}")
+        record = read_record(path)
+        held = (path / "config.json").is_file() or any(path.glob("*.safetensors"))
+        if held and (record or {}).get("run") != str(out):
+            whose = (f"the export of run {record['run']!r} (step {record.get('step')})" if record and "run" in record
+                     else "a Hugging Face checkpoint")
+            raise ValueError(f"export_hf={export!r} already holds {whose}: this run would replace it; {allow}")
     try:
         check_out_dir(export)
     except ValueError as e:
-        raise ValueError(f"{str(e).replace('out=', 'export_hf=', 1)} (set by --export-hf or [checkpoint] "
-                         "export_hf)") from None
+        raise ValueError(f"{str(e).replace('out=', 'export_hf=', 1)} {where}") from None
+
+
+def run_folder(folder: pathlib.Path) -> bool:
+    """Whether `folder` is a training run's (`train --out`): it holds a run's config.json (not an HF
+    one), `checkpoints/` or a result file (`RESULT_FILES`)."""
+    if (folder / "checkpoints").is_dir() or previous_outputs(folder):
+        return True
+    try:
+        conf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(conf, dict) and "architectures" not in conf and ("checkpoint" in conf or "out" in conf)
 
 
 def check_out_dir(out) -> pathlib.Path:

@@ -5,8 +5,10 @@
 A run folder (`train --out`) holds its tokenizer (`tokenizer.json`: the Shakespeare BPE, or the
 `--data` folder's); its weights are read from its `--export-hf` folder when that exists, else from
 its latest complete checkpoint (`<out>/checkpoints`, parameters only, onto one device). An HF
-checkpoint folder needs a `tokenizer.json`. Generation: `models.generate` (one device), drawing only
-ids the tokenizer has (`tokenizer_ids`).
+checkpoint folder needs a `tokenizer.json`. A line on stderr names the weights read (folder and
+training step; an export's step from its `models.hf.EXPORT_RECORD`), with a warning when the run
+has a checkpoint newer than the export read. Generation: `models.generate` (one device), drawing
+only ids the tokenizer has (`tokenizer_ids`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
     from taco_jax.models.generate import InferenceModel
     from taco_jax.train.checkpoint import Checkpoints
     from taco_jax.train.config import FlagWarning, TrainConfig
+    from taco_jax.train.console import say
 
     with warnings.catch_warnings():  # the run's training flags (e.g. a schedule with no effect) are not this command's
         warnings.simplefilter("ignore", FlagWarning)
@@ -56,8 +59,10 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
                                   restore_args={"params": jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=dev),
                                                                        target)})
     params = _int_keys(ocp.PyTreeCheckpointer().restore(path, args=args)["params"])
+    say(f"[taco-jax] sample: the weights of {run / 'checkpoints' / str(steps[-1])} (the run's latest checkpoint, "
+        f"step {steps[-1]})")
     model_cfg = dataclasses.replace(cfg.model_config, dtype="float32", remat="none")
-    if cfg.parallelism.axes.get("stage", 1) > 1:  # pipeline layout: layers stacked along a leading axis
+    if cfg.parallelism.pipelined:  # pipeline layout (stage > 1 or microbatches > 1): layers stacked on a leading axis
         key = "h" if "h" in params else "layers"
         stacked = params[key]
         n = jax.tree.leaves(stacked)[0].shape[0]
@@ -79,11 +84,16 @@ def _no_checkpoint(run: pathlib.Path, cfg) -> str:
 
 
 def _recorded_folder(run: pathlib.Path, conf: dict, key: str) -> pathlib.Path | None:
-    """Folder `key` of run `run`'s config.json `conf` (recorded absolute). A relative one (relative to
-    the folder the run was started from) is resolved against that folder, told by the recorded
+    """Folder `key` of run `run`'s config.json `conf` (recorded absolute, or an export inside the run
+    folder as "{out}/REL": `run` / REL). A relative one (relative to the folder the run was started
+    from, as older runs recorded them) is resolved against that folder, told by the recorded
     relative `out` that ends `run`'s path; None when not recorded or not told."""
+    from taco_jax.train.config import OUT_DIR
+
     if not conf.get(key):
         return None
+    if conf[key].startswith(OUT_DIR + "/"):
+        return run / conf[key].removeprefix(OUT_DIR + "/")
     path, out = pathlib.Path(conf[key]), pathlib.Path(conf.get("out") or "")
     if path.is_absolute():
         return path
@@ -93,8 +103,31 @@ def _recorded_folder(run: pathlib.Path, conf: dict, key: str) -> pathlib.Path | 
     return pathlib.Path(*root[:-n]) / path
 
 
+def _say_export(folder: pathlib.Path, run: pathlib.Path | None = None) -> None:
+    """Says on stderr which HF folder `sample` reads, with the training step its `EXPORT_RECORD` gives;
+    for the export of run folder `run`, warns when the run has a newer checkpoint than that step
+    (e.g. an export written when SIGTERM stopped the run, then a resumed run without --export-hf)."""
+    from taco_jax.models.hf import EXPORT_RECORD, read_record
+    from taco_jax.train.checkpoint import saved_steps
+    from taco_jax.train.console import say, warn
+
+    step = (read_record(folder) or {}).get("step")
+    said = f"step {step}" if step is not None else f"no training step recorded: no {EXPORT_RECORD}"
+    if run is None:
+        say(f"[taco-jax] sample: the weights of {folder} (an HF checkpoint{f', {said}' if step is not None else ''})")
+        return
+    say(f"[taco-jax] sample: the weights of {folder} (the run's --export-hf, {said})")
+    newest = saved_steps(run / "checkpoints")
+    if newest and (step is None or newest[-1] > step):
+        ck = run / "checkpoints" / str(newest[-1])
+        warn(f"[taco-jax] warning: the run's checkpoint {ck} (step {newest[-1]}) "
+             + (f"is newer than its export (step {step})" if step is not None else "may be newer than its export")
+             + f"; sample reads the export: move {folder} aside to sample the checkpoint")
+
+
 def load_for_sampling(source):
-    """(InferenceModel, params, tokenizer path) of a run folder or an HF checkpoint folder `source`.
+    """(InferenceModel, params, tokenizer path) of a run folder or an HF checkpoint folder `source`,
+    the weights read named on stderr (`_say_export`, or the checkpoint's step).
     Raises ValueError naming the folder when it is neither, or lacks its tokenizer or weights."""
     from taco_jax.models.generate import load_hf
     from taco_jax.train.config import flag_values
@@ -112,11 +145,13 @@ def load_for_sampling(source):
         raise ValueError(f"--from {source!r} has no tokenizer.json (runs write theirs; an HF checkpoint needs one)")
     if "architectures" in conf:  # an HF checkpoint
         model, params = load_hf(src)
+        _say_export(src)
         return model, params, tokenizer
     conf = flag_values(conf, str(conf_file))  # sectioned, or flat as older runs wrote it
     export = _recorded_folder(src, conf, "export_hf")
     if export is not None and (export / "config.json").is_file():
         model, params = load_hf(export)
+        _say_export(export, src)
         return model, params, tokenizer
     init_from = _recorded_folder(src, conf, "init_from")  # the architecture of a run started from a checkpoint
     model, params = _checkpoint_params(src, {**conf, "init_from": str(init_from or conf.get("init_from") or "")})

@@ -192,8 +192,8 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
                schedule: str = "gpipe", pipelined: bool | None = None, tap=None, tp_overlap: str = "none") -> Steps:
     """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
 
-    pipelined: run the pipeline schedules (stacked layers); default: when the mesh has stage > 1
-    or microbatches > 1.
+    pipelined: run the pipeline schedules (stacked layers); default: `pp.pipelined_layout` (the mesh
+    has stage > 1, or microbatches > 1).
     The gradient: each data shard differentiates its own loss inside `shard_map`, and
     `sync_gradients` sums the gradients over the data axis in FP32 (with `policy.dp_grads`'s codec).
     tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
@@ -209,7 +209,7 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
                                                  tensor_size=mesh.shape.get(TENSOR, 1)))
     graphdef, abstract_state = nnx.split(abstract, nnx.Param)
     if pipelined is None:
-        pipelined = mesh.shape.get(STAGE, 1) > 1 or microbatches > 1
+        pipelined = pp.pipelined_layout(mesh.shape.get(STAGE, 1), microbatches)
     staged = pp.StagedModel.from_model(abstract) if pipelined else None
     specs = staged.specs(mesh.axis_names) if staged else param_specs(abstract_state, mesh.axis_names)
     batch_spec = P(data_axis)
