@@ -40,7 +40,9 @@
 //         (f32), the sum rounded to the output dtype once
 //     taco_reduce_packed(ranks) -> u8[..., row_bytes]: encode_packed(decode_sum) with the sum's
 //         padding past last_count zeroed; encode attrs and round (i32: the message dtype the sum is
-//         rounded to before it is encoded again, 0 f32 (none), 1 bf16, 2 f16)
+//         rounded to before it is encoded again, 0 f32 (none), 1 bf16, 2 f16); a group in which the
+//         rounded sum overflowed (+-Inf, no NaN) is written as an overflow group (DecodeRowSegment,
+//         which every packed decoder runs, decodes it: +-Inf in those elements only)
 //     taco_reduce_hadamard_packed(ranks) -> u8[..., n_groups*(G+4)]: taco_reduce, folded output;
 //         attrs fmt, g, has_a, target_range, impl
 //   where ranks = one u8[..., P, row_bytes] operand or P operands u8[..., row_bytes].
@@ -337,8 +339,44 @@ void EncodeRowSegment(const void* xs, int dt, uint8_t* row, const Layout& L, int
     for (int64_t i = 0; i < n; ++i) ss[i] = ss[i] / as[i];  // the folded scale, as `s / a` in float32
 }
 
+// Overflow groups (`codec.dispatch.overflow_groups`): the two-shot all-reduce's partial sum, rounded
+// to the message dtype, overflowed in some element(s) of the group (+-Inf there, no NaN). Such a
+// group is sent with no transform: scale -s (the sign marks it; other scales are > 0 or NaN),
+// s = max(max|x| over the finite elements, EPS) * (1 / R), codes fp8(clamp(x * (1 / s), -R, R)) (each
+// reciprocal rounded to float32, as the jnp version's XLA program computes them) and, for +-Inf,
+// the code no finite value takes (E4M3FN 0x7F, E5M2 0x7C; | 0x80 for -Inf). Encodes x (G float32
+// values) into q and returns s.
+float EncodeOverflowGroup(const float* x, int64_t g, int fmt, float range, uint8_t* q) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < g; ++j)
+    if (!std::isinf(x[j])) amax = std::max(amax, std::fabs(x[j]));
+  const float s = std::max(amax, EPS) * (1.0f / range), k = 1.0f / s;
+  const uint8_t inf_code = fmt == kE4M3 ? 0x7Fu : 0x7Cu;
+  for (int64_t j = 0; j < g; ++j)
+    q[j] = std::isinf(x[j]) ? static_cast<uint8_t>(inf_code | (x[j] < 0.0f ? 0x80u : 0u))
+                            : f32_to_fp8(std::min(std::max(x[j] * k, -range), range), fmt);
+  return s;
+}
+
+// Decodes overflow group q with scale `scale` (< 0) into out (G values of dtype dt: fp8(q) * -scale
+// clipped to dt's finite range, +-Inf for the Inf code); acc (dt float32): adds them to out.
+void DecodeOverflowGroup(const uint8_t* q, float scale, int64_t g, int fmt, void* out, int dt, bool acc) {
+  for (int64_t j = 0; j < g; ++j) {
+    const float v = fp8_to_f32(q[j], fmt);
+    const bool finite = std::isfinite(v);
+    const float x = finite ? v * -scale : ((q[j] & 0x80u) ? -INFINITY : INFINITY);
+    if (dt == kF32) {
+      float* o = static_cast<float*>(out) + j;
+      *o = acc ? *o + x : x;
+    } else {
+      static_cast<uint16_t*>(out)[j] = f32_to_narrow(x, dt, finite);
+    }
+  }
+}
+
 // Decodes groups [lb, le) of a packed row into out_seg ((le - lb) * G values of dtype dt); acc
-// (dt float32): adds them to out_seg.
+// (dt float32): adds them to out_seg. Overflow groups (s < 0; rare) are decoded apart, the runs of
+// groups between them by the kernels.
 void DecodeRowSegment(const uint8_t* row, const Layout& L, int64_t lb, int64_t le, int fmt, int32_t impl, bool stream,
                       void* out_seg, int dt = kF32, bool acc = false) {
   const int64_t g = L.g, n = le - lb;
@@ -346,15 +384,28 @@ void DecodeRowSegment(const uint8_t* row, const Layout& L, int64_t lb, int64_t l
   const uint8_t* qp = L.codes(row) + lb * g;
   const float* sp = L.s(row) + lb;
   const float* ap = L.has_a ? L.a(row) + lb : nullptr;
+  char* op = static_cast<char*>(out_seg);
+  const int64_t gb = g * DtypeBytes(dt);
+  auto run = [&](int64_t b, int64_t e) {  // groups [b, e), none an overflow group
+    if (e <= b) return;
 #if TACO_X86
-  if (UseAvx2(impl)) {
-    VectorDecoder(impl, fmt, static_cast<int>(g), dt, acc)(qp, sp, ap, sqrt_g, out_seg, 0, n, stream && !acc);
-    return;
-  }
+    if (UseAvx2(impl)) {
+      VectorDecoder(impl, fmt, static_cast<int>(g), dt, acc)(qp, sp, ap, sqrt_g, out_seg, b, e, stream && !acc);
+      return;
+    }
 #endif
-  for (int64_t i = 0; i < n; ++i)
-    decode_group_scalar_dt(qp + i * g, sp[i], decode_factor(sqrt_g, ap, i), static_cast<int>(g), fmt,
-                           static_cast<char*>(out_seg) + i * g * DtypeBytes(dt), dt, acc);
+    for (int64_t i = b; i < e; ++i)
+      decode_group_scalar_dt(qp + i * g, sp[i], decode_factor(sqrt_g, ap, i), static_cast<int>(g), fmt, op + i * gb,
+                             dt, acc);
+  };
+  int64_t b = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(sp[i] < 0.0f)) continue;
+    run(b, i);
+    DecodeOverflowGroup(qp + i * g, sp[i], g, fmt, op + i * gb, dt, acc);
+    b = i + 1;
+  }
+  run(b, n);
 }
 
 // Elementwise float32 -> dt without clipping (the decode-sum's one rounding), both kernels alike.
@@ -632,7 +683,15 @@ ffi::Error ReducePackedImpl(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::
                       }
                       if (le == n_groups && last_count < g) std::fill(x + n - g + last_count, x + n, 0.0f);
                       alignas(32) float a_tmp[kMaxChunkGroups];
-                      EncodeRowSegment(x, kF32, op + o * L.row_bytes(), L, lb, le, p, impl, false, a_tmp);
+                      uint8_t* row = op + o * L.row_bytes();
+                      EncodeRowSegment(x, kF32, row, L, lb, le, p, impl, false, a_tmp);
+                      for (int64_t gi = lb; gi < le; ++gi) {  // a NaN scale: the group is not finite
+                        const float* xg = x + (gi - lb) * g;
+                        if (!std::isnan(L.s(row)[gi]) || std::any_of(xg, xg + g, [](float v) { return v != v; }))
+                          continue;  // finite, or NaN in it (a NaN group)
+                        L.s(row)[gi] = -EncodeOverflowGroup(xg, g, fmt, target_range, L.codes(row) + gi * g);
+                        if (L.has_a) L.a(row)[gi] = 1.0f;  // overflow: +-Inf and no NaN
+                      }
                     });
   return ffi::Error::Success();
 }

@@ -175,6 +175,18 @@ def _calibration(codec, tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+def test_overflow_groups_need_fp8_codes_and_a_float32_scale():
+    """`CodecKind.overflow` (the two-shot all-reduce's overflow groups: FP8 codes, a float32 scale) is
+    refused for a kind whose wire buffers cannot hold them, as MX's bfloat16 scale; MX leaves it off,
+    so a partial sum of it that overflows decodes to NaN as a non-finite group."""
+    with pytest.raises(ValueError, match="overflow=True needs FP8 codes"):
+        CodecKind("mx_bad", 8, None, _mx_encode, _mx_decode, scale_dtype=ml_dtypes.bfloat16, overflow=True)
+    with pytest.raises(ValueError, match="overflow=True needs FP8 codes"):
+        CodecKind("int_bad", 8, np.int8, _mx_encode, _mx_decode, overflow=True)
+    assert not MX.overflow and [k for k in codec_kinds()[1:] if get_kind(k).overflow] == \
+        ["fp8_tensor", "fp8_group", "taco"]
+
+
 def test_a_kind_registered_in_a_test_runs_through_every_piece(kind, mesh, tmp_path):
     pieces = {
         "registry and CodecConfig validation": lambda: _registry(kind),

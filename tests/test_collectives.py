@@ -7,6 +7,7 @@ so for a sum S = Σ_r x_r over P ranks
   two-shot:  ||out - S|| <= eps · Σ_r ||x_r|| + eps · (||S|| + eps · Σ_r ||x_r||)
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives as C
-from taco_jax.codec import NONE, TACO, CodecConfig
+from taco_jax.codec import NONE, TACO, CodecConfig, resolve_codec, wire_for
+from taco_jax.codec import wire as generic_wire
+from taco_jax.codec.backends import default_platform
+from taco_jax.kernels import ffi_codec
 
 EPS = 2.0**-4 + 3e-5
 
@@ -117,6 +121,136 @@ def test_nan_in_psum_stays_nan(mesh):
     x = _x((8, 16, 128), seed=6).at[1, 0, 0].set(jnp.nan)
     out = _smap(mesh, lambda v: C.psum(v, "tensor", codec=TACO), P(("data", "tensor")), P("data"))(x)
     assert np.isnan(np.asarray(out)[0, 0, 0])  # data group 0 holds rank 1
+
+
+# ---------------- a sum that overflows the message dtype: ±Inf in that element only ----------------
+
+FFI_REASON = ffi_codec.unavailable_reason(default_platform())
+needs_ffi = pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec library not available: {FFI_REASON}")
+#: The codecs an overflow is checked with in a collective (pallas: at the wire level below; its CPU
+#: interpreter is refused in multi-device programs).
+OVERFLOW_CODECS = [
+    pytest.param(CodecConfig(backend="reference", wire="generic"), id="reference"),
+    pytest.param(CodecConfig(backend="ffi", wire="ffi"), id="ffi", marks=needs_ffi),
+    pytest.param(CodecConfig(backend="ffi", wire="generic", scale_layout="folded", fmt="e5m2"),
+                 id="ffi-generic-folded-e5m2", marks=needs_ffi),
+    pytest.param(CodecConfig(kind="fp8_group", fmt="e5m2", group_size=64), id="fp8_group-e5m2"),
+]
+
+
+def _overflowing(p: int, m: int, dtype, seed: int = 0) -> np.ndarray:
+    """[p, m] messages of N(0, 100) whose sum over the p ranks overflows float16 in two elements of
+    two groups (element 7: 20000 on every rank, +Inf; element 300: -20000, -Inf) and comes close
+    to its largest finite value (65504) in the first of them (element 8: 15500 each, 62000), in `dtype`."""
+    x = np.random.default_rng(seed).normal(0, 100, (p, m)).astype(np.float32)
+    x[:, 7], x[:, 8], x[:, 300] = 20000.0, 15500.0, -20000.0
+    return x.astype(dtype)
+
+
+def _assert_overflow_only_where_exact(got, want, ranks, codec: CodecConfig):
+    """`got` (a compressed sum) against `want` (the exact one, with ±Inf): the same ±Inf, no NaN,
+    and each group of `codec` within the two-shot bound of the module docstring (eps 2^-3 for E5M2)."""
+    got, want, ranks = (np.asarray(t, np.float32) for t in (got, want, ranks))
+    eps, cut = (EPS if codec.fmt == "e4m3" else 2.0**-3 + 3e-5), codec.group_size
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    assert not np.isnan(got).any() and np.isinf(want).sum() == 2 * want.shape[0]
+    for row in range(got.shape[0]):
+        for g0 in range(0, got.shape[1], cut):
+            fin = np.isfinite(want[row, g0:g0 + cut])
+            w, d = want[row, g0:g0 + cut][fin], got[row, g0:g0 + cut][fin]
+            sum_norms = sum(np.linalg.norm(r[row, g0:g0 + cut]) for r in ranks)  # each rank's group is finite
+            bound = eps * sum_norms + eps * (np.linalg.norm(w) + eps * sum_norms) + 2.0**-10 * np.abs(w).max()
+            assert np.linalg.norm(d - w) <= bound, (row, g0, np.linalg.norm(d - w), bound)
+
+
+@pytest.mark.parametrize("codec", OVERFLOW_CODECS)
+def test_two_shot_overflow_is_inf_in_its_element_only(mesh, codec):
+    """Issue 52: float16 messages whose sum overflows in one element of a group. The exact all-reduce
+    gives ±Inf there; the two-shot one rounded its FP32 partial sum to float16 and encoded the Inf
+    again, which gave the whole group a NaN scale (128 NaN). Now: the same ±Inf, no NaN, the other
+    127 elements of the group finite and within the two-shot bound (the 62000 one too)."""
+    x = jnp.asarray(np.concatenate([_overflowing(4, 512, np.float16, seed=d) for d in range(2)]))  # [8, 512]
+    spec = (P(("data", "tensor")), P("data"))
+    want = _smap(mesh, lambda v: jax.lax.psum(v, "tensor"), *spec)(x)
+    got = _smap(mesh, lambda v: C.psum(v, "tensor", codec=codec), *spec)(x)
+    assert got.dtype == jnp.float16
+    ranks = np.asarray(x, np.float32).reshape(2, 4, 512).transpose(1, 0, 2)
+    _assert_overflow_only_where_exact(got, want, ranks, codec)
+    assert np.all(np.asarray(got, np.float32)[:, 8] > 50000)  # 62000: near the largest float16, finite
+
+
+@pytest.mark.parametrize("codec", OVERFLOW_CODECS[:2])
+def test_other_sums_of_an_overflow_give_inf_too(mesh, codec):
+    """The one-shot all-reduce and the reduce-scatter (one FP32 sum, rounded once) give the exact
+    ±Inf; the Hadamard-domain two-shot never rounds the partial sum to float16, and its final decode
+    clips to float16's range as every decode does: ±65504 there, and no NaN."""
+    x = jnp.asarray(np.concatenate([_overflowing(4, 512, np.float16, seed=d) for d in range(2)]))
+    spec = (P(("data", "tensor")), P("data"))
+    want = _smap(mesh, lambda v: jax.lax.psum(v, "tensor"), *spec)(x)
+    ranks = np.asarray(x, np.float32).reshape(2, 4, 512).transpose(1, 0, 2)
+    got = _smap(mesh, lambda v: C.psum(v, "tensor", codec=codec, algorithm="one_shot"), *spec)(x)
+    _assert_overflow_only_where_exact(got, want, ranks, codec)
+    rs = _smap(mesh, lambda v: C.psum_scatter(v, "tensor", codec=codec, scatter_dimension=1),
+               P(("data", "tensor")), P(("data", "tensor")))(x)
+    want_rs = _smap(mesh, lambda v: jax.lax.psum_scatter(v, "tensor", scatter_dimension=1, tiled=True),
+                    P(("data", "tensor")), P(("data", "tensor")))(x)
+    np.testing.assert_array_equal(np.isinf(rs), np.isinf(want_rs))
+    assert not np.isnan(np.asarray(rs, np.float32)).any()
+    had = np.asarray(_smap(mesh, lambda v: C.psum(v, "tensor", codec=codec, reduce_domain="hadamard"), *spec)(x),
+                     np.float32)
+    assert not np.isnan(had).any() and np.all(had[:, [7, 300]] == [65504.0, -65504.0])
+
+
+WIRE_CODECS = [
+    pytest.param(CodecConfig(backend="reference", wire="generic"), id="reference"),
+    pytest.param(CodecConfig(backend="ffi", wire="ffi"), id="ffi", marks=needs_ffi),
+    pytest.param(CodecConfig(backend="ffi", wire="generic"), id="ffi-generic", marks=needs_ffi),
+    pytest.param(CodecConfig(backend="pallas", wire="generic"), id="pallas",
+                 marks=pytest.mark.filterwarnings("ignore:codec backend 'pallas' on CPU")),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("codec", WIRE_CODECS)
+def test_two_shot_steps_keep_an_overflow_to_its_element_on_every_backend(codec, dtype):
+    """The two-shot all-reduce's steps on 4 ranks' rows, one process (as `compressed._two_shot` runs
+    them between its all-to-all and all-gather): the middle step (`reduce_rows`) on a partial sum
+    that overflows the message dtype, then the final decode; and the reduce-scatter's decode-sum.
+    Both give ±Inf in the overflowing elements only, as the FP32 sum of the ranks' decoded rows
+    rounded to the dtype does (before: the middle step's group got a NaN scale, 128 NaN; pallas
+    clipped its decode-sum to 65504). bfloat16 overflows only beyond float32's range, which no
+    encoder's rows reach (taco's scales are clipped): its rows are the float16 case's, the scales of
+    the two groups holding elements 7, 8 and 300 changed (s * 2^76, a * 2^-36) so that these groups
+    decode 2^112 times larger (element 7: 1.0e38 on each rank)."""
+    cfg = resolve_codec(codec)
+    p, m = 4, 512
+    x = jnp.asarray(_overflowing(p, m, dtype))
+    w = wire_for(cfg, x)
+    rows = w.encode_rows(x, cfg, batch_dims=1, per_rank=True)  # [P, row_bytes]: rank r's message
+    if dtype == "bfloat16":
+        enc = generic_wire.unpack_rows(rows, cfg, (m,), dtype)
+        big = np.isin(np.arange(enc.scale.shape[-1]), [7 // cfg.group_size, 300 // cfg.group_size])
+        enc = dataclasses.replace(enc, scale=enc.scale * np.where(big, 2.0**76, 1.0).astype(np.float32),
+                                  prescale=enc.prescale * np.where(big, 2.0**-36, 1.0).astype(np.float32))
+        rows = generic_wire.pack_rows(enc, 1)
+    ranks = [rows[r] for r in range(p)]
+    with np.errstate(over="ignore"):  # the FP32 sum of the ranks' decoded rows, rank order, rounded to dtype
+        want = np.asarray(sum(np.asarray(w.decode_rows(rows, cfg, (m,), jnp.float32))).astype(dtype), np.float64)
+    assert np.isposinf(want[7]) and np.isneginf(want[300]) and np.isinf(want).sum() == 2
+    rs = np.asarray(w.decode_sum_rows(ranks, cfg, (m,), dtype), np.float64)  # the reduce-scatter's sum
+    np.testing.assert_array_equal(rs[np.isinf(want)], want[np.isinf(want)])
+    assert np.isfinite(rs[np.isfinite(want)]).all()
+    mine = w.reduce_rows(ranks, cfg, (m,), dtype, "signal")
+    assert not np.isnan(generic_wire.unpack_rows(mine, cfg, (m,), dtype).scale).any()  # no NaN group
+    got = np.asarray(w.decode_rows(mine[None], cfg, (m,), dtype, overflow=True)[0], np.float64)
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    assert not np.isnan(got).any()
+    for g0 in range(0, m, cfg.group_size):  # the second quantization's error only, group by group
+        fin = np.isfinite(want[g0:g0 + cfg.group_size])
+        wg, dg = want[g0:g0 + cfg.group_size][fin], got[g0:g0 + cfg.group_size][fin]
+        assert np.linalg.norm(dg - wg) <= EPS * np.linalg.norm(wg) + 2.0**-10 * np.abs(wg).max(), g0
 
 
 def test_compressed_psum_scatter_rejects_indivisible(mesh):

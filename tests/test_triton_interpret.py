@@ -233,6 +233,19 @@ def test_decode_clips_to_float16_range_and_keeps_nan(kernels):
     assert np.all(np.isnan(got[1]))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's float16 cast
+def test_decode_sum_rounds_the_sum_without_clipping(kernels):
+    """A decode-sum whose float32 sum overflows float16 writes +-Inf there, as the exact sum and the
+    reference's decode-sum do (not 65504: that is for a single decode); the rest stays finite."""
+    _, _, dec_sum = kernels
+    g, p = 32, 3
+    codes = np.full((p, 2, g), 1.0, ml_dtypes.float8_e4m3fn)
+    codes[:, 1] = -codes[:, 1]
+    s = np.full((p, 2), 5000.0, np.float32)  # each rank: +-5000 * sqrt(G) = 28284 at index 0, 0 elsewhere
+    got = run_decode(dec_sum, codes, s, None, "e4m3", "float16")
+    assert np.isposinf(got[0, 0]) and np.isneginf(got[1, 0]) and np.all(got[:, 1:] == 0)
+
+
 def test_exact_downcast_rounds_ties_to_even_with_carry_and_saturates():
     """The swapped-in conversion: the case the stock interpreter gets wrong, ties to even, saturation."""
     conv = exact_convert_float(interpreter._convert_float)
@@ -257,4 +270,6 @@ def test_encode_meta_matches_config():
     assert meta["SQRT_G"] == float(np.float32(math.sqrt(128))) and 2 ** meta["LOG_G"] == meta["G"]
     assert meta["BLOCK"] * 128 == triton_codec.ELEMENTS
     dmeta = triton_codec.decode_meta(40, 128, has_a=False, dtype="float16", p=4)
-    assert dmeta["CLIP"] == 65504.0 and dmeta["P"] == 4 and triton_codec.decode_meta(40, 128, has_a=True)["CLIP"] == 0
+    assert dmeta["CLIP"] == 0 and dmeta["P"] == 4  # a decode-sum is not clipped: +-Inf where it overflows
+    assert triton_codec.decode_meta(40, 128, has_a=False, dtype="float16")["CLIP"] == 65504.0
+    assert triton_codec.decode_meta(40, 128, has_a=True)["CLIP"] == 0

@@ -230,6 +230,27 @@ def test_collectives_bit_identical_fused_vs_unfused(name, p, rows, cols, layout,
     _both(COLLECTIVES[name], cfg, x, p)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt,layout", [("e4m3", "dual"), ("e5m2", "folded")])
+def test_two_shot_overflow_bit_identical_fused_vs_unfused(fmt, layout, impl):
+    """float16 sums that overflow in some elements (issue 52): the C++ reducer writes, and the C++
+    decoder reads, the overflow groups (`codec.dispatch.overflow_groups`) byte for byte and bit for
+    bit as the generic wire codec: ±Inf in those elements, the rest of their groups finite."""
+    p, m, cfg = 4, 256, _cfg(fmt, 32, layout)
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 100, (p * 4, m)).astype(np.float32)
+    x[:, 5], x[:, 6], x[:, 70] = 20000.0, 15000.0, -20000.0  # +Inf, 60000, -Inf in every chunk's sum
+    x = jnp.asarray(x, jnp.float16)
+    got = np.asarray(_both(COLLECTIVES["two_shot"], cfg, x, p), np.float32)  # [P, 4, m], equal on every rank
+    assert np.isposinf(got[..., 5]).all() and np.isneginf(got[..., 70]).all()
+    assert np.isinf(got).sum() == 2 * got[..., 0].size and not np.isnan(got).any()
+    rows = ffi_codec.encode_packed(x.reshape(p, -1), cfg)  # the kernel levels agree on the overflow groups too
+    red = ffi_codec.reduce_packed(rows, cfg, 4 * m, impl=impl, dtype=jnp.float16)
+    _same(red, jax.jit(lambda r: generic_wire.reduce_rows(r, cfg, (4 * m,), jnp.float16, "signal"))(rows))
+    _same(ffi_codec.decode_packed(red[None], cfg, 4 * m, impl=impl, dtype=jnp.float16),
+          generic_wire.decode_rows(red[None], cfg, (4 * m,), jnp.float16, overflow=True))
+
+
 @pytest.mark.parametrize("name", ["psum_scatter", "all_gather"])
 def test_gradients_bit_identical_fused_vs_unfused(name):
     p, cfg = 4, _cfg("e4m3", 32, "dual")

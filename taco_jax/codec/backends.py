@@ -25,7 +25,8 @@ Optional, registered apart (`register_native`; none registered: float32 in and o
     dispatcher runs no convert before or after the backend;
   decode_sum_groups(codes, s, a, *, dtype) -> dtype [..., n_groups, G]: P ranks' groups
     (codes [P, ..., n_groups, G], s, a [P, ..., n_groups]) decoded and summed in float32 in rank
-    order, clipped and cast once (used by `dispatch.decode_sum`; dtype float32 or a native one).
+    order, then rounded to dtype once, not clipped: a sum beyond dtype's range is ±Inf, as the
+    exact sum (used by `dispatch.decode_sum`; dtype float32 or a native one).
 Optional, registered apart (`register_reducer`; none registered: the reference's is used):
   reduce_groups(codes, s, a, cfg) -> (codes, s): the transform-domain reduction of the two-shot
     all-reduce (`taco_jax.codec.reference.reduce_groups`): codes [P, ..., n_groups, G] and
@@ -42,17 +43,20 @@ its dtype; the rows' leading axes index messages.
     blocks=(dim, P), x [*pre, P*s, *post] holding P messages, message r its block r along `dim`
     ([*pre, s, *post]), giving rows [P, row_bytes]. per_rank: the rows are for an all-to-all (the
     wire codec may lay them out as one buffer per destination).
-  decode_rows(rows, cfg, shape, dtype, *, axis=0) -> dtype [*lead, *shape]
+  decode_rows(rows, cfg, shape, dtype, *, axis=0, overflow=False) -> dtype [*lead, *shape]
     rows [*lead, row_bytes]; finite values clipped to dtype's range before the cast
     (`dispatch.clip_to_dtype`). axis (rows [P, row_bytes] only): where the P axis goes:
-    [*shape[:axis], P, *shape[axis:]].
+    [*shape[:axis], P, *shape[axis:]]. overflow: the rows are `reduce_rows` ("signal") results and
+    may hold overflow groups (`dispatch.overflow_groups`), decoded as such (±Inf where the sum
+    overflowed).
   decode_sum_rows(rows, cfg, shape, dtype) -> dtype [*shape]
     rows: uint8 [P, row_bytes], or the sequence of P rows an all-to-all delivered (`per_source`);
     the P messages decoded and summed in FP32 in rank order, then cast.
   reduce_rows(rows, cfg, shape, dtype, domain) -> uint8 [row_bytes]
     the middle step of the two-shot all-reduce on received rows (as `decode_sum_rows` takes
-    them): "signal": the FP32 sum rounded to dtype and encoded again; "hadamard" (kind taco):
-    `reduce_groups`, the sum's rows in the folded layout.
+    them): "signal": the FP32 sum rounded to dtype and encoded again, a group in which it
+    overflowed (±Inf, no NaN) as an overflow group (`encode(..., overflow=True)`); "hadamard"
+    (kind taco): `reduce_groups`, the sum's rows in the folded layout.
   per_source: whether the rows an all-to-all delivers are handed to decode_sum_rows / reduce_rows
     as a sequence of P buffers (one per source rank) rather than one [P, row_bytes] array.
 """

@@ -93,7 +93,10 @@ class CodecConfig:
       hadamard: fp8_group / int8 / int4 only: apply the orthonormal WHT to each group before
         quantizing (taco and tah always do; the others never).
       nonfinite: "propagate" (default): a group (fp8_tensor: the message) holding NaN/±Inf
-        decodes to NaN, as an uncompressed sum would be non-finite; "zero": the COCCL plugin's
+        decodes to NaN, as an uncompressed sum would be non-finite (a two-shot all-reduce's
+        partial sum that overflowed the message dtype from finite inputs is not such a group: it
+        gives ±Inf in those elements only, as the exact sum, for the kinds with
+        `CodecKind.overflow`; `taco_jax.codec.dispatch.overflow_groups`); "zero": the COCCL plugin's
         behaviour, NaN/Inf replaced by 0 before encoding and after decoding; "error": as
         "propagate", and a device-side check reports `site` to the host, where
         `taco_jax.codec.raise_if_nonfinite()` raises `FloatingPointError` naming it (the

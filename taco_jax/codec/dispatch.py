@@ -15,7 +15,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from taco_jax.codec import constants as C
 from taco_jax.codec.backends import (
     GroupBackend,
     default_platform,
@@ -84,7 +86,7 @@ def _rows_to_message(x: jax.Array, shape: tuple[int, ...], cfg: CodecConfig) -> 
     return x.reshape(*batch, *shape)
 
 
-def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
+def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, overflow: bool = False) -> Encoded:
     """Encodes each message of `x` with the codec `cfg.kind` (inside `jax.named_scope("taco_encode")`).
 
     Args:
@@ -97,6 +99,12 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
         the registered backend `cfg.backend` (`taco_jax.codec.backends`; "auto", the default,
         is resolved here, at trace time, for jax's default platform, as `resolve_codec` does).
       batch_dims: number of leading message axes.
+      overflow: `x` is a sum that may have overflowed (the two-shot all-reduce's FP32 partial sum
+        rounded to the message dtype, whose inputs were finite where it holds ±Inf): a group holding
+        ±Inf and no NaN is sent as an overflow group (`overflow_groups`) rather than with a NaN
+        scale, so that it decodes (`decode(..., overflow=True)`) to ±Inf in those elements only, as
+        the exact sum would, and the other elements stay finite. Kinds with `CodecKind.overflow`
+        only (taco, fp8_group, fp8_tensor); ignored for the others and with nonfinite "zero".
 
     Returns:
       An `Encoded` pytree (see its docstring).
@@ -111,10 +119,10 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0) -> Encoded:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"encode needs a floating-point message, got dtype={x.dtype}")
     with jax.named_scope("taco_encode"):
-        return _encode(x, cfg, batch_dims)
+        return _encode(x, cfg, batch_dims, overflow and _overflow_codes(cfg))
 
 
-def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
+def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int, overflow: bool = False) -> Encoded:
     shape = tuple(x.shape[batch_dims:])
     n = math.prod(shape)
     if x.size == 0:
@@ -137,9 +145,77 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
         xg = rows.reshape(*rows.shape[:-1], n_groups, g)
         last_count = n - (n_groups - 1) * g
     codes, s, a = kind.encode(xg, cfg, last_count=last_count)
+    if overflow:
+        codes, s, a = overflow_groups(xg, codes, s, a, cfg)
     if cfg.nonfinite == "error":
         check_finite(rows, cfg.site)
     return Encoded(codes, s, a, shape, np.dtype(x.dtype))
+
+
+# --------------------------------------------------------------------------------------
+# Overflow groups: the two-shot all-reduce's partial sums that overflowed the message dtype.
+# --------------------------------------------------------------------------------------
+
+#: The code byte of a ±Inf element in an overflow group (| 0x80 for -Inf): codes no finite value
+#: takes (the quantizer saturates): E4M3FN's NaN (it has no Inf), E5M2's Inf.
+INF_CODE = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7C}
+
+
+def _overflow_codes(cfg: CodecConfig) -> bool:
+    """Whether overflow groups exist for `cfg`: its kind takes them (`CodecKind.overflow`), nonfinite
+    not "zero"."""
+    return cfg.kind != "none" and get_kind(cfg.kind).overflow and cfg.nonfinite != "zero"
+
+
+def overflow_groups(xg: jax.Array, codes: jax.Array, scale: jax.Array, prescale, cfg: CodecConfig):
+    """The groups of `xg` that hold ±Inf and no NaN, re-encoded as overflow groups; the others unchanged.
+
+    A sum of finite values can overflow: the two-shot all-reduce rounds its FP32 partial sum to the
+    message dtype before encoding it again, and float16 overflows at 65520. The exact collective gives
+    ±Inf in that element only; a group with a NaN scale would decode to NaN in all of it. An
+    overflow group instead carries each element itself, with no transform: scale = -s (the sign
+    bit marks the group; every other scale is positive or NaN), s = max(max|x_finite|, EPS) * (1 / R),
+    codes = fp8(clip(x * (1 / s), -R, R)) (each reciprocal rounded to float32 once; round to
+    nearest even) for the finite elements and `INF_CODE` (| 0x80 for -Inf) for the infinite ones;
+    prescale (taco "dual": a) = 1. Decoded by `decode(..., overflow=True)` (and the "ffi" wire's C++
+    decoder): fp8(code) * |scale|, ±Inf for an `INF_CODE`. The C++ two-shot reducer (custom_calls/,
+    `taco_reduce_packed`) writes the same bytes.
+
+    Args:
+      xg: [..., n_groups, G] the groups as encoded (float32 or a native message dtype).
+      codes, scale, prescale: what the kind's encoder gave for them (scale in its layout: s/a folded).
+      cfg: the codec (a kind with `CodecKind.overflow`: FP8 codes, float32 scale).
+    Returns: (codes, scale, prescale).
+    """
+    inf = jnp.isinf(xg)
+    over = jnp.any(inf, axis=-1) & ~jnp.any(jnp.isnan(xg), axis=-1)
+    xf = jnp.where(inf, 0, xg).astype(jnp.float32)
+    r = np.float32(cfg.target_range)
+    s = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), C.EPS) * (np.float32(1) / r)
+    q = jnp.clip(xf * (np.float32(1) / s)[..., None], -r, r)
+    q = lax.bitcast_convert_type(q.astype(cfg.code_dtype), jnp.uint8)
+    inf_code = np.uint8(INF_CODE[jnp.dtype(cfg.code_dtype).name])
+    q = jnp.where(inf, jnp.where(xg < 0, inf_code | np.uint8(0x80), inf_code), q)
+    bits = lax.bitcast_convert_type(codes, jnp.uint8)
+    codes = lax.bitcast_convert_type(jnp.where(over[..., None], q, bits), codes.dtype)
+    scale = jnp.where(over, -s, scale)
+    if prescale is not None:
+        prescale = jnp.where(over, np.float32(1), prescale)
+    return codes, scale, prescale
+
+
+def _decode_overflow(rows: jax.Array, enc: Encoded, dtype, n: int) -> jax.Array:
+    """`rows` (decoded messages [*batch, n] in `dtype`) with the overflow groups of `enc` (scale < 0,
+    `overflow_groups`) decoded as such: fp8(code) * |scale| clipped to `dtype`'s finite range, ±Inf
+    for an `INF_CODE`."""
+    over = enc.scale < 0
+    v = enc.codes.astype(jnp.float32)
+    neg = lax.bitcast_convert_type(enc.codes, jnp.uint8) >= 0x80
+    val = clip_to_dtype(v * -enc.scale[..., None], dtype)
+    val = jnp.where(jnp.isfinite(v), val, jnp.where(neg, -np.inf, np.inf).astype(jnp.float32)).astype(dtype)
+    mask = jnp.broadcast_to(over[..., None], val.shape)
+    flat = lambda t: t.reshape(*t.shape[:-2], -1)[..., :n]  # noqa: E731
+    return jnp.where(flat(mask), flat(val), rows)
 
 
 def wire_layout(cfg: CodecConfig, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], np.dtype]]:
@@ -166,7 +242,7 @@ def _empty_encoded(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> Encoded:
     return Encoded(codes, s, s if prescale else None, shape, np.dtype(x.dtype))
 
 
-def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
+def decode(enc: Encoded, cfg: CodecConfig, dtype=None, *, overflow: bool = False) -> jax.Array:
     """Decodes an `Encoded` back to [*batch, *enc.shape] in `dtype` (default: the encoded dtype),
     inside `jax.named_scope("taco_decode")`.
 
@@ -176,6 +252,9 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
     float16 never overflows to Inf); float32 output is left alone (it could only overflow for
     inputs within rounding of float32's largest value), so the float32 program has no extra op.
     Zero-size buffers decode to a zero-size array, with no group math run.
+    `overflow`: `enc` may hold overflow groups (`encode(..., overflow=True)`, the two-shot
+    all-reduce's requantized sum): those decode to their finite elements and ±Inf
+    (`overflow_groups`), the others as always.
 
     Raises: ValueError if `cfg.backend` is not registered or cannot run here (kind "taco"; "auto"
     is resolved as in `encode`).
@@ -198,6 +277,8 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
             rows = jnp.where(jnp.isfinite(rows), rows, 0.0)
         if not native:
             rows = clip_to_dtype(rows, dtype).astype(dtype)
+        if overflow and _overflow_codes(cfg) and enc.codes.size:
+            rows = _decode_overflow(rows, enc, dtype, n)
         return _rows_to_message(rows, enc.shape, cfg)
 
 

@@ -56,6 +56,11 @@ class CodecKind:
         (`reduce_domain="hadamard"`, `dispatch.reduce_encoded`).
       calibrate: `taco-jax calibrate` searches the kind (`train.calibrate.candidates`: every
         G, group axis, FP8 format, optional Hadamard and scale layout it takes).
+      overflow: a group of the two-shot all-reduce's partial sum that overflowed the message
+        dtype (±Inf from finite inputs) travels as an overflow group (`dispatch.overflow_groups`:
+        FP8 codes of the elements, float32 scale, decoded as fp8(code) * |scale| whatever `decode`
+        does), so it gives ±Inf in those elements only, as the exact sum; False: it decodes to NaN
+        as a non-finite group. Needs FP8 codes (`code_dtype` None) and a float32 `scale_dtype`.
       color: how plots draw the kind (a matplotlib colour).
       summary: one line for listings.
     Raises: ValueError naming a bad field.
@@ -75,6 +80,7 @@ class CodecKind:
     backends: bool = False
     transform_reduce: bool = False
     calibrate: bool = True
+    overflow: bool = False
     color: str = "tab:brown"
     summary: str = ""
 
@@ -99,6 +105,9 @@ class CodecKind:
                              "(the default layout)")
         if not callable(self.encode) or not callable(self.decode):
             raise ValueError(f"kind {self.name!r}: encode and decode must be callables")
+        if self.overflow and not (self.fp8 and np.dtype(self.scale_dtype) == np.float32):
+            raise ValueError(f"kind {self.name!r}: overflow=True needs FP8 codes (code_dtype None) and a "
+                             "float32 scale_dtype")
 
     @property
     def fp8(self) -> bool:
@@ -175,17 +184,17 @@ def _taco_decode(codes, scale, prescale, cfg):
 
 
 for _kind in (
-    CodecKind("fp8_tensor", 8, None, _plain(family.encode_fp8), family.decode_fp8, grouped=False,
+    CodecKind("fp8_tensor", 8, None, _plain(family.encode_fp8), family.decode_fp8, grouped=False, overflow=True,
               color="tab:gray", summary="FP8, one FP32 absmax scale per message"),
     CodecKind("fp8_group", 8, None, _plain(family.encode_fp8), family.decode_fp8, hadamard="optional",
-              color="tab:blue", summary="FP8 per group of G, FP32 absmax scale"),
+              overflow=True, color="tab:blue", summary="FP8 per group of G, FP32 absmax scale"),
     CodecKind("int8", 8, np.int8, _plain(family.encode_int), family.decode_int, hadamard="optional",
               color="tab:green", summary="symmetric int8 per block of G, FP32 absmax scale"),
     CodecKind("int4", 4, np.uint8, _plain(family.encode_int), family.decode_int, hadamard="optional",
               color="tab:olive", summary="symmetric 4-bit per group of G, FP32 absmax scale"),
     CodecKind("taco", 8, None, _taco_encode, _taco_decode, prescale=lambda cfg: cfg.scale_layout == "dual",
               hadamard="always", scale_layouts=("dual", "folded"), backends=True, transform_reduce=True,
-              color="tab:red", summary="TACO: RMS pre-scale, WHT, FP8 (TACO_SPEC.md §2)"),
+              overflow=True, color="tab:red", summary="TACO: RMS pre-scale, WHT, FP8 (TACO_SPEC.md §2)"),
     CodecKind("tah", 4, np.uint8, _plain(family.encode_tah), family.decode_tah, prescale=True, hadamard="always",
               color="tab:purple", summary="TAH-Quant-style WHT tiles, asymmetric 4-bit"),
 ):

@@ -69,9 +69,9 @@ def encode_rows(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, blocks=N
     return pack_rows(encode(x, cfg, batch_dims=batch_dims), batch_dims)
 
 
-def decode_rows(rows: jax.Array, cfg: CodecConfig, shape, dtype, *, axis: int = 0) -> jax.Array:
+def decode_rows(rows: jax.Array, cfg: CodecConfig, shape, dtype, *, axis: int = 0, overflow: bool = False) -> jax.Array:
     """Packed rows -> messages in `dtype` (contract: `taco_jax.codec.backends`)."""
-    y = decode(unpack_rows(rows, cfg, shape, dtype), cfg, dtype)
+    y = decode(unpack_rows(rows, cfg, shape, dtype), cfg, dtype, overflow=overflow)
     return jnp.moveaxis(y, 0, axis) if axis else y
 
 
@@ -83,12 +83,14 @@ def decode_sum_rows(rows, cfg: CodecConfig, shape, dtype) -> jax.Array:
 
 
 def reduce_rows(rows, cfg: CodecConfig, shape, dtype, domain: str) -> jax.Array:
-    """The two-shot all-reduce's middle step on P ranks' rows -> this rank's row of the sum."""
+    """The two-shot all-reduce's middle step on P ranks' rows -> this rank's row of the sum (signal
+    domain: a group in which the sum overflowed `dtype` becomes an overflow group,
+    `dispatch.overflow_groups`)."""
     if domain == "hadamard":
         if isinstance(rows, (list, tuple)):
             rows = jnp.stack(rows)
         return pack_rows(reduce_encoded(unpack_rows(rows, cfg, shape, dtype), cfg), 0)
-    return encode_rows(decode_sum_rows(rows, cfg, shape, dtype), cfg)
+    return pack_rows(encode(decode_sum_rows(rows, cfg, shape, dtype), cfg, overflow=True), 0)
 
 
 GENERIC = WireCodec(encode_rows, decode_rows, decode_sum_rows, reduce_rows, per_source=False)

@@ -13,6 +13,13 @@ Algorithms (P = size of the named axis):
 - reduce-scatter: the first half of two-shot. all-gather: encode -> all-gather -> decode.
 - ppermute (pipeline send/recv): encode -> ppermute -> decode.
 FP8 codes only ever move as data (all-to-all, all-gather, ppermute); sums are FP32.
+A sum of finite values that overflows the message dtype (float16: 65520) is ±Inf in that element
+only, as the exact collective gives: the one-shot all-reduce and the reduce-scatter round one FP32
+sum to the dtype; the two-shot one rounds its partial sum to the dtype before encoding it again,
+and a group of it holding ±Inf (and no NaN) travels as an overflow group
+(`taco_jax.codec.dispatch.overflow_groups`; kinds with `CodecKind.overflow`) rather than with a
+NaN scale. The Hadamard-domain reduction never rounds the partial sum to the dtype; its final
+decode clips to the dtype's range, as every decode does (float16: ±65504, never NaN).
 Wire format: codes and scales of a message travel packed as one uint8 row ([codes][s][a], or
 [codes][s/a] folded). The rows are made and read by the codec's wire codec
 (`taco_jax.codec.wire_for`, contract in `taco_jax.codec.backends`): encode rows, decode rows,
@@ -247,8 +254,10 @@ def _two_shot(x, axis_name, codec, reduce_domain, p):
     domain = reduce_domain if get_kind(codec.kind).transform_reduce else "signal"  # taco: a transform domain
     mine = wire.reduce_rows(_all_to_all_rows(xs, axis_name, wire, codec), codec, shape, x.dtype, domain)
     gathered = lax.all_gather(mine, axis_name, axis=0, to="invarying")  # [P, row_bytes]
-    out_codec = dataclasses.replace(codec, scale_layout="folded") if domain == "hadamard" else codec
-    full = wire.decode_rows(gathered, out_codec, shape, x.dtype)  # [P, *chunk]
+    if domain == "hadamard":
+        full = wire.decode_rows(gathered, dataclasses.replace(codec, scale_layout="folded"), shape, x.dtype)
+    else:  # an element whose sum overflowed x.dtype is ±Inf, its group's other elements finite
+        full = wire.decode_rows(gathered, codec, shape, x.dtype, overflow=True)  # [P, *chunk]
     return full.reshape(-1)[: x.size]  # drops only the padding, if any
 
 

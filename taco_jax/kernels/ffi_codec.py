@@ -410,7 +410,9 @@ def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | No
         result: `jnp.moveaxis(decode_packed(rows, cfg, m).reshape(..., P, k, inner), -3, -2)`
         without the transpose (the compressed all-gather along a non-leading axis).
       dtype: the output dtype, float32 (None), bfloat16 or float16: values clipped to its finite
-        range and rounded as `decode_groups(..., dtype=dtype)` writes them.
+        range and rounded as `decode_groups(..., dtype=dtype)` writes them. An overflow group (its
+        scale < 0: `codec.dispatch.overflow_groups`) is decoded as such, as `codec.dispatch.decode(...,
+        overflow=True)` does: its finite elements clipped, its ±Inf kept.
     Returns: dtype [..., m] (outer None), what `decode_groups` gives for the unpacked buffers
       (flattened, sliced); dtype [..., outer, P, m // outer] with `outer`.
     Raises: ValueError for rows of the wrong dtype or width, an `outer` that is not an integer
@@ -466,7 +468,9 @@ def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtyp
     """Signal-domain middle step of the two-shot all-reduce on packed rows (C++ `taco_reduce_packed`,
     CPU): `encode_packed(decode_sum_packed(rows, cfg, m, dtype=dtype), cfg)` in one pass, the sum
     rounded to the message dtype (bfloat16 / float16; None or float32: kept) and its padding past m
-    zeroed before it is re-encoded (as casting, slicing the sum and re-padding it does).
+    zeroed before it is re-encoded (as casting, slicing the sum and re-padding it does); a group
+    in which the rounded sum overflowed (±Inf, no NaN) written as an overflow group, byte for byte
+    as `codec.dispatch.encode(..., overflow=True)` (`decode_packed` decodes it: ±Inf there only).
 
     Args:
       rows: P ranks' rows, as `decode_sum_packed` takes them; cfg: the codec; m: elements per message;

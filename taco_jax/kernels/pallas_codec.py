@@ -7,9 +7,9 @@ sum of squares -> adaptive scale a -> Walsh-Hadamard transform as an in-register
 Triton lowering maps to tt.reshape / tt.trans / tt.split / tt.join, as in `triton_codec`) ->
 absmax -> quantization scale s -> FP8 codes; decode is FP8 -> q s / (sqrt(G) max(a, EPS)) (one
 factor per group) -> the same butterfly -> written in the output dtype (clipped to its range);
-decode-sum adds P ranks' decodes in float32 in rank order and writes once. The arithmetic is the
-reference's (`taco_jax.codec.reference`) up to the order of the transform's sums and one rounding
-of the per-group factors (see the conformance rule in `taco_jax.kernels`).
+decode-sum adds P ranks' decodes in float32 in rank order and writes once (rounded, not clipped).
+The arithmetic is the reference's (`taco_jax.codec.reference`) up to the order of the transform's
+sums and one rounding of the per-group factors (see the conformance rule in `taco_jax.kernels`).
 
 Interpret mode is chosen by the platform the computation is *lowered* for
 (`lax.platform_dependent`), not the one jax runs on, so `jax.export(..., platforms=["cuda"])`
@@ -166,10 +166,10 @@ def _decode_block(codes, s, a, g):
     return _wht(codes.astype(jnp.float32) * k[:, None])
 
 
-def _store_out(out_ref, x):
-    """x float32 clipped to out_ref's finite range when narrower (NaN kept: Triton's fmin / fmax drop
-    it) and stored in its dtype."""
-    if jnp.finfo(out_ref.dtype).max < jnp.finfo(jnp.float32).max:
+def _store_out(out_ref, x, clip: bool = True):
+    """x float32 clipped to out_ref's finite range when narrower and `clip` (NaN kept: Triton's fmin /
+    fmax drop it) and stored in its dtype."""
+    if clip and jnp.finfo(out_ref.dtype).max < jnp.finfo(jnp.float32).max:
         big = np.float32(jnp.finfo(out_ref.dtype).max)
         x = jnp.where(jnp.isnan(x), x, jnp.clip(x, -big, big))
     out_ref[...] = x.astype(out_ref.dtype)
@@ -185,7 +185,7 @@ def _decode_sum_kernel(codes_ref, s_ref, *rest, g, has_a, p):
     acc = _decode_block(codes_ref[0], s_ref[0], a_ref[0] if has_a else None, g)
     for r in range(1, p):  # rank order, float32
         acc = acc + _decode_block(codes_ref[r], s_ref[r], a_ref[r] if has_a else None, g)
-    _store_out(out_ref, acc)
+    _store_out(out_ref, acc, clip=False)  # the sum rounded once, as the exact sum: ±Inf where it overflows
 
 
 # --------------------------------------------------------------------------------------
@@ -330,7 +330,8 @@ def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, bl
 
     Args:
       codes: FP8 [P, ..., n_groups, G]; s, a: float32 [P, ..., n_groups] (a=None: folded layout).
-      dtype: output dtype (float32, bfloat16 or float16), finite values clipped to its range.
+      dtype: output dtype (float32, bfloat16 or float16): the float32 sum rounded to it once, not
+        clipped (a sum beyond its range is ±Inf, as the exact sum and `codec.dispatch.decode_sum`).
     Returns: dtype [..., n_groups, G].
     Raises: ValueError for another dtype or a block that is not a power of 2."""
     p, *lead, n_groups, g = codes.shape

@@ -8,8 +8,9 @@ once:
               reciprocal per group); writes codes, s, a.
   decode      codes -> q k, k = s / sqrt(G) / max(a, EPS) per group -> WHT -> clipped to the
               output dtype's finite range -> written in the output dtype (f32, bf16 or f16).
-  decode_sum  P ranks' codes of the same groups, each decoded as above and summed in f32 in rank
-              order, then clipped and written once in the output dtype.
+  decode_sum  P ranks' codes of the same groups, each decoded as above (not clipped) and summed in
+              f32 in rank order, then written once in the output dtype (rounded, not clipped: a
+              sum beyond its range is +-Inf, as the exact sum).
 
 The Walsh-Hadamard transform is an in-register butterfly (`_wht`): log2(G) stages of
 `lo + hi, lo - hi` on the index bit of the stage (reshape / permute / split / join, which Triton
@@ -94,9 +95,10 @@ def encode_meta(cfg: CodecConfig, n: int, n_groups: int, last_count: int) -> dic
 
 def decode_meta(n: int, g: int, *, has_a: bool, dtype=jnp.float32, p: int | None = None) -> dict:
     """`decode_kernel`'s constexpr arguments for `n` groups of size `g` written in `dtype` (grid:
-    cdiv(n, BLOCK)); with `p`, `decode_sum_kernel`'s for `p` ranks' codes of those groups."""
+    cdiv(n, BLOCK)); with `p`, `decode_sum_kernel`'s for `p` ranks' codes of those groups (the sum
+    is not clipped: CLIP 0)."""
     meta = dict(N=n, G=g, LOG_G=g.bit_length() - 1, BLOCK=block_groups(g), HAS_A=has_a,
-                SQRT_G=float(np.float32(math.sqrt(g))), EPS=C.EPS, CLIP=clip_value(dtype))
+                SQRT_G=float(np.float32(math.sqrt(g))), EPS=C.EPS, CLIP=clip_value(dtype) if p is None else 0.0)
     if p is not None:
         meta["P"] = p
     return meta
@@ -165,8 +167,9 @@ def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dt
 
     Args:
       codes: FP8 [P, ..., n_groups, G]; s, a: float32 [P, ..., n_groups] (a=None: folded layout).
-      dtype: output dtype (float32, bfloat16 or float16), finite values clipped to its range.
-    Returns: dtype [..., n_groups, G], the sum of `decode_groups` of each rank's groups.
+      dtype: output dtype (float32, bfloat16 or float16): the float32 sum rounded to it once, not
+        clipped (as `codec.dispatch.decode_sum`).
+    Returns: dtype [..., n_groups, G], the sum of each rank's groups decoded in float32.
     Raises: ValueError for another dtype."""
     p, *lead, n_groups, g = codes.shape
     _check_dtype(dtype, "decode output")
