@@ -24,6 +24,14 @@ rule of `taco_jax.kernels`. NaN-propagating max/min mirror jnp.
 
 `triton` and `jax_triton` are imported on first use only, so CPU installs never need them
 (`pip install 'taco_jax[gpu]'` brings them). FP8 E4M3 needs compute capability >= 8.9.
+
+Inside `shard_map` (the train step's collectives): jax-triton's call types its results invariant
+(its abstract eval drops the operands' varying manual axes), and later collectives would take such a
+value as replicated, so the wrappers give the results their operands' varying axes back
+(`codec.vma.pvary`, as `ffi_codec` does). jax-triton compiles each kernel to a cubin while lowering,
+for the compute capability of device 0 unless told one; on a machine without a GPU (a deviceless
+XLA:GPU compile for abstract CUDA devices, `train.deviceless`) there is none to ask, so the lowering
+of its call takes the capability of the devices the computation is lowered for (`_lowering_capability`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import numpy as np
 
 from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
+from taco_jax.codec.vma import pvary, vma_of
 
 #: Message dtypes the kernels read and write as they are (no convert around the custom call).
 NATIVE_DTYPES = ("float32", "bfloat16", "float16")
@@ -104,15 +113,68 @@ def decode_meta(n: int, g: int, *, has_a: bool, dtype=jnp.float32, p: int | None
     return meta
 
 
-def _triton_call(*args, kernel, out, grid, name, **meta):
-    """`jax_triton.triton_call` across its API change (`out_shape` in 0.3.x, later `out_type`)."""
+def _capability_of(devices) -> int | None:
+    """The compute capability of the first of `devices` as jax-triton spells it (major * 10 + minor,
+    e.g. 90), or None when there is none or it carries no `compute_capability` (a CPU device)."""
+    try:
+        first = next(iter(devices), None)
+        major, minor = str(getattr(first, "compute_capability", "")).split(".")
+        return int(major) * 10 + int(minor)
+    except (TypeError, ValueError):
+        return None
+
+
+def _lowering_capability(ctx) -> int | None:
+    """The compute capability of the devices a computation is being lowered for (`_capability_of`),
+    read from the lowering's axis context: the device assignment of a jit, or the mesh of a
+    `shard_map`; None when they are not known there (an abstract mesh)."""
+    axis = ctx.module_context.axis_context
+    devices = getattr(axis, "device_assignment", None)
+    if devices is None:
+        mesh = getattr(axis, "mesh", None)
+        try:
+            devices = None if mesh is None else np.asarray(mesh.devices).flat
+        except (AttributeError, ValueError, TypeError):  # an abstract mesh has no devices
+            devices = None
+    return None if devices is None else _capability_of(devices)
+
+
+@functools.cache
+def _jax_triton():
+    """`jax_triton`, imported on first use, with its CUDA lowering wrapped once so that a call that
+    names no compute capability is compiled for the devices it is lowered for (`_lowering_capability`)
+    rather than for device 0 of this process, which a machine without a GPU does not have. A call that
+    names one, or a lowering whose devices carry none, goes to jax-triton's own rule unchanged."""
     import jax_triton as jt  # noqa: PLC0415
 
+    lib = getattr(jt, "triton_lib", None)
+    names = ("triton_kernel_call_p", "triton_kernel_call_lowering", "get_cuda_backend")
+    if lib is not None and all(hasattr(lib, n) for n in names):  # jax-triton >= 0.3.1; else its own rule
+        from jax.interpreters import mlir  # noqa: PLC0415
+
+        def lowering(ctx, *args, compute_capability=None, **params):
+            if compute_capability is None:
+                compute_capability = _lowering_capability(ctx)
+            return lib.triton_kernel_call_lowering(lib.get_cuda_backend, ctx, *args,
+                                                   compute_capability=compute_capability, **params)
+
+        mlir.register_lowering(lib.triton_kernel_call_p, lowering, platform="cuda")
+    return jt
+
+
+def _triton_call(*args, kernel, out, grid, name, **meta):
+    """`jax_triton.triton_call` across its API change (`out_shape` in 0.3.x, later `out_type`), its
+    array operands made to vary over the same manual axes and its results given those axes (the
+    module docstring)."""
+    jt = _jax_triton()
+    vma = frozenset().union(*(vma_of(a) for a in args))
+    args = [pvary(a, vma) for a in args]
     params = inspect.signature(jt.triton_call).parameters
     key = "out_shape" if "out_shape" in params else "out_type"
     extra = {"name": name} if "name" in params else {}
-    return jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=NUM_WARPS, num_stages=1, **{key: out}, **extra,
+    outs = jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=NUM_WARPS, num_stages=1, **{key: out}, **extra,
                           **meta)
+    return jax.tree.map(lambda o: pvary(o, vma), outs)
 
 
 def _check_dtype(dtype, what: str):
