@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SIM    := $(VENV)/.gpu-sim
 OUT    ?= runs/compare
 
-.PHONY: ffi cuda gpu-sim install train test test-fast test-gpu-sim bench bench-e2e bench-e2e-link fidelity fidelity-long lint clean
+.PHONY: ffi cuda gpu-sim gpu-compile install train test test-fast test-gpu-sim bench bench-e2e bench-e2e-link fidelity fidelity-long lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,24 @@ $(SIM): $(STAMP)
 	  || echo "gpu-sim/hf extras not installed (no torch 2.13.0+cpu wheel for this Python): their tests skip"
 	touch $(SIM)
 
+## XLA's CUDA plugin and ptxas for `plan --compiler gpu` (the `gpu-compile` extra, at jaxlib's version), beside the
+## venv rather than in it: the suite's jax stays the CPU-only install, and only the tests of the deviceless compile
+## (tests/test_deviceless.py) put it on their child processes' path. Users: pip install -e '.[gpu-compile]'.
+GPUC := $(VENV)/gpu-compile
+gpu-compile: $(GPUC)/.installed $(GPUC)/.jax-triton
+$(GPUC)/.installed: $(STAMP)
+	v=$$($(PY) -c "import jaxlib; print(jaxlib.__version__)"); \
+	$(PY) -m pip install --quiet --target $(GPUC) --no-deps "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" \
+	  nvidia-cuda-nvcc-cu12 || echo "the CUDA plugin $$v was not installed: tests/test_deviceless.py's compile skips"
+	touch $@
+## jax-triton for the Triton codec in the CUDA train step (tests/test_gpu_step.py): pure Python, --no-deps (its
+## triton is the gpu-sim extra's, whose wheel ships the ptxas it compiles the kernels with); a stamp of its own so
+## that a gpu-compile folder made before it gets it too. Pinned: triton_codec wraps its CUDA lowering.
+$(GPUC)/.jax-triton: $(GPUC)/.installed
+	$(PY) -m pip install --quiet --target $(GPUC) --no-deps "jax-triton==0.3.1" \
+	  || echo "jax-triton was not installed: tests/test_gpu_step.py's Triton backend skips"
+	touch $@
+
 ## Main job: GPT on Shakespeare, --comm none vs --comm taco on a simulated data=2 × tensor=4 CPU mesh.
 ## A second `make train` replaces the previous one's outputs in $(OUT) (none/, taco/, summary.json,
 ## loss.png; other files stay); OUT=DIR writes elsewhere. `taco-jax compare` itself never overwrites.
@@ -51,7 +69,7 @@ train: install
 ## Which command when: docs/development.md.
 TEST_ARGS ?=
 PYTEST    := $(PY) -m pytest -q --per-file -n 2 --dist loadfile --no-loadscope-reorder
-test: install gpu-sim cuda
+test: install gpu-sim cuda gpu-compile
 	$(PYTEST) --durations=15 $(TEST_ARGS)
 
 ## The inner loop: in-process tests only (marker `fast`: no child processes, namespaces, notebooks or `slow`).

@@ -21,8 +21,12 @@ import warnings
 EXIT_RUN_FAILED = 1
 #: Exit status of a command refused before it ran (bad flag value, unwritable --out, ...).
 EXIT_BAD_INPUT = 2
+#: Exit status of `plan --compiler gpu` whose step does not fit the GPU's memory (plan.json and plan.md written).
+EXIT_NO_FIT = 3
 #: Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
 EXIT_INTERRUPTED = 130
+#: Exit status of a run stopped by SIGTERM before its first step (128 + SIGTERM, as a shell reports it).
+EXIT_TERMINATED = 143
 
 
 class _Parser(argparse.ArgumentParser):
@@ -181,7 +185,8 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     _add_plan(sub, helps, explicit)
     lp = sub.add_parser("launch", help="run a command as N local processes of one multi-process run (development)",
                         usage="taco-jax launch --processes N [--link RATE | --link intra=RATE,inter=RATE --nodes K] "
-                              "[--pin-cpus] [--verbose] -- train [flags ...]\n       taco-jax launch --cleanup",
+                              "[--pin-cpus] [--stop-grace S] [--verbose] -- train [flags ...]\n       taco-jax launch "
+                              "--cleanup",
                         allow_abbrev=False)
     lp.add_argument("--processes", type=int, default=0, help="number of local processes")
     lp.add_argument("--link", default=None, metavar="RATE|intra=RATE,inter=RATE",
@@ -201,6 +206,10 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
                          "larger; with more processes than CPUs, process i gets the (i mod CPUs)-th and they share. "
                          "The shares are printed; the codec's thread pool sizes to its share. Default: every "
                          "process on every CPU")
+    lp.add_argument("--stop-grace", type=float, default=None, metavar="S",
+                    help="seconds the processes get after a SIGTERM or Ctrl-C to the launcher (forwarded to them: "
+                         "a checkpoint at the next step) before the launcher kills those still running (SIGKILL), "
+                         "removes the namespaces and says what the run kept (default: 30, launch.STOP_GRACE_S)")
     lp.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command for every process (train / compare)")
     cal = sub.add_parser("calibrate", help="choose a codec per TP site from captured messages (train --capture N)",
                          formatter_class=_HelpFormatter, allow_abbrev=False)
@@ -291,6 +300,13 @@ def _add_plan(sub, helps, explicit: bool) -> None:
                               + ("; plan simulates that many CPU devices" if name == "plan" else ""))
         if name == "plan":
             own.add_argument("--no-compile", action="store_true", help="the cost model only (= predict)")
+            own.add_argument("--compiler", choices=("auto", "gpu", "cpu"), default="auto",
+                             help="gpu: XLA:GPU compiles the step for --hardware's GPU, no GPU needed (`pip install "
+                                  "-e '.[gpu-compile]'`), with a memory verdict (exit 3 when it does not fit); cpu: "
+                                  "XLA:CPU on simulated devices; auto: gpu when the CUDA plugin is installed")
+            own.add_argument("--extrapolate", action="store_true",
+                             help="compile two shallow copies (one and two layers per stage) instead of the whole "
+                                  "model and extrapolate the peak memory to its depth (minutes sooner for deep models)")
             sp.set_defaults(out="runs/plan")
         else:
             own.add_argument("--paper", action="store_true",
@@ -396,11 +412,16 @@ def _error(e: Exception, status: int) -> int:
     return status
 
 
-def _force_cpu_devices(mesh: str, processes: int = 1) -> None:
+def _force_cpu_devices(mesh: str, processes: int = 1, wins: str = "") -> None:
     """A simulated CPU mesh needs its device count (mesh size / `processes`) in XLA_FLAGS before jax
     creates its CPU backend (at the first device query, not at `import jax`; importing the config
-    imports jax already). Harmless on GPU. A malformed --mesh is left to the config, which names it."""
+    imports jax already). Harmless on GPU. A malformed --mesh is left to the config, which names it.
+    `wins`: the flag asking for that count (e.g. "--devices 16"), which beats another count in
+    XLA_FLAGS (an exported one): replaced, in one line naming both, the other XLA_FLAGS entries kept.
+    Empty: a count already there is kept (`main` without `own_process`: the caller's process, whose
+    jax may have started)."""
     from taco_jax.parallel.mesh import parse_mesh
+    from taco_jax.train.distributed import DEVICE_COUNT_FLAG, with_device_count
 
     try:
         sizes = parse_mesh(mesh).values()
@@ -411,8 +432,12 @@ def _force_cpu_devices(mesh: str, processes: int = 1) -> None:
         n *= v
     n //= max(processes, 1)
     flags = os.environ.get("XLA_FLAGS", "")
-    if n and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if not n or (DEVICE_COUNT_FLAG in flags and not wins):
+        return
+    os.environ["XLA_FLAGS"], old = with_device_count(flags, n)
+    if old is not None:
+        _say(f"[taco-jax] warning: $XLA_FLAGS sets {DEVICE_COUNT_FLAG}={old}; replaced by {n}, as {wins} asks "
+             "(the other XLA_FLAGS entries are kept)")
 
 
 def _data_or_sample(args) -> int:
@@ -436,6 +461,8 @@ def _data_or_sample(args) -> int:
                 raise ValueError(f"{flag} {v} must be an integer >= 0")
         if not (args.temperature >= 0 and math.isfinite(args.temperature)):
             raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0")
+        if not 0 <= args.seed < 2**63:
+            raise ValueError(f"--seed {args.seed} must be in [0, 2**63) (JAX's seeds)")
         print(sample(args.source, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                      seed=args.seed))
         return 0
@@ -515,7 +542,7 @@ def main(argv=None, *, own_process: bool = False) -> int:
             return launch(args.processes, command,
                           config_of=config_from_argv,
                           malloc=args.malloc, link=args.link, nodes=args.nodes, verbose=args.verbose,
-                          pin_cpus=args.pin_cpus)
+                          pin_cpus=args.pin_cpus, stop_grace_s=args.stop_grace)
         except ValueError as e:
             return _error(e, EXIT_BAD_INPUT)
     try:
@@ -541,17 +568,18 @@ def main(argv=None, *, own_process: bool = False) -> int:
                                          f"other flag (got {', '.join(given)}); leave out --paper to predict your own "
                                          "run"),
                               EXIT_BAD_INPUT)
-        return _plan(args, file_policy)
+        return _plan(args, file_policy, own_process)
     return _train_or_compare(args, file_policy, own_process)
 
 
-def _plan(args, file_policy: dict | None) -> int:
+def _plan(args, file_policy: dict | None, own_process: bool = False) -> int:
     """`taco-jax plan` / `predict` (taco_jax/train/plan.py): checks every value, then prints the table;
     `plan` writes plan.json and plan.md to --out."""
     import json
     import pathlib
 
     compile_ = args.command == "plan" and not args.no_compile
+    wins = (f"--devices {args.devices}" if args.devices else f"--mesh {args.mesh}") if own_process else ""
     if not (args.command == "predict" and args.paper):
         from taco_jax.parallel.mesh import parse_mesh
 
@@ -564,8 +592,17 @@ def _plan(args, file_policy: dict | None) -> int:
         if args.devices is not None and args.devices != n:
             return _error(ValueError(f"devices={args.devices} differs from the mesh {args.mesh!r} ({n} devices); "
                                      "give the mesh's size"), EXIT_BAD_INPUT)
-        if compile_:
-            _force_cpu_devices(args.mesh)
+    compiler = "cpu"
+    if compile_:
+        from taco_jax.train import deviceless
+
+        compiler = args.compiler
+        if compiler == "auto":
+            compiler = "gpu" if deviceless.plugin_error() is None else "cpu"
+        if compiler == "gpu" and deviceless.plugin_error():
+            return _error(ValueError(deviceless.plugin_error()), EXIT_BAD_INPUT)
+        if compiler == "cpu":
+            _force_cpu_devices(args.mesh, wins=wins)
     from taco_jax.perf.hardware import get_hardware
     from taco_jax.train import plan as planner
 
@@ -580,7 +617,22 @@ def _plan(args, file_policy: dict | None) -> int:
             from taco_jax.train.loop import check_out_dir
 
             out = check_out_dir(args.out)
-        result = planner.plan(cfg, spec, tp_span_nodes=args.tp_span_nodes, compile=compile_, say=_say)
+        devices = None
+        if compiler == "gpu":
+            if args.compiler == "auto" and spec.target is None:  # the user's entry says nothing of its GPU
+                _say(f"plan: hardware {spec.key!r} has no [{spec.key}.target] table: compiling with XLA:CPU")
+                _force_cpu_devices(args.mesh, wins=wins)
+            else:
+                devices = deviceless.gpu_devices(spec, n)
+        extrapolate = compile_ and args.extrapolate
+        if extrapolate and args.layers is not None:
+            raise ValueError(f"--extrapolate compiles shallow copies of the model's own depth; leave out --layers "
+                             f"{args.layers}")
+        if devices is not None:
+            _say(f"plan: XLA:GPU compiles for {spec.hardware.name} on {n} abstract devices (no GPU needed); the CUDA "
+                 "plugin's lines \"Could not find cuda drivers on your machine, GPU will not be used\" say just that")
+        result = planner.plan(cfg, spec, tp_span_nodes=args.tp_span_nodes, compile=compile_, say=_say,
+                              devices=devices, extrapolate=extrapolate)
     except ValueError as e:
         return _error(e, EXIT_BAD_INPUT)
     if args.command == "plan":
@@ -600,6 +652,10 @@ def _plan(args, file_policy: dict | None) -> int:
         print("\n".join(planner.lines(result)))
         if args.command == "plan":
             print(f"written: {pathlib.Path(args.out) / 'plan.json'}, {pathlib.Path(args.out) / 'plan.md'}")
+    verdict = result.get("compiled", {}).get("verdict")
+    if verdict and not verdict["fits"]:
+        _say(f"plan: the step does not fit the {spec.hardware.name}'s memory (exit {EXIT_NO_FIT})")
+        return EXIT_NO_FIT
     return 0
 
 
@@ -674,7 +730,9 @@ def _train_or_compare(args, file_policy: dict | None, own_process: bool = False)
                                               auto=args.distributed)
     except ValueError as e:
         return _error(e, EXIT_BAD_INPUT)
-    _force_cpu_devices(args.mesh, dist.num_processes if dist else 1)
+    processes = dist.num_processes if dist else 1  # 0: auto-detected (--distributed), not known here
+    wins = f"--mesh {args.mesh}" + (f" over --num-processes {processes}" if processes > 1 else "")
+    _force_cpu_devices(args.mesh, processes, wins=wins if own_process and processes else "")
     try:
         cfg = _train_config(args, file_policy)  # validates every value before anything runs
     except ValueError as e:
@@ -686,6 +744,7 @@ def _train_or_compare(args, file_policy: dict | None, own_process: bool = False)
             distributed.initialize(dist)  # gloo for CPU collectives, then jax.distributed.initialize
         except ValueError as e:  # the coordinator's address in use (checked before the service starts)
             return _error(e, EXIT_BAD_INPUT)
+    from taco_jax.train import hooks
     from taco_jax.train.compare import compare
     from taco_jax.train.console import summary_block
     from taco_jax.train.loop import train
@@ -702,6 +761,12 @@ def _train_or_compare(args, file_policy: dict | None, own_process: bool = False)
     except KeyboardInterrupt:  # Ctrl-C: one line (no traceback) saying what is kept
         _say(f"taco-jax: {_interrupted(cfg)}")
         return EXIT_INTERRUPTED
+    except hooks.Stopped as e:  # SIGTERM before the first step (one process): one line saying what is kept
+        _say(f"taco-jax: {e}")
+        if own_process:  # a compilation cut short goes on in XLA's threads, which the interpreter's exit would
+            sys.stdout.flush()  # meet half-done (SIGSEGV seen): the process ends here
+            os._exit(EXIT_TERMINATED)
+        return EXIT_TERMINATED
     if jax.process_index() == 0:  # one summary per run: its key numbers (the rest in summary.json)
         sys.stdout.write(summary_block(result, cfg.checkpoint.out) + "\n")
         sys.stdout.flush()
@@ -716,6 +781,9 @@ def run() -> None:
     only to free memory the process hands back to the OS anyway. Objects are still released by
     reference counting and exit handlers run as usual; `main` without `own_process` (in-process
     callers: tests, scripts) freezes nothing."""
+    from taco_jax.train.deviceless import keep_jax_on_cpu
+
+    keep_jax_on_cpu()  # the CUDA plugin of `.[gpu-compile]` on a machine without a GPU
     status = main(own_process=True)
     gc.freeze()
     sys.exit(status)

@@ -3,18 +3,22 @@ and tests, in the manner of `torchrun --standalone`).
 
 Each process runs `python -P -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
 --process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on
-CPU. The mesh is the one the command resolves (its `--mesh`, else its `--config` file's, else the
-default), read before any process starts; a mesh size not divisible by N is refused then. `-P`: the
-processes import the launcher's own taco_jax whatever the working directory holds (a folder named
-`taco_jax`, e.g. the clone, would otherwise come first on the path); the folder holding the package
-goes first on their PYTHONPATH unless it is a site-packages folder. When process 0 finds the port
-taken (another program bound it in between), the processes are started again on another free port
-(up to `PORT_ATTEMPTS` tries). Every output line is prefixed with "[I] " (gloo's "[Gloo] Rank I is
-connected to K peer ranks" lines, printed to stdout by its TCP transport with no setting to turn
-them off, are left out when every peer connected, unless `verbose`); when one process fails (exit
-status != 0) the others are stopped (SIGTERM, then SIGKILL after `grace_s`) and the launcher returns
-that status. SIGTERM / SIGINT to the launcher is forwarded to every process (a preemption: they
-checkpoint and exit).
+CPU (another count exported in XLA_FLAGS is replaced, said in one line). `<command>` is train or
+compare (`LAUNCHED`); another is refused before any process starts. The mesh is the one the command
+resolves (its `--mesh`, else its `--config` file's, else the default), read before any process starts;
+a mesh size not divisible by N is refused then. `-P`: the processes import the launcher's own taco_jax
+whatever the working directory holds (a folder named `taco_jax`, e.g. the clone, would otherwise come
+first on the path); the folder holding the package goes first on their PYTHONPATH unless it is a
+site-packages folder. When process 0 finds the port taken (another program bound it in between), the
+processes are started again on another free port (up to `PORT_ATTEMPTS` tries). Every output line is
+prefixed with "[I] " (gloo's "[Gloo] Rank I is connected to K peer ranks" lines, printed to stdout by
+its TCP transport with no setting to turn them off, are left out when every peer connected, unless
+`verbose`); when one process fails (exit status != 0) the others are stopped (SIGTERM, then SIGKILL
+after `grace_s`) and the launcher returns that status. SIGTERM / SIGINT to the launcher is forwarded
+to every process (a preemption: they checkpoint and exit); those still running `STOP_GRACE_S`
+(`stop_grace_s`, `--stop-grace`) after it are killed (SIGKILL to each one's process group), and the
+launcher says in one line what the run kept. Before any process started, the signal stops the
+launcher at once (namespaces removed), said too.
 
 Allocator (`malloc="keep"`, the default): the processes get `GLIBC_TUNABLES` = `MALLOC_KEEP`, so
 glibc serves large buffers from its heap and keeps freed memory for reuse instead of mapping
@@ -92,12 +96,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: The commands `launch` runs: those that join a multi-process run (`--coordinator`, `--num-processes`,
+#: `--process-id`). A command line starting with a flag (`--version`, `--help`) is passed on as it is.
+LAUNCHED = ("train", "compare")
+
+
 def run_config(argv: list[str], config_of):
     """The `TrainConfig` that `taco-jax ARGV` runs (`config_of(argv)`, e.g. `cli.config_from_argv`: its
     flags and `--config` file, resolved as `train` resolves them), or None when ARGV is not a `train` /
     `compare` command. Raises ValueError naming a bad value; SystemExit for a malformed command line
     (argparse's message)."""
-    if not argv or argv[0] not in ("train", "compare"):
+    if not argv or argv[0] not in LAUNCHED:
         return None
     return config_of(argv)
 
@@ -151,7 +160,7 @@ def cpu_shares(processes: int, cpus: list[int] | None = None) -> list[set[int]]:
 
 def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0, env=None, out=None,
            malloc: str = "keep", link: str | None = None, nodes: int = 0, verbose: bool = False,
-           pin_cpus: bool = False) -> int:
+           pin_cpus: bool = False, stop_grace_s: float | None = None) -> int:
     """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
     the first failure's; the others then get `FAILED_GRACE_S` after SIGTERM). `out`: stream for the
     prefixed lines (default stdout). `malloc`: the processes' allocator setting ("keep" or
@@ -161,8 +170,12 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     runs on its own share of the launcher's CPUs (`cpu_shares`, printed to `out`), as a rank owns its
     accelerator, instead of every process on every CPU. `config_of`: argv -> the `TrainConfig` the command runs
     (`cli.config_from_argv`, passed in by the CLI: this module sits below it), checked before any
-    process starts.
-    Raises ValueError for processes < 1, an empty command, flags the launcher sets itself, a
+    process starts. `stop_grace_s` (default `STOP_GRACE_S`): after a SIGTERM or SIGINT to the
+    launcher, the processes still running this many seconds later are killed (SIGKILL to each one's
+    process group) and the launcher says what the run keeps and returns 128 + the signal; before any
+    process started, the signal stops the launch at once (namespaces removed), also in one line.
+    Raises ValueError for processes < 1, an empty command, a command other than train / compare,
+    flags the launcher sets itself, a
     configuration `train` would refuse, a mesh size not divisible by `processes`, an unknown
     `malloc`, a malformed `link` / `nodes` or a tensor axis spanning nodes;
     emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
@@ -172,6 +185,9 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
         raise ValueError(f"processes={processes} must be >= 1")
     if not argv:
         raise ValueError("no command after `--`; e.g. taco-jax launch --processes 2 -- train --steps 20")
+    if not argv[0].startswith("-") and argv[0] not in LAUNCHED:  # it would die on the --coordinator given to it
+        raise ValueError(f"launch runs {' and '.join(LAUNCHED)} (the commands that join a multi-process run), not "
+                         f"{argv[0]}: run `taco-jax {argv[0]} ...` without launch (one process)")
     own = ("--coordinator", "--num-processes", "--process-id", *(("--emulated-link",) if link is not None else ()))
     for flag in own:
         if any(a == flag or a.startswith(flag + "=") for a in argv):
@@ -190,36 +206,109 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
             emulate.check_tensor_in_node(axes, processes, node_of)
         emulate.check_available()
     base = child_env(malloc_env(os.environ if env is None else env, malloc))
-    n_mesh = math.prod(axes.values()) if axes else None
-    if n_mesh and "xla_force_host_platform_device_count" not in base.get("XLA_FLAGS", ""):
-        base["XLA_FLAGS"] = (base.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={n_mesh // processes}").strip()
+    if axes:  # each process's share of the mesh; another count exported in XLA_FLAGS gives way, said
+        from taco_jax.train.distributed import DEVICE_COUNT_FLAG, with_device_count
+
+        share = math.prod(axes.values()) // processes
+        base["XLA_FLAGS"], old = with_device_count(base.get("XLA_FLAGS", ""), share)
+        if old is not None:
+            print(f"[launch] warning: $XLA_FLAGS sets {DEVICE_COUNT_FLAG}={old}; each process gets {share} instead, as "
+                  f"--mesh {cfg.parallelism.mesh} over --processes {processes} asks (the other XLA_FLAGS entries are "
+                  "kept)", file=sys.stderr, flush=True)
     base["PYTHONUNBUFFERED"] = "1"
+    stop_grace_s = STOP_GRACE_S if stop_grace_s is None else stop_grace_s
+    if not 0 < stop_grace_s < math.inf:
+        raise ValueError(f"--stop-grace {stop_grace_s:g} must be seconds > 0")
     shares = cpu_shares(processes) if pin_cpus else None
     if shares is not None:
         shared = sum(map(len, shares)) > len(set().union(*shares))  # a CPU in two shares
         print("[launch] CPUs: " + ", ".join(f"process {i} on {_cpu_list(c)}" for i, c in enumerate(shares))
               + (f" ({processes} processes on {_cpu_list(set().union(*shares))}: they share)" if shared else ""),
               file=out, flush=True)
-    if spec is None:
-        return _retry_ports(lambda port, busy: _run(processes, argv, base, f"127.0.0.1:{port}", lambda i: [],
-                                                    grace_s, out, busy, verbose, shares), out)
-    if processes < 2:
-        print(f"[launch] warning: --link {spec.text} with {processes} process shapes no link (nothing to connect)",
-              file=sys.stderr, flush=True)
-    with emulate.Cluster(processes, spec) as cluster:
-        print(f"[launch] emulated cluster: namespaces {cluster.names[0]} .. {cluster.names[-1]}; measuring "
-              f"the links ...", file=out, flush=True)
-        description = cluster.measure_links()
-        for tier, t in description["tiers"].items():
-            name = "link" if tier == "link" else f"{tier} link"
-            print(f"[launch] {name}: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
-                  f"{t['measured_bit_per_s'] / 1e6:.1f} Mbit/s (TCP payload, median of "
-                  f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
-        argv = [*argv, "--emulated-link", json.dumps(description)]  # a config field: in config.json
-        return _retry_ports(lambda port, busy: _run(processes, argv, base, f"{cluster.addrs[0]}:{port}",
-                                                    cluster.exec_prefix, grace_s, out, busy, verbose, shares),
-                              out)
+    early = _StopBeforeProcesses()
+    with early:  # a SIGTERM / SIGINT before the processes run: stopped here (namespaces removed), one line
+
+        def start(coordinator_host: str, wrap) -> int:
+            early.where = "starting the processes"
+            status = _retry_ports(lambda port, busy: _run(processes, argv, base, f"{coordinator_host}:{port}", wrap,
+                                                          grace_s, out, busy, verbose, shares,
+                                                          stop_grace_s=stop_grace_s, kept=lambda: _kept(argv, cfg)),
+                                  out)
+            early.where = None  # the run is over: a signal now waits for the namespaces' removal
+            return status
+
+        if spec is None:
+            return start("127.0.0.1", lambda i: [])
+        if processes < 2:
+            print(f"[launch] warning: --link {spec.text} with {processes} process shapes no link (nothing to connect)",
+                  file=sys.stderr, flush=True)
+        early.where = "making the namespaces"
+        with emulate.Cluster(processes, spec) as cluster:
+            early.where = "measuring the links"
+            print(f"[launch] emulated cluster: namespaces {cluster.names[0]} .. {cluster.names[-1]}; measuring "
+                  f"the links ...", file=out, flush=True)
+            description = cluster.measure_links()
+            for tier, t in description["tiers"].items():
+                name = "link" if tier == "link" else f"{tier} link"
+                print(f"[launch] {name}: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
+                      f"{t['measured_bit_per_s'] / 1e6:.1f} Mbit/s (TCP payload, median of "
+                      f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
+            argv = [*argv, "--emulated-link", json.dumps(description)]  # a config field: in config.json
+            return start(cluster.addrs[0], cluster.exec_prefix)
+    print(f"[launch] stopped by {early.signal} while {early.stopped_while}: no process ran"
+          + ("; the namespaces are removed" if spec is not None else ""), file=out, flush=True)
+    return 128 + early.signum
+
+
+#: Seconds the processes get after a SIGTERM (or SIGINT) to the launcher, which forwards it, before the
+#: launcher kills the ones still running (SIGKILL to each one's process group), removes the namespaces
+#: and exits (`taco-jax launch --stop-grace S`). A preempted step boundary and its checkpoint fit in it;
+#: a process that has not reached its first step (start-up, compiling: with several processes JAX's
+#: preemption notifier holds SIGTERM until a step boundary) has nothing to save and is killed.
+STOP_GRACE_S = 30.0
+
+
+class _Stopped(BaseException):
+    """A signal to the launcher before its processes run (`_StopBeforeProcesses`)."""
+
+
+class _StopBeforeProcesses:
+    """SIGTERM / SIGINT handlers (main thread only) that stop `launch` at once while no process runs
+    (`where`: what the launcher does then; None: the run is over, the signal is ignored while the
+    namespaces are removed). `_run` installs its own while its processes run (forwarding)."""
+
+    def __init__(self):
+        self.where, self.old, self.signum, self.stopped_while = "starting", {}, None, None
+
+    @property
+    def signal(self) -> str:
+        return signal.Signals(self.signum).name
+
+    def _on_signal(self, signum, _frame):
+        if self.where is not None:
+            self.signum, self.stopped_while = signum, self.where
+            raise _Stopped
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, kind, *_):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        return kind is not None and issubclass(kind, _Stopped)
+
+
+def _kept(argv: list[str], cfg) -> str:
+    """What the run of `argv` (its `TrainConfig` `cfg`; None: not a train / compare command) keeps, in
+    words (`train.hooks.kept`: its latest checkpoint or none; compare's two runs each)."""
+    if cfg is None:
+        return ""
+    from taco_jax.train.hooks import kept
+
+    out = cfg.checkpoint.out
+    return "; ".join(kept(o) for o in ([out] if argv[0] == "train" else [f"{out}/none", f"{out}/taco"]))
 
 
 #: Tries of `launch` with a fresh port when the chosen one turned out to be in use (another program
@@ -267,21 +356,19 @@ def _gloo_connected_only(text: str) -> bool:
 
 
 def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out,
-         busy: threading.Event | None = None, verbose: bool = False, shares: list[set[int]] | None = None) -> int:
+         busy: threading.Event | None = None, verbose: bool = False, shares: list[set[int]] | None = None, *,
+         stop_grace_s: float = STOP_GRACE_S, kept=lambda: "") -> int:
     """Starts the processes (`wrap(i) + python -P -m taco_jax.cli ...`) and waits (see `launch`). `busy`
     is set when process 0 reports `coordinator` in use. Without `verbose`, gloo's connection lines
     are left out when every peer connected (`_gloo_connected_only`). `shares`: process i's CPUs (set
-    before its exec, so `ip netns exec` and python inherit them), or None for all."""
+    before its exec, so `ip netns exec` and python inherit them), or None for all. A SIGTERM / SIGINT
+    to the launcher is forwarded to every process; those still running `stop_grace_s` after it are
+    killed (SIGKILL to each one's process group) and the status is 128 + its number (unless a
+    process failed first), said in one line with `kept()` (what the run keeps)."""
     from taco_jax.train.distributed import PORT_IN_USE
 
     busy_line = f"coordinator {coordinator} {PORT_IN_USE}"
-    procs = []
-    for i in range(processes):
-        cmd = [*wrap(i), *cli_command(*argv, "--coordinator", coordinator, "--num-processes", str(processes),
-                                      "--process-id", str(i))]
-        procs.append(subprocess.Popen(cmd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True, preexec_fn=_child_setup(None if shares is None
-                                                                                       else shares[i])))
+    procs, pumps, stop = [], [], {}  # stop: the launcher's first SIGTERM / SIGINT ("signum") and its time ("at")
     lock = threading.Lock()
 
     def pump(i, p):
@@ -295,19 +382,28 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
                 out.write(f"[{i}] {text}")
                 out.flush()
 
-    pumps = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(procs)]
-    for t in pumps:
-        t.start()
-
     def forward(signum, _frame):
+        stop.setdefault("signum", signum)
+        stop.setdefault("at", time.monotonic())
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
+    # installed before the first process starts: a signal while they start reaches every one of them
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} \
         if threading.current_thread() is threading.main_thread() else {}
     status = 0
     try:
+        for i in range(processes):
+            cmd = [*wrap(i), *cli_command(*argv, "--coordinator", coordinator, "--num-processes", str(processes),
+                                          "--process-id", str(i))]
+            procs.append(subprocess.Popen(cmd, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          start_new_session=True, preexec_fn=_child_setup(None if shares is None
+                                                                                           else shares[i])))
+            if stop:  # started after the signal came
+                procs[i].send_signal(stop["signum"])
+            pumps.append(threading.Thread(target=pump, args=(i, procs[i]), daemon=True))
+            pumps[i].start()
         pending = set(range(processes))
         while pending:
             for i in sorted(pending):
@@ -317,10 +413,24 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
                 pending.discard(i)
                 if rc != 0 and status == 0:
                     status = rc if rc > 0 else 128 - rc  # killed by a signal: 128 + signal number
+                    after = f" after {signal.Signals(stop['signum']).name}" if stop else ""
+                    what = kept() if stop else ""
                     with lock:
-                        print(f"[launch] process {i} exited with status {rc}; stopping the others",
-                              file=out, flush=True)
+                        print(f"[launch] process {i} exited with status {rc}{after}; stopping the others"
+                              + (f"; {what}" if what else ""), file=out, flush=True)
                     _stop([procs[j] for j in pending], min(grace_s, FAILED_GRACE_S))
+            if stop and pending and time.monotonic() - stop["at"] > stop_grace_s:
+                left, name, what = sorted(pending), signal.Signals(stop["signum"]).name, kept()
+                for i in left:  # all of them first: a survivor would report its peer's death
+                    _kill_group(procs[i])
+                for i in left:
+                    procs[i].wait()
+                pending.clear()
+                status = status or 128 + stop["signum"]
+                with lock:
+                    print(f"[launch] {name}: process{'es' if len(left) > 1 else ''} {', '.join(map(str, left))} still "
+                          f"running {stop_grace_s:g} s after it (--stop-grace): killed (SIGKILL)"
+                          + (f"; {what}" if what else ""), file=out, flush=True)
             time.sleep(0.05)
     finally:
         _stop(procs, grace_s)
@@ -365,8 +475,13 @@ def _stop(procs, grace_s: float) -> None:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(p)
             p.wait()
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL to the process group of `p` (started in its own session: it and what it started)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

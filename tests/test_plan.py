@@ -208,6 +208,35 @@ def test_hardware_file_errors_name_the_file_entry_and_key(tmp_path, capsys, edit
     assert message in err and str(bad) in err, err
 
 
+def test_hardware_entries_differing_only_in_case_are_refused_naming_both(tmp_path, capsys):
+    """Names are case-insensitive (`--hardware MyCluster`): [mycluster] and [MyCluster] in one file are
+    refused naming both, not merged (the later winning); so is a key given twice in a JSON file."""
+    both = tmp_path / "both.toml"
+    both.write_text(_OWN + _OWN.replace("[mycluster", "[MyCluster").replace("peak_tflops = 500", "peak_tflops = 900"))
+    assert main(["predict", "--hardware-file", str(both), "--hardware", "mycluster"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"taco-jax: error: --hardware-file {str(both)!r}: [mycluster] and [MyCluster] name one hardware (names "
+        "are case-insensitive); rename or remove one")
+    twice = tmp_path / "twice.json"  # json.loads would keep the last one silently; TOML refuses it itself
+    twice.write_text('{"mycluster": {}, "mycluster": {}}')
+    assert main(["predict", "--hardware-file", str(twice)]) == 2
+    assert f"--hardware-file {str(twice)!r}: key 'mycluster' is given twice in one object" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_flag(tmp_path, capsys):
+    """A --config or --hardware-file that is not UTF-8 (here Latin-1 "café") is refused naming the flag,
+    the file, the byte and its line, not with the codec's bare message."""
+    for flag, text in (("--config", 'steps = 3\n# caf\xe9\n'), ("--hardware-file", _OWN.replace("ours", "caf\xe9"))):
+        for suffix in (".toml", ".json"):
+            f = tmp_path / f"latin1{suffix}"
+            f.write_bytes(text.encode("latin-1"))
+            at = text.index("\xe9")  # one byte a character in Latin-1
+            assert main(["predict", flag, str(f)]) == 2
+            assert capsys.readouterr().err.strip() == (
+                f"taco-jax: error: {flag} {str(f)!r}: not UTF-8 text (byte 0xe9 at offset {at}, "
+                f"line {text[:at].count(chr(10)) + 1}); save it as UTF-8")
+
+
 def test_own_hardware_file_and_the_shipped_table(tmp_path, capsys):
     """A valid file is used as given (its one entry without --hardware); an unknown name lists the
     known ones; the shipped table declares the six GPUs, the H200 codec speed measured, the others

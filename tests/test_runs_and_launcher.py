@@ -2,7 +2,9 @@
 (the checkpoint itself and `sample --from` on it: test_distributed.py), a run on a caller's own token
 arrays without a tokenizer,
 the launcher started from a folder holding another `taco_jax`, the mesh of a `--config` file, and
-`--step-timeout auto` guarding the evaluation (a peer SIGSTOPped there is named within the limit)."""
+`--step-timeout auto` guarding the evaluation (a peer SIGSTOPped there is named within the limit), an
+exported XLA_FLAGS device count giving way to the flags, the commands launch refuses, and SIGTERM to a
+one-process run while it compiles."""
 
 import json
 import math
@@ -16,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from _procs import ROOT, TINY, cli, env, metrics, run, wait_for
+from _procs import ROOT, TINY, cli, env, metrics, run, start, wait_for
 
 from taco_jax import launch as launch_mod
 from taco_jax.cli import config_from_argv, main
@@ -311,3 +313,87 @@ def test_a_pinned_run_reports_and_records_its_cpus(tmp_path, cache):
         assert summary["process_cpus"] == sorted(shares[0] if pin else os.sched_getaffinity(0))
         assert ("[launch] CPUs: process 0 on " in r.stdout) == pin, r.stdout[-2000:]
     assert launch_mod._cpu_list({0, 1, 2, 5}) == "CPUs 0-2,5" and launch_mod._cpu_list({3}) == "CPU 3"
+
+
+def test_an_exported_device_count_gives_way_to_the_run_s_flags(tmp_path, cache):
+    """Issue 52, 7: an exported XLA_FLAGS device count no longer beats the explicit flags. `plan
+    --devices 2` under a count of 1 (refused before: "give --devices 2") and `launch --processes 2 --
+    train --mesh data=1,tensor=2` under a count of 8 (each process got 8 devices and was refused with
+    advice for one process) run, each saying in one line that the count was replaced; the launcher's
+    processes then find their own count and say nothing. The other XLA_FLAGS entries are kept
+    (`with_device_count`). (The launch flags are `test_a_pinned_run_reports_and_records_its_cpus`'s.)"""
+    from _procs import TEST_XLA_FLAGS
+
+    count = "--xla_force_host_platform_device_count"
+    r = run(cli("plan", "--model", "gpt2-tiny", "--mesh", "data=2", "--devices", "2", "--batch-size", "8",
+                "--seq-len", "32", "--out", tmp_path / "plan"), cache,
+            XLA_FLAGS=f"{TEST_XLA_FLAGS} {count}=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (f"[taco-jax] warning: $XLA_FLAGS sets {count}=1; replaced by 2, as --devices 2 asks (the other "
+            "XLA_FLAGS entries are kept)") in r.stderr.splitlines(), r.stderr[-3000:]
+    out = tmp_path / "run"
+    r = run(cli("train", *TINY, "--steps", "1", "--mesh", "data=1,tensor=2", "--out", out, processes=2), cache,
+            XLA_FLAGS=f"{TEST_XLA_FLAGS} {count}=8")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert r.stderr.splitlines() == [f"[launch] warning: $XLA_FLAGS sets {count}=8; each process gets 1 instead, as "
+                                     "--mesh data=1,tensor=2 over --processes 2 asks (the other XLA_FLAGS entries are "
+                                     "kept)"], r.stderr
+    assert "$XLA_FLAGS" not in r.stdout and metrics(out)[-1]["step"] == 1
+    from taco_jax.train.distributed import with_device_count
+
+    assert with_device_count(f"--a=1 {count}=8 --b", 2) == (f"--a=1 {count}=2 --b", "8")
+    assert with_device_count(f"{count}=4 --b {count}=8", 2) == (f"{count}=2 --b", "8")  # XLA takes the last
+    assert with_device_count(f"--b {count}=2", 2) == (f"--b {count}=2", None)
+    assert with_device_count("", 2) == (f"{count}=2", None)
+
+
+@pytest.mark.parametrize("command", [["predict"], ["plan", "--no-compile"], ["sample", "--from", "r", "--prompt", "a"],
+                                     ["prepare-data", "corpus", "--out", "data/x"], ["calibrate", "--captures", "c"]])
+def test_launch_refuses_a_command_it_does_not_run_before_any_process_starts(command, capsys):
+    """Issue 52, 8: `launch -- predict|plan|sample|prepare-data|calibrate` started processes that died on the
+    `--coordinator` the launcher gives them. Refused (exit 2) naming the command and the commands launch
+    runs, before any process starts (this test is `fast`: a child process would fail it)."""
+    assert main(["launch", "--processes", "2", "--", *command]) == 2
+    assert capsys.readouterr().err == (f"taco-jax: error: launch runs train and compare (the commands that join a "
+                                       f"multi-process run), not {command[0]}: run `taco-jax {command[0]} ...` "
+                                       "without launch (one process)\n")
+
+
+def test_sigterm_during_compilation_stops_a_one_process_run_in_one_line(tmp_path, cache):
+    """Issue 52, 13: SIGTERM to a one-process `train` while it compiles (here: its own empty compilation
+    cache, so compiling takes seconds; the signal comes once the first program is in it, i.e. the
+    parameter initializer compiled and the train step's compilation ahead) ended it within a second
+    and without a word. It still ends at once (nothing is trained, so nothing to save), now with one
+    line saying where it was and what is kept, exit status 143 (128 + SIGTERM) and no crash of XLA's
+    cut-short compilation at the exit. A resumed run's line names its checkpoint (`hooks.kept`)."""
+    from taco_jax.train import hooks
+
+    cold, out, log = tmp_path / "cold-cache", tmp_path / "run", tmp_path / "log"
+    cold.mkdir()
+    p = start(cli("train", *TINY, "--steps", "2", "--no-progress", "--out", out), cold, log)
+    try:
+        wait_for(lambda: any(cold.iterdir()), p, timeout=300, what="the first compiled program", log=log)
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        status = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    elapsed = time.monotonic() - t0
+    lines = log.read_text().splitlines()
+    assert status == 143, lines[-20:]
+    assert lines[-1] == "taco-jax: stopped by SIGTERM during compilation, before step 1: nothing trained, no " \
+                        "checkpoint saved", lines[-20:]
+    assert elapsed < 15 and not (out / "metrics.jsonl").exists(), elapsed
+    print(f"SIGTERM during compilation -> exit in {elapsed:.2f} s")
+    for step in (2, 4):  # a resumed run's: the newest complete checkpoint (a save in flight is not one)
+        (out / "checkpoints" / str(step)).mkdir(parents=True)
+    (out / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()
+    stop = hooks.StopBeforeSteps(out)
+    stop.phase = "the restore of its checkpoint"
+    with pytest.raises(hooks.Stopped) as e:
+        stop._on_sigterm(signal.SIGTERM, None)
+    assert str(e.value) == ("stopped by SIGTERM during the restore of its checkpoint, before step 5: nothing new "
+                            f"saved; the latest checkpoint is {out / 'checkpoints' / '4'} (continue with --resume)")
+    stop.phase = None  # the steps began: the Preemption hook's handler decides
+    stop._on_sigterm(signal.SIGTERM, None)

@@ -63,6 +63,7 @@ its dtype; the rows' leading axes index messages.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections.abc import Callable
 from typing import NamedTuple
@@ -147,6 +148,32 @@ def register_resolver(resolver: Callable) -> None:
     ValueError for a backend that cannot run on `platform`); `taco_jax.kernels` registers `resolve`.
     Re-registering replaces it."""
     _RESOLVER[:] = [resolver]
+
+
+_ON_PIN: list[Callable[[], None]] = []  # caches to clear when the pinned platform changes (`register_pin_hook`)
+
+
+def register_pin_hook(clear: Callable[[], None]) -> None:
+    """Registers `clear()`, called on entering and leaving `pin_platform` (a backend's jit caches of
+    traces made for another platform; `taco_jax.kernels.pallas_codec` registers its kernels')."""
+    _ON_PIN.append(clear)
+
+
+@contextlib.contextmanager
+def pin_platform(platform: str, gpu_lowering: str = "triton"):
+    """Traces the codec and its backends for `platform` ("cpu", "cuda", "rocm"; `gpu_lowering`: Pallas'
+    "triton" or "mosaic_gpu") instead of jax's default platform, e.g. a train step compiled for abstract
+    CUDA devices on a CPU-only machine (`train.deviceless`). `kernels.pallas_codec.lowering_platform`
+    checks its arguments and enters this. The registered caches are cleared on entry and exit."""
+    for clear in _ON_PIN:
+        clear()
+    token = PINNED.set((platform, gpu_lowering))
+    try:
+        yield
+    finally:
+        PINNED.reset(token)
+        for clear in _ON_PIN:
+            clear()
 
 
 def pinned_platform() -> str | None:

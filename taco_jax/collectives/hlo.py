@@ -11,6 +11,7 @@ the codec's kernels and scoped work off theirs (`codec_calls`).
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 
 import numpy as np
@@ -70,7 +71,8 @@ def _groups(line: str) -> list[tuple[int, ...]] | None:
 
 
 def mesh_axis_groups(mesh) -> dict[str, set[frozenset[int]]]:
-    """For each mesh axis, the groups of logical device ids it spans.
+    """For each mesh axis, the groups of logical device ids it spans; and for each set of two or more
+    axes, named "a+b" in mesh order, the groups they span together.
 
     The replica groups of a compiled SPMD program name logical ids: positions in its device
     assignment, which for a jit over `mesh` is `mesh.devices` flattened in order. They are not
@@ -82,6 +84,11 @@ def mesh_axis_groups(mesh) -> dict[str, set[frozenset[int]]]:
     for i, name in enumerate(mesh.axis_names):
         moved = np.moveaxis(ids, i, -1).reshape(-1, ids.shape[i])
         out[name] = {frozenset(r.tolist()) for r in moved}
+    for k in range(2, len(mesh.axis_names) + 1):  # groups over several axes at once (XLA:GPU combines, e.g.
+        for axes in itertools.combinations(range(len(mesh.axis_names)), k):  # data+stage gradient all-reduces)
+            moved = np.moveaxis(ids, axes, range(ids.ndim - k, ids.ndim))
+            size = int(np.prod([ids.shape[a] for a in axes]))
+            out["+".join(mesh.axis_names[a] for a in axes)] = {frozenset(r.tolist()) for r in moved.reshape(-1, size)}
     return out
 
 
@@ -120,6 +127,7 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     Group-less or single-rank collectives (P <= 1) move nothing and are left out.
     """
     axis_groups = mesh_axis_groups(mesh)
+    done_type = _done_types(hlo_text)
     out = []
     for raw in hlo_text.splitlines():
         m = _LINE.search(_COMMENT.sub("", raw))
@@ -127,7 +135,8 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
             continue
         line = _COMMENT.sub("", raw)
         op = m["op"]
-        nbytes, dts = _array_bytes(m["type"])
+        start = _NAME.match(line) if f"{op}-start(" in line else None  # (operand, result) tuple: the done's type
+        nbytes, dts = _array_bytes(done_type.get(start[1], m["type"]) if start else m["type"])
         name = _OP_NAME.search(raw)
         if op == "collective-permute":
             pairs = _PAIRS.search(line)
@@ -143,9 +152,106 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
             sent = {"all-reduce": 2 * frac * nbytes, "reduce-scatter": (p - 1) * nbytes}.get(op, frac * nbytes)
             message = {"all-gather": nbytes // p, "reduce-scatter": nbytes * p}.get(op, nbytes)
         op_name = name[1] if name else ""
+        inst = _NAME.match(line)
         out.append(dict(axis=axis, op=op, dtype=dts, result_bytes=nbytes, message_bytes=message, sent=sent, ranks=p,
-                        site=_sites(op_name), op_name=op_name))
+                        site=_sites(op_name), op_name=op_name, name=inst[1] if inst else ""))
     return out
+
+
+_NAME = re.compile(r"\s*(?:ROOT\s+)?%?([\w.-]+)\s*=")
+_DONE = re.compile(r"=\s*(?P<type>.*?)\s+(?:" + "|".join(_OPS) + r")-done\(%?(?P<start>[\w.-]+)\)")
+
+
+def _done_types(hlo_text: str) -> dict[str, str]:
+    """{name of an async collective's `-start`: the result type its `-done` gives} (XLA:GPU's
+    scheduled HLO; a start's own type is the (operand, result) tuple)."""
+    return {m["start"]: m["type"] for m in map(_DONE.search, map(_COMMENT_SUB, hlo_text.splitlines())) if m}
+
+
+def _COMMENT_SUB(line: str) -> str:  # noqa: N802
+    return _COMMENT.sub("", line)
+
+
+#: What may run between an async collective's start and done in a schedule, by kind (`async_overlap`).
+_MATMUL = re.compile(r"gemm|cublas|\bdot\(|convolution\(|__triton_gemm")
+_CODEC = re.compile(r'custom_call_target="(taco_[^"]*|__gpu\$xla\.gpu\.triton|triton_kernel_call)"')
+_TRIVIAL = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy-start", "copy-done",
+            "partition-id", "replica-id", "after-all")
+_OPCODE = re.compile(r"\)?\s([a-z][a-z0-9-]*)\(")
+
+
+def _kind(line: str) -> str | None:
+    """The kind of work an instruction of a schedule is: "collective", "codec", "matmul", "compute",
+    or None (bookkeeping: parameters, tuples, bitcasts, ...)."""
+    rhs = line.split("=", 1)[1] if "=" in line else line
+    op = _OPCODE.search(rhs)
+    opcode = op[1] if op else ""
+    if opcode in _TRIVIAL or not opcode:
+        return None
+    if any(opcode.startswith(o) for o in _OPS):
+        return "collective"
+    name = _OP_NAME.search(line)
+    if _CODEC.search(line) or (name and _CODEC_SCOPE.search(name[1])):
+        return "codec"
+    if _MATMUL.search(line):
+        return "matmul"
+    return "compute"
+
+
+def async_overlap(hlo_text: str, mesh) -> list[dict]:
+    """What a scheduled program (XLA:GPU's `compiled.as_text()`) runs between each async collective's
+    `-start` and `-done`, in the same computation. One record per start, with `collectives`' fields
+    ("axis", "op", "dtype", "sent", "site", ...) plus "sync" (XLA's `is_sync`: started and waited for
+    at once), "between" ({kind: count} of the instructions scheduled in between: "matmul", "codec",
+    "compute", "collective"; `_kind`) and "overlapped" (not sync, and matmul, codec or other compute
+    scheduled in between). Collectives that are not async (XLA:CPU's) are left out."""
+    starts = {c["name"]: c for c in collectives(hlo_text, mesh) if "-start" in c["name"]}
+    out = []
+    for comp in _computations(hlo_text):
+        for i, line in enumerate(comp):
+            inst = _NAME.match(line)
+            if not inst or inst[1] not in starts:
+                continue
+            done = re.compile(r"-done\(%?" + re.escape(inst[1]) + r"\)")
+            j = next((j for j in range(i + 1, len(comp)) if done.search(comp[j])), i)
+            between = collections.Counter(k for ln in comp[i + 1:j] if (k := _kind(ln)))
+            sync = '"is_sync":true' in line
+            out.append({**starts[inst[1]], "sync": sync, "between": dict(between),
+                        "overlapped": not sync and any(between[k] for k in ("matmul", "codec", "compute"))})
+    return out
+
+
+def overlap_by_site(records: list[dict]) -> list[dict]:
+    """`async_overlap`'s records summed per (axis, site): "collectives", "sync", "overlapped" (counts),
+    "bytes" (sent) and "overlapped_bytes", "overlapped_frac" (bytes-weighted), "between" (summed)."""
+    by = {}
+    for r in records:
+        e = by.setdefault((r["axis"], r["site"]), {"axis": r["axis"], "site": r["site"], "collectives": 0, "sync": 0,
+                                                   "overlapped": 0, "bytes": 0.0, "overlapped_bytes": 0.0,
+                                                   "between": collections.Counter()})
+        e["collectives"] += 1
+        e["sync"] += r["sync"]
+        e["overlapped"] += r["overlapped"]
+        e["bytes"] += r["sent"]
+        e["overlapped_bytes"] += r["sent"] * r["overlapped"]
+        e["between"].update(r["between"])
+    return [{**e, "bytes": int(e["bytes"]), "overlapped_bytes": int(e["overlapped_bytes"]),
+             "overlapped_frac": e["overlapped_bytes"] / e["bytes"] if e["bytes"] else 0.0,
+             "between": dict(e["between"])}
+            for _, e in sorted(by.items())]
+
+
+def _computations(hlo_text: str) -> list[list[str]]:
+    """The instruction lines of each computation of an HLO module, in their (scheduled) order."""
+    comps, cur = [], None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            cur = [] if line.rstrip().endswith("{") else None
+            if cur is not None:
+                comps.append(cur)
+        elif cur is not None and "=" in line:
+            cur.append(_COMMENT.sub("", line))
+    return comps
 
 
 def codec_calls(hlo_text: str) -> list[dict]:

@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from taco_jax.codec import constants as C
-from taco_jax.codec.backends import PINNED, pinned_platform  # noqa: F401  (pinned_platform: public here)
+from taco_jax.codec.backends import PINNED, pin_platform, pinned_platform, register_pin_hook  # noqa: F401 (public here)
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.vma import pvary, shape_dtype, vma_of
 
@@ -65,13 +65,8 @@ def lowering_platform(platform: str, gpu_lowering: str = "triton"):
         raise ValueError(f"{platform=} must be 'cpu', 'cuda' or 'rocm'")
     if gpu_lowering not in _GPU_LOWERINGS:
         raise ValueError(f"{gpu_lowering=} must be one of {_GPU_LOWERINGS}")
-    _clear_caches()
-    token = PINNED.set((platform, gpu_lowering))
-    try:
+    with pin_platform(platform, gpu_lowering):
         yield
-    finally:
-        PINNED.reset(token)
-        _clear_caches()
 
 
 def _clear_caches():
@@ -339,3 +334,6 @@ def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, bl
     a1 = None if a is None else a.reshape(p, -1)
     out = _decode_call(codes.reshape(p, -1, g), s.reshape(p, -1), a1, dtype=dtype, block=block, p=p)
     return out.reshape(*lead, n_groups, g)
+
+
+register_pin_hook(_clear_caches)  # `codec.backends.pin_platform` from above the kernels clears them too

@@ -20,6 +20,9 @@ HARDWARE_FILE = pathlib.Path(__file__).with_name("hardware.toml")
 _TOP = {"name": str, "peak_tflops": float, "mfu": float, "gpus_per_node": int, "source": str}
 _LINK = {"name": str, "bandwidth_GBps": float, "efficiency": float, "alpha_us": float, "source": str}
 _CODEC = {"encode_GBps": float, "decode_GBps": float, "overhead_us": float, "status": str, "source": str}
+_TARGET = {"gpu_name": str, "compute_capability": str, "sm_count": int, "fpus_per_sm": int, "memory_bytes": int,
+           "memory_bandwidth_GBps": float, "clock_ghz": float, "l2_cache_bytes": int, "shared_memory_per_sm": int,
+           "shared_memory_per_block_optin": int, "runtime_version": str, "dnn_version": str, "source": str}
 CODEC_STATUS = ("measured", "assumed")
 
 
@@ -34,6 +37,8 @@ class HardwareSpec:
       codec_status: "measured" or "assumed".
       sources: {"hardware", "intra", "inter", "codec": source text}.
       where: the file it was read from.
+      target: the `[KEY.target]` table (`_TARGET`'s fields: the GPU for XLA:GPU's deviceless
+        compiler, `target_config`), or None when the entry has none.
     """
 
     key: str
@@ -41,6 +46,7 @@ class HardwareSpec:
     codec_status: str
     sources: dict
     where: str
+    target: dict | None = None
 
     def describe(self) -> dict:
         """JSON-ready summary: name, links (GB/s per direction achieved, α µs), codec speed and status."""
@@ -62,7 +68,7 @@ def _fields(table, spec: dict, where: str) -> dict:
     numbers finite and > 0. Raises ValueError naming `where` and the key."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: must be a table of {sorted(spec)}, not {type(table).__name__}")
-    unknown = sorted(set(table) - set(spec) - {"intra", "inter", "codec"})
+    unknown = sorted(set(table) - set(spec) - {"intra", "inter", "codec", "target"})
     if unknown:
         raise ValueError(f"{where}: unknown key {unknown[0]!r}; the keys are {sorted(spec)}")
     out = {}
@@ -120,9 +126,56 @@ def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
         speed = model.CodecSpeed(c["encode_GBps"], c["decode_GBps"], c["overhead_us"] * 1e-6, c["source"])
         hw = model.Hardware(top["name"], top["peak_tflops"] * 1e12, top["mfu"], top["gpus_per_node"], intra, inter,
                             {"default": speed})
+        target = _target(table["target"], f"{at}.target") if "target" in table else None
         out[key.lower()] = HardwareSpec(key.lower(), hw, c["status"], {"hardware": top["source"], "intra": intra_src,
-                                        "inter": inter_src, "codec": c["source"]}, where)
+                                        "inter": inter_src, "codec": c["source"]}, where, target)
     return out
+
+
+def _version(text: str, where: str, parts: int) -> tuple[int, ...]:
+    """"9.0" -> (9, 0) (padded with zeros to `parts`). Raises ValueError naming `where`."""
+    bits = text.split(".")
+    if not 1 <= len(bits) <= parts or not all(b.isdigit() for b in bits):
+        raise ValueError(f"{where}={text!r} must be a version like {'.'.join(['9', '0', '0'][:parts])!r}")
+    return tuple(int(b) for b in bits) + (0,) * (parts - len(bits))
+
+
+def _target(table, where: str) -> dict:
+    t = _fields(table, _TARGET, where)
+    _version(t["compute_capability"], f"{where}.compute_capability", 2)
+    _version(t["runtime_version"], f"{where}.runtime_version", 3)
+    _version(t["dnn_version"], f"{where}.dnn_version", 3)
+    return t
+
+
+def target_config(spec: HardwareSpec) -> str:
+    """The `[KEY.target]` table of `spec` as XLA's `GpuTargetConfigProto` text, what
+    `jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)` takes
+    (fields of openxla/xla's `xla/backends/gpu/target_config/specs/*.txtpb`; `runtime_version` is
+    required, openxla/xla PR #25919). Raises ValueError when the entry has no target table."""
+    t = spec.target
+    if t is None:
+        raise ValueError(f"hardware {spec.key!r} ({spec.where}) has no [{spec.key}.target] table, which "
+                         "--compiler gpu needs (the GPU's SM count, memory, compute capability: see "
+                         "taco_jax/perf/hardware.toml)")
+    cc = _version(t["compute_capability"], "compute_capability", 2)
+    rt = _version(t["runtime_version"], "runtime_version", 3)
+    dnn = _version(t["dnn_version"], "dnn_version", 3)
+    info = {"threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
+            "shared_memory_per_core": t["shared_memory_per_sm"],
+            "threads_per_core_limit": 2048 if cc >= (8, 0) else 1024,
+            "core_count": t["sm_count"], "fpus_per_core": t["fpus_per_sm"], "block_dim_limit_x": 2147483647,
+            "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+            "memory_bandwidth": int(round(t["memory_bandwidth_GBps"] * 1e9)), "l2_cache_size": t["l2_cache_bytes"],
+            "clock_rate_ghz": t["clock_ghz"], "device_memory_size": t["memory_bytes"],
+            "shared_memory_per_block_optin": t["shared_memory_per_block_optin"],
+            "registers_per_core_limit": 65536, "registers_per_block_limit": 65536}
+    body = "".join(f"  {k}: {v}\n" for k, v in info.items())
+    return ("gpu_device_info {\n" + body + f"  cuda_compute_capability {{ major: {cc[0]} minor: {cc[1]} }}\n}}\n"
+            'platform_name: "CUDA"\n'
+            f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}\n"
+            f"runtime_version {{ major: {rt[0]} minor: {rt[1]} patch: {rt[2]} }}\n"
+            f"device_description_str: {t['gpu_name']!r}\n".replace("'", '"'))
 
 
 def load_hardware(path=None) -> dict[str, HardwareSpec]:

@@ -84,6 +84,27 @@ class DistConfig:
 
 #: Start of the error of a coordinator address in use (`taco-jax launch` retries another port on it).
 PORT_IN_USE = "is in use"
+#: XLA's flag (in $XLA_FLAGS) for the number of simulated CPU devices of a process.
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_device_count(flags: str, n: int) -> tuple[str, str | None]:
+    """`flags` (an XLA_FLAGS value) asking for `n` CPU devices (`DEVICE_COUNT_FLAG`), and the count it
+    asked for before where that was another (None: it asked for none, or for `n`). A count it holds is
+    replaced where it stands (a repeated one, of which XLA takes the last, is dropped); the other flags
+    are kept, in their order."""
+    words, old, placed = [], None, False
+    for word in flags.split():
+        if not word.startswith(DEVICE_COUNT_FLAG + "="):
+            words.append(word)
+            continue
+        old = word.split("=", 1)[1]
+        if not placed:
+            words.append(f"{DEVICE_COUNT_FLAG}={n}")
+            placed = True
+    if not placed:
+        words.append(f"{DEVICE_COUNT_FLAG}={n}")
+    return " ".join(words), (old if old is not None and old != str(n) else None)
 
 
 def check_coordinator_port(address: str) -> str | None:

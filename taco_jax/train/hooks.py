@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import pathlib
 import signal
 import sys
 import threading
@@ -277,6 +278,60 @@ class Preemption(Hook):
             state.preempted = step
 
     def close(self):
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+            self.old = None
+
+
+class Stopped(BaseException):
+    """SIGTERM before the first step of a one-process run (`StopBeforeSteps`); its text is the line
+    saying where the run was and what it keeps (`kept`). A BaseException, as KeyboardInterrupt: no
+    `except Exception` on the way swallows it."""
+
+
+def latest_checkpoint(out) -> pathlib.Path | None:
+    """The latest complete checkpoint of the run in `out` (`checkpoint.saved_steps`: read from the folder
+    names, without Orbax), or None."""
+    from taco_jax.train.checkpoint import saved_steps
+
+    steps = saved_steps(pathlib.Path(out) / "checkpoints")
+    return pathlib.Path(out) / "checkpoints" / str(steps[-1]) if steps else None
+
+
+def kept(out) -> str:
+    """What a stopped run in `out` keeps, in words: its latest checkpoint and how to go on, or none."""
+    latest = latest_checkpoint(out)
+    return (f"the latest checkpoint is {latest} (continue with --resume)" if latest
+            else f"no checkpoint in {pathlib.Path(out) / 'checkpoints'}")
+
+
+class StopBeforeSteps(contextlib.AbstractContextManager):
+    """SIGTERM before the first step of a one-process run (start-up, compilation, restoring a checkpoint):
+    nothing is trained yet, so there is nothing to save, and the handler raises `Stopped` in the main
+    thread at once (jaxlib checks for signals while XLA compiles: a compilation of minutes is cut
+    short too), naming `phase` and what the run in `out` keeps. From the first step the `Preemption`
+    hook's handler takes over (a checkpoint at the next step boundary): set `phase` to None then; a
+    SIGTERM after the hooks closed (the summary) is ignored, the run is finishing. With several
+    processes nothing is installed (JAX's preemption notifier owns SIGTERM; `taco-jax launch` bounds
+    its wait, launch.py)."""
+
+    def __init__(self, out):
+        self.out, self.phase, self.old = out, "start-up", None
+
+    def __enter__(self):
+        one = not jax.distributed.is_initialized() or jax.process_count() == 1  # starts no backend for one
+        if one and threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def _on_sigterm(self, *_):
+        if self.phase is not None:
+            latest = latest_checkpoint(self.out)
+            first = int(latest.name) + 1 if latest else 1
+            what = f"nothing new saved; {kept(self.out)}" if latest else "nothing trained, no checkpoint saved"
+            raise Stopped(f"stopped by SIGTERM during {self.phase}, before step {first}: {what}")
+
+    def __exit__(self, *exc):
         if self.old is not None:
             signal.signal(signal.SIGTERM, self.old)
             self.old = None

@@ -66,16 +66,25 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     written (before anything is compiled) or a checkpoint that cannot be resumed (CheckpointError,
     naming what differs); FloatingPointError when the loss or gradient norm of a
     step is not finite (naming the step; unless `cfg.training.allow_nonfinite`) or, with a codec
-    `nonfinite="error"`, when a message held NaN/Inf (naming the site).
+    `nonfinite="error"`, when a message held NaN/Inf (naming the site); `hooks.Stopped` (its text
+    the line to print) when a one-process run gets SIGTERM before its first step.
     """
+    with hooks.StopBeforeSteps(cfg.checkpoint.out) as stop:  # SIGTERM before the first step: stopped at once
+        return _train(cfg, dataset, progress, devices, stop)
+
+
+def _train(cfg: TrainConfig, dataset, progress: bool, devices, stop: hooks.StopBeforeSteps) -> dict:
     run = prepare(cfg, dataset, devices)  # 1. everything checked before anything is compiled
+    stop.phase = "compilation"
     state = initial_state(run)  # same initial parameters for every --comm (same seed)
     if (done := finished_summary(run)) is not None:  # --resume of a run that reached cfg.training.steps
         return done
     acct = compile_step(run, state)  # 2. compile once; wire bytes and memory from the compiled program
+    stop.phase = "the restore of its checkpoint" if run.resuming else "start-up"
     resume(run, acct, state)  # from the latest checkpoint with --resume; the first batch
     lrs = np.asarray(lr_schedule(cfg)(np.arange(cfg.training.steps)))  # the learning rate of step k: lrs[k - 1]
     with make_hooks(run, acct, state, progress) as run_hooks:  # 3. the loop
+        stop.phase = None  # SIGTERM from here: the Preemption hook's (a checkpoint at the next step boundary)
         t_start = time.perf_counter()
         for step in range(state.start + 1, cfg.training.steps + 1):
             extra = run_hooks.before_step(state, step)  # capture, monitor (this step's batch)

@@ -319,7 +319,7 @@ def compiled_report(hlo_text: str, mesh, policy: CommPolicy) -> dict:
     {"kernel_calls": {kind: n}, "scoped_ops": {kind: n}}}, "mismatches": `_declared_check`}. Site ""
     holds collectives under no site scope (the model's own: vocabulary-parallel loss, embedding;
     and any XLA inserts)."""
-    from taco_jax.collectives.hlo import codec_calls, collective_bytes, collectives
+    from taco_jax.collectives.hlo import async_overlap, codec_calls, collective_bytes, collectives, overlap_by_site
 
     rows = collectives(hlo_text, mesh)
     by = {}
@@ -338,7 +338,7 @@ def compiled_report(hlo_text: str, mesh, policy: CommPolicy) -> dict:
         entry["kernel_calls" if call["target"].startswith("taco_") else "scoped_ops"][call["kind"]] += 1
     codec = {s: {k: dict(v) for k, v in e.items()} for s, e in sorted(codec.items())}
     return {"wire": collective_bytes(hlo_text, mesh), "by_site": by_site, "codec": codec,
-            "mismatches": _declared_check(policy, rows)}
+            "mismatches": _declared_check(policy, rows), "overlap": overlap_by_site(async_overlap(hlo_text, mesh))}
 
 
 #: `compile_step`'s progress lines: one every `STILL_COMPILING_S` seconds of the whole compile, and
@@ -427,7 +427,13 @@ def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
     say = say or (lambda line: None)
     say(_compiling_line(cfg, n, devices[0].platform))
     start = time.perf_counter()
-    with progress_lines(say, "plan: still compiling ({minutes:.1f} min so far)", STILL_COMPILING_S, STILL_COMPILING_S):
+    pin = contextlib.nullcontext()
+    if devices[0].platform != "cpu":  # abstract CUDA devices (`deviceless.gpu_devices`): trace the codec for CUDA
+        from taco_jax.codec.backends import pin_platform
+
+        pin = pin_platform("cuda")
+    with pin, progress_lines(say, "plan: still compiling ({minutes:.1f} min so far)", STILL_COMPILING_S,
+                             STILL_COMPILING_S):
         trainer = make_trainer(cfg, devices)
         params, opt_state = abstract_state(trainer)
         axes = tuple(a for a in (DATA,) if a in trainer.mesh.axis_names)
@@ -455,11 +461,35 @@ def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
             "policy": trainer.policy.to_dict()}
 
 
+def shallow_depths(cfg: TrainConfig) -> tuple[int, int]:
+    """The two depths `plan --extrapolate` compiles: one and two decoder layers per pipeline stage.
+    Raises ValueError when the model is no deeper than the second (nothing to extrapolate)."""
+    from taco_jax.parallel.mesh import STAGE
+
+    stages = cfg.parallelism.axes.get(STAGE, 1)
+    depth = cfg.model_config.n_layers
+    if depth <= 2 * stages:
+        raise ValueError(f"--extrapolate compiles {stages} and {2 * stages} layers ({stages} pipeline stage(s)), but "
+                         f"{cfg.model.name} has {depth}: compile it whole (leave out --extrapolate)")
+    return stages, 2 * stages
+
+
+def extrapolate_peak(peaks: dict[int, int], depth: int) -> int:
+    """The peak per device at `depth` layers from the peaks of two shallow compiles ({layers: bytes}),
+    linear in the depth (parameters, gradients, optimizer state and saved layer inputs all grow by the
+    same amount per layer; the rest, embedding, head and the largest scratch, does not)."""
+    (l1, p1), (l2, p2) = sorted(peaks.items())
+    return int(round(p2 + (p2 - p1) / (l2 - l1) * (depth - l2)))
+
+
 def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = None, compile: bool = True,
-         devices=None, say=None) -> dict:
+         devices=None, say=None, extrapolate: bool = False) -> dict:
     """`predict` plus, with `compile`, `compile_step` of the same run (`say`: its progress lines): the
     policy compiled is the one the named hardware would run (`--min-bytes auto` resolved on its
-    tensor link). Raises ValueError as those two."""
+    tensor link). On a GPU compile (`devices` abstract CUDA devices) the memory verdict
+    (`deviceless.memory_verdict`) too. `extrapolate`: compile two shallow copies (`shallow_depths`)
+    instead of the whole model and extrapolate the peak to its depth (`extrapolate_peak`); the
+    compiled report is the deeper copy's, "extrapolated" says so. Raises ValueError as those."""
     out = {"format": PLAN_FORMAT, "config": cfg.to_dict(), "predict": predict(cfg, spec, tp_span_nodes=tp_span_nodes)}
     if compile:
         layout = layout_of(cfg)
@@ -467,7 +497,22 @@ def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = No
                                 with_tp_span(spec.hardware, layout.tp, tp_span_nodes, gpus=layout.gpus))
         run_cfg = cfg.replace(policy=policy)
         run_cfg.__dict__["model_config"] = cfg.model_config  # keep a --layers override
-        out["compiled"] = compile_step(run_cfg, devices, say)
+        if not extrapolate:
+            out["compiled"] = compiled = compile_step(run_cfg, devices, say)
+            peak = compiled["memory"].get("peak")
+        else:
+            peaks = {}
+            for depth in shallow_depths(cfg):
+                shallow = with_layers(run_cfg.replace(), depth)
+                out["compiled"] = compiled = compile_step(shallow, devices, say)
+                peaks[depth] = compiled["memory"]["peak"]
+            peak = extrapolate_peak(peaks, cfg.model_config.n_layers)
+            compiled["extrapolated"] = {"layers": cfg.model_config.n_layers, "peak": peak,
+                                        "from": {str(k): v for k, v in peaks.items()}}
+        if compiled["platform"] != "cpu" and compiled["memory"].get("analysis"):
+            from taco_jax.train.deviceless import memory_verdict
+
+            compiled["verdict"] = memory_verdict(peak, spec)
     return out
 
 
@@ -598,6 +643,15 @@ def lines(result: dict) -> list[str]:
             L.append(f"memory per device ({c['platform']}, XLA memory analysis): {xla}")
             L.append(f"  arguments: {args}; activations and scratch: the temporaries")
             L.append(f"  estimate: {gpu}")
+        if c.get("extrapolated"):
+            x = c["extrapolated"]
+            (l1, p1), (l2, p2) = sorted((int(k), v) for k, v in x["from"].items())
+            L.append(f"  compiled at {l1} and {l2} layers (peaks {_mib(p1)}, {_mib(p2)}; the rest of this report is "
+                     f"the {l2}-layer copy's): peak at {x['layers']} layers extrapolated to {_mib(x['peak'])}")
+        if c.get("verdict"):
+            from taco_jax.train.deviceless import verdict_lines
+
+            L.extend(verdict_lines(c["verdict"], hw["name"]))
         L.append(f"compile: {c['compile_s']:.1f} s on {c['devices']} {c['platform']} devices")
         L.append("wire bytes per step and device, by axis: " + ", ".join(
             f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())) + "; as issued (bf16 as bf16, "
@@ -610,6 +664,8 @@ def lines(result: dict) -> list[str]:
             ops = sum(k.get("scoped_ops", {}).values())
             L.append(f"{s['axis']:8s} {s['site'] or '(model)':15s} {s['collectives']:11d} {s['compressed']:10d} "
                      f"{_bytes(s['bytes']):>12s}  {','.join(s['dtypes']):14s} {kern}" + (f" ({ops})" if ops else ""))
+        if c.get("overlap"):
+            L.extend(overlap_lines(c["overlap"]))
         if c["mismatches"]:
             for x in c["mismatches"]:
                 L.append(f"WARNING: {x['count']} {x['op']} on {x['axis']} at {x['site']} move {x['dtype']}; declared "
@@ -636,6 +692,19 @@ def lines(result: dict) -> list[str]:
     L.append(f"--min-bytes auto on this hardware: threshold {threshold}" + "".join("; " + x for x in (
         f"{s['site']} {_bytes(s['message_bytes'])} (break-even {_bytes(s['break_even_bytes'])}) -> {s['auto']}"
         for s in p["sites"])))
+    return L
+
+
+def overlap_lines(rows: list[dict]) -> list[str]:
+    """`compiled_report`'s "overlap" (async collectives of a GPU schedule, per site) as plan's lines."""
+    total = sum(r["bytes"] for r in rows if r["site"])
+    over = sum(r["overlapped_bytes"] for r in rows if r["site"])
+    L = [f"overlap in the GPU schedule (async collectives with work between start and done): "
+         f"{over / total:.0%} of the sites' bytes" if total else "overlap in the GPU schedule:"]
+    for r in rows:
+        what = ", ".join(f"{k} {v}" for k, v in sorted(r["between"].items())) or "nothing"
+        L.append(f"  {r['axis']:8s} {r['site'] or '(model)':15s} {r['overlapped']}/{r['collectives']} overlapped "
+                 f"({r['sync']} synchronous), {r['overlapped_frac']:.0%} of {_bytes(r['bytes'])}; between: {what}")
     return L
 
 

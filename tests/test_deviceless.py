@@ -1,0 +1,127 @@
+"""`taco-jax plan --compiler gpu`: XLA:GPU compiles the real train step for a declared GPU on this CPU-only
+machine (taco_jax/train/deviceless.py), and the memory verdict against the GPU's memory.
+
+The CUDA plugin lives outside the test venv (`make gpu-compile` puts it in `.venv/gpu-compile`, which
+`make test` runs first), so only the child processes that put it on their path see it: everywhere else
+jax stays the CPU-only install the suite tests.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import _procs
+import pytest
+
+from taco_jax.perf.hardware import get_hardware, load_hardware, parse_hardware, target_config
+from taco_jax.train import deviceless
+
+PLUGIN = pathlib.Path(os.environ.get("TACO_GPU_COMPILE_PATH", _procs.ROOT / ".venv" / "gpu-compile"))
+GIB = 2**30
+
+
+def test_every_shipped_gpu_has_a_target_for_the_gpu_compiler():
+    for key, spec in load_hardware().items():
+        text = target_config(spec)
+        t = spec.target
+        assert f"core_count: {t['sm_count']}\n" in text and f"device_memory_size: {t['memory_bytes']}\n" in text
+        major, minor = t["compute_capability"].split(".")
+        assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in text, key
+        assert "runtime_version { major: 12" in text and 'platform_name: "CUDA"' in text
+    assert set(load_hardware()) >= {"h100", "h200", "b200", "a100", "h800"}
+    assert get_hardware("h100").target["memory_bytes"] == 84942979072  # XLA's h100_sxm.txtpb
+
+
+def _entry(**target):
+    table = {k: v for k, v in load_hardware_raw()["h100"].items()}
+    table["target"] = {**table["target"], **target}
+    return table
+
+
+def load_hardware_raw():
+    import tomllib
+
+    from taco_jax.perf.hardware import HARDWARE_FILE
+
+    return tomllib.loads(HARDWARE_FILE.read_text())
+
+
+def test_a_target_table_is_checked_and_optional():
+    own = {"mine": {k: v for k, v in load_hardware_raw()["h100"].items() if k != "target"}}
+    spec = parse_hardware(own, "--hardware-file 'x.toml'")["mine"]
+    assert spec.target is None
+    with pytest.raises(ValueError, match=r"no \[mine.target\] table, which --compiler gpu needs"):
+        target_config(spec)
+    for bad, match in ((dict(compute_capability="sm90"), "compute_capability='sm90' must be a version"),
+                       (dict(memory_bytes=0), "memory_bytes=0 must be an integer >= 1"),
+                       (dict(sm_count=1.5), "sm_count=1.5 must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            parse_hardware({"mine": _entry(**bad)}, "f")
+
+
+def test_memory_verdict_against_the_gpu_less_its_reserve():
+    h100 = get_hardware("h100")
+    memory = h100.target["memory_bytes"]
+    reserve = sum(b for b, _ in deviceless.RESERVE.values())
+    v = deviceless.memory_verdict(int(61.5 * GIB), h100)  # the qwen3-8b example of issue 51
+    assert v["fits"] and v["budget"] == memory - reserve and v["reserve"] == reserve
+    assert v["headroom_gib"] == pytest.approx((memory - reserve) / GIB - 61.5)
+    assert v["mem_fraction"] is not None and 61.5 * GIB / memory < v["mem_fraction"] <= 0.99  # above JAX's 75 % pool
+    lines = deviceless.verdict_lines(v, "H100")
+    assert lines[0].startswith("fits: true") and "XLA_PYTHON_CLIENT_MEM_FRACTION" in lines[1]
+    v = deviceless.memory_verdict(979 * GIB, h100)
+    assert not v["fits"] and v["headroom_gib"] < -900 and v["mem_fraction"] is None
+    assert deviceless.verdict_lines(v, "H100")[0].startswith("fits: false")
+    assert deviceless.memory_verdict(10 * GIB, h100)["mem_fraction"] is None  # inside JAX's default pool
+    assert all(s for _, s in deviceless.RESERVE.values())  # every reserve names its source
+
+
+def test_topology_is_whole_nodes():
+    h100 = get_hardware("h100")
+    assert deviceless.topology(h100, 8) == "1x1x8" and deviceless.topology(h100, 4) == "1x1x4"
+    assert deviceless.topology(h100, 32) == "4x1x8"
+    with pytest.raises(ValueError, match="devices=12 is not a whole number of .* nodes of 8 GPUs"):
+        deviceless.topology(h100, 12)
+
+
+def test_gpu_compiler_without_the_plugin_names_the_extra(capsys, monkeypatch):
+    from taco_jax.cli import main
+
+    monkeypatch.setattr(deviceless, "plugin_error", lambda: "no plugin; install it with `" + deviceless.EXTRA + "`")
+    assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=2,tensor=4", "--compiler", "gpu"]) == 2
+    assert "pip install -e '.[gpu-compile]'" in capsys.readouterr().err
+
+
+def test_plan_compiles_the_step_with_xla_gpu_and_refuses_what_does_not_fit(cache, tmp_path):
+    """The real gpt2-tiny TACO step compiled by XLA:GPU for an H100 whose memory is declared 16 MiB
+    (less than the reserve alone): exit 3, `fits: false` in the output and plan.json, compressed sites moving
+    u8 codes in the GPU program. JAX_PLATFORMS is not set: the CLI keeps jax on the CPU itself."""
+    if not PLUGIN.is_dir():
+        pytest.skip(f"the CUDA plugin for the deviceless compile is not in {PLUGIN} (make gpu-compile)")
+    hw = tmp_path / "small.toml"
+    raw = load_hardware_raw()["h100"]
+    body = [f"[tiny]\n{_toml(raw, skip=('intra', 'inter', 'codec', 'target'))}"]
+    for part in ("intra", "inter", "codec", "target"):
+        values = {**raw[part], **({"memory_bytes": 16 * 2**20} if part == "target" else {})}
+        body.append(f"[tiny.{part}]\n{_toml(values)}")
+    hw.write_text("\n".join(body))
+    env = _procs.env(cache, PYTHONPATH=f"{_procs.ROOT}{os.pathsep}{PLUGIN}")
+    env.pop("JAX_PLATFORMS")
+    out = tmp_path / "plan"
+    r = subprocess.run(_procs.cli("plan", "--model", "gpt2-tiny", "--mesh", "data=2,tensor=4", "--hardware-file", hw,
+                                  "--out", out), cwd=_procs.ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "fits: false" in r.stdout and "does not fit the H100 SXM 80GB's memory (exit 3)" in r.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    c = plan["compiled"]
+    assert c["platform"] == "gpu" and c["devices"] == 8
+    v = c["verdict"]
+    assert v["fits"] is False and v["peak"] == c["memory"]["peak"] > v["budget"] and v["memory"] == 16 * 2**20
+    tensor = [s for s in c["by_site"] if s["axis"] == "tensor" and s["site"]]
+    assert tensor and all(s["compressed"] == s["collectives"] and s["dtypes"] == ["u8"] for s in tensor)
+    assert not c["mismatches"]
+
+
+def _toml(table, skip=()):
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items() if k not in skip)
