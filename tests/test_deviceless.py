@@ -125,3 +125,49 @@ def test_plan_compiles_the_step_with_xla_gpu_and_refuses_what_does_not_fit(cache
 
 def _toml(table, skip=()):
     return "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items() if k not in skip)
+
+
+def test_an_extrapolated_peak_decides_only_what_does_not_fit():
+    from taco_jax.train.plan import extrapolate_peak
+
+    assert extrapolate_peak({4: 12 * GIB, 8: 14 * GIB}, 36) == 28 * GIB  # the line through the two
+    h100 = get_hardware("h100")
+    v = deviceless.memory_verdict(30 * GIB, h100, lower_bound=True)
+    assert v["fits"] is None and deviceless.verdict_lines(v, "H100")[0].startswith("fits: not decided")
+    assert deviceless.memory_verdict(90 * GIB, h100, lower_bound=True)["fits"] is False
+
+
+SCHEDULE = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[8,64]) -> f32[8,64] {
+  %p = f32[8,64]{1,0} parameter(0)
+  %all-gather-start = (u8[1,64]{1,0}, u8[4,64]{1,0}) all-gather-start(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, metadata={op_name="jit(f)/site_ar_fwd/all_gather"}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %fusion = f32[8,64]{1,0} fusion(%p), kind=kLoop, calls=%fused
+  %custom-call = f32[8,64]{1,0} custom-call(%p), custom_call_target="__cublas$gemm"
+  %all-gather-done = u8[4,64]{1,0} all-gather-done(%all-gather-start)
+  %all-to-all-start = ((u8[4,64]{1,0}), u8[4,64]{1,0}) all-to-all-start(%p), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, metadata={op_name="jit(f)/site_ar_bwd/all_to_all"}, backend_config={"collective_backend_config":{"is_sync":true}}
+  %all-to-all-done = u8[4,64]{1,0} all-to-all-done(%all-to-all-start)
+  ROOT %r = f32[8,64]{1,0} add(%fusion, %custom-call)
+}
+"""
+
+
+def test_overlap_is_read_from_the_schedule_between_start_and_done():
+    import numpy as np
+
+    from taco_jax.collectives.hlo import async_overlap, collectives, overlap_by_site
+
+    class Mesh:
+        devices, axis_names = np.zeros((2, 4)), ("data", "tensor")
+
+    recs = {r["site"]: r for r in async_overlap(SCHEDULE, Mesh)}
+    assert recs["ar_fwd"]["between"] == {"compute": 1, "matmul": 1} and recs["ar_fwd"]["overlapped"]
+    assert recs["ar_bwd"]["sync"] and not recs["ar_bwd"]["overlapped"] and recs["ar_bwd"]["between"] == {}
+    # the bytes of an async start are its done's result, not the (operand, result) tuple
+    assert {c["site"]: c["result_bytes"] for c in collectives(SCHEDULE, Mesh)} == {"ar_fwd": 256, "ar_bwd": 256}
+    rows = {r["site"]: r for r in overlap_by_site(list(recs.values()))}
+    assert rows["ar_fwd"]["overlapped_frac"] == 1.0 and rows["ar_bwd"]["overlapped_frac"] == 0.0
+    assert all(r["axis"] == "tensor" for r in rows.values())
+    from taco_jax.collectives.hlo import mesh_axis_groups
+
+    assert mesh_axis_groups(Mesh)["data+tensor"] == {frozenset(range(8))}  # XLA:GPU's combined groups get a name

@@ -142,6 +142,26 @@ def activation_estimate(cfg: TrainConfig) -> dict:
             "activations": int(per * layers * in_flight), "remat": mc.remat}
 
 
+#: XLA:GPU's peak per device over `memory_estimate`, the lowest and highest on the configurations of
+#: docs/plan.md "How far the estimate is from the compiler" (10 compiles for an H100, bf16: gpt2-tiny,
+#: gpt2-124m and qwen3-0.6b shallow copies, qwen3-8b at 4, 8 and 36 layers; with and without --remat full
+#: and a pipeline). The estimate is a lower bound: the transients of one layer (attention scores, the LM
+#: head's FP32 logits) and what XLA:GPU's schedule keeps besides are not in it.
+ESTIMATE_RATIO = (1.6, 7.8)
+
+
+def memory_estimate(cfg: TrainConfig) -> dict:
+    """Per-device bytes a run keeps, without compiling: "state" = 16 bytes per parameter of the device's
+    share (FP32 parameters and gradients, Adam's two FP32 moments; n_params / (tensor x stage)) plus
+    `activation_estimate`'s saved activations = "total"; "ratio": `ESTIMATE_RATIO`, how much more
+    XLA:GPU's peak was on the compiled configurations (the "total" is a lower bound)."""
+    axes = cfg.parallelism.axes
+    state = 16 * cfg.model_config.n_params() / (axes.get("tensor", 1) * axes.get("stage", 1))
+    act = activation_estimate(cfg)
+    return {"state": int(state), "activations": act["activations"], "total": int(state + act["activations"]),
+            "ratio": list(ESTIMATE_RATIO)}
+
+
 def resolve_policy(policy: CommPolicy, layout: model.Layout, hw: model.Hardware) -> CommPolicy:
     """`policy` with min_bytes "auto" replaced by the break-even size on `hw`'s tensor link
     (`perf.calibration.site_break_even`, as `--min-bytes auto` resolves it on a GPU)."""
@@ -250,6 +270,7 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
         "auto_sites": [s for s in SITES if getattr(auto, s).kind != "none"],
         "compressed_sites": model.compressed_sites(mcfg, layout, policy), "min_bytes_auto": given.min_bytes == "auto",
         "best_exact": best_exact_layout(cfg, spec),
+        "memory": memory_estimate(cfg),
     }
     if _nothing_to_bound(result):  # exact against exact: no speedup range
         result["range"] = None
@@ -395,6 +416,21 @@ def _compiling_line(cfg: TrainConfig, n: int, platform: str) -> str:
             "until done")
 
 
+@contextlib.contextmanager
+def _no_cache(off: bool):
+    """jax's persistent compilation cache off while compiling for abstract devices: it writes their
+    executables but cannot read them back without a GPU client (it warns and compiles again)."""
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    if off:
+        jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+
 def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
     """Lowers and compiles `cfg`'s real train step on abstract inputs and reads it (module docstring).
 
@@ -441,7 +477,7 @@ def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
                                      sharding=NamedSharding(trainer.mesh, P(axes or None)))
         t0 = time.perf_counter()
         lowered = trainer.train_step.lower(params, opt_state, batch, batch)
-        with progress_lines(say, XLA_ALARM_NOTE, XLA_ALARM_S + 1):
+        with progress_lines(say, XLA_ALARM_NOTE, XLA_ALARM_S + 1), _no_cache(devices[0].platform != "cpu"):
             compiled = lowered.compile()
         compile_s = time.perf_counter() - t0
     say(f"plan: compiled in {time.perf_counter() - start:.1f} s wall (tracing, lowering and XLA's compile of the step "
@@ -476,8 +512,10 @@ def shallow_depths(cfg: TrainConfig) -> tuple[int, int]:
 
 def extrapolate_peak(peaks: dict[int, int], depth: int) -> int:
     """The peak per device at `depth` layers from the peaks of two shallow compiles ({layers: bytes}),
-    linear in the depth (parameters, gradients, optimizer state and saved layer inputs all grow by the
-    same amount per layer; the rest, embedding, head and the largest scratch, does not)."""
+    linear in the depth (parameters, gradients, optimizer state and saved layer inputs grow by the same
+    amount per layer). A lower bound, not an estimate: XLA:GPU's peak grows faster than linearly with the
+    layers of a stage (qwen3-8b, 4 stages, 8 microbatches, --remat full on H100: 12.28, 14.80 and
+    61.71 GiB at 1, 2 and 9 layers per stage; the line through the first two gives 32.4 GiB at 9)."""
     (l1, p1), (l2, p2) = sorted(peaks.items())
     return int(round(p2 + (p2 - p1) / (l2 - l1) * (depth - l2)))
 
@@ -512,7 +550,7 @@ def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = No
         if compiled["platform"] != "cpu" and compiled["memory"].get("analysis"):
             from taco_jax.train.deviceless import memory_verdict
 
-            compiled["verdict"] = memory_verdict(peak, spec)
+            compiled["verdict"] = memory_verdict(peak, spec, lower_bound=extrapolate)
     return out
 
 
@@ -625,6 +663,13 @@ def lines(result: dict) -> list[str]:
     L.append(f"links: tensor {p['links']['tensor']} (TP over {lay['tp_span_nodes']} node(s)), data "
              f"{p['links']['data']}, stage {p['links']['stage']}; codec {codec['encode_GBps']:,.0f}/"
              f"{codec['decode_GBps']:,.0f} GB/s encode/decode ({_codec_source(hw)})")
+    me = p.get("memory")
+    if me and not result.get("compiled"):  # a compile prints its own, from the exact shapes
+        lo, hi = me["ratio"]
+        L.append(f"memory per device, estimate without compiling: {_mib(me['total'])} = FP32 parameters, gradients "
+                 f"and Adam state {_mib(me['state'])} + saved activations {_mib(me['activations'])}; a lower bound: "
+                 f"XLA:GPU's peak was {lo:.1f}-{hi:.1f}x this on 10 compiled configurations (plan --compiler gpu gives "
+                 "the peak)")
     c = result.get("compiled")
     if c:
         m, est = c["memory"], c["memory"]["estimate"]
@@ -636,7 +681,8 @@ def lines(result: dict) -> list[str]:
                f"{_mib(est['per_layer'])}, --remat {est['remat']}) = {_mib(est['total'])}")
         args = (f"parameters {_mib(m['params'])}, optimizer state {_mib(m['opt_state'])}, batch {_mib(m['batch'])}")
         if c["platform"] == "cpu":  # XLA:CPU's temporaries are not a GPU's activations (docs/plan.md)
-            L.append(f"memory per device, GPU estimate: {gpu}")
+            L.append(f"memory per device, GPU estimate: {gpu}; a lower bound (what is kept between layers: XLA:GPU's "
+                     "peak is larger, docs/plan.md; --compiler gpu gives it)")
             L.append(f"  arguments (exact shapes, any backend): {args}")
             L.append(f"  XLA:CPU's analysis of this compile, not a GPU's (its temporaries hold no GPU schedule): {xla}")
         else:
