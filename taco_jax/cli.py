@@ -624,7 +624,10 @@ def _plan(args, file_policy: dict | None, own_process: bool = False) -> int:
                 _force_cpu_devices(args.mesh, wins=wins)
             else:
                 devices = deviceless.gpu_devices(spec, n)
-        extrapolate = compile_ and args.extrapolate
+        extrapolate = args.command == "plan" and args.extrapolate
+        if extrapolate and devices is None:  # XLA:CPU's peak is no GPU's: nothing to extrapolate for
+            raise ValueError("--extrapolate extrapolates XLA:GPU's peak: it needs --compiler gpu (the CUDA plugin and "
+                             "a [KEY.target] table), and a compile (not --no-compile)")
         if extrapolate and args.layers is not None:
             raise ValueError(f"--extrapolate compiles shallow copies of the model's own depth; leave out --layers "
                              f"{args.layers}")
@@ -653,7 +656,7 @@ def _plan(args, file_policy: dict | None, own_process: bool = False) -> int:
         if args.command == "plan":
             print(f"written: {pathlib.Path(args.out) / 'plan.json'}, {pathlib.Path(args.out) / 'plan.md'}")
     verdict = result.get("compiled", {}).get("verdict")
-    if verdict and not verdict["fits"]:
+    if verdict and verdict["fits"] is False:
         _say(f"plan: the step does not fit the {spec.hardware.name}'s memory (exit {EXIT_NO_FIT})")
         return EXIT_NO_FIT
     return 0

@@ -52,7 +52,9 @@ def env(cache_dir, **extra) -> dict:
     """Environment of a child: this worktree first on the path, CPU only, the shared compilation
     cache, and the tests' XLA flags without a device count (the CLI / launcher set it from the mesh)."""
     e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS",
-                                                           "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+                                                           "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                                                           "TRITON_INTERPRET")}  # set by collecting
+    # tests/test_triton_interpret.py in every worker; a child compiling real Triton kernels must not inherit it
     e.update({"PYTHONPATH": str(ROOT), "XLA_FLAGS": TEST_XLA_FLAGS, "JAX_PLATFORMS": "cpu",
               "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
               **CACHE_ENV, "PYTHONUNBUFFERED": "1", **extra})

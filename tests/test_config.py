@@ -237,3 +237,18 @@ def test_a_vocabulary_too_small_for_the_shakespeare_bpe_is_refused_by_the_comman
                                          r"set by --vocab-size or \[model\] vocab_size$"):
         config_from_argv(["train", "--vocab-size", "10"])
     assert TrainConfig.from_flags(vocab_size=10).model.vocab_size == 10
+
+
+def test_overwrite_export_is_not_handed_on_by_config_json_and_a_bom_is_read(tmp_path):
+    """`--overwrite-export` is one run's permission: its config.json records false, so a rerun of that
+    file asks again (issue 52 item 1). A config file saved with a UTF-8 byte-order mark reads as without."""
+    import json
+
+    from taco_jax.train.jsonio import read_table
+
+    cfg = TrainConfig.from_flags(out=str(tmp_path / "a"), export_hf=str(tmp_path / "x"), overwrite_export=True)
+    assert cfg.checkpoint.overwrite_export and cfg.to_dict()["checkpoint"]["overwrite_export"] is False
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 7\n")
+    assert read_table(bom, "--config") == {"training": {"steps": 7}}
+    assert json.loads(json.dumps(cfg.to_dict()))["checkpoint"]["export_hf"] == str(tmp_path / "x")

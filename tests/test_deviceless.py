@@ -141,11 +141,17 @@ SCHEDULE = """HloModule m, is_scheduled=true
 
 ENTRY %main (p: f32[8,64]) -> f32[8,64] {
   %p = f32[8,64]{1,0} parameter(0)
-  %all-gather-start = (u8[1,64]{1,0}, u8[4,64]{1,0}) all-gather-start(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, metadata={op_name="jit(f)/site_ar_fwd/all_gather"}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %all-gather-start = (u8[1,64]{1,0}, u8[4,64]{1,0}) all-gather-start(%p), channel_id=1, \
+replica_groups={{0,1,2,3},{4,5,6,7}}, \
+dimensions={0}, metadata={op_name="jit(f)/site_ar_fwd/all_gather"}, \
+backend_config={"collective_backend_config":{"is_sync":false}}
   %fusion = f32[8,64]{1,0} fusion(%p), kind=kLoop, calls=%fused
   %custom-call = f32[8,64]{1,0} custom-call(%p), custom_call_target="__cublas$gemm"
   %all-gather-done = u8[4,64]{1,0} all-gather-done(%all-gather-start)
-  %all-to-all-start = ((u8[4,64]{1,0}), u8[4,64]{1,0}) all-to-all-start(%p), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, metadata={op_name="jit(f)/site_ar_bwd/all_to_all"}, backend_config={"collective_backend_config":{"is_sync":true}}
+  %all-to-all-start = ((u8[4,64]{1,0}), u8[4,64]{1,0}) all-to-all-start(%p), channel_id=2, \
+replica_groups={{0,1,2,3},{4,5,6,7}}, \
+dimensions={0}, metadata={op_name="jit(f)/site_ar_bwd/all_to_all"}, \
+backend_config={"collective_backend_config":{"is_sync":true}}
   %all-to-all-done = u8[4,64]{1,0} all-to-all-done(%all-to-all-start)
   ROOT %r = f32[8,64]{1,0} add(%fusion, %custom-call)
 }
@@ -171,3 +177,11 @@ def test_overlap_is_read_from_the_schedule_between_start_and_done():
     from taco_jax.collectives.hlo import mesh_axis_groups
 
     assert mesh_axis_groups(Mesh)["data+tensor"] == {frozenset(range(8))}  # XLA:GPU's combined groups get a name
+
+
+def test_extrapolate_needs_the_gpu_compiler(capsys):
+    from taco_jax.cli import main
+
+    for extra in (["--compiler", "cpu"], ["--no-compile"]):
+        assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=2,tensor=4", "--extrapolate", *extra]) == 2
+        assert "--extrapolate extrapolates XLA:GPU's peak: it needs --compiler gpu" in capsys.readouterr().err

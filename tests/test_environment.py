@@ -14,6 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "taco_jax"
 #: Variable -> why the package may read it.
 ALLOWED = {
     "XLA_FLAGS": "XLA's own flags: `--devices` adds the simulated CPU device count before JAX starts",
+    "JAX_PLATFORMS": "JAX's own: set to cpu (unless already set) where the CUDA plugin is installed but no driver is",
     "JAX_COORDINATOR_ADDRESS": "JAX's own distributed variable (jax.distributed.initialize reads it too)",
     "JAX_NUM_PROCESSES": "JAX's own distributed variable (jax.distributed.initialize reads it too)",
     "JAX_PROCESS_ID": "JAX's own distributed variable (jax.distributed.initialize reads it too)",

@@ -748,7 +748,8 @@ class TrainConfig:
         """JSON-ready sections {section: {field: value}} (`communication.policy` as
         `CommPolicy.to_dict()`): the `config.json` of a run, and a `--config` file. The folders of
         `PATH_FLAGS` absolute (resolved against the current folder; "" stays ""), but an `export_hf`
-        inside `out` as "{out}/REL" (`recorded_export`)."""
+        inside `out` as "{out}/REL" (`recorded_export`); `overwrite_export` always false (a permission
+        for the run that was given it, not for a rerun of its config.json)."""
         out = {}
         for name in SECTIONS:
             section = out[name] = {}
@@ -758,6 +759,8 @@ class TrainConfig:
                     value = value.to_dict()
                 elif flag == "export_hf":
                     value = recorded_export(value, self.checkpoint.out)
+                elif flag == "overwrite_export":  # one run's permission: a rerun of its config.json asks again
+                    value = False
                 elif flag in PATH_FLAGS and value:
                     value = os.path.abspath(value)
                 section[f.name] = value

@@ -64,7 +64,7 @@ def keep_jax_on_cpu() -> None:
     already. Call before jax creates its backends. Without the plugin, or with a driver, nothing changes."""
     import ctypes.util  # noqa: PLC0415
 
-    if "JAX_PLATFORMS" in os.environ or ctypes.util.find_library("cuda") is not None:
+    if os.environ.get("JAX_PLATFORMS") is not None or ctypes.util.find_library("cuda") is not None:
         return
     try:
         plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None

@@ -90,7 +90,7 @@ def read_table(path, what: str) -> dict:
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r}: cannot read it ({e.strerror or e})") from None
     try:
-        text = raw.decode("utf-8")  # TOML and JSON files are UTF-8 (whatever the locale's encoding)
+        text = raw.decode("utf-8-sig")  # UTF-8 whatever the locale (a byte-order mark is dropped)
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise ValueError(f"{what} {str(path)!r}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}, "
