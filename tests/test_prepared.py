@@ -189,7 +189,8 @@ def test_cli_prepare_data_and_sample_errors(corpus, tmp_path, capsys):
 def test_symlinked_folders_are_read_once_and_the_sources_counted(corpus, tmp_path, capsys):
     """A symlinked sub-folder is followed as a symlinked file is read (`Path.rglob` skipped it without
     a word); a link back up (a loop) or to a folder already read adds nothing; the count of sources
-    is printed; a dangling source symlink is refused naming it."""
+    is printed; a dangling symlink named as a source, or with no suffix (a folder, maybe), is refused
+    naming it."""
     from taco_jax.cli import main
 
     top, outside = tmp_path / "top", tmp_path / "outside"
@@ -210,6 +211,10 @@ def test_symlinked_folders_are_read_once_and_the_sources_counted(corpus, tmp_pat
     assert capsys.readouterr().err.strip() == (f"taco-jax: error: {str(top / 'gone.txt')!r} is a symlink to "
                                               f"{str(tmp_path / 'nowhere.txt')!r}, which does not exist")
     assert not (tmp_path / "e").exists()
+    (top / "gone.txt").unlink()
+    (top / "gone").symlink_to(tmp_path / "nowhere")  # no suffix: it may have been a folder of sources
+    assert main(["prepare-data", str(top), "--init-from", str(QWEN3), "--out", str(tmp_path / "f")]) == 2
+    assert f"{str(top / 'gone')!r} is a symlink to" in capsys.readouterr().err
 
 
 def test_init_from_a_missing_folder_says_so_and_that_nothing_is_downloaded(corpus, tmp_path, capsys, monkeypatch):

@@ -144,8 +144,9 @@ def source_files(inputs: Sequence[str]) -> list[pathlib.Path]:
 def _folder_files(root: pathlib.Path) -> list[pathlib.Path]:
     """The source files under folder `root`, sorted by path, symlinked folders followed (as symlinked
     files are read): each folder once, so a link back up (a loop) or to a folder already read adds
-    nothing. Raises ValueError naming a folder that cannot be listed, or a source-named symlink whose
-    target does not exist (`Path.rglob` would skip both without a word)."""
+    nothing. Raises ValueError naming a folder that cannot be listed, or a symlink named as a source or
+    with no suffix (it may have been a folder) whose target does not exist (`Path.rglob` would skip
+    them without a word)."""
     def unreadable(e: OSError):
         raise ValueError(f"folder {e.filename!r} under {str(root)!r} cannot be read ({e.strerror or e})")
 
@@ -164,12 +165,11 @@ def _folder_files(root: pathlib.Path) -> list[pathlib.Path]:
         subs[:] = keep  # os.walk enters only these
         for name in names:
             f = pathlib.Path(folder) / name
-            if f.suffix not in TEXT_SUFFIXES + JSONL_SUFFIXES:
-                continue
-            if f.is_file():
-                found.append(f)
-            elif f.is_symlink() and not f.exists():
+            source = f.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES
+            if f.is_symlink() and not f.exists() and (source or not f.suffix):  # a source, or maybe a folder
                 raise ValueError(f"{str(f)!r} is a symlink to {os.readlink(f)!r}, which does not exist")
+            if source and f.is_file():
+                found.append(f)
     return sorted(found)
 
 
