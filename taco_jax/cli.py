@@ -596,11 +596,11 @@ def _plan(args, file_policy: dict | None, own_process: bool = False) -> int:
     if compile_:
         from taco_jax.train import deviceless
 
-        compiler = args.compiler
+        compiler, why = args.compiler, deviceless.plugin_error()
         if compiler == "auto":
-            compiler = "gpu" if deviceless.plugin_error() is None else "cpu"
-        if compiler == "gpu" and deviceless.plugin_error():
-            return _error(ValueError(deviceless.plugin_error()), EXIT_BAD_INPUT)
+            compiler = "cpu" if why else "gpu"
+        if compiler == "gpu" and why:
+            return _error(ValueError(why), EXIT_BAD_INPUT)
         if compiler == "cpu":
             _force_cpu_devices(args.mesh, wins=wins)
     from taco_jax.perf.hardware import get_hardware

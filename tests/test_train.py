@@ -86,14 +86,16 @@ def test_ffi_backend_training_tracks_reference(dataset, tmp_path):
     np.testing.assert_allclose(losses["ffi"], losses["reference"], rtol=1e-3)
 
 
-def _with_reference_encoder(monkeypatch, change):
-    """Replaces the reference backend's encoder for this test: (codes, s, a) -> change(codes, s, a)."""
+def _with_reference_encoder(monkeypatch, change, name="reference"):
+    """Registers backend `name` for this test: the reference whose encoder's (codes, s, a) pass through
+    change(codes, s, a) (`name` "reference" replaces the reference itself). Returns `name`."""
     from taco_jax.codec import backends, reference
 
     def encode(xg, cfg, *, last_count):
         return change(*reference.encode_groups(xg, cfg, last_count=last_count))
 
-    monkeypatch.setitem(backends._LOADED, "reference", backends.GroupBackend(encode, reference.decode_groups))
+    monkeypatch.setitem(backends._LOADED, name, backends.GroupBackend(encode, reference.decode_groups))
+    return name
 
 
 @pytest.mark.slow
@@ -115,13 +117,12 @@ def test_first_step_rule_covers_the_contract(dataset, tmp_path, monkeypatch):
     assert abs(got / base - 1) > FIRST_STEP_RTOL, got / base - 1
 
 
-def test_check_messages_catches_what_the_contract_does_not_allow():
+def test_check_messages_catches_what_the_contract_does_not_allow(monkeypatch):
     """The message-level rule passes the reference against itself and a scale one ulp off (inside the
     contract: reordering the G-term sums moves s by that much), and fails codes moved one step at twice
     the allowed rate, codes moved two steps anywhere, and a scale off by 2^-14 (beyond 2^-23 * G)."""
     import jax.numpy as jnp
 
-    from taco_jax.codec import backends, reference
     from taco_jax.codec.config import CodecConfig
     from taco_jax.kernels.conformance import check_messages, step_codes
 
@@ -130,20 +131,14 @@ def test_check_messages_catches_what_the_contract_does_not_allow():
     assert check_messages("reference", msg, cfg) == 0.0
 
     def faulty(change):
-        def encode(xg, c, *, last_count):
-            return change(*reference.encode_groups(xg, c, last_count=last_count))
-        backends._LOADED["faulty"] = backends.GroupBackend(encode, reference.decode_groups)
-        return "faulty"
+        return _with_reference_encoder(monkeypatch, change, name="faulty")
 
-    try:
-        assert check_messages(faulty(lambda q, s, a: (q, s * jnp.float32(1 + 2.0**-23), a)), msg, cfg) == 0.0
-        for change, what in ((lambda q, s, a: (step_codes(q, 2e-3, 3), s, a), "of codes differ"),
-                             (lambda q, s, a: (step_codes(q, 1e-4, 3, steps=2), s, a), "differ by up to 2 steps"),
-                             (lambda q, s, a: (q, s * jnp.float32(1 + 2.0**-14), a), "Not equal to tolerance")):
-            with pytest.raises(AssertionError, match=what):
-                check_messages(faulty(change), msg, cfg)
-    finally:
-        backends._LOADED.pop("faulty", None)
+    assert check_messages(faulty(lambda q, s, a: (q, s * jnp.float32(1 + 2.0**-23), a)), msg, cfg) == 0.0
+    for change, what in ((lambda q, s, a: (step_codes(q, 2e-3, 3), s, a), "of codes differ"),
+                         (lambda q, s, a: (step_codes(q, 1e-4, 3, steps=2), s, a), "differ by up to 2 steps"),
+                         (lambda q, s, a: (q, s * jnp.float32(1 + 2.0**-14), a), "Not equal to tolerance")):
+        with pytest.raises(AssertionError, match=what):
+            check_messages(faulty(change), msg, cfg)
 
 
 def _step_hlo(comm, dataset):

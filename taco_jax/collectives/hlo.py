@@ -165,11 +165,8 @@ _DONE = re.compile(r"=\s*(?P<type>.*?)\s+(?:" + "|".join(_OPS) + r")-done\(%?(?P
 def _done_types(hlo_text: str) -> dict[str, str]:
     """{name of an async collective's `-start`: the result type its `-done` gives} (XLA:GPU's
     scheduled HLO; a start's own type is the (operand, result) tuple)."""
-    return {m["start"]: m["type"] for m in map(_DONE.search, map(_COMMENT_SUB, hlo_text.splitlines())) if m}
-
-
-def _COMMENT_SUB(line: str) -> str:  # noqa: N802
-    return _COMMENT.sub("", line)
+    found = (_DONE.search(_COMMENT.sub("", line)) for line in hlo_text.splitlines() if "-done(" in line)
+    return {m["start"]: m["type"] for m in found if m}
 
 
 #: What may run between an async collective's start and done in a schedule, by kind (`async_overlap`).
@@ -275,7 +272,7 @@ def codec_calls(hlo_text: str) -> list[dict]:
             kind = next((k for k in ("encode", "decode", "reduce") if k in target[1]), "other")
             out.append(dict(kind=kind, target=target[1], site=_sites(name[1]) if name else ""))
         elif scope and not target:
-            op = re.search(r"\)?\s([a-z][a-z0-9-]*)\(", line.split("=", 1)[1])
+            op = _OPCODE.search(line.split("=", 1)[1])
             if op and op[1] not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast") + _OPS:
                 out.append(dict(kind=scope[1].removeprefix("taco_"), target=op[1], site=_sites(name[1])))
     return out
