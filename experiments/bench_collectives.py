@@ -43,7 +43,7 @@ function donates its input (`donate_argnums=0`, a fresh copy made outside the ti
 call), so a result of the input's shape (psum, ppermute) may reuse the input's buffer, as inside a
 training step, instead of page-faulting in a fresh one (≥ 32 MB buffers are mapped anew by glibc).
 
-Output `OUT/bench_collectives.json` (strict JSON, `taco_jax.train.jsonio`), schema
+Output `OUT/bench_collectives.json` (strict JSON, `taco_jax.util.jsonio`), schema
 "taco_jax.bench_collectives/1" — stable; other tools (the α–β cost model) read it:
 
   {"schema": "taco_jax.bench_collectives/1",
@@ -130,7 +130,8 @@ import time
 
 import numpy as np
 
-from experiments.common import ROOT, child_env, git_commit, light_import, module_command
+from experiments.common import ROOT, child_env, git_commit, module_command
+from taco_jax.util import jsonio
 
 SCHEMA = "taco_jax.bench_collectives/1"
 COLLECTIVES = ("psum", "all_gather", "psum_scatter", "ppermute")
@@ -344,7 +345,7 @@ def worker(cfg_path: str, process_id: int) -> None:
     cfg = json.loads(pathlib.Path(cfg_path).read_text())
     transport, p = cfg["transport"], cfg["ranks"]
     if transport == "gloo":
-        dist = light_import("taco_jax.train.distributed")  # gloo selected before the backend starts
+        from taco_jax.train import distributed as dist  # noqa: PLC0415  (gloo selected before the backend starts)
         dist.initialize(dist.DistConfig(cfg["coordinator"], p, process_id))
     import jax
     import jax.numpy as jnp
@@ -693,7 +694,7 @@ def main(argv=None) -> dict:
                note="CPU timings on the machine as it was (see loadavg_*): other processes may share the cores")
     result = dict(schema=SCHEMA, env=env, config={k: v for k, v in cfg.items()}, rows=rows,
                   summary=dict(break_even=break_even(rows)))
-    path = light_import("taco_jax.train.jsonio").write(out / "bench_collectives.json", result)
+    path = jsonio.write(out / "bench_collectives.json", result)
     _log(f"wrote {path}")
     if not args.no_plot and rows:
         plot(rows, out / "bench_collectives.png")

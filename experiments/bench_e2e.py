@@ -62,7 +62,7 @@ from experiments import load_guard
 from taco_jax.emulate import LinkSpec
 from taco_jax.launch import child_env, cli_command
 from taco_jax.models import PRESETS
-from taco_jax.train import jsonio
+from taco_jax.util import jsonio
 
 DEFAULT_VARIANTS = ("exact=--comm none", "taco=--comm taco")
 

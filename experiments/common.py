@@ -1,17 +1,18 @@
 """Helpers shared by the studies of `experiments/`: the checkout's root, simulated CPU devices,
-child processes of a study, the git commit of a result, and light imports of `taco_jax.train`.
+child processes of a study and the git commit of a result.
 
-Imports only the standard library, so a study can use it before it imports jax.
+Imports only the standard library and `taco_jax.util`, so a study can use it before it imports jax.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from taco_jax.util import procs
 
 #: The repository root (the folder holding `taco_jax/` and `experiments/`).
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +37,9 @@ def cpu_devices(n: int, *, force: bool = False) -> None:
 
 
 def child_env(base: dict | None = None) -> dict:
-    """A copy of `base` (default `os.environ`) in which `python -m experiments.NAME` imports this
-    checkout: ROOT first on PYTHONPATH, output unbuffered."""
-    env = dict(os.environ if base is None else base)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    """`taco_jax.util.procs.child_env` of `base` (default `os.environ`: this checkout first on PYTHONPATH, so
+    `python -m experiments.NAME` imports it), output unbuffered."""
+    return procs.child_env(os.environ if base is None else base) | {"PYTHONUNBUFFERED": "1"}
 
 
 def module_command(module: str, *args: str) -> list[str]:
@@ -57,21 +55,3 @@ def git_commit() -> str | None:
                               timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def light_import(module: str):
-    """`module` of taco_jax.train that imports only the standard library and numpy at module level
-    (jsonio, distributed), loaded from its file without running `taco_jax.train.__init__`, which
-    imports the models (about 1 s of CPU per process on a 2-core machine, paid by every worker).
-    Raises FileNotFoundError naming the module's file if it does not exist."""
-    name = f"_experiments_light_{module.rpartition('.')[2]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = ROOT / (module.replace(".", "/") + ".py")
-    if not path.exists():
-        raise FileNotFoundError(f"{module}: no file {path}")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod

@@ -59,7 +59,7 @@ import sys
 import numpy as np
 
 from experiments import bench_e2e, load_guard
-from taco_jax.train import jsonio
+from taco_jax.util import jsonio
 
 MAIN_LINKS = ["50mbit", "250mbit", "500mbit", "1gbit", "2gbit", "4gbit", "none"]
 CHUNKS = [f"taco_c{k}=--comm taco --chunks {k}" for k in (2, 4, 8)]

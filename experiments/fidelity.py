@@ -39,9 +39,9 @@ from taco_jax.codec import CodecConfig
 from taco_jax.codec.presets import NAMED
 from taco_jax.collectives.policy import CommPolicy
 from taco_jax.launch import child_env, cli_command
-from taco_jax.train import jsonio
 from taco_jax.train.calibrate import evaluate, split_messages
 from taco_jax.train.capture import load_captures
+from taco_jax.util import jsonio
 
 #: Ablation variants: name -> `taco-jax train` flags (the paper's ablation table, plus the calibrated policy).
 VARIANTS = {

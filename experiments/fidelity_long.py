@@ -99,7 +99,7 @@ def run_config(study: dict, model: str, variant: str, seed: int, out):
 def run_complete(path, steps: int) -> bool:
     """Whether the run folder `path` holds a finished run of `steps` steps (summary.json without
     "preempted_at_step", metrics.jsonl up to that step)."""
-    from taco_jax.train import jsonio
+    from taco_jax.util import jsonio
 
     path = pathlib.Path(path)
     if not (path / "summary.json").is_file() or not (path / "metrics.jsonl").is_file():
@@ -120,7 +120,7 @@ def check_study(out, study: dict) -> dict:
     """Writes `<out>/study.json`, or checks it against `study` when there: raises ValueError naming
     each run setting (`RUN_SETTINGS`) that differs from the runs already in `out`. Returns the study
     as written (the larger of the two seed counts)."""
-    from taco_jax.train import jsonio
+    from taco_jax.util import jsonio
 
     path = pathlib.Path(out) / "study.json"
     if path.is_file():
@@ -144,8 +144,8 @@ def run_study(study: dict, out, *, keep_checkpoints: bool = False) -> list[tuple
 
     from taco_jax.data import load_prepared
     from taco_jax.parallel.mesh import parse_mesh
-    from taco_jax.train.console import say
     from taco_jax.train.loop import train
+    from taco_jax.util.console import say
 
     ds = load_prepared(study["corpus"])
     devices = jax.devices()[:math.prod(parse_mesh(study["mesh"]).values())]
@@ -173,7 +173,7 @@ def run_study(study: dict, out, *, keep_checkpoints: bool = False) -> list[tuple
 
 def load_pairs(out, study: dict) -> dict:
     """{model: {seed: {variant: metrics records}}} of the complete pairs in `out` (timing fields kept)."""
-    from taco_jax.train import jsonio
+    from taco_jax.util import jsonio
 
     pairs = {}
     for model in study["models"]:
@@ -397,7 +397,7 @@ def _save(fig, path) -> pathlib.Path:
 
 def write_report(out, study: dict, milestones=MILESTONES, window: int = 50) -> dict:
     """`analyze`, then `<out>/report.json` (strict JSON), `report.md`, `gap.png` and `sqnr.png`."""
-    from taco_jax.train import jsonio
+    from taco_jax.util import jsonio
 
     report = analyze(out, study, milestones, window)
     out = pathlib.Path(out)
@@ -426,9 +426,9 @@ def probe(study: dict, models, steps: int = 4) -> list[dict]:
     from experiments.fidelity_runs import SeedRunner
     from taco_jax.data import TokenStream, load_prepared
     from taco_jax.parallel.mesh import parse_mesh
-    from taco_jax.train import jsonio
-    from taco_jax.train.console import say
     from taco_jax.train.monitor import Monitor
+    from taco_jax.util import jsonio
+    from taco_jax.util.console import say
 
     ds = load_prepared(study["corpus"])
     devices = jax.devices()[:math.prod(parse_mesh(study["mesh"]).values())]
@@ -525,7 +525,7 @@ def main(argv=None) -> dict | list:
     p.add_argument("--probe", nargs="+", metavar="MODEL", help="time a few steps of these models; write nothing")
     p.add_argument("--probe-steps", type=int, default=4)
     args = p.parse_args(argv)
-    from taco_jax.train import jsonio
+    from taco_jax.util import jsonio
 
     out = pathlib.Path(args.out)
     if args.analyze:

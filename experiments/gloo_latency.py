@@ -30,6 +30,7 @@ import sys
 import time
 
 from taco_jax import emulate
+from taco_jax.util.procs import child_env
 
 
 def worker(args) -> None:
@@ -88,7 +89,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     if args.rt_prio:  # the link test's threads too (a starved receiver reads a low rate)
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.rt_prio))
-    env = emulate.child_env({**os.environ, "JAX_PLATFORMS": "cpu"})
+    env = child_env({**os.environ, "JAX_PLATFORMS": "cpu"})
     load0 = os.getloadavg()
     bulk = None
     cl = emulate.Cluster(2, emulate.LinkSpec.parse(args.link)) if args.link != "none" else None

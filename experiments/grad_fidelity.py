@@ -284,7 +284,7 @@ def main(argv=None) -> dict:
 
     from taco_jax.data import load_shakespeare
     from taco_jax.parallel.mesh import parse_mesh
-    from taco_jax.train import jsonio
+    from taco_jax.util import jsonio
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -494,7 +494,7 @@ def main(argv=None, *, own_process: bool = False) -> int:
     collector then walks only what the run creates); an in-process caller's objects are left alone."""
     parser = _parser()
     args = parser.parse_args(argv)
-    from taco_jax.train import jsonio
+    from taco_jax.util import jsonio
 
     if warnings.showwarning is not _show_warning:  # a flag with no effect: one line, as the CLI's own warnings
         _show_warning.python = warnings.showwarning
@@ -639,7 +639,7 @@ def _plan(args, file_policy: dict | None, own_process: bool = False) -> int:
     except ValueError as e:
         return _error(e, EXIT_BAD_INPUT)
     if args.command == "plan":
-        from taco_jax.train import jsonio
+        from taco_jax.util import jsonio
 
         out = pathlib.Path(args.out)
         if (out / "plan.json").exists() or (out / "plan.md").exists():
@@ -648,7 +648,7 @@ def _plan(args, file_policy: dict | None, own_process: bool = False) -> int:
         jsonio.write(out / "plan.json", result)
         (out / "plan.md").write_text(planner.markdown(result))
     if args.json:
-        from taco_jax.train import jsonio
+        from taco_jax.util import jsonio
 
         print(jsonio.dumps(result, indent=2))
     else:
@@ -749,8 +749,8 @@ def _train_or_compare(args, file_policy: dict | None, own_process: bool = False)
             return _error(e, EXIT_BAD_INPUT)
     from taco_jax.train import hooks
     from taco_jax.train.compare import compare
-    from taco_jax.train.console import summary_block
     from taco_jax.train.loop import train
+    from taco_jax.util.console import summary_block
 
     if own_process:
         gc.freeze()

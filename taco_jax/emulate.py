@@ -52,13 +52,14 @@ import os
 import pathlib
 import re
 import shutil
-import site
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+
+from taco_jax.util.procs import child_env
 
 ENV_PREFIX = "TACO_JAX_NETNS_PREFIX"
 DEFAULT_PREFIX = "taco-"
@@ -566,23 +567,3 @@ def _reap(names: list[str]) -> None:
             pass
     finally:
         remove(names)
-
-
-def cli_command(*args: str) -> list[str]:
-    """The command line of a child running `taco-jax ARGS` with this interpreter: `python -P -m
-    taco_jax.cli ARGS...` (-P: the working folder is not on sys.path, so a folder holding another
-    `taco_jax` does not shadow this one). Start it with `child_env(...)` as its environment."""
-    return [sys.executable, "-P", "-m", "taco_jax.cli", *args]
-
-
-def child_env(env: dict) -> dict:
-    """A copy of `env` for a `python -P` child that imports this taco_jax: the folder holding the package
-    first on PYTHONPATH, unless it is a site-packages folder (where the child finds it anyway) or
-    already on PYTHONPATH."""
-    root = str(pathlib.Path(__file__).resolve().parents[1])
-    env = dict(env)
-    sites = {str(pathlib.Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in sites and root not in {str(pathlib.Path(p).resolve()) for p in paths}:
-        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
-    return env

@@ -56,7 +56,7 @@ import threading
 import time
 
 from taco_jax import emulate
-from taco_jax.emulate import child_env, cli_command
+from taco_jax.util.procs import child_env, cli_command
 
 
 def _die_with_parent() -> None:

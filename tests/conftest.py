@@ -64,6 +64,7 @@ PROCS = (
     "tests/test_distributed.py::test_exact_reduce_scatter_avoids_gloo_reduce_scatter",
     "tests/test_emulated_links.py::test_stale_namespaces_are_removed_by_prefix_and_live_ones_kept",
     "tests/test_e2e_study.py::test_a_cpu_burner_makes_the_study_warn_and_not_start",  # busy-loop processes
+    "tests/test_experiments.py::test_a_light_train_module_imports_without_the_models",  # a fresh interpreter
 )
 #: Notebook tests.
 NOTEBOOK = ("tests/test_notebooks.py",)

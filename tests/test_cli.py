@@ -11,9 +11,9 @@ from taco_jax import __version__
 from taco_jax.cli import main
 from taco_jax.codec import CodecConfig
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
-from taco_jax.train import jsonio
 from taco_jax.train.config import TrainConfig
-from taco_jax.train.console import format_bytes, summary_block
+from taco_jax.util import jsonio
+from taco_jax.util.console import format_bytes, summary_block
 
 #: Smallest useful run of the CLI (gpt2-tiny; vocabulary 512 keeps the tokenizer quick).
 TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
@@ -142,7 +142,7 @@ def test_compare_summary_per_axis_ratio_and_plot_labels(tmp_path):
     assert shown["steps"] == "2"
     assert shown["taco run codecs"] == summary["codecs_taco"] == "data: int8-G128-had, tensor: taco-e4m3-G128-dual"
     # steady-state throughput: batch 8 × 32 tokens over the median step after the first (here step 2)
-    from taco_jax.train.jsonio import read_metrics
+    from taco_jax.util.jsonio import read_metrics
 
     for run_ in ("none", "taco"):
         step2 = read_metrics(tmp_path / run_ / "metrics.jsonl")[1]

@@ -10,7 +10,6 @@ import jax
 import pytest
 
 from taco_jax.cli import config_from_argv, main
-from taco_jax.train import jsonio
 from taco_jax.train.config import (
     FLAGS,
     SECTIONS,
@@ -24,6 +23,7 @@ from taco_jax.train.config import (
     TrainingSection,
     flag_values,
 )
+from taco_jax.util import jsonio
 
 #: One key per section, and communication flags beside the section's own fields.
 TABLES = """\
@@ -244,7 +244,7 @@ def test_overwrite_export_is_not_handed_on_by_config_json_and_a_bom_is_read(tmp_
     file asks again (issue 52 item 1). A config file saved with a UTF-8 byte-order mark reads as without."""
     import json
 
-    from taco_jax.train.jsonio import read_table
+    from taco_jax.util.jsonio import read_table
 
     cfg = TrainConfig.from_flags(out=str(tmp_path / "a"), export_hf=str(tmp_path / "x"), overwrite_export=True)
     assert cfg.checkpoint.overwrite_export and cfg.to_dict()["checkpoint"]["overwrite_export"] is False

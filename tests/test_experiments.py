@@ -75,11 +75,15 @@ def test_child_env_puts_the_checkout_first():
                                                                                    "--steps", "3"]
 
 
-def test_light_import_loads_a_module_file_and_names_a_missing_one():
-    jsonio = common.light_import("taco_jax.train.jsonio")
-    assert callable(jsonio.write) and common.light_import("taco_jax.train.jsonio") is jsonio
-    with pytest.raises(FileNotFoundError, match="taco_jax.train.nothing"):
-        common.light_import("taco_jax.train.nothing")
+def test_a_light_train_module_imports_without_the_models():
+    """`taco_jax.train.distributed` (the studies' gloo set-up) does not load the config and the models."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import taco_jax.train.distributed; "
+            "print('taco_jax.train.config' in sys.modules, 'taco_jax.models' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_studies_start_the_cli_shadow_proof():

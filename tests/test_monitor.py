@@ -130,9 +130,9 @@ def test_monitor_warning_is_printed(capsys):
 
 def test_monitor_summary_and_plot(tmp_path):
     """summary.json's "monitor" and monitor.png from a run's records (non-finite values as strings)."""
-    from taco_jax.train import jsonio
     from taco_jax.train.hooks import monitor_summary
     from taco_jax.train.plots import plot_monitor
+    from taco_jax.util import jsonio
 
     def site(db, worst):
         return {"sqnr_db": db, "min_sqnr_db": worst, "worst_call": "exit01", "rel_err": 10 ** (-db / 20),

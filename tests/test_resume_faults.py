@@ -209,7 +209,7 @@ def test_cli_resume_with_a_corrupt_newest_checkpoint(two_checkpoints, tmp_path, 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboardX import SummaryWriter
 
-    from taco_jax.train import jsonio
+    from taco_jax.util import jsonio
 
     src, _, _ = two_checkpoints
     shutil.copytree(src, tmp_path / "checkpoints")

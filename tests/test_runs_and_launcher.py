@@ -82,9 +82,9 @@ def test_an_export_into_another_run_s_folder_is_refused_unless_told(tmp_path):
     run's own export (inside --out, or recorded with this --out: a resumed run) and any folder with
     --overwrite-export are accepted."""
     from taco_jax.models.hf import EXPORT_RECORD
-    from taco_jax.train import jsonio
     from taco_jax.train.config import TrainConfig
     from taco_jax.train.loop import check_export_dir
+    from taco_jax.util import jsonio
 
     first, other = tmp_path / "a", tmp_path / "c"
     first.mkdir()

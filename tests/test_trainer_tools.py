@@ -16,10 +16,10 @@ from tokenizers import Tokenizer
 from taco_jax.cli import config_from_argv, main
 from taco_jax.data.shakespeare import EOT
 from taco_jax.models import load_hf
-from taco_jax.train import jsonio
 from taco_jax.train.config import flag_values
 from taco_jax.train.profile import hlo_op_names
 from taco_jax.train.sample import load_for_sampling
+from taco_jax.util import jsonio
 
 QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
 

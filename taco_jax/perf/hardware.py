@@ -182,7 +182,7 @@ def load_hardware(path=None) -> dict[str, HardwareSpec]:
     """The hardware of a TOML (or ".json") file, default the shipped `hardware.toml`.
     Raises ValueError naming the file (a given one as `--hardware-file`) when it cannot be read or
     parsed, or holds a bad entry."""
-    from taco_jax.train.jsonio import read_table  # same floor; jsonio imports nothing of taco_jax
+    from taco_jax.util.jsonio import read_table  # same floor; jsonio imports nothing of taco_jax
 
     what = "--hardware-file" if path else "hardware file"
     path = pathlib.Path(path or HARDWARE_FILE)

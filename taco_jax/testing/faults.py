@@ -38,7 +38,7 @@ def stall(when: str, process: int, where: str) -> None:
         raise ValueError(f"{ENV_STALL}={value!r} must be PROCESS:WHEN:SECONDS or PROCESS:WHEN:stop") from None
     if proc != process or at != when:
         return
-    from taco_jax.train.console import write_line
+    from taco_jax.util.console import write_line
 
     if seconds is None:
         write_line(f"[taco-jax] {ENV_STALL}: process {proc} stops itself (SIGSTOP) {where}")

@@ -38,8 +38,8 @@ from taco_jax.codec import CodecConfig, cosine, max_rel_error, roundtrip, sqnr_d
 from taco_jax.codec.config import GROUP_AXES, GROUP_SIZES
 from taco_jax.codec.kinds import FP8_FMTS, registered
 from taco_jax.collectives.policy import POLICY_FORMAT, TENSOR_SITES, CommPolicy
-from taco_jax.train import jsonio
 from taco_jax.train.capture import Message, load_captures
+from taco_jax.util import jsonio
 
 #: Default wire-byte budget per element: TACO's own setting (E4M3, G = 128, two FP32 scales: 1 + 8/128).
 DEFAULT_BUDGET = CodecConfig().wire_bytes_per_element()

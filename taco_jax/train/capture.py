@@ -46,8 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax.parallel.mesh import DATA, TENSOR
 from taco_jax.parallel.state import merge_params
-from taco_jax.train import jsonio
 from taco_jax.train.step import make_steps
+from taco_jax.util import jsonio
 
 
 @dataclasses.dataclass

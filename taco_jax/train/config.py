@@ -839,6 +839,6 @@ def read_config_file(path) -> dict:
     Raises ValueError naming the file when it cannot be read or parsed, is not a table / object,
     or has a key outside its table (`flag_values`).
     """
-    from taco_jax.train.jsonio import read_table
+    from taco_jax.util.jsonio import read_table
 
     return flag_values(read_table(path, "--config"), f"--config {str(path)!r}")

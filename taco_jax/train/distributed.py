@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from taco_jax.testing import faults
-from taco_jax.train.console import write_line
+from taco_jax.util.console import write_line
 
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"

@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 
 from taco_jax.codec import raise_if_nonfinite
 from taco_jax.collectives.policy import SITES
-from taco_jax.train import jsonio
-from taco_jax.train.console import rel, say
+from taco_jax.util import jsonio
+from taco_jax.util.console import rel, say
 
 
 @dataclasses.dataclass

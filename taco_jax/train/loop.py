@@ -30,21 +30,22 @@ from taco_jax.models import count_params
 from taco_jax.models.hf import EXPORT_RECORD, read_config, read_record, save_hf
 from taco_jax.parallel.mesh import DATA, MESH_AXES, STAGE
 from taco_jax.parallel.pipeline import schedule_stats
-from taco_jax.train import capture, hooks, jsonio, tensorboard
+from taco_jax.train import capture, hooks, tensorboard
 from taco_jax.train import distributed as dist
 from taco_jax.train.checkpoint import Checkpoints, saved_steps
 from taco_jax.train.config import AXIS_SITES, OUT_DIR, TrainConfig, flag_values
-from taco_jax.train.console import rel, say
 from taco_jax.train.monitor import Monitor
 from taco_jax.train.plots import plot_losses, plot_monitor
 from taco_jax.train.profile import ProfileSteps, profile_dir
 from taco_jax.train.step import Trainer, compiled_memory, lr_schedule, make_trainer
+from taco_jax.util import jsonio
+from taco_jax.util.console import rel, say
 
 
 def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
     """Trains `cfg.model.name` on Shakespeare or `cfg.data.path`; writes `config.json`, `metrics.jsonl`,
     `summary.json` and `loss.png` to `cfg.checkpoint.out` (strict JSON: non-finite numbers as strings,
-    `train/jsonio.py`).
+    `util/jsonio.py`).
 
     Returns the summary: final train/validation loss, tokens/s, the policy that ran (backends
     resolved), and the compiled train step's wire bytes per step by mesh axis

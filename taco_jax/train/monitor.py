@@ -56,7 +56,7 @@ from taco_jax.collectives.megatron import site_collective
 from taco_jax.collectives.policy import TENSOR_SITES, CommPolicy
 from taco_jax.parallel.mesh import TENSOR
 from taco_jax.train import capture
-from taco_jax.train.console import say
+from taco_jax.util.console import say
 
 #: Per-site keys of a monitor record (module docstring).
 SITE_KEYS = ("sqnr_db", "min_sqnr_db", "worst_call", "rel_err", "max_rel_err", "calls")

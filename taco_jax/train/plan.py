@@ -29,7 +29,7 @@ from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.perf import model, uncertainty
 from taco_jax.perf.hardware import HardwareSpec, with_tp_span
 from taco_jax.train.config import AXIS_SITES, TrainConfig
-from taco_jax.train.console import format_bytes
+from taco_jax.util.console import format_bytes
 
 #: Element types of compressed wire buffers in compiled HLO (codes and scales travel as bytes).
 CODE_DTYPES = ("u8", "s8")

@@ -6,7 +6,7 @@ import math
 import pathlib
 
 from taco_jax.collectives.policy import SITES
-from taco_jax.train.jsonio import read_metrics
+from taco_jax.util.jsonio import read_metrics
 
 
 def plot_monitor(path, metrics, title: str) -> pathlib.Path:

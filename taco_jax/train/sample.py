@@ -37,7 +37,7 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
     from taco_jax.models.generate import InferenceModel
     from taco_jax.train.checkpoint import Checkpoints
     from taco_jax.train.config import FlagWarning, TrainConfig
-    from taco_jax.train.console import say
+    from taco_jax.util.console import say
 
     with warnings.catch_warnings():  # the run's training flags (e.g. a schedule with no effect) are not this command's
         warnings.simplefilter("ignore", FlagWarning)
@@ -109,7 +109,7 @@ def _say_export(folder: pathlib.Path, run: pathlib.Path | None = None) -> None:
     (e.g. an export written when SIGTERM stopped the run, then a resumed run without --export-hf)."""
     from taco_jax.models.hf import EXPORT_RECORD, read_record
     from taco_jax.train.checkpoint import saved_steps
-    from taco_jax.train.console import say, warn
+    from taco_jax.util.console import say, warn
 
     step = (read_record(folder) or {}).get("step")
     said = f"step {step}" if step is not None else f"no training step recorded: no {EXPORT_RECORD}"

@@ -29,8 +29,8 @@ from taco_jax.parallel import pipeline as pp
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, make_mesh
 from taco_jax.parallel.state import merge_params, sharded_initializer
 from taco_jax.train.config import TrainConfig
-from taco_jax.train.console import say
 from taco_jax.train.distributed import emulated_link, tensor_link_bytes_per_s
+from taco_jax.util.console import say
 
 
 @dataclasses.dataclass

@@ -1,0 +1,2 @@
+"""Ground-floor utilities that import nothing else of taco_jax: strict JSON / TOML I/O (`jsonio`), the lines a
+run prints (`console`) and child processes (`procs`)."""
