@@ -441,3 +441,35 @@ def test_plan_cli_writes_json_and_markdown_without_compiling(tmp_path, capsys):
     conf.write_text(f'[model]\nname = "gpt2-tiny"\n[checkpoint]\nout = "{tmp_path / "trainrun"}"\n')
     assert main(["plan", "--config", str(conf), "--no-compile", "--out", str(tmp_path / "p2")]) == 0
     assert (tmp_path / "p2" / "plan.json").exists() and not (tmp_path / "trainrun").exists()
+
+
+def test_a_run_and_its_plan_resolve_min_bytes_auto_through_one_function_on_the_same_hardware():
+    """`--min-bytes auto` on a GPU: the run (`perf.resolve_min_bytes`, as `make_trainer` calls it) and
+    `plan` / `predict` (`plan.resolve_policy`, the threshold of its site table) choose the same threshold
+    for the same hardware; a run names no hardware and gets the shipped default (the H200), whose
+    threshold is the one it chose before the resolvers were one (pinned)."""
+    import dataclasses
+
+    from taco_jax import perf
+    from taco_jax.perf import hardware, model
+
+    policy = dataclasses.replace(CommPolicy.taco().resolve_backends(n_devices=2), min_bytes="auto")
+    for key, spec in hardware.shipped().items():
+        for tp in (2, 4, 8, 16):
+            for sp in (False, True):
+                for item in (2, 4):
+                    run = perf.resolve_min_bytes(policy, "cuda", tensor_size=tp, itemsize=item, sequence_parallel=sp,
+                                                 hardware=spec.hardware).min_bytes
+                    lay = model.Layout(tp=tp, sequence_parallel=sp, act_bytes=item)
+                    assert planner.resolve_policy(policy, lay, spec.hardware).min_bytes == run, (key, tp, sp, item)
+    cfg = TrainConfig.from_flags(model="qwen3-8b", mesh="data=2,stage=4,tensor=4", comm="taco", min_bytes="auto",
+                                 microbatches=8, batch_size=16)
+    got = planner.predict(cfg, get_hardware("h100"))
+    lay = planner.layout_of(cfg)
+    run = perf.resolve_min_bytes(policy, "cuda", tensor_size=lay.tp, itemsize=lay.act_bytes,
+                                 sequence_parallel=lay.sequence_parallel, hardware=get_hardware("h100").hardware)
+    assert got["policy_min_bytes"] == run.min_bytes
+    default = perf.resolve_min_bytes(policy, "cuda", tensor_size=4, itemsize=2, sequence_parallel=False).min_bytes
+    assert default == 1003729285 == perf.resolve_min_bytes(
+        policy, "cuda", tensor_size=4, itemsize=2, sequence_parallel=False,
+        hardware=hardware.shipped()[hardware.DEFAULT_GPU].hardware).min_bytes

@@ -1,5 +1,7 @@
 """Declared GPU hardware as data: `hardware.toml` beside this module (H100 SXM, H200, H800, A100 80GB,
 B200, L40S), or a user's own file of the same schema (`taco-jax plan --hardware-file FILE`).
+The shipped table is the one place GPU numbers live (FLOP rates, links, codec speeds): `H200`, `H800`,
+`H200_CODEC`, `NVLINK4`, `NVLINK_H800`, `IB_NDR` and `PCIE_GEN5` below are read from it.
 
 Each entry becomes a cost-model `model.Hardware` (peak FLOP/s, MFU, GPUs per node, intra- and
 inter-node `Link`, codec speed) plus what the numbers rest on (`HardwareSpec`): the source of each,
@@ -10,10 +12,12 @@ and whether the codec speed was measured or is assumed. Schema: the comment at t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
 
 from taco_jax.perf import model
+from taco_jax.util.jsonio import read_table
 
 #: The shipped hardware table.
 HARDWARE_FILE = pathlib.Path(__file__).with_name("hardware.toml")
@@ -24,6 +28,11 @@ _TARGET = {"gpu_name": str, "compute_capability": str, "sm_count": int, "fpus_pe
            "memory_bandwidth_GBps": float, "clock_ghz": float, "l2_cache_bytes": int, "shared_memory_per_sm": int,
            "shared_memory_per_block_optin": int, "runtime_version": str, "dnn_version": str, "source": str}
 CODEC_STATUS = ("measured", "assumed")
+#: The hardware a GPU run resolves `--min-bytes auto` on (`calibration.resolve_min_bytes`), and the
+#: `--hardware` of `plan` / `predict` when none is given.
+DEFAULT_GPU = "h200"
+#: The top-level table of named links (`declared_link`); every other top-level table is a hardware.
+LINKS = "links"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +101,7 @@ def _link(table, where: str) -> tuple[model.Link, str]:
     f = _fields(table, _LINK, where)
     if f["efficiency"] > 1:
         raise ValueError(f"{where}.efficiency={f['efficiency']!r} must be in (0, 1] (achieved / datasheet bandwidth)")
-    return model.Link.from_bandwidth(f["name"], f["alpha_us"] * 1e-6, f["efficiency"] * f["bandwidth_GBps"] * 1e9,
+    return model.Link.from_bandwidth(f["name"], f["alpha_us"] / 1e6, f["efficiency"] * f["bandwidth_GBps"] * 1e9,
                                      f["source"]), f["source"]
 
 
@@ -103,6 +112,7 @@ def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{where}: holds no hardware table ([name] with peak_tflops, mfu, gpus_per_node, "
                          "[name.intra], [name.inter], [name.codec]; see taco_jax/perf/hardware.toml)")
+    data = {k: v for k, v in data.items() if k != LINKS}
     same = {}
     for key in data:  # the key is case-insensitive (`--hardware H100`): two spellings of one name would merge
         if key.lower() in same:
@@ -123,7 +133,7 @@ def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
         c = _fields(table["codec"], _CODEC, f"{at}.codec")
         if c["status"] not in CODEC_STATUS:
             raise ValueError(f"{at}.codec.status={c['status']!r} must be one of {CODEC_STATUS}")
-        speed = model.CodecSpeed(c["encode_GBps"], c["decode_GBps"], c["overhead_us"] * 1e-6, c["source"])
+        speed = model.CodecSpeed(c["encode_GBps"], c["decode_GBps"], c["overhead_us"] / 1e6, c["source"])
         hw = model.Hardware(top["name"], top["peak_tflops"] * 1e12, top["mfu"], top["gpus_per_node"], intra, inter,
                             {"default": speed})
         target = _target(table["target"], f"{at}.target") if "target" in table else None
@@ -182,8 +192,6 @@ def load_hardware(path=None) -> dict[str, HardwareSpec]:
     """The hardware of a TOML (or ".json") file, default the shipped `hardware.toml`.
     Raises ValueError naming the file (a given one as `--hardware-file`) when it cannot be read or
     parsed, or holds a bad entry."""
-    from taco_jax.util.jsonio import read_table  # same floor; jsonio imports nothing of taco_jax
-
     what = "--hardware-file" if path else "hardware file"
     path = pathlib.Path(path or HARDWARE_FILE)
     data = read_table(path, what)
@@ -202,7 +210,7 @@ def get_hardware(name: str = "", path=None) -> HardwareSpec:
                 raise ValueError(f"hardware file {str(path)!r} holds {sorted(own)}; choose one with --hardware")
             return next(iter(own.values()))
         known.update(own)
-    key = (name or "h200").lower()
+    key = (name or DEFAULT_GPU).lower()
     if key not in known:
         raise ValueError(f"hardware={name!r} is not declared; choose one of {sorted(known)} or give --hardware-file")
     return known[key]
@@ -245,3 +253,28 @@ def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None, gpus: i
                          f"{hw.gpus_per_node} GPUs ({hw.name}), which {per_node} does not divide: the next group "
                          "would cross a node boundary; give K with tp / K dividing the node's GPUs")
     return dataclasses.replace(hw, gpus_per_node=per_node)
+
+
+@functools.cache
+def shipped() -> dict[str, HardwareSpec]:
+    """{key: HardwareSpec} of the shipped `hardware.toml` (read once)."""
+    return load_hardware()
+
+
+def declared_link(name: str) -> model.Link:
+    """The shipped table's `[links.NAME]` link. Raises ValueError naming an unknown name."""
+    table = read_table(HARDWARE_FILE, "hardware file").get(LINKS, {})
+    if name not in table:
+        raise ValueError(f"link {name!r} is not declared in {HARDWARE_FILE}; known: {sorted(table)}")
+    return _link(table[name], f"hardware file {str(HARDWARE_FILE)!r}: [{LINKS}.{name}]")[0]
+
+
+#: The shipped entries the paper's predictions use (`perf.paper`, `plan.paper_table`), read from
+#: `hardware.toml`. The paper's predictions assume the measured H200 codec on every GPU, so its `H800`
+#: is the table's h800 with `H200_CODEC` (the table's own h800 codec speed is assumed, scaled by HBM).
+H200 = shipped()["h200"].hardware
+#: The TACO codec measured on an H200 (CUDA FFI, 256 MB f32; 8 µs per call assumed): `[h200.codec]`.
+H200_CODEC = H200.codec["default"]
+H800 = dataclasses.replace(shipped()["h800"].hardware, codec={"default": H200_CODEC})
+NVLINK4, NVLINK_H800, IB_NDR = H200.intra, H800.intra, H200.inter
+PCIE_GEN5 = declared_link("pcie-gen5")
