@@ -490,3 +490,29 @@ def test_a_run_and_its_plan_resolve_min_bytes_auto_through_one_function_on_the_s
     assert default == 1003729285 == perf.resolve_min_bytes(
         policy, "cuda", tensor_size=4, itemsize=2, sequence_parallel=False,
         hardware=hardware.shipped()[hardware.DEFAULT_GPU].hardware).min_bytes
+
+
+def test_gpu_codec_speeds_live_in_the_hardware_table_only(tmp_path):
+    """The speeds codec backend `auto` ranks GPU backends by are the shipped h200 entry's (`[h200.codec]`,
+    backend ffi, and `[h200.codec.backends.*]`), the cost model's H200 codec is the same row, and
+    `update_codec_speeds` (`experiments.gpu_check --update-speeds`) rewrites them in place, nothing else."""
+    from taco_jax import kernels
+    from taco_jax.perf import hardware
+
+    spec = hardware.shipped()["h200"]
+    table = kernels.gpu_speed_table()
+    assert {k: (r["encode_GBps"], r["decode_GBps"], r["measured"]) for k, r in table.items()} == {
+        k: (r["encode_GBps"], r["decode_GBps"], r["status"] == "measured") for k, r in spec.codec_backends.items()}
+    assert sorted(table, key=kernels.gpu_rank) == ["ffi", "triton", "reference", "pallas"]
+    ffi, codec = spec.codec_backends["ffi"], hardware.H200_CODEC
+    assert (codec.encode_GBps, codec.decode_GBps) == (ffi["encode_GBps"], ffi["decode_GBps"])
+    path = tmp_path / "hardware.toml"
+    path.write_text(hardware.HARDWARE_FILE.read_text())
+    row = {"encode_GBps": 1500.5, "decode_GBps": 2100.25, "measured": True, "source": "a GPU run"}
+    hardware.update_codec_speeds({"backends": {"ffi": row, "triton": {**row, "measured": False}}}, path=path)
+    got, before = hardware.load_hardware(path), hardware.shipped()
+    speed = got["h200"].hardware.codec["default"]
+    assert (speed.encode_GBps, speed.decode_GBps, speed.overhead_s) == (1500.5, 2100.25, 8e-6)
+    assert got["h200"].codec_backends["triton"]["status"] == "bound"
+    assert got["h200"].codec_backends["reference"] == spec.codec_backends["reference"]
+    assert all(got[k].describe() | {"file": ""} == before[k].describe() | {"file": ""} for k in before if k != "h200")

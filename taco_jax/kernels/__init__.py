@@ -16,7 +16,7 @@ fused decode-sum (`codec.backends.register_native`, registered by their loaders)
   ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU (AVX2 when the CPU has it), CUDA on
              GPU; needs the shared library built by `make -C custom_calls` (`... cuda` for GPU).
   auto       the default: CPU: ffi if built, else reference. GPU: the fastest backend present by the
-             declared speed table (`gpu_speeds.json`, `gpu_speed_table`; `python -m
+             declared speed table (the hardware table's h200 codec speeds, `gpu_speed_table`; `python -m
              experiments.gpu_check --update-speeds` rewrites it from a lent GPU's measurements):
              ffi (CUDA) if built, else triton when jax-triton is installed, else reference (the
              pallas kernels are the slowest on GPU; docs/results.md "GPU path"). When ffi is not
@@ -63,7 +63,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import json
 import warnings
 from pathlib import Path
 
@@ -78,23 +77,30 @@ from taco_jax.codec.backends import (
 )
 from taco_jax.codec.config import BACKENDS
 from taco_jax.codec.dispatch import resolve_codec
+from taco_jax.util.jsonio import read_table
 
 #: Backends whose implementation lives in this package: name -> module.
 _MODULES = {"pallas": "pallas_codec", "triton": "triton_codec", "ffi": "ffi_codec"}
-#: The declared GPU speed of each backend (JSON, format in `gpu_speed_table`).
-GPU_SPEEDS = Path(__file__).with_name("gpu_speeds.json")
+#: The declared GPU speed of each backend: the hardware table's `[GPU_SPEEDS_KEY.codec]` (its
+#: `backend`) and `[GPU_SPEEDS_KEY.codec.backends.NAME]` (read as data; the one place GPU numbers live).
+GPU_SPEEDS = Path(__file__).parents[1] / "perf" / "hardware.toml"
+GPU_SPEEDS_KEY = "h200"
 
 
 @functools.cache
 def gpu_speed_table() -> dict[str, dict]:
     """{backend: {"encode_GBps", "decode_GBps", "measured", "source"}} from `GPU_SPEEDS`: encode /
     decode throughput on a GPU, GB/s (1e9 B/s) of the uncompressed message; "measured" False marks a
-    bound (e.g. from the AOT SASS counts of `experiments/triton_aot.py`), which `gpu_rank` counts at
-    `UNMEASURED_FRACTION` of its value. Raises ValueError naming a malformed entry."""
-    table = json.loads(GPU_SPEEDS.read_text())["backends"]
+    bound (status "bound", e.g. from the AOT SASS counts of `experiments/triton_aot.py`), which
+    `gpu_rank` counts at `UNMEASURED_FRACTION` of its value. Raises ValueError naming a malformed entry."""
+    codec = read_table(GPU_SPEEDS, "hardware file")[GPU_SPEEDS_KEY]["codec"]
+    rows = {codec["backend"]: codec, **codec.get("backends", {})}
+    table = {name: {"encode_GBps": row.get("encode_GBps"), "decode_GBps": row.get("decode_GBps"),
+                    "measured": row.get("status") == "measured", "source": row.get("source")}
+             for name, row in rows.items()}
     for name, row in table.items():
         ok = all(isinstance(row.get(k), (int, float)) and row[k] > 0 for k in ("encode_GBps", "decode_GBps"))
-        if name not in BACKENDS or not ok or not isinstance(row.get("measured"), bool):
+        if name not in BACKENDS or not ok:
             raise ValueError(f"{GPU_SPEEDS}: bad entry {name!r}: {row!r}")
     return table
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import pathlib
+import tomllib
 
 from taco_jax.perf import model
 from taco_jax.util.jsonio import read_table
@@ -28,6 +30,9 @@ _TARGET = {"gpu_name": str, "compute_capability": str, "sm_count": int, "fpus_pe
            "memory_bandwidth_GBps": float, "clock_ghz": float, "l2_cache_bytes": int, "shared_memory_per_sm": int,
            "shared_memory_per_block_optin": int, "runtime_version": str, "dnn_version": str, "source": str}
 CODEC_STATUS = ("measured", "assumed")
+#: `[KEY.codec.backends.NAME]`: another codec backend's speed on the same GPU (`auto`'s ranking).
+_BACKEND = {"encode_GBps": float, "decode_GBps": float, "status": str, "source": str}
+BACKEND_STATUS = ("measured", "assumed", "bound")
 #: The hardware a GPU run resolves `--min-bytes auto` on (`calibration.resolve_min_bytes`), and the
 #: `--hardware` of `plan` / `predict` when none is given.
 DEFAULT_GPU = "h200"
@@ -48,6 +53,9 @@ class HardwareSpec:
       where: the file it was read from.
       target: the `[KEY.target]` table (`_TARGET`'s fields: the GPU for XLA:GPU's deviceless
         compiler, `target_config`), or None when the entry has none.
+      codec_backends: {backend: {"encode_GBps", "decode_GBps", "status", "source"}}: `[KEY.codec]`
+        under its `backend` (when named) and each `[KEY.codec.backends.NAME]`; what codec backend
+        `auto` ranks GPU backends by (`taco_jax.kernels.gpu_speed_table` reads the shipped h200's).
     """
 
     key: str
@@ -56,6 +64,7 @@ class HardwareSpec:
     sources: dict
     where: str
     target: dict | None = None
+    codec_backends: dict = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict:
         """JSON-ready summary: name, links (GB/s per direction achieved, α µs), codec speed and status."""
@@ -105,6 +114,31 @@ def _link(table, where: str) -> tuple[model.Link, str]:
                                      f["source"]), f["source"]
 
 
+def _codec(table, where: str) -> tuple[dict, dict]:
+    """`[KEY.codec]` checked: (its `_CODEC` fields, {backend: speed row} of its optional `backend` and
+    `[KEY.codec.backends.NAME]` tables). Raises ValueError naming `where` and the bad key."""
+    table = dict(table) if isinstance(table, dict) else table
+    backend = table.pop("backend", None) if isinstance(table, dict) else None
+    others = table.pop("backends", {}) if isinstance(table, dict) else {}
+    c = _fields(table, _CODEC, where)
+    if c["status"] not in CODEC_STATUS:
+        raise ValueError(f"{where}.status={c['status']!r} must be one of {CODEC_STATUS}")
+    rows = {}
+    if backend is not None:
+        if not isinstance(backend, str) or not backend:
+            raise ValueError(f"{where}.backend={backend!r} must be a backend name")
+        rows[backend] = {"encode_GBps": c["encode_GBps"], "decode_GBps": c["decode_GBps"], "status": c["status"],
+                         "source": c["source"]}
+    if not isinstance(others, dict):
+        raise ValueError(f"{where}.backends must be a table of [{where}.backends.NAME] tables")
+    for name, row in others.items():
+        r = _fields(row, _BACKEND, f"{where}.backends.{name}")
+        if r["status"] not in BACKEND_STATUS:
+            raise ValueError(f"{where}.backends.{name}.status={r['status']!r} must be one of {BACKEND_STATUS}")
+        rows[name] = r
+    return c, rows
+
+
 def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
     """{key: HardwareSpec} of a parsed hardware table (`hardware.toml`'s schema).
     Raises ValueError naming `where`, the entry and the bad key or value, or both entries whose names
@@ -130,15 +164,13 @@ def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
                 raise ValueError(f"{at}: missing table [{key}.{part}]")
         intra, intra_src = _link(table["intra"], f"{at}.intra")
         inter, inter_src = _link(table["inter"], f"{at}.inter")
-        c = _fields(table["codec"], _CODEC, f"{at}.codec")
-        if c["status"] not in CODEC_STATUS:
-            raise ValueError(f"{at}.codec.status={c['status']!r} must be one of {CODEC_STATUS}")
+        c, backends = _codec(table["codec"], f"{at}.codec")
         speed = model.CodecSpeed(c["encode_GBps"], c["decode_GBps"], c["overhead_us"] / 1e6, c["source"])
         hw = model.Hardware(top["name"], top["peak_tflops"] * 1e12, top["mfu"], top["gpus_per_node"], intra, inter,
                             {"default": speed})
         target = _target(table["target"], f"{at}.target") if "target" in table else None
         out[key.lower()] = HardwareSpec(key.lower(), hw, c["status"], {"hardware": top["source"], "intra": intra_src,
-                                        "inter": inter_src, "codec": c["source"]}, where, target)
+                                        "inter": inter_src, "codec": c["source"]}, where, target, backends)
     return out
 
 
@@ -278,3 +310,54 @@ H200_CODEC = H200.codec["default"]
 H800 = dataclasses.replace(shipped()["h800"].hardware, codec={"default": H200_CODEC})
 NVLINK4, NVLINK_H800, IB_NDR = H200.intra, H800.intra, H200.inter
 PCIE_GEN5 = declared_link("pcie-gen5")
+
+
+
+def _toml_value(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v) if isinstance(v, str) else repr(v)
+
+
+def _set_table(lines: list[str], header: str, values: dict, after: str) -> None:
+    """Sets the keys of TOML table `[header]` in `lines` to `values` (other keys and comments kept); a
+    missing table is added after the last table whose header starts with `[after`."""
+    head = f"[{header}]"
+    if head not in lines:
+        last = max(i for i, x in enumerate(lines) if x.startswith(f"[{after}"))
+        end = next((i for i in range(last + 1, len(lines)) if lines[i].startswith("[")), len(lines))
+        while end > last + 1 and (not lines[end - 1].strip() or lines[end - 1].startswith("#")):
+            end -= 1  # before the blank lines and comments that open the next table
+        lines[end:end] = ["", head]
+    start = lines.index(head) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+    keys = {x.split("=")[0].strip(): i for i, x in enumerate(lines[start:end], start) if "=" in x}
+    for k, v in values.items():
+        if k in keys:
+            lines[keys[k]] = f"{k} = {_toml_value(v)}"
+    last = max(keys.values(), default=start - 1)
+    lines[last + 1:last + 1] = [f"{k} = {_toml_value(v)}" for k, v in values.items() if k not in keys]
+
+
+def update_codec_speeds(speeds: dict, key: str = DEFAULT_GPU, path=None) -> pathlib.Path:
+    """Writes measured codec speeds into the hardware table (default: the shipped `hardware.toml`)
+    under `[key.codec]`: `speeds` as `experiments/gpu_check.py`'s speed table ({"backends": {backend:
+    {"encode_GBps", "decode_GBps", "measured", "source"}}}); the backend `[key.codec]` names gets its
+    encode / decode speed and source there (its per-call overhead stays), every other backend its
+    `[key.codec.backends.NAME]` table (status "measured", or "bound" where not measured). The result
+    is parsed back before it is written. Raises ValueError for an entry without a codec `backend`."""
+    path = pathlib.Path(path or HARDWARE_FILE)
+    main = read_table(path, "hardware file")[key]["codec"].get("backend")
+    if not main:
+        raise ValueError(f"[{key}.codec] in {path} names no backend; add backend = \"NAME\"")
+    lines = path.read_text().splitlines()
+    for name, row in speeds["backends"].items():
+        values = {"encode_GBps": row["encode_GBps"], "decode_GBps": row["decode_GBps"]}
+        if name == main:
+            _set_table(lines, f"{key}.codec", {**values, "status": "measured",
+                                               "source": f"{row['source']}; overhead_us assumed"}, key)
+        else:
+            _set_table(lines, f"{key}.codec.backends.{name}", {**values, "status": "measured" if row["measured"]
+                                                               else "bound", "source": row["source"]}, f"{key}.codec")
+    text = "\n".join(lines) + "\n"
+    parse_hardware(tomllib.loads(text), f"the updated {path}")
+    path.write_text(text)
+    return path
