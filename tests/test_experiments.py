@@ -71,7 +71,7 @@ def test_cpu_devices_refuses_a_count_below_one():
 def test_child_env_puts_the_checkout_first():
     env = common.child_env({"PYTHONPATH": "/elsewhere", "X": "1"})
     assert env["PYTHONPATH"].split(common.os.pathsep) == [str(ROOT), "/elsewhere"] and env["X"] == "1"
-    assert common.module_command("experiments.step_time", "--steps", "3")[1:] == ["-m", "experiments.step_time",
+    assert common.module_command("experiments.step.step_time", "--steps", "3")[1:] == ["-m", "experiments.step.step_time",
                                                                                    "--steps", "3"]
 
 

@@ -35,10 +35,10 @@ Report (`--analyze`: from the saved runs only, nothing trained; complete pairs o
   Plots: `gap.png` (the gap's mean and 95 % band against steps, train and validation per model) and
   `sqnr.png` (SQNR per site against steps, mean over seeds and the seeds' range).
 
-    python -m experiments.prepare_corpus --out runs/corpus/cpython-stdlib
-    python -m experiments.fidelity_long --corpus runs/corpus/cpython-stdlib --out runs/fidelity_long
-    python -m experiments.fidelity_long --out runs/fidelity_long --analyze        # tables and plots again
-    python -m experiments.fidelity_long --corpus runs/corpus/cpython-stdlib --probe gpt2-tiny qwen3-tiny
+    python -m experiments.fidelity.prepare_corpus --out runs/corpus/cpython-stdlib
+    python -m experiments.fidelity.fidelity_long --corpus runs/corpus/cpython-stdlib --out runs/fidelity_long
+    python -m experiments.fidelity.fidelity_long --out runs/fidelity_long --analyze        # tables and plots again
+    python -m experiments.fidelity.fidelity_long --corpus runs/corpus/cpython-stdlib --probe gpt2-tiny qwen3-tiny
 
 `--probe MODEL...`: times a few train steps of each model at this study's settings (both variants,
 the monitor and one validation batch), and the study's estimated hours; nothing is written.
@@ -60,7 +60,7 @@ if "jax" not in sys.modules:  # simulated CPU devices for the mesh
 
 import numpy as np  # noqa: E402
 
-from experiments.fidelity_runs import paired_ci, variant_policy  # noqa: E402
+from experiments.fidelity.fidelity_runs import paired_ci, variant_policy  # noqa: E402
 
 #: The compared variants: exact and TACO on every tensor-parallel site.
 VARIANTS = ("none", "taco")
@@ -423,7 +423,7 @@ def probe(study: dict, models, steps: int = 4) -> list[dict]:
     study's settings; and the study's estimated hours per model on this machine as it is now."""
     import jax
 
-    from experiments.fidelity_runs import SeedRunner
+    from experiments.fidelity.fidelity_runs import SeedRunner
     from taco_jax.data import TokenStream, load_prepared
     from taco_jax.parallel.mesh import parse_mesh
     from taco_jax.train.monitor import Monitor

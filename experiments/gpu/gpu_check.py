@@ -1,4 +1,4 @@
-"""One JSON report of the GPU path, for a lent GPU (run by experiments/gpu_check.sh; <= 6 min on an H200).
+"""One JSON report of the GPU path, for a lent GPU (run by experiments/gpu/gpu_check.sh; <= 6 min on an H200).
 
 Sections (each runs even if an earlier one failed; a failure is recorded as {"error": ...} and named
 in "errors"; a section left out by --sections is {"skipped": ...}, not an error):
@@ -13,8 +13,8 @@ in "errors"; a section left out by --sections is {"skipped": ...}, not an error)
                the visible devices (skipped, with the reason, on one device), time and relative error;
   training     a short compressed training run (gpt2-tiny, synthetic learnable tokens): losses, s/step.
 
-    python -m experiments.gpu_check --out runs/gpu_check            # on the GPU
-    python -m experiments.gpu_check --out runs/gpu_dry --dry-run    # CPU: tiny sizes, checks the format
+    python -m experiments.gpu.gpu_check --out runs/gpu_check            # on the GPU
+    python -m experiments.gpu.gpu_check --out runs/gpu_dry --dry-run    # CPU: tiny sizes, checks the format
 
 `validate(report)` checks the format (raises ValueError naming the bad field); --dry-run runs it.
 """
@@ -162,7 +162,7 @@ def speed_table(rows: list[dict], env: dict) -> dict:
                 cur[f"{r['op']}_mb"] = r["size_mb"]
                 g = r["gbps"]  # one decimal; 3 significant digits below 0.1 GB/s (a slow CPU): never 0
                 cur[f"{r['op']}_GBps"] = round(g, 1) if g >= 0.1 else float(f"{g:.3g}")
-    src = f"measured by experiments/gpu_check.py on {env['device_kind']} (jax {env['jax']}), float32, E4M3, G=128"
+    src = f"measured by experiments/gpu/gpu_check.py on {env['device_kind']} (jax {env['jax']}), float32, E4M3, G=128"
     return {"source": src, "backends": {
         b: {"encode_GBps": v["encode_GBps"], "decode_GBps": v["decode_GBps"], "measured": True,
             "source": f"{src}, {v['encode_mb']:.0f} MB"} for b, v in best.items() if "encode_GBps" in v}}

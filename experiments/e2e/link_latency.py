@@ -3,8 +3,8 @@
 
 Run as root from the repository root (a 2-process cluster is made and always removed again):
 
-    python -m experiments.link_latency --rate 1gbit --out runs/link_latency
-    python -m experiments.link_latency --rate 1gbit --variants base,ackbypass --sizes 256K \\
+    python -m experiments.e2e.link_latency --rate 1gbit --out runs/link_latency
+    python -m experiments.e2e.link_latency --rate 1gbit --variants base,ackbypass --sizes 256K \\
         --gaps 0,0.001,0.02,0.2 --modes bidir --out runs/link_latency_gap
 
 What is timed: one persistent TCP connection (TCP_NODELAY, as gloo's pairs) between process 0 and

@@ -2,10 +2,10 @@
 
 Run (CPU; build the FFI library first with `make -C custom_calls`):
 
-    .venv/bin/python -m experiments.bench_codec --out runs/bench_codec            # 1 MB .. 256 MB
-    .venv/bin/python -m experiments.bench_codec --out runs/bench_codec --quick    # 1 and 16 MB
-    .venv/bin/python -m experiments.bench_codec --out runs/x --sizes 4,64 --backends ffi
-    .venv/bin/python -m experiments.bench_codec --out runs/x --sizes 16,64 --backends ffi --dtype bfloat16
+    .venv/bin/python -m experiments.codec.bench_codec --out runs/bench_codec            # 1 MB .. 256 MB
+    .venv/bin/python -m experiments.codec.bench_codec --out runs/bench_codec --quick    # 1 and 16 MB
+    .venv/bin/python -m experiments.codec.bench_codec --out runs/x --sizes 4,64 --backends ffi
+    .venv/bin/python -m experiments.codec.bench_codec --out runs/x --sizes 16,64 --backends ffi --dtype bfloat16
 
 Throughput is the message's bytes (encode: its input, decode: its output) per second, the
 message in `--dtype` (float32 by default; bfloat16 as training sends it), and each case is

@@ -1,6 +1,6 @@
 """Where compression pays: exact vs TACO end to end on emulated links, and the cost model against it.
 
-Runs `experiments/bench_e2e.py` for each configuration of `CONFIGS` (models, TP 2/4, SP on/off,
+Runs `experiments/e2e/bench_e2e.py` for each configuration of `CONFIGS` (models, TP 2/4, SP on/off,
 bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP×TP cluster) into
 `<out>/<name>/`, skipping a configuration whose `bench_e2e.json` exists (`--force` reruns it), then:
 
@@ -30,18 +30,18 @@ bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP
 3. Writes `<out>/study.json`, `<out>/study.md` (the tables, each with its command) and
    `<out>/speedup_vs_link.png` (measured, byte bound, model).
 
-  python -m experiments.e2e_study --out runs/e2e_study              # everything (> 70 min on 2 cores)
-  python -m experiments.e2e_study --out runs/e2e_study --only gpt2_tp2_sp_bf16
-  python -m experiments.e2e_study --out runs/e2e_study --analyze    # tables and plot only
+  python -m experiments.e2e.e2e_study --out runs/e2e_study              # everything (> 70 min on 2 cores)
+  python -m experiments.e2e.e2e_study --out runs/e2e_study --only gpt2_tp2_sp_bf16
+  python -m experiments.e2e.e2e_study --out runs/e2e_study --analyze    # tables and plot only
 
 Needs root (network namespaces; docs/distributed.md "Emulated links"). Run on a quiet machine:
-timings of a loaded machine are not results. The load guard (experiments/load_guard.py) checks the
+timings of a loaded machine are not results. The load guard (experiments/e2e/load_guard.py) checks the
 machine before the study and during every configuration: busier than allowed before the start, the
 study does not start; during a configuration, its result goes to `bench_e2e.loaded.json` (never read
 here) and the study stops with exit status 3, keeping the configurations finished before it.
 `--allow-loaded` runs on and labels loaded configurations in study.json, study.md and the terminal;
 `--wait-quiet SECONDS` waits out a busy machine instead and runs a round it was busy during again
-(experiments/load_guard.py); `--calibrate-probe` times the guard's probe on a quiet machine.
+(experiments/e2e/load_guard.py); `--calibrate-probe` times the guard's probe on a quiet machine.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ import sys
 
 import numpy as np
 
-from experiments import bench_e2e, load_guard
+from experiments.common import ROOT
+from experiments.e2e import bench_e2e, load_guard
 from taco_jax.util import jsonio
 
 MAIN_LINKS = ["50mbit", "250mbit", "500mbit", "1gbit", "2gbit", "4gbit", "none"]
@@ -104,7 +105,7 @@ def pinned(args: list[str]) -> list[str]:
 
 #: The configurations whose exact rows on shaped links fit the emulated link's (α, κ0, κ1).
 FIT_CONFIGS = ("gpt2_tp2_sp_bf16", "gpt2_tp2_sp_f32")
-CALIBRATION = pathlib.Path(__file__).resolve().parents[1] / "taco_jax/perf/calibration_cpu_gloo.json"
+CALIBRATION = ROOT / "taco_jax/perf/calibration_cpu_gloo.json"
 
 
 def _rates(row: dict) -> dict:
@@ -486,7 +487,7 @@ def main(argv=None) -> dict:
         for name in todo:
             args = CONFIGS[name] + (["--rounds", str(a.rounds)] if a.rounds is not None else [])
             args = pinned(args) if a.pin_cpus else args
-            print(f"[e2e_study] {name}: python -m experiments.bench_e2e {shlex.join(args)}", flush=True)
+            print(f"[e2e_study] {name}: python -m experiments.e2e.bench_e2e {shlex.join(args)}", flush=True)
             try:
                 bench_e2e.main([*args, "--out", str(out / name)], guard=guard)
             except load_guard.Loaded:

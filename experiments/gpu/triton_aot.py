@@ -1,9 +1,9 @@
 """Ahead-of-time compile of the Triton codec kernels (`taco_jax.kernels.triton_codec`) for a CUDA
 target, on any host (no GPU needed): resources, SASS counts and a bandwidth bound per kernel variant.
 
-    python -m experiments.triton_aot --out runs/triton_aot.json                 # sm_90, all variants
-    python -m experiments.triton_aot --out x.json --variants encode-bf16-e4m3-128,decode-f32-128-a
-    python -m experiments.triton_aot --out x.json --markdown docs_table.md      # also the table
+    python -m experiments.gpu.triton_aot --out runs/triton_aot.json                 # sm_90, all variants
+    python -m experiments.gpu.triton_aot --out x.json --variants encode-bf16-e4m3-128,decode-f32-128-a
+    python -m experiments.gpu.triton_aot --out x.json --markdown docs_table.md      # also the table
 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` runs Triton's whole pipeline
 (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the ptxas Triton ships), with the constexprs and launch

@@ -22,8 +22,8 @@ Steps.
      of train.bin, val.bin, tokenizer.json; meta.json holds absolute paths and is left out) and the
      token counts.
 
-    python -m experiments.prepare_corpus --out runs/corpus/cpython-stdlib
-    python -m experiments.prepare_corpus --out /tmp/c --max-files 40      # a small subset, seconds
+    python -m experiments.fidelity.prepare_corpus --out runs/corpus/cpython-stdlib
+    python -m experiments.fidelity.prepare_corpus --out /tmp/c --max-files 40      # a small subset, seconds
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     c = prepare_corpus(args.out, root=args.source or None, max_files=args.max_files, vocab_size=args.vocab_size,
                        val_fraction=args.val_fraction, progress=not args.no_progress,
-                       command=" ".join(["python -m experiments.prepare_corpus",
+                       command=" ".join(["python -m experiments.fidelity.prepare_corpus",
                                          *(sys.argv[1:] if argv is None else argv)]))
     print(json.dumps({k: v for k, v in c.items() if k not in ("used", "skipped")}
                      | {"skipped": len(c["skipped"])}, indent=2))

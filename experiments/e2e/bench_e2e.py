@@ -19,7 +19,7 @@ against its step over a link t gives the communication fraction f = 1 - t_local 
 wire-byte ratio r = variant / first variant's wire bytes per step (summary.json, compiled HLO, all
 mesh axes) the byte bound 1 / ((1 - f) + f · r): the speedup if a variant only cut bytes (overlap
 may exceed it). A TACO variant's one-process step minus the exact one is its codec time (the cost
-model's input, experiments/e2e_study.py). On a 2-core host the one-process step shares the cores
+model's input, experiments/e2e/e2e_study.py). On a 2-core host the one-process step shares the cores
 the way the processes do; f is clipped at 0 (`comm_fraction_raw` keeps the value).
 
 Writes `<out>/bench_e2e.json` and `<out>/bench_e2e.md` (one row per link and variant, with the
@@ -27,11 +27,11 @@ command). The children share a JAX compilation cache (`$JAX_COMPILATION_CACHE_DI
 `<out>/.jax_cache`): it shortens start-up only, never a step. Needs root (network namespaces) for
 links other than `none`; see docs/distributed.md, "Emulated links".
 
-  python -m experiments.bench_e2e --links 250mbit 1gbit none --rounds 3 --steps 8 --out runs/bench_e2e
-  python -m experiments.bench_e2e --links 250mbit --sequence-parallel --no-local \\
+  python -m experiments.e2e.bench_e2e --links 250mbit 1gbit none --rounds 3 --steps 8 --out runs/bench_e2e
+  python -m experiments.e2e.bench_e2e --links 250mbit --sequence-parallel --no-local \\
       --variant taco="--comm taco" --variant taco_c4="--comm taco --chunks 4"
 
-Timings on a shared or loaded machine are not results. A load guard (experiments/load_guard.py)
+Timings on a shared or loaded machine are not results. A load guard (experiments/e2e/load_guard.py)
 measures the machine before the study, before every round and over every run (other processes' CPU,
 a compute probe against its calibration, the load average) and warns on stderr when it is busier than
 the study allows; then it does not start, or writes `<out>/bench_e2e.loaded.json` and `.md` (marked
@@ -39,9 +39,9 @@ the study allows; then it does not start, or writes `<out>/bench_e2e.loaded.json
 `--allow-loaded` runs and writes the result anyway, labelled loaded wherever it is printed.
 `--wait-quiet SECONDS` waits (up to SECONDS each time) for a busy machine to be quiet instead, checks
 it after every round too, and runs a round (or one-process run) it was busy during again; the result
-says how often. `--calibrate-probe` times the probe on a quiet machine (experiments/load_probe.json).
+says how often. `--calibrate-probe` times the probe on a quiet machine (experiments/e2e/load_probe.json).
 The whole study (models, TP 2/4, SP on/off, bf16/f32, the link sweep, the cost model):
-experiments/e2e_study.py, `make bench-e2e`.
+experiments/e2e/e2e_study.py, `make bench-e2e`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import subprocess
 import sys
 import time
 
-from experiments import load_guard
+from experiments.e2e import load_guard
 from taco_jax.emulate import LinkSpec
 from taco_jax.launch import child_env, cli_command
 from taco_jax.models import PRESETS
@@ -167,7 +167,7 @@ def _joined(argv: list[str]) -> list[str]:
 
 def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
     """Runs the study of `argv` and returns its result. `guard`: a study's load guard whose first
-    check was made (experiments/e2e_study.py); by default one of this command's own. Raises
+    check was made (experiments/e2e/e2e_study.py); by default one of this command's own. Raises
     load_guard.Loaded (exit status 3) when the machine was busier than allowed and --allow-loaded is off."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -307,7 +307,7 @@ def main(argv=None, guard: load_guard.Guard | None = None) -> dict:
                 "wire_detail": runs[v][0]["wire_detail"],  # per axis, op and dtype: count and bytes
                 "runs": [{k: x for k, x in r.items() if k not in ("emulated_link", "wire_detail")} for r in runs[v]],
             })
-    result = {"format": "taco_jax.bench_e2e/3", "command": shlex.join(["python", "-m", "experiments.bench_e2e",
+    result = {"format": "taco_jax.bench_e2e/3", "command": shlex.join(["python", "-m", "experiments.e2e.bench_e2e",
                                                                         *(argv if argv is not None else sys.argv[1:])]),
               "config": {**vars(a), "variant": {v: shlex.join(f) for v, f in variants.items()},
                          # the guard's settings (a study passes its own guard)
