@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,33 @@ def test_child_env_puts_the_checkout_first():
     assert env["PYTHONPATH"].split(common.os.pathsep) == [str(ROOT), "/elsewhere"] and env["X"] == "1"
     cmd = common.module_command("experiments.step.step_time", "--steps", "3")
     assert cmd[1:] == ["-m", "experiments.step.step_time", "--steps", "3"]
+
+
+def test_run_record_names_the_command_commit_host_load_and_date():
+    rec = common.run_record("experiments.step.step_time", ["--steps", "3", "--variants", "none, taco"])
+    assert set(rec) == {"command", "commit", "host", "load", "date"}
+    assert rec["command"] == "python -m experiments.step.step_time --steps 3 --variants 'none, taco'"
+    assert rec["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", rec["commit"])
+    assert rec["host"]["cpu"] and rec["host"]["cores"] == common.os.cpu_count() and len(rec["load"]) == 3
+    assert rec["date"].endswith("+00:00") and datetime.fromisoformat(rec["date"]).tzinfo is not None
+
+
+#: Studies that write JSON without the run record, and why.
+NO_RECORD = {
+    "step.hlo_dump": "numbers.json is diffed between two checkouts: a date or a commit would differ",
+    "fidelity.fidelity": "table.json and ablation.json are a list of rows and a map of variants",
+    "e2e.load_guard": "its JSON is the probe's calibration (load_probe.json), not a result",
+}
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_every_study_that_writes_a_result_records_its_run(name):
+    src = (EXP / f"{name.replace('.', '/')}.py").read_text()
+    writes = re.search(r"write_text\((json|jsonio)\.dumps|json\.dump\(|jsonio\.write\(", src)
+    if name in NO_RECORD:
+        assert writes and "run_record(" not in src, f"{name} records its run now: drop it from NO_RECORD"
+    elif writes:
+        assert "run_record(__spec__.name" in src, f"{name} writes a result JSON without common.run_record"
 
 
 def test_a_light_train_module_imports_without_the_models():

@@ -41,7 +41,7 @@ import statistics
 import subprocess
 import sys
 
-from experiments.common import ROOT
+from experiments.common import ROOT, run_record
 
 #: The one-process step of the GPU-codec issue (docs/results.md, "The codec's time in a training step").
 TRAIN_ARGS = ["--model", "gpt2-narrow", "--mesh", "data=1,tensor=2", "--batch-size", "256", "--seq-len", "32",
@@ -142,7 +142,8 @@ def main(argv=None) -> dict:
     out = pathlib.Path(args.out)
     if earlier := sorted(out.glob("tree*_*_*")):
         p.error(f"--out {str(out)!r} holds runs of an earlier call ({earlier[0].name}, ...): give a new folder")
-    result = {"trees": [str(t) for t in trees], "train_args": TRAIN_ARGS + args.train_args, "skip": args.skip,
+    result = {"run": run_record(__spec__.name, argv), "trees": [str(t) for t in trees],
+              "train_args": TRAIN_ARGS + args.train_args, "skip": args.skip,
               "probe_before": _probe_ratio(), "runs": []}
     for r in range(args.rounds):
         for i, tree in enumerate(trees):

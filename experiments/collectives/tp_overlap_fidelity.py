@@ -24,7 +24,7 @@ import json
 import pathlib
 import sys
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "jax" not in sys.modules:
     cpu_devices(8)
@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor", type=int, nargs="+", default=(2, 4, 8))
     ap.add_argument("--model", default="gpt2-tiny")
     args = ap.parse_args(argv)
-    res = {"sizes": dict(zip("BTDF", args.sizes)), "model": args.model, "layers": []}
+    res = {"run": run_record(__spec__.name, argv), "sizes": dict(zip("BTDF", args.sizes)), "model": args.model,
+           "layers": []}
     for p in args.tensor:
         for dtype in ("float32", "bfloat16"):
             res["layers"].append({"p": p, "dtype": dtype, **layer_sqnr(p, dtype, *args.sizes)})

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     policy = CommPolicy.none() if args.comm == "none" else CommPolicy.taco().resolve_backends(n_devices=p)
     ctx = sp_context(policy, args.overlap)
     seq = P(None, "tensor")
-    fn = jax.jit(jax.shard_map(lambda x, wc, wr: row_parallel(ctx)(jax.nn.gelu(column_parallel(ctx)(x, wc)), wr), mesh=mesh,
+    col, row = column_parallel(ctx), row_parallel(ctx)
+    fn = jax.jit(jax.shard_map(lambda x, wc, wr: row(jax.nn.gelu(col(x, wc)), wr), mesh=mesh,
                                in_specs=(seq, seq, P("tensor")), out_specs=seq))
     x, wc, wr = jnp.ones((b, t, d)), jnp.ones((d, f)) / d, jnp.ones((f, d)) / f
     if args.hlo:

@@ -1,7 +1,7 @@
 """Fits the cost model's gloo-loopback link and codec speeds to real-transport rows, writes the
 calibration file `min_bytes="auto"` reads on CPU, and prints predicted vs measured times.
 
-    python -m experiments.costmodel.costmodel_measure --out runs/costmodel/measure.json      # or bench_collectives' JSON
+    python -m experiments.costmodel.costmodel_measure --out runs/costmodel/measure.json  # or bench_collectives' JSON
     python -m experiments.costmodel.costmodel_calibrate runs/costmodel/measure.json \
         --write taco_jax/perf/calibration_cpu_gloo.json
 

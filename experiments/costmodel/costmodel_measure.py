@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.common import child_env, module_command
+from experiments.common import child_env, module_command, run_record
 
 SIM = 99  # --pid of the one-process child on a simulated 2-device mesh (transport "sim")
 
@@ -126,7 +126,8 @@ def main(argv=None):
     env.pop("XLA_FLAGS", None)
     from taco_jax.launch import run_local
 
-    cmd = module_command("experiments.costmodel.costmodel_measure", *(argv or sys.argv[1:]))
+    run = run_record(__spec__.name, argv)
+    cmd = module_command(__spec__.name, *(argv or sys.argv[1:]))
     try:  # one child failing (or 1800 s passing) stops the other
         run_local([[*cmd, "--pid", str(i)] for i in range(2)],
                   env=env, timeout_s=1800)
@@ -135,6 +136,7 @@ def main(argv=None):
     sim_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     if subprocess.run([*cmd, "--pid", str(SIM)], env=sim_env).returncode:
         raise SystemExit("the simulated-mesh child failed")
+    Path(a.out).write_text(json.dumps({"run": run, **json.loads(Path(a.out).read_text())}, indent=1))
     print(Path(a.out).read_text()[:2000])
 
 

@@ -58,7 +58,7 @@ import sys
 
 import numpy as np
 
-from experiments.common import ROOT
+from experiments.common import ROOT, run_record
 from experiments.e2e import bench_e2e, load_guard
 from taco_jax.util import jsonio
 
@@ -197,7 +197,11 @@ def _machine(studies: dict) -> str:
             f"{os.cpu_count()} CPUs, Linux {platform.release()})")
 
 
-def analyze(out: pathlib.Path) -> dict:
+def analyze(out: pathlib.Path, run: dict | None = None) -> dict:
+    """The study's tables from the configurations' results under `out`: writes out/study.json (with
+    `run`, the run record, by default that of `--out OUT --analyze`), study.md and speedup_vs_link.png;
+    returns study.json's content. Raises ValueError with fewer than 3 exact rows on shaped links of
+    `FIT_CONFIGS` (the cost model's fit)."""
     cal = json.loads(CALIBRATION.read_text())["link"]
     loopback = (cal["alpha_s"], cal["beta_s_per_byte"])
     studies = {n: _load(out / n / "bench_e2e.json") for n in CONFIGS if (out / n / "bench_e2e.json").exists()}
@@ -243,7 +247,9 @@ def analyze(out: pathlib.Path) -> dict:
     held = [r for r in shaped if not r["model_fitted"]]
     n_held = {k: sum(f"{k}_error" in r for r in held) for k in ("model", "loop_model")}
     gpu = gpu_predictions(rows, link)
-    result = {"format": "taco_jax.e2e_study/1", "alpha_s": link[0], "kappa0": link[1], "kappa1_per_mb": link[2],
+    run = run or run_record(__spec__.name, ["--out", str(out), "--analyze"])
+    result = {"format": "taco_jax.e2e_study/1", "run": run,
+              "alpha_s": link[0], "kappa0": link[1], "kappa1_per_mb": link[2],
               "loopback_model": None if loop_link is None else
               {"alpha_s": loop_link[0], "kappa0": loop_link[1], "kappa1_per_mb": loop_link[2]},
               "model_error": {"fitted": _span(fit_rows, "model_error"), "held_out": _span(held, "model_error"),
@@ -467,6 +473,7 @@ def main(argv=None) -> dict:
                         "--pin-cpus`), as each rank owns its GPU; the one-process steps are unchanged")
     load_guard.add_arguments(p)
     a = p.parse_args(argv)
+    run = run_record(__spec__.name, argv)
     if a.calibrate_probe:
         return bench_e2e.main(["--calibrate-probe"])
     if a.rounds is not None and a.rounds < 1:
@@ -494,7 +501,7 @@ def main(argv=None) -> dict:
                 load_guard.refuse(f"[e2e_study] stopped: {name} ran on a busy machine and was not added to the study "
                                   f"in {out}; rerun on a quiet machine (finished configurations are kept and skipped)")
     try:
-        return analyze(out)
+        return analyze(out, run)
     except ValueError as e:
         p.error(str(e))
 

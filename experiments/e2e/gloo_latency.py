@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from experiments.common import run_record
 from taco_jax import emulate
 from taco_jax.util.procs import child_env
 
@@ -77,7 +78,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--gap", type=float, default=0.005)
     p.add_argument("--rt-prio", type=int, default=50)
-    p.add_argument("--shaping", default="base", help="a variant of experiments.e2e.link_latency (default: the emulator's)")
+    p.add_argument("--shaping", default="base",
+                   help="a variant of experiments.e2e.link_latency (default: the emulator's)")
     p.add_argument("--out", default="runs/gloo_latency")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -90,6 +92,7 @@ def main(argv=None):
     if args.rt_prio:  # the link test's threads too (a starved receiver reads a low rate)
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.rt_prio))
     env = child_env({**os.environ, "JAX_PLATFORMS": "cpu"})
+    run = run_record(__spec__.name, argv)
     load0 = os.getloadavg()
     bulk = None
     cl = emulate.Cluster(2, emulate.LinkSpec.parse(args.link)) if args.link != "none" else None
@@ -107,7 +110,7 @@ def main(argv=None):
             port = s.getsockname()[1]
         procs = []
         for i in range(2):
-            cmd = [sys.executable, "-m", "experiments.e2e.gloo_latency", "--worker", "--process-id", str(i),
+            cmd = [sys.executable, "-m", __spec__.name, "--worker", "--process-id", str(i),
                    "--coordinator", f"{host}:{port}", "--sizes", args.sizes, "--reps", str(args.reps),
                    "--gap", str(args.gap), "--rt-prio", str(args.rt_prio), "--out", str(out)]
             procs.append(subprocess.Popen((cl.exec_prefix(i) if cl else []) + cmd, env=env))
@@ -135,7 +138,8 @@ def main(argv=None):
         my = sum(y for _, y in pts) / len(pts)
         slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
         fits[name] = {"alpha_ms": my - slope * mx, "r_eff_mbit": 8 / slope / 1e3}
-    doc = {"schema": "taco_jax.gloo_latency/1", "link": args.link, "shaping": args.shaping, "bulk_bit_per_s": bulk,
+    doc = {"schema": "taco_jax.gloo_latency/1", "run": run, "link": args.link, "shaping": args.shaping,
+           "bulk_bit_per_s": bulk,
            "load_before": load0, "load_after": os.getloadavg(), "uname": " ".join(os.uname()),
            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gap_s": args.gap, "rows": rows, "fits": fits}
     (out / "gloo_latency.json").write_text(json.dumps(doc, indent=1))

@@ -53,7 +53,7 @@ import shutil
 import sys
 import time
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "jax" not in sys.modules:  # simulated CPU devices for the mesh
     cpu_devices(8)
@@ -395,11 +395,13 @@ def _save(fig, path) -> pathlib.Path:
     return path
 
 
-def write_report(out, study: dict, milestones=MILESTONES, window: int = 50) -> dict:
-    """`analyze`, then `<out>/report.json` (strict JSON), `report.md`, `gap.png` and `sqnr.png`."""
+def write_report(out, study: dict, milestones=MILESTONES, window: int = 50, run: dict | None = None) -> dict:
+    """`analyze`, then `<out>/report.json` (strict JSON; under "run" the run record `run`, by default
+    that of `--out OUT --analyze`), `report.md`, `gap.png` and `sqnr.png`."""
     from taco_jax.util import jsonio
 
-    report = analyze(out, study, milestones, window)
+    run = run or run_record(__spec__.name, ["--out", str(out), "--analyze"])
+    report = {"run": run, **analyze(out, study, milestones, window)}
     out = pathlib.Path(out)
     jsonio.write(out / "report.json", report)
     (out / "report.md").write_text(markdown(report))
@@ -525,6 +527,7 @@ def main(argv=None) -> dict | list:
     p.add_argument("--probe", nargs="+", metavar="MODEL", help="time a few steps of these models; write nothing")
     p.add_argument("--probe-steps", type=int, default=4)
     args = p.parse_args(argv)
+    run = run_record(__spec__.name, argv)
     from taco_jax.util import jsonio
 
     out = pathlib.Path(args.out)
@@ -534,7 +537,7 @@ def main(argv=None) -> dict | list:
         path = out / "study.json"
         if not path.is_file():
             raise SystemExit(f"--analyze: {path} does not exist (no study in --out {str(out)!r})")
-        report = write_report(out, json.loads(path.read_text()), args.milestones, args.train_window)
+        report = write_report(out, json.loads(path.read_text()), args.milestones, args.train_window, run)
         print((out / "report.md").read_text())
         return report
     study = study_settings(args)
@@ -544,7 +547,7 @@ def main(argv=None) -> dict | list:
         return rows
     study = check_study(out, study)
     run_study(study, out, keep_checkpoints=args.keep_checkpoints)
-    report = write_report(out, study, args.milestones, args.train_window)
+    report = write_report(out, study, args.milestones, args.train_window, run)
     print((out / "report.md").read_text())
     return report
 

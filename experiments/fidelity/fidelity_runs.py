@@ -36,7 +36,7 @@ import pathlib
 import sys
 import time
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "jax" not in sys.modules:  # simulated CPU devices for the mesh (a few idle extra ones cost nothing)
     cpu_devices(8)
@@ -271,6 +271,7 @@ def main(argv=None) -> dict:
     p.add_argument("--backend", default="ffi", help="taco group math backend (ffi: the C++ CPU codec)")
     p.add_argument("--quick", action="store_true", help="format check: 2 seeds, 3 steps, tiny batches")
     args = p.parse_args(argv)
+    run = run_record(__spec__.name, argv)
     if args.quick:
         args.seeds, args.steps, args.batch_size, args.seq_len, args.eval_batches = 2, 3, 2, 32, 2
     if args.eval_batches < 1:  # the study measures validation losses
@@ -314,11 +315,11 @@ def main(argv=None) -> dict:
     summary = summarize(records, variants, args.models)
     meta = {k: getattr(args, k) for k in ("models", "variants", "seeds", "steps", "batch_size", "seq_len",
                                           "eval_batches", "lr", "dtype", "mesh", "backend")}
-    meta.update(command="python -m experiments.fidelity.fidelity_runs " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta.update(command=run["command"],
                 this_invocation_cpu_s=time.process_time() - cpu0, this_invocation_wall_s=time.perf_counter() - t0,
                 this_invocation_compile_s=compile_s, cpu_count=os.cpu_count(),
                 run_wall_s_total=float(sum(r["wall_s"] for r in records)))
-    report = {"meta": meta, "summary": summary}
+    report = {"run": run, "meta": meta, "summary": summary}
     jsonio.write(out / "report.json", report)
     (out / "report.md").write_text(markdown(summary, meta))
     plot(summary, out / "paired_delta.png")

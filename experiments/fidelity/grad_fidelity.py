@@ -33,7 +33,7 @@ import re
 import sys
 import time
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "jax" not in sys.modules:
     cpu_devices(8)
@@ -279,6 +279,7 @@ def main(argv=None) -> dict:
     p.add_argument("--backend", default="ffi")
     p.add_argument("--floor", action="store_true", help=f"add the rounding floor row {FLOOR!r} (float32 compute)")
     args = p.parse_args(argv)
+    run = run_record(__spec__.name, argv)
     args.eval_batches = 1
     import jax
 
@@ -315,10 +316,10 @@ def main(argv=None) -> dict:
     best = best_codec(rows) if any(r["sites"] == "all (no SP)" for r in rows) else None
     meta = {**{k: getattr(args, k) for k in ("models", "checkpoints", "batch_size", "seq_len", "steps", "lr", "dtype",
                                              "mesh", "backend")},
-            "command": "python -m experiments.fidelity.grad_fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": run["command"],
             "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0, "cpu_count": os.cpu_count(),
             "best_codec": best, "best_rule": " ".join(best_codec.__doc__.split("\n\n")[1].split()[:-6])}
-    jsonio.write(out / "grad_fidelity.json", {"meta": meta, "rows": rows})
+    jsonio.write(out / "grad_fidelity.json", {"run": run, "meta": meta, "rows": rows})
     md = markdown(rows) + (f"\nBest codec of the family (rule: {meta['best_rule']}): **{best}**\n" if best else "")
     (out / "grad_fidelity.md").write_text(md)
     print(md)

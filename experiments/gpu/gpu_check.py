@@ -29,7 +29,7 @@ import time
 import traceback
 from pathlib import Path
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "--dry-run" in sys.argv:
     cpu_devices(8)
@@ -265,7 +265,7 @@ def validate(report: dict) -> None:
     """Checks the report's format. Raises ValueError naming the first bad field."""
     if report.get("schema") != SCHEMA:
         raise ValueError(f"schema must be {SCHEMA!r}, got {report.get('schema')!r}")
-    for key in ("environment", "errors", "seconds", *SECTIONS):
+    for key in ("run", "environment", "errors", "seconds", *SECTIONS):
         if key not in report:
             raise ValueError(f"report lacks {key!r}")
     if not isinstance(report["errors"], list):
@@ -310,7 +310,8 @@ def main(argv=None) -> int:
     if bad := [s for s in wanted if s not in SECTIONS]:
         raise ValueError(f"--sections {bad} not in {SECTIONS}")
     t_all = time.perf_counter()
-    report = dict(schema=SCHEMA, dry_run=args.dry_run, environment=environment(), errors=[])
+    report = dict(schema=SCHEMA, run=run_record(__spec__.name, argv), dry_run=args.dry_run, environment=environment(),
+                  errors=[])
     sizes = tuple(float(v) for v in args.sizes.split(","))
     fns = (conformance, lambda dry: throughput(dry, sizes), collectives, lambda dry: training(dry, args.train_steps))
     for name, fn in zip(SECTIONS, fns):

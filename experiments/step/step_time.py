@@ -29,6 +29,8 @@ import statistics
 import sys
 import time
 
+from experiments.common import run_record
+
 
 def main(argv=None) -> dict:
     # no abbreviations: _spawn passes the command line on minus --processes/--malloc/--timeout
@@ -75,6 +77,8 @@ def main(argv=None) -> dict:
 
     from taco_jax.parallel.mesh import parse_mesh  # noqa: PLC0415
 
+    run = run_record(__spec__.name, argv)
+    run["command"] = os.environ.get(_COMMAND_ENV) or run["command"]  # a spawned process: what the user ran
     n = 1
     for v in parse_mesh(args.mesh).values():
         n *= v
@@ -133,6 +137,7 @@ def main(argv=None) -> dict:
     base = variants[0]
     tokens = args.batch_size * args.seq_len
     result = {
+        "run": run,
         "command": os.environ.get(_COMMAND_ENV) or " ".join(sys.argv),
         "mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "dtype": args.dtype, "sequence_parallel": args.sequence_parallel,
