@@ -62,6 +62,8 @@ def test_quick_run(tmp_path, cache, transport, donate):
     be = doc["summary"]["break_even"]
     assert len(be) == len(CASES) and all("break_even_bytes" in b for b in be)
     assert doc["env"]["git_commit"] and doc["env"]["workers"][0]["process_count"] == rows[0]["processes"]
+    assert doc["run"]["commit"] == doc["env"]["git_commit"]
+    assert doc["run"]["command"].startswith("python -m experiments.collectives.bench_collectives --out ")
 
 
 def test_options_are_checked_before_running():

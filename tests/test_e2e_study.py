@@ -292,6 +292,7 @@ def test_a_run_on_a_loaded_machine_is_written_as_not_a_result(tmp_path, monkeypa
     args[-1] = str(tmp_path / "b")
     res = bench_e2e.main(args, guard=load_guard.Guard(processes=2, allow_loaded=True, measure=measure))
     assert res["loaded"] and json.loads((tmp_path / "b" / "bench_e2e.json").read_text())["loaded"]
+    assert res["command"] == res["run"]["command"] == "python -m experiments.e2e.bench_e2e " + " ".join(args)
     assert capsys.readouterr().out.count("LOADED") == 3  # one run line, the last round's other run, the table
 
 
