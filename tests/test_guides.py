@@ -91,7 +91,7 @@ def test_the_patterns_catch_ids_and_dates_and_spare_numbers():
 def test_readme_names_no_commit_id_and_no_date():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     hits = [(i, h) for i, line in enumerate(text.splitlines(), 1) for h in _hits(line)]
-    assert not hits, f"README.md names commit ids or dates (line, text): {hits}; move the measurement to docs/results.md"
+    assert not hits, f"README.md names commit ids or dates (line, text): {hits}; move them to docs/results.md"
 
 
 def test_docstrings_name_no_commit_id_and_no_date():
@@ -100,7 +100,8 @@ def test_docstrings_name_no_commit_id_and_no_date():
 
 
 def test_doc_share_counts_docstrings_and_comments_not_strings_or_blank_lines():
-    source = '"""Module.\n\nMore."""\n\n# a comment\nX = "not a docstring"  # trailing\n\n\ndef f():\n    """Doc."""\n    return 1\n'
+    source = ('"""Module.\n\nMore."""\n\n# a comment\nX = "not a docstring"  # trailing\n\n\n'
+              'def f():\n    """Doc."""\n    return 1\n')
     assert doc_share(source) == (4, 6)
 
 

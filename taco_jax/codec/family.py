@@ -1,11 +1,8 @@
 """Group math of the non-TACO codecs: per-tensor / per-group FP8, int8, int4 (SDP4Bit-style), TAH-style tiles.
 
-Every function works on float32 groups `[..., n_groups, G]` (the last group zero-padded) and
-returns / takes the wire buffers `(codes, scale, prescale)`; the kinds' registry
-(`taco_jax.codec.kinds`) names them and `taco_jax.codec.dispatch.encode` cuts messages into
-groups and calls them. `cfg` is the message's `CodecConfig` (not imported here: the config
-module validates against the registry, which imports this one). A group holding NaN/±Inf gets a NaN scale, so it
-decodes to NaN (the "propagate" policy; "zero" and "error" are applied around these functions).
+Every function maps float32 groups `[..., n_groups, G]` (the last zero-padded) to the wire buffers
+`(codes, scale, prescale)` or back; `cfg` is a `CodecConfig` (not imported: config imports the
+registry, which imports this). A group holding NaN/±Inf gets a NaN scale, so it decodes to NaN.
 
 Sources: per-tensor FP8 with an absmax scale as TransformerEngine's current scaling; block-wise
 absmax int8 as EQuARX (arXiv 2506.17615) and ZeRO++ (arXiv 2306.10209); 4-bit groups with

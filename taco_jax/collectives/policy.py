@@ -35,18 +35,11 @@ class CommPolicy:
       all_gather: codec of sequence-parallel all-gathers (forward of gather, backward of scatter).
       reduce_scatter: codec of sequence-parallel reduce-scatters.
       dp_grads: codec of the data-parallel gradient all-reduce (reduce-scatter + all-gather).
-      pp_send: codec of pipeline stage-to-stage send/recv (forward activations and backward
-        gradients).
-      all_reduce_algorithm: "two_shot" (all-to-all reduce-scatter + all-gather; two
-        quantizations) or "one_shot" (all-gather of the whole message; one quantization).
-      min_bytes: messages smaller than this (uncompressed bytes) use the exact collective; "auto"
-        until resolved (`taco_jax.perf.resolve_min_bytes`: the predicted break-even size, once,
-        before tracing, like backend "auto").
-      reduce_domain: two-shot all-reduce with a taco codec: "signal" (default) decodes, sums and
-        re-encodes; "hadamard" sums the ranks' chunks in the transform domain and requantizes (two
-        transforms fewer per chunk, as accurate on captured messages; docs/results.md) (`compressed.psum`).
-      chunks: two-shot all-reduce pipeline chunks (an integer >= 1, or "auto": from the message
-        size, `compressed.auto_chunks`).
+      pp_send: codec of pipeline send/recv (activations forward, gradients backward).
+      all_reduce_algorithm: "two_shot" or "one_shot" (`compressed.psum`).
+      min_bytes: messages below this many uncompressed bytes use the exact collective; "auto"
+        until resolved before tracing (`taco_jax.perf.resolve_min_bytes`).
+      reduce_domain, chunks: `compressed.psum`'s, for the two-shot all-reduce.
 
     Raises:
       ValueError: for an unknown algorithm or reduce_domain, chunks neither "auto" nor an integer
@@ -102,10 +95,9 @@ class CommPolicy:
 
     def resolve_backends(self, platform: str | None = None, *, n_devices: int = 1,
                          transport: str = "auto") -> CommPolicy:
-        """A copy whose codecs are concrete (`taco_jax.codec.dispatch.resolve_codec`: backend, wire
-        codec and exact transport; "auto" and availability on `platform`, default jax's); run once,
-        before the step is traced (after `jax.distributed` is initialized, which decides an "auto"
-        transport unless the run's `transport`, its `--transport`, is concrete: `resolve_transport`).
+        """A copy whose codecs are concrete (`taco_jax.codec.dispatch.resolve_codec` on `platform`,
+        default jax's); run once before tracing, after `jax.distributed` is initialized (it decides
+        an "auto" transport unless `transport` is concrete).
 
         Raises: ValueError naming the site whose backend, wire codec or transport cannot run here.
         """
@@ -141,10 +133,8 @@ class CommPolicy:
 
     @classmethod
     def from_dict(cls, d: dict, *, base: CommPolicy | None = None, where: str = "policy") -> CommPolicy:
-        """Policy from a dict shaped like `to_dict` (only "sites" is required; other top-level keys
-        such as "objective" or "calibration" are metadata and ignored). Sites absent from the
-        file keep `base`'s codec (default: exact); "all_reduce_algorithm" / "min_bytes" /
-        "reduce_domain" / "chunks", when given, replace `base`'s. Format and a minimal example: docs/training.md.
+        """Policy from a dict shaped like `to_dict` (only "sites" required; unknown top-level keys
+        are metadata). Absent sites and settings keep `base`'s (default: exact). Format: docs/training.md.
 
         Raises: ValueError naming the file (`where`) and the unknown site or bad codec field.
         """
