@@ -1,16 +1,6 @@
-"""The conformance rule of `taco_jax.kernels` as a check: a codec backend against `reference` on the
-same inputs. Used by the tests (tests/test_kernels.py, tests/test_triton_interpret.py) and by the GPU
-check (`python -m experiments.gpu_check`), so both apply one rule.
-
-  make_groups             test input: [batch, n_groups, G] float32 with the hard cases
-  assert_conforms         encode outputs (codes, s, a) against the reference's
-  assert_decode_conforms  decoded values against the reference's (in float32 or a narrower output dtype)
-  dtype_ulp               one ulp of an output dtype, for that comparison
-  check_backend           all three for one registered backend, format and group size
-  check_messages          encode conforms on real messages (e.g. a train step's, `train.capture`)
-  step_codes              FP8 codes moved a number of steps (the contract's flips, injected)
-
-Every check raises AssertionError naming what differs (and by how much); it returns None.
+"""The conformance rule of `taco_jax.kernels` as a check (a backend against `reference` on the same
+inputs), shared by the tests and the GPU check. Every check raises AssertionError naming what
+differs and by how much.
 """
 
 from __future__ import annotations

@@ -1,37 +1,21 @@
 """Triton fused TACO codec (spec §2) called through jax-triton; GPU only, imported lazily.
 
-One program per block of `ELEMENTS // G` groups; every element is read from HBM once and written
-once:
+One program per block of `ELEMENTS // G` groups; each element read from HBM once, written once:
 
-  encode      x (f32, bf16 or f16, as stored) -> f32 in registers -> sum of squares -> a ->
-              t = WHT(a x) -> s from max|t| / sqrt(G) -> FP8 codes of t / (sqrt(G) s) (one
-              reciprocal per group); writes codes, s, a.
-  decode      codes -> q k, k = s / sqrt(G) / max(a, EPS) per group -> WHT -> clipped to the
-              output dtype's finite range -> written in the output dtype (f32, bf16 or f16).
-  decode_sum  P ranks' codes of the same groups, each decoded as above (not clipped) and summed in
-              f32 in rank order, then written once in the output dtype (rounded, not clipped: a
-              sum beyond its range is +-Inf, as the exact sum).
+  encode      x (f32, bf16 or f16) -> f32 -> sum of squares -> a -> t = WHT(a x) -> s from
+              max|t| / sqrt(G) -> FP8 codes of t / (sqrt(G) s); writes codes, s, a.
+  decode      codes -> q k, k = s / sqrt(G) / max(a, EPS) -> WHT -> clipped to the output dtype.
+  decode_sum  P ranks' decodes summed in f32 in rank order, written once (rounded, not clipped).
 
-The Walsh-Hadamard transform is an in-register butterfly (`_wht`): log2(G) stages of
-`lo + hi, lo - hi` on the index bit of the stage (reshape / permute / split / join, which Triton
-maps to register renames, warp shuffles, or a shared-memory exchange for bits held by other
-warps): G log2(G) additions per group instead of the G^2 multiply-adds of a dense matmul, and no
-[block, G] tile kept across two loops. Divisions and square roots use the round-to-nearest
-intrinsics (`div_rn`, `sqrt_rn`) per group, as the reference's XLA ops do; per element there are
-multiplications by those per-group factors instead of the reference's divisions, and the sums of
-the transform run in another order than its matmul: the kernels conform to `reference` under the
-rule of `taco_jax.kernels`. NaN-propagating max/min mirror jnp.
+The WHT is an in-register butterfly (`_wht`, log2(G) stages of `lo + hi, lo - hi`): G log2(G) adds
+per group instead of a dense matmul's G^2. Per-group divisions and square roots round to nearest
+(`div_rn`, `sqrt_rn`) as the reference's XLA ops do; per element the kernels multiply by those
+factors, so they conform under the rule of `taco_jax.kernels`. NaN-propagating max/min mirror jnp.
 
-`triton` and `jax_triton` are imported on first use only, so CPU installs never need them
-(`pip install 'taco_jax[gpu]'` brings them). FP8 E4M3 needs compute capability >= 8.9.
-
-Inside `shard_map` (the train step's collectives): jax-triton's call types its results invariant
-(its abstract eval drops the operands' varying manual axes), and later collectives would take such a
-value as replicated, so the wrappers give the results their operands' varying axes back
-(`codec.vma.pvary`, as `ffi_codec` does). jax-triton compiles each kernel to a cubin while lowering,
-for the compute capability of device 0 unless told one; on a machine without a GPU (a deviceless
-XLA:GPU compile for abstract CUDA devices, `train.deviceless`) there is none to ask, so the lowering
-of its call takes the capability of the devices the computation is lowered for (`_lowering_capability`).
+`triton` and `jax_triton` are imported on first use (`pip install 'taco_jax[gpu]'`). FP8 E4M3 needs
+sm >= 89. jax-triton types its results invariant inside `shard_map`, so the wrappers restore the
+operands' varying axes (`codec.vma.pvary`). Without a GPU (a deviceless compile) the cubin is built
+for the capability of the devices lowered for (`_lowering_capability`).
 """
 
 from __future__ import annotations
@@ -50,9 +34,8 @@ from taco_jax.codec.vma import pvary, vma_of
 
 #: Message dtypes the kernels read and write as they are (no convert around the custom call).
 NATIVE_DTYPES = ("float32", "bfloat16", "float16")
-#: Elements per program (groups per program = ELEMENTS // G): 16 f32 values per thread at 4 warps,
-#: 32-64 registers at sm_90 (experiments/triton_aot.py). 4096 compiles without spills too (~10 %
-#: fewer instructions per element, ~70 registers: half the occupancy); which is faster is for a GPU.
+#: Elements per program (groups per program = ELEMENTS // G): 16 f32 values per thread at 4 warps
+#: (register counts: `python -m experiments.triton_aot`).
 ELEMENTS = 2048
 NUM_WARPS = 4
 #: The spec constants, passed to the kernels as `tl.constexpr` arguments (a @triton.jit function
