@@ -1,23 +1,16 @@
 """GPipe and 1F1B microbatch schedules in one SPMD program (inside `shard_map` over data, stage, tensor).
 
-Every stage executes the same program, so a stage with nothing to do in a tick computes on
-zeros/stale data whose result is masked out ("SPMD pipeline", as MaxText's). Stage-to-stage
-transfer is `collectives.pipeline_send.send` (compressed per `CommPolicy.pp_send` in both
-directions). Gradients of stage-replicated parameters (the tied embedding is used on the first
-and the last stage) are summed over stages exactly.
+Every stage runs the same program; an idle stage computes on masked-out data ("SPMD pipeline", as
+MaxText's). Transfers are `collectives.pipeline_send.send`; gradients of stage-replicated
+parameters (a tied embedding) are summed over stages exactly.
 
-- "gpipe": M + S - 1 forward ticks (microbatch m is on stage s at tick m + s), loss on the last
-  stage, then `jax.grad` through the unrolled loop gives the mirrored backward (M + S - 1 ticks).
-  Activations of all M microbatches are alive at the turn: memory O(M).
-- "1f1b": M + 2S - 2 ticks, each doing one forward *and* one backward slot on every stage:
-  forward of m on stage s at tick m + s, backward at tick m + 2S - 2 - s (the last stage runs
-  the backward of a microbatch right after its forward). Only stage *inputs* are kept, in a
-  ring of min(M, 2S - 1) slots, and the stage forward is recomputed in the backward slot (the
-  gradient is the same math as GPipe). Memory O(S) instead of O(M); the price on an SPMD mesh
-  is S - 1 more ticks and the recomputation (`schedule_math.schedule_stats`).
+- "gpipe": M + S - 1 forward ticks (microbatch m on stage s at tick m + s); `jax.grad` through
+  the unrolled loop gives the mirrored backward. Memory O(M).
+- "1f1b": M + 2S - 2 ticks of one forward and one backward slot (backward of m on stage s at tick
+  m + 2S - 2 - s); only stage inputs are kept (min(M, 2S - 1) slots) and the forward is recomputed.
+  Memory O(S); costs S - 1 more ticks and the recomputation (`schedule_math.schedule_stats`).
 
-Loops are unrolled in Python (ticks and layers are static), so every collective appears in the
-compiled HLO once per execution and `collectives.hlo` counts the wire bytes per step exactly.
+Loops are unrolled (static ticks and layers), so `collectives.hlo` counts every collective exactly.
 Source: GPipe (Huang et al. 2019), PipeDream-flush / 1F1B (Narayanan et al. 2021),
 Megatron-LM `schedules.py`; TACO spec §4 (compressed pipeline send/recv).
 """
