@@ -17,21 +17,12 @@ Wire format: one uint8 row per message, made and read by the codec's wire codec
 Kind "none" (forward and backward) is the `lax` collective bit for bit, derivatives included. An
 axis of size 1 returns the input; a zero-size message returns the empty result without communication.
 
-Derivatives: each collective has its exact counterpart's transpose (as `lax` defines it under
-`shard_map(check_vma=True)`), with `bwd_codec` (default: `codec`) on the backward wire:
-
-| collective    | backward (cotangent)                                         |
-|---------------|--------------------------------------------------------------|
-| psum          | identity, made varying over the axis (no communication)      |
-| all_gather    | psum_scatter of the cotangent along the gathered axis        |
-| psum_scatter  | all_gather of the cotangent along the scattered axis         |
-| ppermute      | ppermute of the cotangent with the inverse permutation       |
-
-The backward is itself a compressed collective, so grad of grad works. The codecs are
-`jax.custom_vjp` functions: forward mode (`jax.jvp`, `jax.jacfwd`) raises jax's `TypeError` for a
-compressing codec, and for a narrow float moved as its own bytes under transport "gloo"; the exact
-gloo reduce-scatter (all-to-all + sum) and all-gather (a custom_jvp) work in both modes. An input
-not varying over the axis is first made varying (`lax.pcast`), as `lax` does.
+Derivatives: each collective's is its exact counterpart's transpose under `shard_map(check_vma=True)`
+(each function's "Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire; the
+backward is itself a compressed collective, so grad of grad works. The codecs are custom_vjp
+functions: forward mode raises jax's `TypeError` for a compressing codec and for a narrow float
+moved as its own bytes under transport "gloo". An input not varying over the axis is first made
+varying (`lax.pcast`), as `lax` does.
 Layout: two-shot chunks along the leading axis when it divides by P, else the flattened message
 zero-padded to a multiple of P. Reduce-scatter along d of x [*pre, P*s, *post]: rank r receives from
 every rank the block x viewed as [outer, P, inner] at [:, r, :] (flattened row-major) and returns
@@ -269,10 +260,8 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
       axis_name: a manual mesh axis of the enclosing `shard_map`.
       codec: message codec; kind "none" gives exactly `lax.psum`.
       algorithm: "two_shot" or "one_shot" (module docstring).
-      reduce_domain: two-shot with kind "taco" only (others always use "signal"): "signal" decodes,
-        sums in FP32 in rank order and re-encodes; "hadamard" sums z_r = q_r * s_r / a_r in the
-        transform domain, requantizes with an absmax scale and inverts the transform once at the
-        end (`taco_jax.codec.reference.reduce_groups`; docs/results.md compares the two).
+      reduce_domain: two-shot with kind "taco" only: "signal" (decode, FP32 sum, re-encode) or
+        "hadamard" (`taco_jax.codec.reference.reduce_groups`; docs/results.md compares them).
       chunks: two-shot only: that many independent chains over contiguous pieces of whole groups
         (fewer for a small message; 1 for a "token"-grouped codec); "auto": `auto_chunks`.
     Returns: array of x's shape and dtype, equal on every rank.

@@ -10,20 +10,14 @@ A prepared folder holds
                          dtype, eot_id / eot_token, the source files with their sizes in bytes and
                          documents, val_fraction and the token counts of both splits
 
-Documents: each text file is one document; each line of a `.jsonl` file is one, its `text_field`.
-The token stream is every document's ids followed by the end-of-text id, in the order of the
-sources (a folder: its files sorted by path); the last `val_fraction` of the stream (at least 2
-tokens; training needs more than one window) is the validation split (nanoGPT's split of one
-stream; a document may straddle it). Encoding runs in parallel (the `tokenizers` library's batch
-encode on documents, long documents cut into pieces at line starts where the pre-tokenizer splits
-anyway, so the ids equal whole-document encoding; `_splits_at_line_starts`).
-
-Documents are encoded as text: a special token's text inside a document (e.g. "<|endoftext|>") is
-encoded as the characters it is made of (`Tokenizer.encode_special_tokens`), so the stream holds
-exactly one end-of-text id per document. The files are written to temporary files in the folder and
-renamed over the old ones (`os.replace`) only when all of them are complete: a refused input
-leaves the folder as it was, and a process that memory-maps the old files (a running `train
---data`) keeps reading them.
+Documents: a text file, or a line of a `.jsonl` file (its `text_field`). The stream is each
+document's ids then the end-of-text id, sources in order (a folder's files sorted by path); its
+last `val_fraction` (at least 2 tokens) is the validation split, as nanoGPT's. Encoding runs in
+parallel; long documents are cut at line starts where the pre-tokenizer splits anyway, so the ids
+equal whole-document encoding. A special token's text inside a document is encoded as plain
+characters, so the stream holds exactly one end-of-text id per document. Files are written to
+temporaries and renamed (`os.replace`) only when all are complete: a refused input leaves the
+folder as it was, and a running `train --data` keeps reading the old files.
 """
 
 from __future__ import annotations
