@@ -89,9 +89,7 @@ def register_reducer(name: str, fn: Callable) -> None:
 
 
 def get_reducer(name: str) -> Callable | None:
-    """Backend `name`'s `reduce_groups`, or None if it has none (then the reference's applies).
-    "auto" is `resolve_backend("auto")`'s. Loads the backend first (`get_backend`), whose loader
-    may register it."""
+    """Backend `name`'s `reduce_groups` ("auto" resolved, the backend loaded first), or None."""
     name = resolve_backend(name)
     get_backend(name)
     return _REDUCERS.get(name)
@@ -105,25 +103,23 @@ def register_native(name: str, dtypes: tuple[str, ...] = (), decode_sum_groups: 
 
 
 def get_native(name: str) -> NativeSupport:
-    """Backend `name`'s `NativeSupport` (empty if none registered); "auto" is resolved first. Loads
-    the backend first (`get_backend`), whose loader may register it."""
+    """Backend `name`'s `NativeSupport` ("auto" resolved, the backend loaded first; empty if none)."""
     name = resolve_backend(name)
     get_backend(name)
     return _NATIVE.get(name, NativeSupport())
 
 
 def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
-    """Registers `loader`, called on the first `get_backend(name)` (it may import, check that the
-    backend runs here and raise ValueError saying why not). Re-registering replaces the entry."""
+    """Registers `loader`, called on the first `get_backend(name)` (it may raise ValueError saying why
+    the backend cannot run here). Re-registering replaces the entry."""
     _LOADERS[name] = loader
     _LOADED.pop(name, None)
     _NATIVE.pop(name, None)
 
 
 def register_resolver(resolver: Callable) -> None:
-    """Registers `resolver(name, platform, *, n_devices) -> concrete backend name` (it raises
-    ValueError for a backend that cannot run on `platform`); `taco_jax.kernels` registers `resolve`.
-    Re-registering replaces it."""
+    """Registers `resolver(name, platform, *, n_devices) -> concrete backend name` (ValueError where
+    it cannot run), replacing any earlier one."""
     _RESOLVER[:] = [resolver]
 
 
@@ -131,17 +127,15 @@ _ON_PIN: list[Callable[[], None]] = []  # caches to clear when the pinned platfo
 
 
 def register_pin_hook(clear: Callable[[], None]) -> None:
-    """Registers `clear()`, called on entering and leaving `pin_platform` (a backend's jit caches of
-    traces made for another platform; `taco_jax.kernels.pallas_codec` registers its kernels')."""
+    """Registers `clear()` (a backend's jit caches), called on entering and leaving `pin_platform`."""
     _ON_PIN.append(clear)
 
 
 @contextlib.contextmanager
 def pin_platform(platform: str, gpu_lowering: str = "triton"):
     """Traces the codec and its backends for `platform` ("cpu", "cuda", "rocm"; `gpu_lowering`: Pallas'
-    "triton" or "mosaic_gpu") instead of jax's default platform, e.g. a train step compiled for abstract
-    CUDA devices on a CPU-only machine (`train.deviceless`). `kernels.pallas_codec.lowering_platform`
-    checks its arguments and enters this. The registered caches are cleared on entry and exit."""
+    "triton" or "mosaic_gpu") instead of jax's default, e.g. for a deviceless CUDA compile. Entered
+    by `kernels.pallas_codec.lowering_platform`; the registered caches are cleared on entry and exit."""
     for clear in _ON_PIN:
         clear()
     token = PINNED.set((platform, gpu_lowering))
@@ -154,16 +148,14 @@ def pin_platform(platform: str, gpu_lowering: str = "triton"):
 
 
 def pinned_platform() -> str | None:
-    """The platform pinned by an enclosing `taco_jax.kernels.pallas_codec.lowering_platform(...)`,
-    else None."""
+    """The platform pinned by an enclosing `pin_platform`, else None."""
     pinned = PINNED.get()
     return None if pinned is None else pinned[0]
 
 
 def default_platform() -> str:
-    """The platform the codec and its kernels are traced for (name as `jax.export` spells it): the
-    pinned one (`pinned_platform`), else jax's default platform: "cpu", "cuda", "rocm" or "tpu"
-    ("gpu" is reported as "cuda")."""
+    """The platform traced for, as `jax.export` spells it: the pinned one, else jax's default
+    ("cpu", "cuda", "rocm" or "tpu"; "gpu" is "cuda")."""
     pinned = pinned_platform()
     if pinned is not None:
         return pinned
@@ -172,9 +164,8 @@ def default_platform() -> str:
 
 
 def resolve_backend(name: str, platform: str | None = None, *, n_devices: int = 1) -> str:
-    """The concrete group backend `name` stands for on `platform` (default: `default_platform()`):
-    the registered resolver's answer; without one (`taco_jax.kernels` not imported), "reference"
-    for "auto" and the name itself otherwise. Raises ValueError from the resolver."""
+    """The concrete backend `name` stands for on `platform` (default `default_platform()`): the
+    resolver's answer; without one, "reference" for "auto". Raises ValueError from the resolver."""
     if _RESOLVER:
         return _RESOLVER[0](name, platform, n_devices=n_devices)
     return "reference" if name == "auto" else name
@@ -197,8 +188,7 @@ def get_backend(name: str) -> GroupBackend:
 
 
 def _load(name: str, loaded: dict, loaders: dict, what: str, kernels_register: str):
-    """`loaded[name]`, loading it with `loaders[name]` (a loader, or a (loader, ...) tuple) once.
-    Raises ValueError for a name nothing registered."""
+    """`loaded[name]`, loaded once by `loaders[name]`. Raises ValueError for an unregistered name."""
     got = loaded.get(name)
     if got is not None:
         return got
@@ -211,9 +201,8 @@ def _load(name: str, loaded: dict, loaders: dict, what: str, kernels_register: s
 
 
 def register_wire(name: str, loader: Callable[[], WireCodec], platforms: tuple[str, ...] = ()) -> None:
-    """Registers wire codec `name`: `loader()` is called on its first use; `platforms` lists where it
-    runs (empty: everywhere). A wire codec other than "generic" runs the group math of the backend
-    of the same name. Re-registering replaces the entry."""
+    """Registers wire codec `name` (`loader()` called on first use; `platforms`: where it runs, empty
+    for everywhere). A non-"generic" wire codec runs the same-named backend's group math."""
     _WIRE_LOADERS[name] = (loader, tuple(platforms))
     _WIRE_LOADED.pop(name, None)
 
