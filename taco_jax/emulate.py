@@ -18,7 +18,7 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
     Send side (the process's interface): B = max(4 KB, R × 250 µs), a small bucket, so the messages of a
     step are shaped too (at high rates the bucket must cover the timer's granularity or the rate is not
     reached; 4 KB holds two full frames). A bucket passes its bytes at once after an idle gap, which no real
-    link does: with the 32 KB floor used until 2026-12-03 the first 32 KB of every message were free below 1
+    link does: with a 32 KB floor (the earlier one) the first 32 KB of every message were free below 1
     Gbit/s (1.05 ms at 250 Mbit/s, 5.2 ms at 50 Mbit/s), which favoured small messages, i.e. TACO and its
     chunks (docs/emulated.md, "The bucket"). Receive side (the switch port toward the process): B_rx =
     max(32 KB, R × 1 ms). Its input is already shaped to R by the sender's tbf, whose timer fires late when
