@@ -105,7 +105,9 @@ def test_doc_share_counts_docstrings_and_comments_not_strings_or_blank_lines():
     assert doc_share(source) == (4, 7)
 
 
-@pytest.mark.xfail(strict=False, reason="XFAIL_REASON")
+@pytest.mark.xfail(strict=False, reason=(
+    "measured 25.2 % (3,488 of 13,815 lines) after codec/, collectives/, kernels/, parallel/, models/, data/ and "
+    "testing/ were rewritten; train/, perf/, cli.py, emulate.py, launch.py and util/ are still to do"))
 def test_docstrings_and_comments_are_at_most_22_percent_of_taco_jax():
     shares = package_shares()
     doc, lines = shares["total"]

@@ -54,33 +54,22 @@ class CodecConfig:
     """How one message is compressed.
 
     Attributes:
-      kind: which codec (all share `encode`/`decode` and move every wire buffer as data): a kind
-        registered in `taco_jax.codec.kinds` (its entry gives the rules below), or "none"; built in:
-        "none"        identity; the collective is the exact `lax` one.
-        "fp8_tensor"  naive per-tensor FP8: one FP32 absmax scale per message (TransformerEngine
-                      style), 1 + 4/n B/elt.
-        "fp8_group"   FP8 per group of G, FP32 absmax scale, no transform (optional Hadamard),
-                      1 + 4/G B/elt.
-        "int8"        symmetric int8 per block of G, FP32 absmax scale (EQuARX / ZeRO++ style;
-                      optional Hadamard for data-parallel use), 1 + 4/G B/elt.
-        "int4"        symmetric 4-bit (levels -7..7) per group of G, FP32 absmax scale, two
-                      codes per byte; with `hadamard=True` the SDP4Bit-style gradient codec,
-                      0.5 + 4/G B/elt.
-        "taco"        TACO (TACO_SPEC.md §2): RMS pre-scale, orthonormal WHT, FP8, 1 + 8/G
-                      ("dual") or 1 + 4/G ("folded") B/elt.
-        "tah"         TAH-Quant-style tiles for pipeline activations: orthonormal WHT per tile
-                      of G, asymmetric 4-bit (min/max, 16 levels), FP32 scale and zero point,
-                      0.5 + 8/G B/elt. Not implemented from TAH-Quant: entropy-guided 3/4-bit
-                      allocation and pivot swapping (fixed 4 bits, plain Sylvester WHT).
-      fmt: FP8 code format of the FP8 kinds, "e4m3" (F = 448) or "e5m2" (F = 57344).
-      group_size: G, elements per group / block / tile, one of 32, 64, 128, 256, 512.
+      kind: "none" (the exact `lax` collective) or a kind registered in `taco_jax.codec.kinds`; built
+        in (bytes per element on the wire):
+        "fp8_tensor"  FP8, one FP32 absmax scale per message (TransformerEngine style), 1 + 4/n.
+        "fp8_group"   FP8 per group of G, FP32 absmax scale (optional Hadamard), 1 + 4/G.
+        "int8"        symmetric int8 per block of G, FP32 absmax scale (EQuARX / ZeRO++), 1 + 4/G.
+        "int4"        symmetric 4-bit (-7..7) per group, two per byte (SDP4Bit with Hadamard), 0.5 + 4/G.
+        "taco"        TACO (TACO_SPEC.md §2): RMS pre-scale, WHT, FP8, 1 + 8/G ("dual"), 1 + 4/G ("folded").
+        "tah"         TAH-Quant-style WHT tiles, asymmetric 4-bit, FP32 scale and zero point, 0.5 + 8/G
+                      (without TAH-Quant's entropy-guided bit allocation and pivot swapping).
+      fmt: FP8 code format, "e4m3" (F = 448) or "e5m2" (F = 57344).
+      group_size: G, elements per group, one of 32, 64, 128, 256, 512.
       lam: λ added to the group's mean square before TACO's adaptive scale (default 1e-6).
-      target_range: R, the FP8 code range absmax values are mapped to (default 448); in (0, F].
-      scale_layout: taco only: "dual" sends s and a as FP32 per group (the paper's wire
-        format); "folded" sends the single scale s/a.
-      group_axis: "hidden" groups contiguous elements of the flattened message (the spec);
-        "token" groups one channel across tokens (the message's last axis is moved first).
-        fp8_tensor has no groups and accepts "hidden" only.
+      target_range: R, the code range absmax values map to (default 448); in (0, F].
+      scale_layout: taco only: "dual" sends s and a per group (the paper's); "folded" sends s/a.
+      group_axis: "hidden" groups contiguous elements of the flattened message (the spec); "token"
+        groups one channel across tokens (fp8_tensor: "hidden" only).
       hadamard: fp8_group / int8 / int4 only: the orthonormal WHT per group before quantizing
         (taco and tah always transform).
       nonfinite: "propagate" (default): a group (fp8_tensor: the message) holding NaN/±Inf decodes
