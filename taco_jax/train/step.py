@@ -1,11 +1,10 @@
 """Model state on a mesh, and the jitted train / eval steps (loss and gradients inside `shard_map`, AdamW outside).
 
-Inside one `shard_map` over the mesh (data, stage, tensor): each data shard differentiates its
-own loss (parameters made varying over the data axis, loss scaled by 1 / data size), the
-pipeline schedule runs over the stage axis when there is one (`parallel/pipeline.py`), and the
-per-shard gradients are summed explicitly over the data axis in float32 (`collectives/dp.py`,
-compressed per `CommPolicy.dp_grads`). With `dp_grads` exact this equals differentiating the
-`shard_map`ped mean loss from outside to float rounding (~1e-7 relative; tests/test_3d.py).
+Inside one `shard_map` over the mesh (data, stage, tensor) each data shard differentiates its
+own loss (scaled by 1 / data size), the pipeline runs over the stage axis (`parallel/pipeline.py`),
+and the gradients are summed over the data axis in float32 (`collectives/dp.py`, codec
+`CommPolicy.dp_grads`). With `dp_grads` exact this equals differentiating the mean loss from
+outside to float rounding (~1e-7 relative; tests/test_3d.py).
 """
 
 from __future__ import annotations
@@ -55,15 +54,10 @@ class Trainer:
     policy: CommPolicy | None = None  # cfg.communication.policy with concrete backends (what the step runs)
 
     def init(self):
-        """Initial (params, opt_state), created sharded over the mesh; same values for any --comm and mesh.
-
-        Every array is created with its final sharding (`shardings`, `opt_shardings`): each device
-        computes and holds only its own shards. With `cfg.model.init_from` the
-        parameters are read from that HF checkpoint straight into the mesh sharding
-        (`models.hf.load_params`); otherwise initialised from `cfg.training.seed`, the values of the
-        eager `make_model(cfg.model_config, rngs=nnx.Rngs(cfg.training.seed))` bit for bit
-        (`parallel.state.sharded_initializer`,
-        compiled once per model, seed and shardings in a process)."""
+        """Initial (params, opt_state), each device computing only its own shards; the same values for
+        any --comm and mesh. With `cfg.model.init_from`: read from that HF checkpoint
+        (`models.hf.load_params`); otherwise the values of the eager `make_model(cfg.model_config,
+        rngs=nnx.Rngs(cfg.training.seed))` bit for bit (`parallel.state.sharded_initializer`)."""
         if self.cfg.model.init_from:
             from taco_jax.models.hf import load_params
 
@@ -112,10 +106,8 @@ def _initializer(model_cfg, seed: int, pipelined: bool, shardings: tuple, treede
 
 
 def compiled_memory(compiled) -> dict | None:
-    """Per-device memory of a compiled step in bytes (XLA `memory_analysis()`): `temp` (the scratch
-    buffers: activations kept for the backward pass, what `--remat` lowers), `argument`, `output`,
-    `alias` (donated arguments reused as outputs), `generated_code`. None where the backend gives no
-    analysis."""
+    """Per-device memory of a compiled step in bytes (XLA `memory_analysis()`): `temp` (activations,
+    what `--remat` lowers), `argument`, `output`, `alias`, `generated_code`; None without analysis."""
     try:
         mem = compiled.memory_analysis()
     except (NotImplementedError, RuntimeError):  # backends without an analysis
@@ -192,10 +184,7 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
                schedule: str = "gpipe", pipelined: bool | None = None, tap=None, tp_overlap: str = "none") -> Steps:
     """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
 
-    pipelined: run the pipeline schedules (stacked layers); default: `pp.pipelined_layout` (the mesh
-    has stage > 1, or microbatches > 1).
-    The gradient: each data shard differentiates its own loss inside `shard_map`, and
-    `sync_gradients` sums the gradients over the data axis in FP32 (with `policy.dp_grads`'s codec).
+    pipelined: run the pipeline schedules (stacked layers); default: `pp.pipelined_layout`.
     tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
     tp_overlap: `ParallelContext.tp_overlap` ("none" | "collective-matmul", with sequence_parallel).
     """
@@ -244,10 +233,8 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
 
 def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     """Builds the mesh, model definition, specs and jitted steps for `cfg` (validated already).
-
-    devices: the devices of the mesh (default: all; e.g. `jax.devices()[:1]` for a one-device run).
-    Raises: ValueError (from `make_mesh`) if the mesh does not match the device count.
-    """
+    devices: the mesh's devices (default: all). Raises: ValueError (`make_mesh`) for a mesh that does
+    not match the device count."""
     par, comm = cfg.parallelism, cfg.communication
     mesh = make_mesh(par.axes, devices)
     policy = comm.policy.resolve_backends(n_devices=mesh.devices.size,  # concrete backends, before tracing
