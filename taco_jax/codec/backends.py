@@ -178,10 +178,7 @@ def resolve_auto() -> str:
 
 def get_backend(name: str) -> GroupBackend:
     """The backend registered as `name` (loaded once per process); "auto" is `resolve_auto()`'s.
-
-    Raises:
-      ValueError: for a name nothing registered, or a backend that cannot run here (its loader's).
-    """
+    Raises: ValueError for a name nothing registered, or a backend that cannot run here."""
     if name == "auto":
         name = resolve_auto()
     return _load(name, _LOADED, _LOADERS, "codec backend", "pallas, triton and ffi")
@@ -215,7 +212,5 @@ def wire_runs_on(name: str, platform: str) -> bool:
 
 def get_wire(name: str) -> WireCodec:
     """The wire codec registered as `name` (loaded once per process).
-
-    Raises: ValueError for a name nothing registered.
-    """
+    Raises: ValueError for a name nothing registered."""
     return _load(name, _WIRE_LOADED, _WIRE_LOADERS, "wire codec", "ffi")

@@ -60,9 +60,7 @@ class Encoded:
         return sum(int(np.prod(b.shape)) * b.dtype.itemsize for b in jax.tree.leaves(self))
 
 
-# --------------------------------------------------------------------------------------
-# Message layout: any shape <-> groups.
-# --------------------------------------------------------------------------------------
+# --- Message layout: any shape <-> groups.
 
 
 def _message_to_rows(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> jax.Array:
@@ -91,16 +89,11 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, overflow: boo
         group). Zero-size `x` gives zero-size buffers.
       cfg: a codec of a compressing kind; an "auto" backend is resolved here for the platform.
       batch_dims: number of leading message axes.
-      overflow: `x` is a two-shot partial sum that may have overflowed from finite inputs: a group
-        holding ±Inf and no NaN is sent as an overflow group (`overflow_groups`). Kinds with
-        `CodecKind.overflow` only; ignored with nonfinite "zero".
-
-    Returns:
-      An `Encoded` pytree.
-
-    Raises:
-      ValueError: if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is not
-        registered or cannot run here.
+      overflow: `x` is a two-shot partial sum: a group holding ±Inf and no NaN is sent as an
+        overflow group (`overflow_groups`; kinds with `CodecKind.overflow`; not with nonfinite "zero").
+    Returns: an `Encoded` pytree.
+    Raises: ValueError if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is not
+      registered or cannot run here.
     """
     if cfg.kind == "none":
         raise ValueError(f"encode needs a compressing codec (kind 'taco' or another of {codec_kinds()[1:]}); "
@@ -141,9 +134,7 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int, overflow: bool = Fa
     return Encoded(codes, s, a, shape, np.dtype(x.dtype))
 
 
-# --------------------------------------------------------------------------------------
-# Overflow groups: the two-shot all-reduce's partial sums that overflowed the message dtype.
-# --------------------------------------------------------------------------------------
+# --- Overflow groups: the two-shot all-reduce's partial sums that overflowed the message dtype.
 
 #: The code byte of a ±Inf element in an overflow group (| 0x80 for -Inf): codes no finite value
 #: takes (the quantizer saturates): E4M3FN's NaN (it has no Inf), E5M2's Inf.
@@ -159,13 +150,12 @@ def _overflow_codes(cfg: CodecConfig) -> bool:
 def overflow_groups(xg: jax.Array, codes: jax.Array, scale: jax.Array, prescale, cfg: CodecConfig):
     """The groups of `xg` that hold ±Inf and no NaN, re-encoded as overflow groups; the others unchanged.
 
-    Why: a two-shot partial sum of finite values may overflow the message dtype (float16 at 65520);
-    the exact sum is ±Inf in that element only, where a NaN scale would poison the whole group.
-    Format, no transform: scale = -s (the sign marks the group), s = max(max|x_finite|, EPS) * (1 / R),
-    codes = fp8(clip(x * (1 / s), -R, R)) (reciprocals rounded to float32, round to nearest even),
-    `INF_CODE` (| 0x80 for -Inf) for the infinite elements; prescale = 1. Decoded by
-    `decode(..., overflow=True)`: fp8(code) * |scale|. The C++ reducer (`taco_reduce_packed`) writes
-    the same bytes.
+    Why: a two-shot partial sum of finite values may overflow the message dtype (float16 at 65520),
+    ±Inf in that element only, where a NaN scale would poison the whole group. Format, no transform:
+    scale = -s (the sign marks the group), s = max(max|x_finite|, EPS) * (1 / R), codes =
+    fp8(clip(x * (1 / s), -R, R)) (float32 reciprocals, RNE), `INF_CODE` (| 0x80 for -Inf) for the
+    infinite elements; prescale = 1. Decoded by `decode(..., overflow=True)`: fp8(code) * |scale|.
+    The C++ reducer (`taco_reduce_packed`) writes the same bytes.
 
     Args:
       xg: [..., n_groups, G] the groups as encoded (float32 or a native message dtype).
@@ -231,11 +221,8 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None, *, overflow: bool = False
     inside `jax.named_scope("taco_decode")`.
 
     A group that held NaN/±Inf decodes to NaN (nonfinite "zero": every non-finite output to 0).
-    Values are clipped to a dtype narrower than float32 (no overflow to Inf); float32 is left alone,
-    so its program has no extra op. `overflow`: `enc` may hold overflow groups (`overflow_groups`).
-
-    Raises: ValueError if `cfg.backend` is not registered or cannot run here (kind "taco"; "auto"
-    is resolved as in `encode`).
+    Values are clipped to a dtype narrower than float32 (float32: no extra op). `overflow`: `enc`
+    may hold overflow groups (`overflow_groups`). Raises: ValueError as `encode` for the backend.
     """
     with jax.named_scope("taco_decode"):
         dtype = jnp.dtype(dtype or enc.dtype)
@@ -325,9 +312,7 @@ def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
         return Encoded(codes, s, None, enc.shape, enc.dtype)
 
 
-# --------------------------------------------------------------------------------------
-# Resolution of "auto": the one place.
-# --------------------------------------------------------------------------------------
+# --- Resolution of "auto": the one place.
 
 def gloo_collectives() -> bool:
     """Whether XLA:CPU runs this process's collectives through gloo: `jax.distributed` initialized

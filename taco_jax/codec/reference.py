@@ -18,9 +18,7 @@ from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.hadamard import wht
 
-# --------------------------------------------------------------------------------------
-# Group math: [..., n_groups, G] float32 <-> codes + scales. Kernel backends implement these two.
-# --------------------------------------------------------------------------------------
+# --- Group math: [..., n_groups, G] float32 <-> codes + scales. Kernel backends implement these two.
 
 
 @functools.partial(jax.jit, inline=True, static_argnames=("cfg", "last_count"))
@@ -31,10 +29,8 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
       xg: float32 [..., n_groups, G], the last group zero-padded past `last_count`.
       cfg: codec configuration (fmt, group_size, lam, target_range).
       last_count: real element count of the last group (1..G); its mean square uses it.
-
-    Returns:
-      (codes fp8 [..., n_groups, G], s float32 [..., n_groups], a float32 [..., n_groups]).
-      A group holding NaN/±Inf gets s = NaN (so it decodes to NaN).
+    Returns: (codes fp8 [..., n_groups, G], s float32 [..., n_groups], a float32 [..., n_groups]);
+      a group holding NaN/±Inf gets s = NaN (so it decodes to NaN).
     """
     g = cfg.group_size
     n_groups = xg.shape[-2]
@@ -55,11 +51,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
 @functools.partial(jax.jit, inline=True)
 def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Array:
     """Decodes groups: x' = WHT(fp8(q) * s) / max(a, EPS); `a=None` for the folded layout.
-
-    Args:
-      codes: fp8 [..., n_groups, G]; s, a: float32 [..., n_groups].
-    Returns: float32 [..., n_groups, G].
-    """
+    codes fp8 [..., n_groups, G]; s, a float32 [..., n_groups] -> float32 [..., n_groups, G]."""
     x = wht(codes.astype(jnp.float32) * s[..., None])
     if a is not None:
         x = x / jnp.maximum(a, C.EPS)[..., None]

@@ -164,9 +164,7 @@ def _norm_axis(axis: int, ndim: int, name: str) -> int:
     return axis % ndim
 
 
-# --------------------------------------------------------------------------------------
-# all-reduce
-# --------------------------------------------------------------------------------------
+# --- all-reduce
 
 
 def _scoped(name: str):
@@ -281,9 +279,7 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
     return _psum(_vary(x, axis_name), axis_name, codec, algorithm, reduce_domain, chunks)
 
 
-# --------------------------------------------------------------------------------------
-# all-gather and reduce-scatter (each other's transpose)
-# --------------------------------------------------------------------------------------
+# --- all-gather and reduce-scatter (each other's transpose)
 
 
 @_scoped("taco_all_gather")
@@ -405,9 +401,7 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
     return _psum_scatter(_vary(x, axis_name), axis_name, codec, bwd, dim, tiled)
 
 
-# --------------------------------------------------------------------------------------
-# ppermute
-# --------------------------------------------------------------------------------------
+# --- ppermute
 
 
 @_scoped("taco_ppermute")

@@ -27,13 +27,9 @@ def varying_axes(x) -> frozenset:
 
 
 def sync_gradients(grads, axis_name: str | None, policy: CommPolicy):
-    """Sum of per-shard gradients over `axis_name` (the data axis), compressed per `policy.dp_grads`.
-
-    Args:
-      grads: pytree of float arrays varying over `axis_name` (scaled by 1 / axis size for a mean).
-      axis_name: the data axis of the enclosing `shard_map`, or None (returns `grads`).
-      policy: `CommPolicy`; `dp_grads` is the codec, `min_bytes` the threshold per bucket.
-    Returns: pytree like `grads`, invariant over `axis_name`.
+    """Sum of per-shard gradients over `axis_name` (the data axis; None: `grads` returned), with
+    codec `policy.dp_grads` and its `min_bytes` per bucket. grads: pytree of float arrays varying
+    over `axis_name`. Returns: pytree like `grads`, invariant over `axis_name`.
     Derivative: `lax.psum`'s per leaf; forward mode is undefined when `dp_grads` compresses.
     """
     if axis_name is None:

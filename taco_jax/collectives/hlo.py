@@ -72,12 +72,8 @@ def _groups(line: str) -> list[tuple[int, ...]] | None:
 
 def mesh_axis_groups(mesh) -> dict[str, set[frozenset[int]]]:
     """For each mesh axis, the groups of logical device ids it spans; and for each set of two or more
-    axes, named "a+b" in mesh order, the groups they span together.
-
-    The replica groups of a compiled SPMD program name logical ids: positions in its device
-    assignment, which for a jit over `mesh` is `mesh.devices` flattened in order. They are not
-    `Device.id`s: those coincide on one host's CPU devices 0..N-1, but not across processes
-    (process 1's CPU devices have other ids) or for a mesh of permuted devices.
+    axes, named "a+b" in mesh order, the groups they span together. Logical ids (what replica groups
+    name) are positions in `mesh.devices` flattened, not `Device.id`s (which differ across processes).
     """
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     out = {}
@@ -120,11 +116,10 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     """Every collective of an HLO module, one record each (a `-start` / `-done` pair once).
 
     Record: "axis" (mesh axis, "+"-joined for multi-axis groups, "?" when the groups match no
-    axis), "op" (HLO op), "dtype" ("+"-joined element types of the result), "result_bytes",
-    "message_bytes" (what one rank contributes: the operand, i.e. the result / P for an
-    all-gather, the result × P for a reduce-scatter), "sent" (bytes sent per device, module
-    docstring), "ranks" (P), "site" (`site_scope` in its op_name, "" if none), "op_name".
-    Group-less or single-rank collectives (P <= 1) move nothing and are left out.
+    axis), "op" (HLO op), "dtype" ("+"-joined result element types), "result_bytes",
+    "message_bytes" (one rank's operand), "sent" (bytes sent per device, module docstring), "ranks"
+    (P), "site" (`site_scope` in its op_name, "" if none), "op_name". Collectives with P <= 1 are
+    left out.
     """
     axis_groups = mesh_axis_groups(mesh)
     done_type = _done_types(hlo_text)
@@ -279,11 +274,8 @@ def codec_calls(hlo_text: str) -> list[dict]:
 
 
 def collective_bytes(hlo_text: str, mesh) -> dict:
-    """Bytes sent per device per execution, by mesh axis, op and dtype (from `collectives`).
-
-    Returns: {"by_axis": {axis: bytes}, "detail": [{"axis", "op", "dtype", "count", "bytes"}]}.
-    Axis is "+".join of axes for multi-axis groups, "?" if the groups match no mesh axis.
-    """
+    """Bytes sent per device per execution, by mesh axis (as `collectives`), op and dtype:
+    {"by_axis": {axis: bytes}, "detail": [{"axis", "op", "dtype", "count", "bytes"}]}."""
     detail = collections.defaultdict(lambda: [0, 0.0])
     for c in collectives(hlo_text, mesh):
         key = (c["axis"], c["op"], c["dtype"])

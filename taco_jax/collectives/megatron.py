@@ -103,34 +103,20 @@ _scatter_to_sp.defvjp(
 
 
 def copy_to_tp(x: jax.Array, axis_name: str, policy: CommPolicy) -> jax.Array:
-    """Megatron "f": identity forward (replicated -> varying), all-reduce of the gradient backward.
-
-    Args:
-      x: activation [..., D], invariant over `axis_name` (a ColumnParallel layer's input).
-      axis_name: the tensor axis of the enclosing `shard_map(check_vma=True)` (static).
-      policy: `CommPolicy` (static); the backward uses site "ar_bwd".
-    Returns: x unchanged, typed varying over `axis_name`.
-    """
+    """Megatron "f" (module table): x [..., D], invariant over `axis_name` (a ColumnParallel layer's
+    input) -> x unchanged, typed varying over `axis_name`."""
     return _copy_to_tp(x, axis_name, policy)
 
 
 def reduce_from_tp(x: jax.Array, axis_name: str, policy: CommPolicy) -> jax.Array:
-    """Megatron "g": all-reduce forward (partial sums -> replicated), identity backward.
-
-    Args: x: partial sums [..., D] varying over `axis_name` (a RowParallel layer's output);
-      axis_name, policy: as `copy_to_tp`; the forward uses site "ar_fwd".
-    Returns: the sum over the axis, x's shape and dtype, invariant over `axis_name`.
-    """
+    """Megatron "g" (module table): partial sums x [..., D] varying over `axis_name` (a RowParallel
+    layer's output) -> their sum, x's shape and dtype, invariant over `axis_name`."""
     return _reduce_from_tp(x, axis_name, policy)
 
 
 def gather_from_sp(x: jax.Array, axis_name: str, policy: CommPolicy, dim: int) -> jax.Array:
-    """Sequence parallelism: all-gather the sequence shards along `dim` (reduce-scatter backward).
-
-    Args: x: this rank's sequence shard, e.g. [B, T/tp, D] with `dim`=1; axis_name, policy: as
-      `copy_to_tp` (sites "all_gather", backward "reduce_scatter"); dim: the sequence dimension.
-    Returns: the whole sequence, x.shape[dim] multiplied by the axis size.
-    """
+    """Sequence parallelism (module table): this rank's sequence shard x, e.g. [B, T/tp, D] with the
+    sequence dimension `dim`=1 -> the whole sequence, x.shape[dim] multiplied by the axis size."""
     return _gather_from_sp(x, axis_name, policy, dim)
 
 
@@ -148,20 +134,14 @@ def site_collective(x: jax.Array, site: str, axis_name: str, policy: CommPolicy,
 
 
 def scatter_to_sp(x: jax.Array, axis_name: str, policy: CommPolicy, dim: int) -> jax.Array:
-    """Sequence parallelism: reduce-scatter partial sums along `dim` (all-gather backward).
-
-    Args: x: partial sums over the whole sequence, e.g. [B, T, D] with `dim`=1; axis_name, policy:
-      as `copy_to_tp` (sites "reduce_scatter", backward "all_gather"); dim: the sequence dimension.
-    Returns: this rank's shard of the sum, x.shape[dim] divided by the axis size.
-    Raises: ValueError if x.shape[dim] does not divide by the axis size.
-    """
+    """Sequence parallelism (module table): partial sums x over the whole sequence, e.g. [B, T, D]
+    with `dim`=1 -> this rank's shard of the sum, x.shape[dim] divided by the axis size.
+    Raises: ValueError if x.shape[dim] does not divide by the axis size."""
     return _scatter_to_sp(x, axis_name, policy, dim)
 
 
-# --------------------------------------------------------------------------------------
-# Collective matmul: the sequence-parallel all-gather / reduce-scatter as P - 1 ppermute steps
+# --- Collective matmul: the sequence-parallel all-gather / reduce-scatter as P - 1 ppermute steps
 # interleaved with the partial matmuls (`--tp-overlap collective-matmul`)
-# --------------------------------------------------------------------------------------
 
 
 def _ring(axis_name, step: int) -> tuple[int, jax.Array, tuple[tuple[int, int], ...]]:
@@ -188,9 +168,8 @@ def all_gather_matmul(x: jax.Array, fn, axis_name: str, policy: CommPolicy, dim:
     """`fn(gather_from_sp(x))` with the all-gather split into P - 1 ring steps that overlap `fn`.
 
     The collective matmul of jax's shard_map docs ("Matrix multiplies"): step i (1 <= i < P)
-    receives the left neighbour's previous block (`compressed.ppermute`, s -> s + 1) while `fn`
-    runs on the last one. Codecs: "all_gather" for the local block, its transpose "reduce_scatter"
-    for the gathered size (as `gather_from_sp`); codec "none" gives `lax.ppermute`.
+    receives the left neighbour's previous block (`compressed.ppermute`) while `fn` runs on the last
+    one. Sites as `gather_from_sp`.
 
     Args:
       x: this rank's sequence block, e.g. [B, T/P, D] with `dim` = 1, varying over `axis_name`.
@@ -218,11 +197,9 @@ def all_gather_matmul(x: jax.Array, fn, axis_name: str, policy: CommPolicy, dim:
 def matmul_reduce_scatter(x: jax.Array, fn, axis_name: str, policy: CommPolicy, dim: int) -> jax.Array:
     """`scatter_to_sp(fn(x))` with the reduce-scatter split into P - 1 ring steps that overlap `fn`.
 
-    The collective matmul of jax's shard_map docs ("psum_scatter the result"): rank r starts with
-    `fn` of block r + 1, and at step i receives the running sum from its right neighbour
-    (`compressed.ppermute`, s -> s - 1) and adds `fn` of block r + i + 1. The running sum travels in
-    x's dtype (FP32 add, rounded at each hop) in ring order, not rank order. Codecs:
-    "reduce_scatter" for the whole message, its transpose "all_gather" for one block.
+    The collective matmul of jax's shard_map docs ("psum_scatter the result"): at step i rank r
+    receives the running sum from its right neighbour and adds `fn` of block r + i + 1. The sum
+    travels in x's dtype (FP32 add, rounded at each hop) in ring order. Sites as `scatter_to_sp`.
 
     Args: x: the input over the whole sequence, e.g. [B, T, F/P] with `dim` = 1; fn: as
       `all_gather_matmul`; axis_name: the tensor axis (static, size P); policy; dim.

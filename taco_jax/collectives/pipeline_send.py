@@ -14,15 +14,9 @@ from taco_jax.collectives.policy import CommPolicy
 
 def send(x: jax.Array, axis_name: str, policy: CommPolicy, shift: int = 1, *,
          bwd_codec: CodecConfig | None = None) -> jax.Array:
-    """Stage s -> s + shift (`ppermute`, no wrap-around: the first receiver gets zeros).
-
-    Args:
-      x: this stage's activation or gradient, any shape and float dtype.
-      axis_name: the stage axis of the enclosing `shard_map`.
-      policy: `CommPolicy` (codec `policy.codec_for("pp_send", x)`).
-      shift: +1 sends to the next stage, -1 to the previous one.
-      bwd_codec: codec of the gradient's way back (default: the forward codec).
-    Returns: x's shape and dtype; stage s holds stage s - shift's x (zeros where none is sent).
+    """Stage s -> s + shift (+1: next stage, -1: previous) over the stage axis `axis_name`, no
+    wrap-around. x: any shape and float dtype. Returns: x's shape and dtype, stage s holding stage
+    s - shift's x (zeros where none is sent). bwd_codec: the gradient's (default: the forward codec).
     """
     n = lax.axis_size(axis_name)
     perm = [(i, i + shift) for i in range(n) if 0 <= i + shift < n]

@@ -40,10 +40,8 @@ class CommPolicy:
       min_bytes: messages below this many uncompressed bytes use the exact collective; "auto"
         until resolved before tracing (`taco_jax.perf.resolve_min_bytes`).
       reduce_domain, chunks: `compressed.psum`'s, for the two-shot all-reduce.
-
-    Raises:
-      ValueError: for an unknown algorithm or reduce_domain, chunks neither "auto" nor an integer
-        >= 1, or a negative threshold.
+    Raises: ValueError for an unknown algorithm or reduce_domain, chunks neither "auto" nor an
+      integer >= 1, or a negative threshold.
     """
 
     ar_fwd: CodecConfig = NONE
@@ -75,11 +73,8 @@ class CommPolicy:
                 raise ValueError(f"{site}={getattr(self, site)!r} must be a CodecConfig")
 
     def codec_for(self, site: str, x) -> CodecConfig:
-        """The codec for a message `x` at `site`, or the exact codec (kind "none", with the site
-        codec's `transport`) if `x` is below `min_bytes`.
-
-        A codec with `nonfinite="error"` comes back with `site` set, so its error names the site.
-        """
+        """The codec for a message `x` at `site` (with `site` set, for `nonfinite="error"`), or the exact
+        codec (kind "none", the site codec's `transport`) if `x` is below `min_bytes`."""
         if site not in SITES:
             raise ValueError(f"site={site!r} is not one of {SITES}")
         if self.min_bytes == "auto":
@@ -95,11 +90,9 @@ class CommPolicy:
 
     def resolve_backends(self, platform: str | None = None, *, n_devices: int = 1,
                          transport: str = "auto") -> CommPolicy:
-        """A copy whose codecs are concrete (`taco_jax.codec.dispatch.resolve_codec` on `platform`,
-        default jax's); run once before tracing, after `jax.distributed` is initialized (it decides
-        an "auto" transport unless `transport` is concrete).
-
-        Raises: ValueError naming the site whose backend, wire codec or transport cannot run here.
+        """A copy whose codecs are concrete (`codec.dispatch.resolve_codec` on `platform`, default
+        jax's); run once before tracing, after `jax.distributed` is initialized (it decides an "auto"
+        transport). Raises: ValueError naming the site whose backend, wire or transport cannot run here.
         """
         new = {}
         for site in SITES:
@@ -112,9 +105,7 @@ class CommPolicy:
 
     def with_sites(self, sites: dict) -> CommPolicy:
         """A copy with the codecs of `sites` ({site: CodecConfig or dict of codec fields}) replaced.
-
-        Raises: ValueError naming an unknown site or a bad codec entry.
-        """
+        Raises: ValueError naming an unknown site or a bad codec entry."""
         new = {}
         for site, codec in sites.items():
             if site not in SITES:
@@ -135,7 +126,6 @@ class CommPolicy:
     def from_dict(cls, d: dict, *, base: CommPolicy | None = None, where: str = "policy") -> CommPolicy:
         """Policy from a dict shaped like `to_dict` (only "sites" required; unknown top-level keys
         are metadata). Absent sites and settings keep `base`'s (default: exact). Format: docs/training.md.
-
         Raises: ValueError naming the file (`where`) and the unknown site or bad codec field.
         """
         base = base or cls()
@@ -166,9 +156,7 @@ class CommPolicy:
 
     def to_json(self, path, **metadata) -> pathlib.Path:
         """Writes `to_dict()` (plus `metadata` keys) to `path` as strict JSON.
-
-        Raises: ValueError for a non-finite float in `metadata` (not JSON; RFC 8259).
-        """
+        Raises: ValueError for a non-finite float in `metadata`."""
         path = pathlib.Path(path)
         path.write_text(json.dumps({**self.to_dict(), **metadata}, indent=2, allow_nan=False) + "\n")
         return path

@@ -92,9 +92,7 @@ def _per_platform(call, *args, vma: frozenset):
     )
 
 
-# --------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------
+# --- Kernels
 
 
 def _wht(x):
@@ -162,9 +160,7 @@ def _decode_sum_kernel(codes_ref, s_ref, *rest, g, has_a, p):
     _store_out(out_ref, acc, clip=False)  # the sum rounded once, as the exact sum: ±Inf where it overflows
 
 
-# --------------------------------------------------------------------------------------
-# Public ops
-# --------------------------------------------------------------------------------------
+# --- Public ops
 
 
 def _pad_rows(x, block, axis=0):
