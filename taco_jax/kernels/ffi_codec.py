@@ -3,7 +3,8 @@
 The libraries in `taco_jax/kernels/_lib/` (`make -C custom_calls`, `... cuda`) are loaded on first
 use and registered under the same target names per platform. Leading axes are flattened (also
 under `vmap`: `vmap_method="broadcast_all"`). `NATIVE_DTYPES` are read and written as they are,
-bit-identical to converting through float32; other floating dtypes are cast to float32.
+bit-identical to converting through float32; other floating dtypes are cast to float32. Each
+handler call raises RuntimeError when the platform's library is not built (`_ensure_loaded`).
 """
 
 from __future__ import annotations
@@ -299,9 +300,8 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
     """Encodes messages straight into packed wire rows (C++ `taco_encode_packed`, CPU).
 
     Args:
-      x: float [..., m], m >= 1, one message per row (zero-padded as `codec.dispatch.encode` pads).
-        With `interleaved`: [..., outer, P, inner], inner % G == 0, message r = x[..., :, r, :] read
-        in place as if x were `swapaxes(x, -3, -2).reshape(..., P, m)`.
+      x: float [..., m], m >= 1, one message per row. With `interleaved`: [..., outer, P, inner],
+        inner % G == 0, read in place as if x were `swapaxes(x, -3, -2).reshape(..., P, m)`.
       cfg: codec of kind "taco" ("folded" rows hold s / a computed in float32).
       split: x is [..., P, m] and each message along axis -2 gets its own result buffer (no
         slicing copies before an all-to-all).
@@ -309,7 +309,7 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
       `codec.wire.pack_rows(encode(x, cfg, batch_dims=x.ndim - 1), x.ndim - 1)`; with split, a
       tuple of P such arrays (interleaved without split: [..., P, row_bytes]).
     Raises: ValueError for a non-floating x, another codec kind, m == 0, split with x of rank < 2, or
-      interleaved with x of rank < 3 or x.shape[-1] not a multiple of G; RuntimeError if the library is not built.
+      interleaved with x of rank < 3 or x.shape[-1] not a multiple of G.
     """
     _ensure_loaded()
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -377,8 +377,7 @@ def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | No
         overflow groups (scale < 0) decode as `codec.dispatch.decode(..., overflow=True)`.
     Returns: dtype [..., m]; with `outer`, dtype [..., outer, P, m // outer].
     Raises: ValueError for rows of the wrong dtype or width, an `outer` that is not an integer
-      >= 1 with m % (outer * G) == 0 (or rows of rank < 2 with it), or another output dtype;
-      RuntimeError if the library is not built.
+      >= 1 with m % (outer * G) == 0 (or rows of rank < 2 with it), or another output dtype.
     """
     _ensure_loaded()
     out_dtype = _out_dtype(dtype)
@@ -404,13 +403,11 @@ def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, 
     """Decodes P packed rows and sums them in float32 in rank order (acc = d_0; acc = acc + d_1; ...)
     in one pass (C++ `taco_decode_sum_packed`, CPU): `codec.wire.sum_fp32(decode(...), dtype)` fused.
 
-    Args:
-      rows: uint8 [..., P, row_bytes], or a sequence of P [..., row_bytes] arrays (rank order).
-      cfg: the codec; m: elements per message.
-      dtype: float32 (None), bfloat16 or float16: the sum rounded once, not clipped.
+    Args: rows: uint8 [..., P, row_bytes], or a sequence of P [..., row_bytes] arrays (rank order);
+      cfg; m: elements per message; dtype: float32 (None), bfloat16 or float16 (the sum rounded
+      once, not clipped).
     Returns: dtype [..., m].
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or another
-      output dtype; RuntimeError if the library is not built.
+    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or another dtype.
     """
     _ensure_loaded()
     out_dtype = _out_dtype(dtype)
@@ -430,8 +427,7 @@ def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtyp
 
     Args: rows: as `decode_sum_packed`; cfg; m: elements per message; dtype: the message dtype.
     Returns: uint8 [..., packed_row_bytes(m, cfg)].
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or a dtype
-      other than float32, bfloat16, float16; RuntimeError if the library is not built.
+    Raises: ValueError as `decode_sum_packed`.
     """
     _ensure_loaded()
     round_to = _DTYPE_CODES[_out_dtype(dtype)]
@@ -444,13 +440,10 @@ def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtyp
 
 
 def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
-    """Transform-domain reduction (`reduce_groups`, C++ `taco_reduce` kernel) of P packed rows
-    (C++ `taco_reduce_hadamard_packed`, CPU).
-
-    Args: rows: as `decode_sum_packed`; cfg; m: elements per message.
+    """Transform-domain reduction (`reduce_groups`) of P packed rows (C++
+    `taco_reduce_hadamard_packed`, CPU). rows: as `decode_sum_packed`; m: elements per message.
     Returns: uint8 [..., packed_row_bytes(m, cfg, has_a=False)]: the sum, folded layout.
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes; RuntimeError
-      if the library is not built.
+    Raises: ValueError as `decode_sum_packed`.
     """
     _ensure_loaded()
     attrs = _packed_attrs(m, cfg)

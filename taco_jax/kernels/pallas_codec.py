@@ -39,13 +39,10 @@ _GPU_LOWERINGS = ("triton", "mosaic_gpu")
 
 @contextlib.contextmanager
 def lowering_platform(platform: str, gpu_lowering: str = "triton"):
-    """Traces the kernels for `platform` ("cpu": interpreter, "cuda": `gpu_lowering`) instead of
-    choosing per lowering platform; `gpu_lowering` is Pallas' "triton" (the default) or "mosaic_gpu".
-
-    For `jax.export(..., platforms=[platform])` from another host. The kernels' jit caches are
-    cleared on entry and exit; jit'd callers traced inside must not run here. Backends resolve for
-    `platform` inside too.
-
+    """Traces the kernels (and resolves backends) for `platform` ("cpu": interpreter, "cuda":
+    `gpu_lowering`, Pallas' "triton" or "mosaic_gpu") instead of per lowering platform, for
+    `jax.export(..., platforms=[platform])` from another host. The kernels' jit caches are cleared
+    on entry and exit; jit'd callers traced inside must not run here.
     Raises: ValueError for a platform other than "cpu", "cuda", "rocm", or an unknown gpu_lowering.
     """
     if platform not in ("cpu", "cuda", "rocm"):
@@ -189,14 +186,9 @@ def _check_dtype(dtype, what: str):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "last_count", "block"))
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: int | None = None):
-    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`, reading `xg` in its own
-    dtype (no convert before the kernel).
-
-    Args:
-      xg: float32, bfloat16 or float16 [..., n_groups, G]; cfg: codec config; last_count: real size
-        of the last group.
-      block: groups per program (a power of 2; default ELEMENTS // G).
-    Raises: ValueError for another dtype or a block that is not a power of 2.
+    """Fused encode, the contract of `taco_jax.codec.reference.encode_groups`, reading `xg` (float32,
+    bfloat16 or float16) in its own dtype. block: groups per program (a power of 2; default
+    ELEMENTS // G). Raises: ValueError for another dtype or a block that is not a power of 2.
     """
     *lead, n_groups, g = xg.shape
     _check_dtype(xg.dtype, "encode input")
@@ -296,11 +288,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block:
 @functools.partial(jax.jit, static_argnames=("block", "dtype"))
 def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block: int | None = None,
                       dtype=jnp.float32) -> jax.Array:
-    """P ranks' groups decoded and summed in float32 in rank order, written once in `dtype`.
-
-    Args: codes FP8 [P, ..., n_groups, G]; s, a float32 [P, ..., n_groups] (a=None: folded);
-      dtype: float32, bfloat16 or float16, rounded once, not clipped (overflow is ±Inf).
-    Returns: dtype [..., n_groups, G].
+    """The group backend's `decode_sum_groups` (contract in `taco_jax.codec.backends`).
     Raises: ValueError for another dtype or a block that is not a power of 2."""
     p, *lead, n_groups, g = codes.shape
     _check_dtype(dtype, "decode output")

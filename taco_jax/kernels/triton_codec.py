@@ -124,10 +124,9 @@ def _lowering_capability(ctx) -> int | None:
 
 @functools.cache
 def _jax_triton():
-    """`jax_triton`, imported on first use, with its CUDA lowering wrapped once so that a call that
-    names no compute capability is compiled for the devices it is lowered for (`_lowering_capability`)
-    rather than for device 0 of this process, which a machine without a GPU does not have. A call that
-    names one, or a lowering whose devices carry none, goes to jax-triton's own rule unchanged."""
+    """`jax_triton`, imported on first use, its CUDA lowering wrapped once so that a call naming no
+    compute capability compiles for the devices lowered for (`_lowering_capability`), not for this
+    process's device 0 (absent without a GPU); otherwise jax-triton's own rule."""
     import jax_triton as jt  # noqa: PLC0415
 
     lib = getattr(jt, "triton_lib", None)
@@ -168,9 +167,7 @@ def _check_dtype(dtype, what: str):
 @functools.partial(jax.jit, static_argnames=("cfg", "last_count"))
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
     """Fused encode, the contract of `taco_jax.codec.reference.encode_groups`, reading `xg` in its own
-    dtype (float32, bfloat16 or float16: `NATIVE_DTYPES`; no convert before the kernel).
-
-    Raises: ValueError for another dtype."""
+    dtype (`NATIVE_DTYPES`). Raises: ValueError for another dtype."""
     *lead, n_groups, g = xg.shape
     _check_dtype(xg.dtype, "encode input")
     encode_kernel = _kernels()[0]
@@ -191,7 +188,6 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dtype=
     """Fused decode, the contract of `taco_jax.codec.reference.decode_groups`, written straight in
     `dtype` (float32, bfloat16 or float16; finite values clipped to its range first, as
     `taco_jax.codec.dispatch.clip_to_dtype`). Returns dtype [..., n_groups, G].
-
     Raises: ValueError for another dtype."""
     *lead, n_groups, g = codes.shape
     _check_dtype(dtype, "decode output")
@@ -208,13 +204,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dtype=
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dtype=jnp.float32) -> jax.Array:
-    """P ranks' groups decoded and summed in f32 in rank order, written once in `dtype`.
-
-    Args:
-      codes: FP8 [P, ..., n_groups, G]; s, a: float32 [P, ..., n_groups] (a=None: folded layout).
-      dtype: output dtype (float32, bfloat16 or float16): the float32 sum rounded to it once, not
-        clipped (as `codec.dispatch.decode_sum`).
-    Returns: dtype [..., n_groups, G], the sum of each rank's groups decoded in float32.
+    """The group backend's `decode_sum_groups` (contract in `taco_jax.codec.backends`).
     Raises: ValueError for another dtype."""
     p, *lead, n_groups, g = codes.shape
     _check_dtype(dtype, "decode output")
