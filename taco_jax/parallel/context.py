@@ -36,12 +36,9 @@ class ParallelContext:
       sequence_parallel: Megatron sequence parallelism (Korthikanti et al. 2022): activations
         outside the TP blocks are sharded over T (axis 1 of [B, T, D]); f/g become all-gather /
         reduce-scatter.
-      tap: None, or a hashable observer with `enter(ctx, x)` / `exit(ctx, x)` returning
-        `ctx.enter(x)` / `ctx.exit(x)` for the untapped `ctx` (`train/capture.py`).
-      tp_overlap: "none" or "collective-matmul" (needs `sequence_parallel`): `enter` returns a
-        `PendingGather` and the matmuls run the collectives as rings (`all_gather_matmul`,
-        `matmul_reduce_scatter`). A tapped context does not overlap.
-
+      tap: None, or a hashable observer with `enter(ctx, x)` / `exit(ctx, x)` (`train/capture.py`).
+      tp_overlap: "none" or "collective-matmul" (needs `sequence_parallel`; not with a tap): `enter`
+        returns a `PendingGather` and the matmuls run the collectives as rings.
     Raises: ValueError for a `tp_overlap` not in `TP_OVERLAP`, or "collective-matmul" without
       `sequence_parallel`.
     """

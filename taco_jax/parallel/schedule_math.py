@@ -35,12 +35,9 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 def schedule_stats(schedule: str, stages: int, microbatches: int) -> dict:
-    """What one train step of `schedule` costs on this SPMD implementation, in stage-steps.
-
-    Returns: ticks, stage forwards / backwards executed (masked included), useful (M), the SPMD
-    bubble (1 - useful / executed work, a backward = two forwards), the analytic bubble, and the
-    stage inputs kept for the backward.
-    """
+    """What one train step of `schedule` costs on this SPMD implementation, in stage-steps: ticks,
+    stage forwards / backwards executed (masked included), useful (M), the SPMD bubble (1 - useful /
+    executed work, a backward = two forwards), the analytic bubble, the stage inputs kept."""
     s, m = stages, microbatches
     if schedule == "gpipe":
         ticks, fwd, bwd, kept = m + s - 1, m + s - 1, m + s - 1, m + s - 1

@@ -61,12 +61,9 @@ def _tie(params, grads, never):
 
 def gpipe_loss(sm: StagedModel, params: dict, ids, targets, *, microbatches: int, stage_axis: str | None,
                policy: CommPolicy) -> jax.Array:
-    """Mean cross-entropy over this data shard's M microbatches, run as a GPipe forward.
-
-    Differentiable (its gradient is GPipe's backward). params: pipeline layout, local shards,
-    varying over `stage_axis`. ids, targets: int32 [B_local, T]. Returns a scalar, invariant
-    over the stage and tensor axes.
-    """
+    """Mean cross-entropy over this data shard's M microbatches as a GPipe forward (its gradient is
+    GPipe's backward). params: pipeline layout, local shards, varying over `stage_axis`; ids, targets:
+    int32 [B_local, T]. Returns a scalar, invariant over the stage and tensor axes."""
     n_stages, stage = _stage_info(stage_axis)
     outer = sm.outer(params)
     ids, targets = _microbatches(ids, microbatches), _microbatches(targets, microbatches)
@@ -89,11 +86,8 @@ def gpipe_loss(sm: StagedModel, params: dict, ids, targets, *, microbatches: int
 
 def one_f_one_b(sm: StagedModel, params: dict, ids, targets, *, microbatches: int, stage_axis: str | None,
                 policy: CommPolicy, loss_scale: float = 1.0):
-    """1F1B: (mean loss, gradient of loss_scale · mean loss) with interleaved forward/backward ticks.
-
-    Same inputs as `gpipe_loss`. The gradients w.r.t. every parameter are per stage (varying over
-    `stage_axis`); the caller sums the stage-replicated ones over stages (`value_and_grad`).
-    """
+    """1F1B: (mean loss, gradient of loss_scale · mean loss), inputs as `gpipe_loss`. Gradients are per
+    stage; the caller sums the stage-replicated ones over stages (`value_and_grad`)."""
     n_stages, stage = _stage_info(stage_axis)
     mb = microbatches
     ids, targets = _microbatches(ids, mb), _microbatches(targets, mb)
@@ -169,8 +163,7 @@ def value_and_grad(sm: StagedModel, params: dict, ids, targets, *, schedule: str
 
     params: pipeline layout, local shards. Gradients of the stage-replicated (non-layer)
     parameters are summed over `stage_axis` here (exact FP32 all-reduce); the layer stack's stay
-    per stage. Varying axes of the gradients are those of `params` plus any the inputs add
-    (e.g. the data axis if `params` were made varying over it).
+    per stage. The gradients vary over `params`' axes plus any the inputs add.
     """
     outer_keys = [k for k in params if k != sm.layer_key]
     if stage_axis is not None:  # per-stage gradients of stage-replicated params, summed below
