@@ -14,8 +14,9 @@ in the exact collective; a two-shot group holding ±Inf travels as an overflow g
 (`codec.dispatch.overflow_groups`). Every decode clips to the dtype's range (float16: ±65504).
 Wire format: one uint8 row per message, made and read by the codec's wire codec
 (`taco_jax.codec.wire_for`, contract in `taco_jax.codec.backends`).
-Kind "none" (forward and backward) is the `lax` collective bit for bit, derivatives included. An
-axis of size 1 returns the input; a zero-size message returns the empty result without communication.
+Every function runs inside `shard_map` over a manual mesh axis `axis_name` (size P). Kind "none"
+(forward and backward) is the `lax` collective bit for bit, derivatives included. An axis of size 1
+returns the input; a zero-size message returns the empty result without communication.
 
 Derivatives: each collective's is its exact counterpart's transpose under `shard_map(check_vma=True)`
 (each function's "Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire; the
@@ -254,9 +255,7 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
     """All-reduce (sum) of `x` over `axis_name`; result replicated (invariant) over the axis.
 
     Args:
-      x: float array of any shape (zero-size included), normally partial sums varying over the axis.
-      axis_name: a manual mesh axis of the enclosing `shard_map`.
-      codec: message codec; kind "none" gives exactly `lax.psum`.
+      x: float array of any shape, normally partial sums varying over the axis.
       algorithm: "two_shot" or "one_shot" (module docstring).
       reduce_domain: two-shot with kind "taco" only: "signal" (decode, FP32 sum, re-encode) or
         "hadamard" (`taco_jax.codec.reference.reduce_groups`; docs/results.md compares them).
@@ -348,12 +347,8 @@ def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 
     """`lax.all_gather` with each rank's block sent through `codec` (result varying over the axis).
 
     Args:
-      x: array [*shape] (zero-size allowed).
-      axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
-      codec: forward codec; kind "none" with an exact backward gives exactly `lax.all_gather`.
       axis: where the ranks' blocks go (negative counts from the end of the result's rank).
       tiled: False: a new axis of size P at `axis`; True: the blocks concatenated along `axis`.
-      bwd_codec: codec of the backward reduce-scatter of the cotangent (default: `codec`).
     Returns: x's dtype; shape x.shape with P inserted at `axis` (tiled=False) or x.shape[axis]
       multiplied by P (tiled=True).
     Derivative: `lax.all_gather`'s (`psum_scatter` of the cotangent along `axis`).
@@ -373,15 +368,11 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
     """Reduce-scatter: `lax.psum_scatter` with the codec on the all-to-all and FP32 sums.
 
     Args:
-      x: float array, partial sums varying over `axis_name` (zero-size allowed).
-      axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
-      codec: forward codec; kind "none" with an exact backward gives exactly `lax.psum_scatter`.
+      x: float array, partial sums varying over `axis_name`.
       scatter_dimension: the dimension split into P blocks (rank r keeps block r of the sum).
       tiled: True: the dimension shrinks P-fold; False: x.shape[scatter_dimension] must be P and
         the dimension is removed.
-      bwd_codec: codec of the backward all-gather of the cotangent (default: `codec`).
     Returns: x's dtype; x's shape with `scatter_dimension` divided by P (tiled) or removed.
-    Message layout: the module docstring's (block r of x along the dimension goes to rank r).
     Derivative: `lax.psum_scatter`'s (`all_gather` of the cotangent along `scatter_dimension`).
     Raises: ValueError if x.shape[scatter_dimension] is not divisible by P (tiled) or not P
       (tiled=False), for a dimension out of range, or a `bwd_codec` that is not a CodecConfig.
@@ -432,11 +423,7 @@ def ppermute(x: jax.Array, axis_name: str, perm, *, codec: CodecConfig,
              bwd_codec: CodecConfig | None = None) -> jax.Array:
     """`lax.ppermute` of the encoded message (pipeline send/recv).
 
-    Args:
-      x: array (zero-size allowed). axis_name: a manual mesh axis of the enclosing `shard_map`.
-      perm: (source, destination) pairs, as `lax.ppermute`; a rank nobody sends to gets zeros.
-      codec: forward codec; kind "none" with an exact backward gives exactly `lax.ppermute`.
-      bwd_codec: codec of the backward ppermute of the cotangent (default: `codec`).
+    perm: (source, destination) pairs, as `lax.ppermute`; a rank nobody sends to gets zeros.
     Returns: x's shape and dtype.
     Derivative: `lax.ppermute`'s (the inverse permutation).
     Raises: ValueError for a `bwd_codec` that is not a CodecConfig (bad `perm`: `lax`'s error).

@@ -47,7 +47,7 @@ class RowParallel(nnx.Module):
     """y = g(x @ W) + b with W [*in_shape, out] sharded over an input axis; g = `ctx.exit`.
 
     x [..., *in_shape_local] (varying) -> y [..., out] (replicated, or sequence-sharded with
-    sequence parallelism). The bias is added once, after the all-reduce (`ParallelContext.exit_matmul`).
+    sequence parallelism; overlapped: `ParallelContext.exit_matmul`). The bias is added after the g.
     """
 
     def __init__(self, in_shape: tuple[int, ...], out_features: int, axes: tuple[str | None, ...], *,
