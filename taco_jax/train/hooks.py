@@ -252,9 +252,7 @@ class Progress(Hook):
 
 class Preemption(Hook):
     """SIGTERM (preemption) -> `state.preempted` at a step boundary (the checkpoint hook saves, the
-    loop stops). One process: a Python SIGTERM handler sets a flag. Several: JAX's preemption sync
-    manager (its SIGTERM notifier, started by `jax.distributed.initialize`) makes the step the same
-    on every process, so all of them save the same checkpoint."""
+    loop stops). Several processes: JAX's preemption sync manager makes the step the same on all."""
 
     def __init__(self):
         self.multi, self.flag, self.old = jax.process_count() > 1, False, None

@@ -34,12 +34,10 @@ from taco_jax.util.console import say
 
 @dataclasses.dataclass
 class Trainer:
-    """Everything a run needs: mesh, parameter specs, optimizer, and the two jitted steps.
-
-    `train_step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)`;
-    `eval_step(params, inputs, targets) -> mean loss`. inputs/targets: int32 [B, T] global.
-    With pipelining (`staged` set) the parameters are in pipeline layout (decoder layers stacked,
-    `StagedModel.stack_layers`); `staged.unstack_layers` gives the model's own layout back.
+    """Everything a run needs: mesh, parameter specs, optimizer, and the two jitted steps
+    `train_step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)` and
+    `eval_step(params, inputs, targets) -> mean loss`; inputs/targets: int32 [B, T] global. With
+    `staged` set the parameters are in pipeline layout (`staged.unstack_layers` undoes it).
     """
 
     cfg: TrainConfig
@@ -142,10 +140,8 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
-    """AdamW (β1, β2 = `cfg.training.adam_b1`, `adam_b2`; default 0.9, 0.95) with linear warmup + cosine decay
-    (`lr_schedule`) and global-norm clipping (nanoGPT recipe).
-
-    decay_mask: pytree of bools, or a function params -> pytree of bools; default: by role
+    """AdamW (β1, β2 = `cfg.training.adam_b1`, `adam_b2`) with `lr_schedule` and global-norm clipping
+    (nanoGPT recipe). decay_mask: pytree of bools, or params -> pytree of bools; default: by role
     (`taco_jax.models.decays`: kernels and embeddings decayed, biases and norm scales never).
     """
     if decay_mask is None:
@@ -164,12 +160,9 @@ def role_decay_mask(params):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Steps:
-    """The sharded loss and gradient of a model on a mesh (what `make_trainer` jits).
-
-    `value_and_grad(params, inputs, targets) -> (mean loss, gradients)` and
-    `loss(params, inputs, targets) -> mean loss`: `shard_map`ped over the whole mesh, global
-    arrays in and out, gradients synchronised over the data axis. `specs`: PartitionSpecs of the
-    parameters (pipeline layout when `staged` is set).
+    """The sharded `value_and_grad(params, inputs, targets) -> (mean loss, gradients)` and
+    `loss(params, inputs, targets) -> mean loss` of a model (what `make_trainer` jits): global arrays
+    in and out. `specs`: PartitionSpecs of the parameters (pipeline layout when `staged` is set).
     """
 
     value_and_grad: callable
