@@ -132,10 +132,7 @@ class Block(PreNormBlock):
 
 class GPT(CausalLM):
     """GPT-2 language model: the `CausalLM` skeleton with learned positions and a tied LM head.
-
-    `tensor_size` (the tensor axis it will run on) is accepted for the families' common signature;
-    GPT-2's parameters and their sharding do not depend on it.
-    """
+    `tensor_size` is accepted for the families' common signature (GPT-2 does not depend on it)."""
 
     pipeline_layers, token_embed, final_norm = "h", "wte", "ln_f"
 
