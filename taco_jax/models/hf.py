@@ -48,9 +48,7 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F6
 _GPT2_BUFFERS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 
 
-# --------------------------------------------------------------------------------------
-# config.json <-> model config
-# --------------------------------------------------------------------------------------
+# --- config.json <-> model config
 
 
 def read_config(path) -> dict:
@@ -90,11 +88,9 @@ def _rope_theta(hf: dict) -> float:
 
 
 def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GPTConfig | QwenConfig:
-    """Model config of an HF checkpoint (a directory, or its `config.json` as a dict).
-
-    vocab_multiple: pad the vocabulary rows to a multiple of this (see `GPTConfig.vocab_multiple`).
-    Raises ValueError for an unknown architecture or a setting taco_jax does not implement
-    (naming the config key and its value).
+    """Model config of an HF checkpoint (a directory, or its `config.json` as a dict), its vocabulary
+    padded to a multiple of `vocab_multiple`. Raises ValueError naming the config key and value of an
+    unknown architecture or a setting taco_jax does not implement.
     """
     if not isinstance(hf, dict):
         hf = read_config(hf)
@@ -163,9 +159,7 @@ def hf_config(cfg: CausalLMConfig) -> dict:
                 initializer_range=cfg.init_std, attention_dropout=0.0, dtype="float32")
 
 
-# --------------------------------------------------------------------------------------
-# parameter map
-# --------------------------------------------------------------------------------------
+# --- parameter map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,9 +250,7 @@ def param_map(cfg: CausalLMConfig) -> list[Entry]:
     return e
 
 
-# --------------------------------------------------------------------------------------
-# safetensors files
-# --------------------------------------------------------------------------------------
+# --- safetensors files
 
 
 class _Tensors:
@@ -336,9 +328,7 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-# --------------------------------------------------------------------------------------
-# public API
-# --------------------------------------------------------------------------------------
+# --- public API
 
 
 def load_params(path, cfg: CausalLMConfig, *, shardings=None, stacked_key: str | None = None) -> dict:
@@ -450,8 +440,7 @@ EXPORT_RECORD = "taco_jax_export.json"
 
 def read_record(path) -> dict | None:
     """The `EXPORT_RECORD` of export folder `path` (e.g. {"step": 150, "steps": 2000, "preempted": True,
-    "run": "/abs/runs/qc"}); None when it has none or it is not a JSON object (an export of another
-    tool, or one written before the record existed)."""
+    "run": "/abs/runs/qc"}); None when it has none or it is not a JSON object."""
     try:
         record = json.loads((pathlib.Path(path) / EXPORT_RECORD).read_text())
     except (OSError, ValueError):
@@ -480,15 +469,14 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
     `source`'s `TOKENIZER_FILES` when that folder has a `tokenizer.json`, else `tokenizer` (a
     `tokenizers` JSON file) with a `tokenizer_config.json`.
 
-    params: the model's pure dict, numpy or (sharded) jax arrays, gathered one tensor at a time; in a
-      multi-process run every process calls this (a collective) and process 0 writes the same bytes
-      as a one-process export. stacked_key: `params` is in the pipeline layout.
+    params: the model's pure dict, numpy or (sharded) jax arrays, gathered one tensor at a time
+      (multi-process: every process calls this, process 0 writes). stacked_key: pipeline layout.
     base_config: a source `config.json` whose non-architecture keys are kept.
     eos_token_id: the tokenizer's end-of-text id (default: `tokenizer`'s `END_OF_TEXT`), written as
       bos/eos where `base_config` has none, in tokenizer_config.json, and in a generation_config.json
       unless `source` has one.
-    record: JSON-ready facts about the weights, written last as `EXPORT_RECORD` (its presence marks a
-      complete export; an old one is removed first). Files get mode 0666 less the umask.
+    record: JSON-ready facts about the weights, written last as `EXPORT_RECORD` (marking a complete
+      export). Files get mode 0666 less the umask.
     Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
     """
     import jax
