@@ -19,11 +19,10 @@ Every function runs inside `shard_map` over a manual mesh axis `axis_name` (size
 returns the input; a zero-size message returns the empty result without communication.
 
 Derivatives: each collective's is its exact counterpart's transpose under `shard_map(check_vma=True)`
-(each function's "Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire; the
-backward is itself a compressed collective, so grad of grad works. The codecs are custom_vjp
-functions: forward mode raises jax's `TypeError` for a compressing codec and for a narrow float
-moved as its own bytes under transport "gloo". An input not varying over the axis is first made
-varying (`lax.pcast`), as `lax` does.
+(each function's "Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire, itself a
+compressed collective (grad of grad works). Forward mode raises jax's `TypeError` for a compressing
+codec and for a narrow float moved as its own bytes under transport "gloo" (custom_vjp). An input
+not varying over the axis is first made varying, as `lax` does.
 Layout: two-shot chunks along the leading axis when it divides by P, else the flattened message
 zero-padded to a multiple of P. Reduce-scatter along d of x [*pre, P*s, *post]: rank r receives from
 every rank the block x viewed as [outer, P, inner] at [:, r, :] (flattened row-major) and returns

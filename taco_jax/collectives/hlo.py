@@ -192,11 +192,9 @@ def _kind(line: str) -> str | None:
 
 def async_overlap(hlo_text: str, mesh) -> list[dict]:
     """What a scheduled program (XLA:GPU's `compiled.as_text()`) runs between each async collective's
-    `-start` and `-done`, in the same computation. One record per start, with `collectives`' fields
-    ("axis", "op", "dtype", "sent", "site", ...) plus "sync" (XLA's `is_sync`: started and waited for
-    at once), "between" ({kind: count} of the instructions scheduled in between: "matmul", "codec",
-    "compute", "collective"; `_kind`) and "overlapped" (not sync, and matmul, codec or other compute
-    scheduled in between). Collectives that are not async (XLA:CPU's) are left out."""
+    `-start` and `-done`: one record per start with `collectives`' fields plus "sync" (XLA's
+    `is_sync`), "between" ({`_kind`: count} of the instructions in between) and "overlapped" (not
+    sync, and compute scheduled in between). Collectives that are not async (XLA:CPU's) are left out."""
     starts = {c["name"]: c for c in collectives(hlo_text, mesh) if "-start" in c["name"]}
     out = []
     for comp in _computations(hlo_text):
@@ -247,12 +245,10 @@ def _computations(hlo_text: str) -> list[list[str]]:
 
 
 def codec_calls(hlo_text: str) -> list[dict]:
-    """The codec work of an HLO module: each custom-call whose target names a TACO kernel
-    ("taco_..."), and each other top-level instruction (a fusion, say) inside a `taco_encode` /
-    `taco_decode` / `taco_reduce` scope (backends without kernels). Record: "kind" (encode,
-    decode, reduce), "target" (the custom-call target, or the HLO op), "site" (as `collectives`).
-    Instructions inside fused computations and reducer regions are not counted (their fusion or
-    reduction is)."""
+    """The codec work of an HLO module: each "taco_..." custom-call, and each other top-level
+    instruction inside a `taco_encode` / `taco_decode` / `taco_reduce` scope (not those inside
+    fusions or reducer regions). Record: "kind" (encode, decode, reduce), "target" (the custom-call
+    target, or the HLO op), "site" (as `collectives`)."""
     out, fused = [], False
     for line in hlo_text.splitlines():
         if line and not line[0].isspace():  # a computation header: fusion bodies and reducers are skipped

@@ -1,16 +1,9 @@
 """Triton fused TACO codec (spec §2) called through jax-triton; GPU only, imported lazily.
 
-One program per block of `ELEMENTS // G` groups; each element read from HBM once, written once:
-
-  encode      x (f32, bf16 or f16) -> f32 -> sum of squares -> a -> t = WHT(a x) -> s from
-              max|t| / sqrt(G) -> FP8 codes of t / (sqrt(G) s); writes codes, s, a.
-  decode      codes -> q k, k = s / sqrt(G) / max(a, EPS) -> WHT -> clipped to the output dtype.
-  decode_sum  P ranks' decodes summed in f32 in rank order, written once (rounded, not clipped).
-
-The WHT is an in-register butterfly (`_wht`, log2(G) stages of `lo + hi, lo - hi`): G log2(G) adds
-per group instead of a dense matmul's G^2. Per-group divisions and square roots round to nearest
-(`div_rn`, `sqrt_rn`) as the reference's XLA ops do; per element the kernels multiply by those
-factors, so they conform under the rule of `taco_jax.kernels`. NaN-propagating max/min mirror jnp.
+One program per block of `ELEMENTS // G` groups, each element read from HBM once and written once;
+the same passes as `pallas_codec` (encode, decode, decode_sum), the WHT an in-register butterfly
+(`_wht`). Per-group divisions and square roots round to nearest (`div_rn`, `sqrt_rn`) as the
+reference's XLA ops do, so the kernels conform under the rule of `taco_jax.kernels`.
 
 `triton` and `jax_triton` are imported on first use (`pip install 'taco_jax[gpu]'`). FP8 E4M3 needs
 sm >= 89. jax-triton types its results invariant inside `shard_map`, so the wrappers restore the
