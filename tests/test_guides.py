@@ -106,8 +106,9 @@ def test_doc_share_counts_docstrings_and_comments_not_strings_or_blank_lines():
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "measured 25.2 % (3,488 of 13,815 lines) after codec/, collectives/, kernels/, parallel/, models/, data/ and "
-    "testing/ were rewritten; train/, perf/, cli.py, emulate.py, launch.py and util/ are still to do"))
+    "measured 23.2 % (3,114 of 13,441 lines) after a second pass over codec/, collectives/, kernels/, parallel/, "
+    "models/, data/, train/ (but config.py, plan.py, deviceless.py), emulate.py and launch.py; perf/ (29.5 %), "
+    "cli.py, train/config.py, plan.py, deviceless.py and util/ are still to do"))
 def test_docstrings_and_comments_are_at_most_22_percent_of_taco_jax():
     shares = package_shares()
     doc, lines = shares["total"]
