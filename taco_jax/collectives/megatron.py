@@ -172,10 +172,9 @@ def all_gather_matmul(x: jax.Array, fn, axis_name: str, policy: CommPolicy, dim:
     one. Sites as `gather_from_sp`.
 
     Args:
-      x: this rank's sequence block, e.g. [B, T/P, D] with `dim` = 1, varying over `axis_name`.
+      x: this rank's sequence block, e.g. [B, T/P, D] with `dim` = 1, varying over `axis_name` (size P).
       fn: a function of one sequence block that treats positions along `dim` independently
         (`fn(concat(blocks)) == concat(fn(block) ...)`, e.g. `lambda b: b @ W`); traced P times.
-      axis_name: the tensor axis (static, size P). policy: `CommPolicy`. dim: the sequence dimension.
     Returns: (fn of the whole sequence in sequence order, e.g. [B, T, F]; the gathered x [B, T, D]).
     Derivative: autodiff of the ring (a ring reduce-scatter interleaved with the transposed matmuls).
     Fidelity: a block is re-encoded at every hop and the backward accumulator requantized at every
@@ -202,7 +201,7 @@ def matmul_reduce_scatter(x: jax.Array, fn, axis_name: str, policy: CommPolicy, 
     travels in x's dtype (FP32 add, rounded at each hop) in ring order. Sites as `scatter_to_sp`.
 
     Args: x: the input over the whole sequence, e.g. [B, T, F/P] with `dim` = 1; fn: as
-      `all_gather_matmul`; axis_name: the tensor axis (static, size P); policy; dim.
+      `all_gather_matmul`.
     Returns: this rank's block of the sum over ranks of fn(x), e.g. [B, T/P, D], varying.
     Raises: ValueError if x.shape[dim] does not divide by P.
     Fidelity: the running sum is requantized at every hop (P - 1 quantizations, vs one in
