@@ -16,7 +16,7 @@ Optional (`register_native`; default: float32 in and out, no fused sum):
     directly, bit-identical to converting through float32 (decode clipped to d's range,
     `dispatch.clip_to_dtype`, rounded to nearest even).
   decode_sum_groups(codes, s, a, *, dtype) -> dtype [..., n_groups, G]: P ranks' groups (leading P
-    axis) decoded, summed in float32 in rank order, rounded once, not clipped (overflow is ±Inf).
+    axis; a=None: folded) decoded, summed in float32 in rank order, rounded once, not clipped (±Inf).
 Optional (`register_reducer`; default: the reference's):
   reduce_groups(codes, s, a, cfg) -> (codes, s): the two-shot transform-domain reduction
     (`codec.reference.reduce_groups`): P ranks' groups -> the requantized sum in the folded layout.
