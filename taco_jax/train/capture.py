@@ -13,9 +13,9 @@ in which `ParallelContext.enter` / `exit` hand their messages to a `Tap` (the re
 
 Forward messages are returned as outputs; backward messages are the gradients of zero "probes"
 added after each enter / exit (h + 0), i.e. exactly the cotangents the Megatron operators
-all-reduce. The twin's loss is written next to the real step's in `meta.json`. Not
-`jax.debug.callback` taps in the real step: on the simulated CPU mesh reading a large callback
-operand deadlocks against the running collectives.
+all-reduce. The twin's loss is written next to the real step's in `meta.json` (equal to float32
+rounding). Not `jax.debug.callback` taps in the real step: on the simulated CPU mesh reading a large
+callback operand deadlocks against the running collectives.
 
 Kept: every rank of the tensor axis, data-axis rank 0. Data × tensor meshes only (`TrainConfig`
 refuses pipelined runs).
