@@ -3,8 +3,9 @@ and tests, in the manner of `torchrun --standalone`).
 
 Each process runs `python -P -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
 --process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on
-CPU. `<command>` is train or compare (`LAUNCHED`); the command's mesh is resolved before any process
-starts, and one not divisible by N is refused. `-P` and PYTHONPATH: the processes import the
+CPU (another count in XLA_FLAGS is replaced, said in one line). `<command>` is train or compare
+(`LAUNCHED`); the command's mesh is resolved before any process starts, and one not divisible by N
+is refused. `-P` and PYTHONPATH: the processes import the
 launcher's own taco_jax whatever the working directory holds. A port taken between choosing and
 binding it: the processes start again on another (`PORT_ATTEMPTS`). Output lines are prefixed
 "[I] " (gloo's connection lines left out unless `verbose`). When one process fails the others are
