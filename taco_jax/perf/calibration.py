@@ -1,8 +1,8 @@
 """Fitting the cost model to measurements, and the `min_bytes="auto"` break-even threshold.
 
-Rows are dicts in the shape of `experiments/bench_collectives.py`'s JSON (schema
+Rows are dicts in the shape of `experiments/collectives/bench_collectives.py`'s JSON (schema
 "taco_jax.bench_collectives/1": collective, algorithm, codec, backend, dtype, transport, processes,
-size_bytes (per-rank message), time_s_median, ...) or of `experiments/costmodel_measure.py`'s (the
+size_bytes (per-rank message), time_s_median, ...) or of `experiments/costmodel/costmodel_measure.py`'s (the
 same keys, plus rows with collective "codec" holding encode_s / decode_s of a whole message).
 
 Calibration file (`CALIBRATION_FORMAT`, e.g. `calibration_cpu_gloo.json` beside this module): the

@@ -339,7 +339,7 @@ def _set_table(lines: list[str], header: str, values: dict, after: str) -> None:
 
 def update_codec_speeds(speeds: dict, key: str = DEFAULT_GPU, path=None) -> pathlib.Path:
     """Writes measured codec speeds into the hardware table (default: the shipped `hardware.toml`)
-    under `[key.codec]`: `speeds` as `experiments/gpu_check.py`'s speed table ({"backends": {backend:
+    under `[key.codec]`: `speeds` as `experiments/gpu/gpu_check.py`'s speed table ({"backends": {backend:
     {"encode_GBps", "decode_GBps", "measured", "source"}}}); the backend `[key.codec]` names gets its
     encode / decode speed and source there (its per-call overhead stays), every other backend its
     `[key.codec.backends.NAME]` table (status "measured", or "bound" where not measured). The result

@@ -29,7 +29,7 @@ ERRORS_FORMAT = "taco_jax.perf.model_errors/1"
 
 
 def errors_from_study(study: dict, source: str = "") -> dict:
-    """The emulated-cluster errors of an e2e study (`experiments/e2e_study.py`'s study.json; `source`:
+    """The emulated-cluster errors of an e2e study (`experiments/e2e/e2e_study.py`'s study.json; `source`:
     where it lies, recorded as "study"): {"format", "study", "rows": [{"config", "link",
     "measured_speedup", "model_speedup", "speedup_error" (measured / model - 1), "exact_step_error",
     "taco_step_error" (model / measured - 1)}]}, one row per TACO variant "taco" (one chunk) on a shaped link.
