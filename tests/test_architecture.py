@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1] / "taco_jax"
 #: Lowest floor first. `data` (the dataset) depends on nothing of taco_jax and sits with the models.
 FLOORS = {"util": -1, "codec": 0, "kernels": 1, "collectives": 2, "parallel": 3, "models": 4, "data": 4, "train": 5, "perf": 5,

@@ -13,6 +13,8 @@ import pytest
 
 from experiments import common
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if p.stem not in ("__init__", "common"))
 DOCS = [ROOT / "README.md", ROOT / "Makefile", *sorted((ROOT / "docs").glob("*.md"))]
@@ -75,6 +77,7 @@ def test_child_env_puts_the_checkout_first():
                                                                                    "--steps", "3"]
 
 
+@pytest.mark.procs
 def test_a_light_train_module_imports_without_the_models():
     """`taco_jax.train.distributed` (the studies' gloo set-up) does not load the config and the models."""
     import subprocess
