@@ -9,6 +9,7 @@ L levels √G/(2L) (int8 √G/254, int4 √G/14); asymmetric √G/L (tah √G/15
 message (fp8_tensor) with G = the message size. A kind that declares no rounding fails.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -30,12 +31,13 @@ from taco_jax.codec import (
     roundtrip,
 )
 from taco_jax.codec.family import pack4, unpack4
+from taco_jax.codec.kinds import Rounding
 
 pytestmark = pytest.mark.fast
 
 KINDS = codec_kinds()[1:]
 #: One codec per kind, exercising the options (axis, G, Hadamard, layout, format) across the set
-#: (`test_family_has_a_codec_of_every_registered_kind`).
+#: (`test_every_registered_kind_has_a_rounding_and_a_codec_in_family`).
 FAMILY = [
     CodecConfig(kind="fp8_tensor", fmt="e5m2"),
     CodecConfig(kind="fp8_group", group_size=64, group_axis="token"),
@@ -64,8 +66,15 @@ def bytes_per_element(c: CodecConfig) -> float:
     return spec.code_bits / 8 + (spec.scale_bytes(c) / c.group_size if spec.grouped else 0.0)
 
 
-def test_family_has_a_codec_of_every_registered_kind():
+def test_every_registered_kind_has_a_rounding_and_a_codec_in_family():
+    """The tables of this file and test_codec_properties.py come from the registry: a kind without its
+    error model, or without a codec here, fails by name."""
+    assert [k for k in KINDS if get_kind(k).rounding is None] == [], "declare the kinds' `rounding` (kinds.py)"
     assert sorted(c.kind for c in FAMILY) == sorted(KINDS), "add a codec of the new kind to FAMILY"
+    with pytest.raises(ValueError, match="rounding grid 'int' does not match its codes"):
+        dataclasses.replace(get_kind("taco"), rounding=Rounding("int", 7))
+    with pytest.raises(ValueError, match="a positive L for grid 'int' only"):
+        Rounding("fp8", 7)
 
 
 def _x(shape, seed=0):
