@@ -66,14 +66,17 @@ train: install
 ## The whole test suite: everything that runs here (simulated 8-device CPU mesh; real processes, network
 ## namespaces and notebooks included; `gpu` tests excluded), the GPU path checked on CPU (Triton interpreter,
 ## CUDA export, CUDA FFI build, gpu_check.sh --dry-run). 2 workers, one line per file, the time at the end.
-## Which command when: docs/development.md.
+## Then the fast tier once more as users compile (XLA:CPU's default optimization level: TACO_TEST_XLA_OPT=3;
+## the suite compiles at LLVM -O0, tests/_procs.py). Which command when: docs/development.md.
 TEST_ARGS ?=
 PYTEST    := $(PY) -m pytest -q --per-file -n 2 --dist loadfile --no-loadscope-reorder
 test: install gpu-sim cuda gpu-compile
 	$(PYTEST) --durations=15 $(TEST_ARGS)
+	TACO_TEST_XLA_OPT=3 $(PYTEST) -m fast $(TEST_ARGS)
 
-## The inner loop: in-process tests only (marker `fast`: no child processes, namespaces, notebooks or `slow`).
-test-fast: install gpu-sim
+## The inner loop: in-process tests only (marker `fast`: no child processes, namespaces, notebooks, `slow`
+## tests or tests of the gpu-sim / hf extras, which it does not install).
+test-fast: install
 	$(PYTEST) -m fast $(TEST_ARGS)
 
 ## Only the CPU checks of the GPU path (docs/results.md "GPU path").

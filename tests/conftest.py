@@ -2,20 +2,26 @@
 fixtures.
 
 Tiers (docs/development.md): `make test-fast` runs the tests marked `fast`, `make test` runs every
-test that can run here. A test is outside `fast` when it carries one of these markers, set here:
-- `procs`: it starts child processes. Set for every test that takes the `cache` fixture (the child
-  processes' compilation cache; directly or through another fixture) and for the tests in `PROCS`.
-  A test marked `fast` that starts a Python child fails (`_no_children_in_fast`) naming this rule.
+test that can run here. Each test file declares its tier where its tests are: a module-level
+`pytestmark` (after its imports) holding `fast` or the markers below, and a marker on a test (or a
+`pytest.param`) where the file mixes tiers. A test is outside `fast` when one of these applies to it:
+- `procs`: it starts child processes (through tests/_procs.py). A test that takes the `cache` fixture
+  (the child processes' compilation cache; directly or through another fixture) is `procs` by that.
+  A test in `fast` that starts a Python child fails (`_no_children_in_fast`) naming this rule.
 - `netns`: it makes network namespaces (root; skipped with the reason where they cannot be made).
 - `notebook`: it runs a notebook.
-- `slow`: in-process but long (a training run, a sweep of compilations): marked in its file or
-  listed in `SLOW`.
+- `slow`: in-process but long (a training run, a sweep of compilations); `cover(k)` on a parametrized
+  test makes the cases outside its cover `slow` (`_mark_cover`).
+- `extras`: it needs the `gpu-sim` / `hf` extras (torch, triton, transformers); a `fast` test whose
+  module holds them, or that imports them, fails naming this rule (`_no_extras_in_fast`).
 - `gpu`: needs a CUDA GPU (the device machine; `pytest -m gpu`), in no tier here.
-A new test is in `fast` unless one of these applies. The files with `procs` tests run first (by their
-number of `procs` tests), then those with `slow` tests, then the others (by number of tests): under
-pytest-xdist the long files start early.
+`fast` on a module means: its tests are `fast` unless one of these applies to a test; the collection
+checks (`_check_tiers`) refuse a file that declares no tier. The files with `procs` tests run first
+(by their number of `procs` tests), then those with `slow` / `extras` tests, then the others (by
+number of tests): under pytest-xdist the long files start early.
 """
 
+import builtins
 import collections
 import gc
 import os
@@ -23,6 +29,7 @@ import pathlib
 import resource
 import subprocess
 import sys
+import types
 import warnings
 
 import _procs  # noqa: E402  (imports no jax)
@@ -51,68 +58,12 @@ from jax.sharding import Mesh  # noqa: E402
 gc.freeze()
 gc.set_threshold(50_000, 50, 1_000)
 
-#: Tests (node-id prefixes: a file, a test, or a parametrization) that start child processes without
-#: taking the `cache` fixture.
-PROCS = (
-    "tests/test_notebooks.py",
-    "tests/test_gpu_check.py",  # gpu_check.sh --dry-run (a module fixture)
-    "tests/test_gpu_export.py::test_triton_kernels_compile_for_sm90_without_spills_and_with_128bit_accesses",
-    "tests/test_prepared.py::test_rewrite_under_a_running_reader",  # a reader process holds the memory map
-    "tests/test_runs_and_launcher.py::test_launch_from_a_folder_holding_another_taco_jax",
-    "tests/test_distributed.py::test_run_local_waits_names_the_failure_and_bounds_the_time",
-    "tests/test_distributed.py::test_malloc_keep_takes_effect_in_glibc",
-    "tests/test_distributed.py::test_exact_reduce_scatter_avoids_gloo_reduce_scatter",
-    "tests/test_emulated_links.py::test_stale_namespaces_are_removed_by_prefix_and_live_ones_kept",
-    "tests/test_e2e_study.py::test_a_cpu_burner_makes_the_study_warn_and_not_start",  # busy-loop processes
-    "tests/test_experiments.py::test_a_light_train_module_imports_without_the_models",  # a fresh interpreter
-)
-#: Notebook tests.
-NOTEBOOK = ("tests/test_notebooks.py",)
-#: In-process tests too long for the inner loop, besides those marked `slow` in their file: the files
-#: that build and train models (seconds of compilation per test on 2 cores), and the tests of other
-#: files that train in-process. The inner loop keeps the layers below them: codec, collectives,
-#: kernels, policy, cost model, data, configuration.
-SLOW = (
-    "tests/test_data_runs.py::test_sample_draws_only_the_tokenizers_ids",
-    "tests/test_data_runs.py::test_resume_refuses_another_tokenizer_and_notes_other_data",
-    "tests/test_plan.py::test_plan_matches_a_real_run_in_the_same_process",
-    "tests/test_runs_and_launcher.py::test_train_on_in_memory_tokens_without_a_tokenizer",
-    "tests/test_exact_transport.py::test_one_process_step_with_transport_gloo_is_the_multiprocess_program",
-    "tests/test_kernels.py::test_every_site_of_the_train_step_runs_the_requested_backend",
-    "tests/test_3d.py",
-    "tests/test_capture.py",
-    "tests/test_checkpoint.py",
-    "tests/test_cli.py",
-    "tests/test_fidelity_measure.py",
-    "tests/test_generate.py",
-    "tests/test_hf.py",
-    "tests/test_init_from.py",
-    "tests/test_mixed_precision.py",
-    "tests/test_model.py",
-    "tests/test_monitor.py",
-    "tests/test_pipeline.py",
-    "tests/test_qwen.py",
-    "tests/test_resume_faults.py",
-    "tests/test_tp_overlap.py",
-    "tests/test_train.py",
-    "tests/test_trainer_tools.py",
-)
-
-#: Parametrized sweeps whose whole cross-product runs in `make test` while `make test-fast` runs a
-#: cover: the cases whose parameter indices (one per `parametrize` decorator) sum to 0 modulo k. Every
-#: value of every parameter still runs in the inner loop (checked at collection); the other cases are `slow`.
-FAST_COVER = {
-    "tests/test_collective_grads.py::test_vjp_matches_lax_collective": 4,
-    "tests/test_wire_ffi.py::test_collectives_bit_identical_fused_vs_unfused": 4,
-    "tests/test_wire_ffi.py::test_sp_collectives_bit_identical_fused_vs_unfused": 4,
-    "tests/test_codec_family.py::test_roundtrip_shape_dtype_and_bound": 2,
-    "tests/test_ffi_native_dtypes.py::test_native_group_codec_equals_float32_path_and_conforms": 2,
-    "tests/test_ffi_native_dtypes.py::test_packed_targets_native_equal_float32_composition": 2,
-    "tests/test_kernels.py::test_ffi_conforms_to_reference": 2,
-    "tests/test_triton_interpret.py::test_triton_kernels_conform_to_reference": 2,
-    "tests/test_codec_family.py::test_wire_buffers_and_bytes_per_element": 2,
-}
-OUT_OF_FAST = ("procs", "netns", "notebook", "slow", "gpu")
+#: The markers that take a test out of `fast` (module docstring).
+OUT_OF_FAST = ("procs", "netns", "notebook", "slow", "extras", "gpu")
+#: The markers a test file's `pytestmark` may declare its tier with.
+TIERS = ("fast", *OUT_OF_FAST)
+#: The packages of the `gpu-sim` / `hf` extras (pyproject.toml), which `make test-fast` does not install.
+EXTRAS = ("torch", "triton", "transformers")
 #: In-process files of few but long tests (seconds each): handed out before the others of their group, so
 #: that no worker ends the run on one of them while the other is idle.
 FEW_LONG = ("tests/test_codec_kinds.py", "tests/test_codec_properties.py")
@@ -132,13 +83,17 @@ def _cover_indices(item) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _mark_fast_cover(items) -> None:
-    """Marks `slow` the cases of each `FAST_COVER` sweep outside its cover; raises `pytest.UsageError`
-    naming the parameter value that the cover would leave out of `make test-fast`."""
-    for prefix, k in FAST_COVER.items():
-        cases = [it for it in items if _listed(it, (prefix,)) and not it.get_closest_marker("slow")]
-        if not cases:
-            continue
+def _mark_cover(items) -> None:
+    """`@pytest.mark.cover(k)` on a parametrized sweep: its whole cross-product runs in `make test`, while
+    `make test-fast` runs a cover, the cases whose parameter indices (one per `parametrize` decorator) sum
+    to 0 modulo k; the others are marked `slow`. Raises `pytest.UsageError` naming the parameter value
+    that the cover would leave out of `make test-fast` (every value of every parameter runs there)."""
+    sweeps = collections.defaultdict(list)
+    for it in items:
+        mark = it.get_closest_marker("cover")
+        if mark is not None and not it.get_closest_marker("slow"):
+            sweeps[(it.nodeid.split("[")[0], mark.args[0])].append(it)
+    for (name, k), cases in sweeps.items():
         kept = [it for it in cases if sum(_cover_indices(it)) % k == 0]
         for it in cases:
             if it not in kept:
@@ -146,26 +101,44 @@ def _mark_fast_cover(items) -> None:
         for j, n in enumerate(len(set(ix)) for ix in zip(*(_cover_indices(it) for it in cases))):
             covered = {_cover_indices(it)[j] for it in kept}
             if len(covered) != n:
-                raise pytest.UsageError(f"FAST_COVER[{prefix!r}] = {k} leaves parameter {j} values "
+                raise pytest.UsageError(f"{name}: cover({k}) leaves parameter {j} values "
                                         f"{sorted(set(range(n)) - covered)} out of `make test-fast`: lower k")
 
 
-def _listed(item, prefixes) -> bool:
-    return any(item.nodeid == p or item.nodeid.startswith((p + "::", p + "[")) for p in prefixes)
+def _extras_held(module) -> list[str]:
+    """The extras' modules (`EXTRAS`) that `module`'s globals hold."""
+    return sorted({v.__name__ for v in vars(module).values()
+                   if isinstance(v, types.ModuleType) and v.__name__.split(".")[0] in EXTRAS})
+
+
+def _check_tiers(items, undeclared) -> None:
+    """The tier rules that collection can check; raises `pytest.UsageError` listing every offence:
+    a test file without a tier in its module-level `pytestmark` (`undeclared`: their Module nodes),
+    and a `fast` test whose module holds one of the extras' packages."""
+    errors = [f"{node.nodeid} declares no tier: add `pytestmark = pytest.mark.fast` (or one of {OUT_OF_FAST}) "
+              "after its imports (docs/development.md, Tiers and markers)" for node in undeclared]
+    for module in {it.module for it in items if isinstance(it, pytest.Function)}:
+        held = _extras_held(module)
+        fast = [i.nodeid for i in items if i.module is module and i.get_closest_marker("fast")]
+        if held and fast:
+            errors.append(f"{fast[0]} is in the `fast` tier but its module imports {held}: mark it `extras` "
+                          "(`make test-fast` runs without the gpu-sim / hf extras)")
+    if errors:
+        raise pytest.UsageError("\n".join(errors))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     netns_reason = None
-    if any(_listed(item, tuple(FAST_COVER)) for item in items):
-        _mark_fast_cover(items)
+    _mark_cover(items)
+    modules = {item.getparent(pytest.Module) for item in items}
+    undeclared = sorted((m for m in modules if m is not None and not any(k.name in TIERS for k in m.own_markers)),
+                        key=lambda m: m.nodeid)
+    for node in {n for item in items for n in item.listchain()[:-1]}:  # a module's (class's) `fast` is
+        node.own_markers = [m for m in node.own_markers if m.name != "fast"]  # its tests' default: set below
     for item in items:
-        if "cache" in item.fixturenames or _listed(item, PROCS):
+        if "cache" in item.fixturenames:
             item.add_marker(pytest.mark.procs)
-        if _listed(item, NOTEBOOK):
-            item.add_marker(pytest.mark.notebook)
-        if _listed(item, SLOW):
-            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("netns"):
             if netns_reason is None:
                 from taco_jax import emulate
@@ -179,6 +152,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=netns_reason))
         if not any(item.get_closest_marker(m) for m in OUT_OF_FAST):
             item.add_marker(pytest.mark.fast)
+    _check_tiers(items, undeclared)
     # long files first (pytest-xdist, `--dist loadfile --no-loadscope-reorder`, hands them out in this
     # order): those with process tests, by their number of process tests (seconds to a minute each);
     # then those with `slow` tests, then the others, by number of tests: the many short files of the
@@ -188,7 +162,7 @@ def pytest_collection_modifyitems(config, items):
 
     count = collections.Counter(file(item) for item in items)
     procs = collections.Counter(file(item) for item in items if item.get_closest_marker("procs"))
-    slow = {file(item) for item in items if item.get_closest_marker("slow")}
+    slow = {file(item) for item in items if item.get_closest_marker("slow") or item.get_closest_marker("extras")}
     first = len(items)  # FEW_LONG files: before every file of their group
 
     def order(item):
@@ -203,7 +177,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _no_children_in_fast(request, monkeypatch):
     """A test marked `fast` may not start a Python child (it would slow the inner loop down): it fails
-    naming the tier rule (take the `cache` fixture, or list the test in conftest.PROCS)."""
+    naming the tier rule (take the `cache` fixture, or mark the test `procs`)."""
     if request.node.get_closest_marker("fast") is None:
         return
     popen = subprocess.Popen.__init__
@@ -213,10 +187,27 @@ def _no_children_in_fast(request, monkeypatch):
         prog = os.path.basename(str(argv[0])) if argv else ""
         if str(argv[0]) == sys.executable or prog.startswith(("python", "bash")):
             raise AssertionError(f"{request.node.nodeid} is in the `fast` tier but starts {argv[:3]}: take the "
-                                 "`cache` fixture (tests/_procs.py) or list it in tests/conftest.py PROCS")
+                                 "`cache` fixture (tests/_procs.py) or mark it `procs` (tests/conftest.py)")
         popen(self, args, *a, **k)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
+
+@pytest.fixture(autouse=True)
+def _no_extras_in_fast(request, monkeypatch):
+    """A test marked `fast` may not import the extras' packages (`EXTRAS`: `make test-fast` runs without
+    them): the import fails naming the tier rule (mark the test `extras`)."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+    real = builtins.__import__
+
+    def guarded(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.split(".")[0] in EXTRAS:
+            raise AssertionError(f"{request.node.nodeid} is in the `fast` tier but imports {name!r}: mark it "
+                                 "`extras` (tests/conftest.py; `make test-fast` runs without the gpu-sim / hf extras)")
+        return real(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", guarded)
 
 
 def pytest_addoption(parser):

@@ -17,6 +17,8 @@ from taco_jax.models import get_config, make_model
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.step import make_steps, make_trainer, shard_batch
 
+pytestmark = pytest.mark.slow
+
 
 def test_dp_gradient_sync_equals_transpose_psum_and_compressed_is_close(mesh):
     cfg = get_config("gpt2-tiny", n_layer=2, vocab_size=256)

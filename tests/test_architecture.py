@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1] / "taco_jax"
 #: Lowest floor first (the measured order: the module docstring).
 FLOORS = {"util": 0, "codec": 1, "kernels": 2, "collectives": 3, "parallel": 4, "models": 5, "data": 5, "perf": 6,

@@ -13,6 +13,8 @@ from _procs import run
 
 from experiments.collectives import bench_collectives as bc
 
+pytestmark = pytest.mark.fast
+
 CASES = {("psum", "two_shot"), ("psum", "one_shot"), ("all_gather", "default"), ("psum_scatter", "default"),
          ("ppermute", "default")}
 

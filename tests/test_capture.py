@@ -13,6 +13,8 @@ from taco_jax.train.capture import capture_steps, gpt_roles, load_captures
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.loop import train
 
+pytestmark = pytest.mark.slow
+
 SMALL = dict(model="gpt2-tiny", dtype="float32", vocab_size=512, batch_size=8, seq_len=32, warmup_steps=1,
              eval_every=50, eval_batches=1, comm="none")  # FP32: messages compared with an FP32 reference
 

@@ -19,6 +19,8 @@ from taco_jax.train.checkpoint import CheckpointError, Checkpoints
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.step import make_trainer
 
+pytestmark = pytest.mark.slow
+
 # -----------------------------------------------------------------------------
 # in-process: the Checkpoints API on the 8-device test mesh
 

@@ -15,6 +15,8 @@ from taco_jax.train.config import TrainConfig
 from taco_jax.util import jsonio
 from taco_jax.util.console import format_bytes, summary_block
 
+pytestmark = pytest.mark.slow
+
 #: Smallest useful run of the CLI (gpt2-tiny; vocabulary 512 keeps the tokenizer quick).
 TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
 

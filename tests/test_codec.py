@@ -11,6 +11,8 @@ import scipy.linalg
 
 from taco_jax.codec import NONE, TACO, CodecConfig, decode, encode, roundtrip
 
+pytestmark = pytest.mark.fast
+
 FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 
 

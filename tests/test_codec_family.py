@@ -1,13 +1,16 @@
 """The codec family behind one interface: wire formats and bytes, every codec in every compressed collective,
 non-finite policies inside jit + shard_map, and clear errors for bad configurations.
 
-One-quantization bound used for the collectives (derived in test_codec_properties.py; per group
-of G, relative L2, worst case over the data): FP8 with m mantissa bits 2^-(m+1) + 2^-(d+1)·√G/R;
-int8 √G/254; int4 √G/14; tah √G/15; fp8_tensor as FP8 with G = the message size.
+The per-kind expectations come from the kinds' registry (`taco_jax.codec.kinds`): the kinds, their code
+format and bytes on the wire, and the one-quantization error bound used for the collectives
+(`CodecKind.rounding`, per group of G, relative L2, worst case over the data; derived in
+test_codec_properties.py): FP8 with m mantissa bits 2^-(m+1) + 2^-(d+1)·√G/R; symmetric integers with
+L levels √G/(2L) (int8 √G/254, int4 √G/14); asymmetric √G/L (tah √G/15); a kind with one scale per
+message (fp8_tensor) with G = the message size. A kind that declares no rounding fails.
 """
 
+import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +19,25 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives as C
-from taco_jax.codec import NONE, CodecConfig, decode, encode, nonfinite_sites, raise_if_nonfinite, roundtrip
+from taco_jax.codec import (
+    NONE,
+    CodecConfig,
+    codec_kinds,
+    decode,
+    encode,
+    get_kind,
+    nonfinite_sites,
+    raise_if_nonfinite,
+    roundtrip,
+)
 from taco_jax.codec.family import pack4, unpack4
+from taco_jax.codec.kinds import Rounding
 
-KINDS = ("fp8_tensor", "fp8_group", "int8", "int4", "taco", "tah")
-#: One codec per kind, exercising the options (axis, G, Hadamard, layout, format) across the set.
+pytestmark = pytest.mark.fast
+
+KINDS = codec_kinds()[1:]
+#: One codec per kind, exercising the options (axis, G, Hadamard, layout, format) across the set
+#: (`test_every_registered_kind_has_a_rounding_and_a_codec_in_family`).
 FAMILY = [
     CodecConfig(kind="fp8_tensor", fmt="e5m2"),
     CodecConfig(kind="fp8_group", group_size=64, group_axis="token"),
@@ -29,15 +46,35 @@ FAMILY = [
     CodecConfig(kind="taco", scale_layout="folded", group_axis="token", group_size=256),
     CodecConfig(kind="tah", group_size=512),
 ]
+FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
 def eps(c: CodecConfig, n: int) -> float:
-    """Worst-case relative L2 error of one quantization (module docstring)."""
-    g = n if c.kind == "fp8_tensor" else c.group_size
-    if c.kind in ("fp8_tensor", "fp8_group", "taco"):
-        m, d = (3, 9) if c.fmt == "e4m3" else (2, 16)
-        return 2.0 ** -(m + 1) + 2.0 ** -(d + 1) * math.sqrt(g) / c.target_range + 1e-5
-    return math.sqrt(g) / {"int8": 254, "int4": 14, "tah": 15}[c.kind] + 1e-5
+    """Worst-case relative L2 error of one quantization of an `n`-element message by `c` (module
+    docstring), from the kind's registered rounding."""
+    spec = get_kind(c.kind)
+    if spec.rounding is None:
+        pytest.fail(f"codec kind {c.kind!r} declares no `rounding` (taco_jax/codec/kinds.py): its error cannot "
+                    "be bounded")
+    return spec.rounding.relative_l2(c, c.group_size if spec.grouped else n) + 1e-5
+
+
+def bytes_per_element(c: CodecConfig) -> float:
+    """Large-message wire bytes per element from the kind's entry: the code bits, plus the scale (and
+    prescale) bytes of each group (none per element for one scale per message)."""
+    spec = get_kind(c.kind)
+    return spec.code_bits / 8 + (spec.scale_bytes(c) / c.group_size if spec.grouped else 0.0)
+
+
+def test_every_registered_kind_has_a_rounding_and_a_codec_in_family():
+    """The tables of this file and test_codec_properties.py come from the registry: a kind without its
+    error model, or without a codec here, fails by name."""
+    assert [k for k in KINDS if get_kind(k).rounding is None] == [], "declare the kinds' `rounding` (kinds.py)"
+    assert sorted(c.kind for c in FAMILY) == sorted(KINDS), "add a codec of the new kind to FAMILY"
+    with pytest.raises(ValueError, match="rounding grid 'int' does not match its codes"):
+        dataclasses.replace(get_kind("taco"), rounding=Rounding("int", 7))
+    with pytest.raises(ValueError, match="a positive L for grid 'int' only"):
+        Rounding("fp8", 7)
 
 
 def _x(shape, seed=0):
@@ -50,6 +87,7 @@ def _x(shape, seed=0):
 
 @pytest.mark.parametrize("cfg", FAMILY, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # all dtypes: test_codec_properties.py
+@pytest.mark.cover(2)
 def test_roundtrip_shape_dtype_and_bound(cfg, dtype):
     x = _x((5, 300), 1).astype(dtype)
     y = roundtrip(x, cfg)
@@ -61,18 +99,19 @@ def test_roundtrip_shape_dtype_and_bound(cfg, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("g", [32, 128, 512])
+@pytest.mark.cover(2)
 def test_wire_buffers_and_bytes_per_element(kind, g):
     cfg = CodecConfig(kind=kind, group_size=g)
     x = _x((3, 333), 2)  # 999 elements: a partial last group for every G
     enc = encode(x, cfg)
     leaves = jax.tree.leaves(enc)
-    assert enc.codes.dtype == cfg.code_dtype
-    if kind in ("int4", "tah"):
-        assert enc.codes.dtype == jnp.uint8 and enc.codes.shape[-1] == g // 2  # two codes per byte
+    spec = get_kind(kind)
+    assert enc.codes.dtype == (FP8_DTYPES[cfg.fmt] if spec.fp8 else spec.code_dtype) == cfg.code_dtype
+    if spec.grouped:
+        assert enc.codes.shape[-1] == g * spec.code_bits // 8  # 4-bit codes: two per byte
     assert all(leaf.dtype.itemsize == 1 or leaf.dtype == jnp.float32 for leaf in leaves)
     assert enc.nbytes == pytest.approx(cfg.wire_bytes_per_element(n=x.size) * x.size)
-    limit = {"fp8_tensor": 1.0, "fp8_group": 1 + 4 / g, "int8": 1 + 4 / g, "int4": 0.5 + 4 / g,
-             "taco": 1 + 8 / g, "tah": 0.5 + 8 / g}[kind]
+    limit = bytes_per_element(cfg)
     assert cfg.wire_bytes_per_element() == pytest.approx(limit)
 
 

@@ -20,6 +20,8 @@ from jax.sharding import PartitionSpec as P
 from taco_jax import collectives as C
 from taco_jax.codec import CodecConfig, CodecKind, codec_kinds, decode, encode, get_kind, kinds, register_kind
 
+pytestmark = pytest.mark.fast
+
 NAME = "mx_test"
 G = 32
 

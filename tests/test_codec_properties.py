@@ -7,8 +7,10 @@ built from a drawn seed. The default run checks 10 examples of the bound and of 
 the other properties (35 in all, derandomized); the `slow` twins (`make test`, not `make test-fast`) check
 250 each, 1,000 in total (~35 s on the idle 2-core machine).
 
-The bound, derived per codec (independent numpy re-derivation of every scale; u = y / s is the
-value in code units, y the group after the codec's transform — identity, WHT, or TACO's WHT(a·x)):
+The bound, derived per codec from its kind's registered rounding (`CodecKind.rounding`: FP8 or integer
+grid, levels, symmetric, TACO's RMS pre-scale; a kind that declares none fails) by an independent numpy
+re-derivation of every scale; u = y / s is the value in code units, y the group after the codec's
+transform — identity, WHT, or TACO's WHT(a·x)):
 
   FP8 with m mantissa bits, R = target range, smallest subnormal 2^-d (e4m3: m=3, d=9;
   e5m2: m=2, d=16): rounding a |u| <= R to FP8 costs <= 2^-(m+1)·|u| + 2^-(d+1); TACO's clamped
@@ -41,6 +43,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from taco_jax.codec import NONE, CodecConfig, codec_kinds, decode, encode, get_kind, roundtrip
+from taco_jax.codec.kinds import FP8_BITS, Rounding
+
+pytestmark = pytest.mark.fast
 
 FAST, SLOW = 10, 250  # examples per property: `make test-fast` / `make test` (4 properties -> 1,000)
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -108,7 +113,7 @@ def rows(x: np.ndarray, cfg: CodecConfig) -> np.ndarray:
 
 
 def groups(r: np.ndarray, cfg: CodecConfig) -> np.ndarray:
-    g = r.size if cfg.kind == "fp8_tensor" else cfg.group_size
+    g = cfg.group_size if get_kind(cfg.kind).grouped else r.size
     n_groups = -(-r.size // g)
     out = np.zeros(n_groups * g, r.dtype)
     out[: r.size] = r
@@ -124,32 +129,42 @@ def _wht(v):
     return v @ _hadamard(v.shape[-1])
 
 
-FP8_BITS = {"e4m3": (3, 9), "e5m2": (2, 16)}  # (mantissa bits m, smallest subnormal 2^-d)
+def rounding(cfg: CodecConfig) -> Rounding:
+    """The registry's error model of `cfg`'s kind; fails naming a kind that declares none (an
+    unregistered kind: `get_kind`'s ValueError)."""
+    r = get_kind(cfg.kind).rounding
+    if r is None:
+        pytest.fail(f"codec kind {cfg.kind!r} declares no `rounding` (taco_jax/codec/kinds.py): its error "
+                    "cannot be bounded")
+    return r
 
 
 def group_bounds(xg32: np.ndarray, cfg: CodecConfig) -> tuple[np.ndarray, np.ndarray | None]:
-    """(per-group L2 bound [n_groups], per-element bound [n_groups, G] or None) for finite groups."""
+    """(per-group L2 bound [n_groups], per-element bound [n_groups, G] or None) for finite groups,
+    from the kind's registered `Rounding`."""
+    rnd = rounding(cfg)
     xg = xg32.astype(np.float64)
     g = xg.shape[-1]
     a = np.ones(xg.shape[0])
-    if cfg.kind == "taco":
+    if rnd.rms_prescale:  # TACO_SPEC.md §2, in float32 as the spec
         real = np.full(xg.shape[0], g, np.float32)
         with np.errstate(over="ignore"):
-            m = np.sum(xg32.astype(np.float32) ** 2, axis=-1, dtype=np.float32) / real  # float32, as the spec
+            m = np.sum(xg32.astype(np.float32) ** 2, axis=-1, dtype=np.float32) / real
         v = np.maximum(m + np.float32(cfg.lam), np.float32(1e-12))
         a = np.clip(np.float32(cfg.fmax) / np.sqrt(v), 1e-3, 1e3).astype(np.float64)
         y = _wht(a[:, None] * xg)
         s = np.clip(np.maximum(np.abs(y).max(-1), 1e-12) / cfg.target_range, 1e-12, 1e6)
     else:
         y = _wht(xg) if cfg.transforms else xg
-        if cfg.kind in ("fp8_tensor", "fp8_group"):
-            s = np.maximum(np.abs(y).max(-1) / cfg.target_range, 2.0**-126)
-        elif cfg.kind in ("int8", "int4"):
-            s = np.maximum(np.abs(y).max(-1) / (127 if cfg.kind == "int8" else 7), 2.0**-126)
-        else:  # tah
-            s = np.maximum((y.max(-1) - y.min(-1)) / 15, 2.0**-126)
+        if rnd.grid == "fp8":
+            span = np.abs(y).max(-1) / cfg.target_range
+        elif rnd.symmetric:
+            span = np.abs(y).max(-1) / rnd.levels
+        else:
+            span = (y.max(-1) - y.min(-1)) / rnd.levels
+        s = np.maximum(span, 2.0**-126)
     u = y / s[:, None]
-    if cfg.kind in ("fp8_tensor", "fp8_group", "taco"):
+    if rnd.grid == "fp8":
         mbits, d = FP8_BITS[cfg.fmt]
         r = cfg.target_range
         bu = 2.0 ** -(mbits + 1) * np.minimum(np.abs(u), r) + 2.0 ** -(d + 1) + np.maximum(np.abs(u) - r, 0.0)
@@ -157,7 +172,7 @@ def group_bounds(xg32: np.ndarray, cfg: CodecConfig) -> tuple[np.ndarray, np.nda
         bu = np.full_like(u, 0.5)
     be = s[:, None] * bu / a[:, None]  # per element, in y units / a
     slack = 2.0**-20 * g * (np.linalg.norm(xg, axis=-1) + np.linalg.norm(y, axis=-1) / a)
-    ftz = 2.0**-126 * math.sqrt(g) * (1 + (1 / a if cfg.kind == "taco" else 1))
+    ftz = 2.0**-126 * math.sqrt(g) * (1 + (1 / a if rnd.rms_prescale else 1))
     l2 = np.linalg.norm(be, axis=-1) + slack + ftz
     elem = None if cfg.transforms else be + 2.0**-22 * np.abs(xg) + 2.0**-126
     return l2, elem

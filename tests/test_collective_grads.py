@@ -19,6 +19,8 @@ from taco_jax.collectives.dp import sync_gradients
 from taco_jax.collectives.hlo import collective_bytes
 from taco_jax.collectives.pipeline_send import send
 
+pytestmark = pytest.mark.fast
+
 KINDS = [CodecConfig(kind=k) for k in codec_kinds()]
 XSPEC = P(("data", "tensor"))  # rank (d, t) holds rows [4d + t] of the global array's blocks
 
@@ -120,6 +122,7 @@ def _exact(mesh, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("codec", KINDS, ids=lambda c: c.kind)
+@pytest.mark.cover(4)
 def test_vjp_matches_lax_collective(mesh, case, codec):
     ours, _, out_spec, quantizations = CASES[case]
     x, w, y_want, g_want = _exact(mesh, case)

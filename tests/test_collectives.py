@@ -22,6 +22,8 @@ from taco_jax.codec import wire as generic_wire
 from taco_jax.codec.backends import default_platform
 from taco_jax.kernels import ffi_codec
 
+pytestmark = pytest.mark.fast
+
 EPS = 2.0**-4 + 3e-5
 
 

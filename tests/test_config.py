@@ -25,6 +25,8 @@ from taco_jax.train.config import (
 )
 from taco_jax.util import jsonio
 
+pytestmark = pytest.mark.fast
+
 #: One key per section, and communication flags beside the section's own fields.
 TABLES = """\
 [model]

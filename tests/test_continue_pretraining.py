@@ -17,6 +17,8 @@ from taco_jax.data.shakespeare import play_text
 from taco_jax.models import hf, load_hf
 from taco_jax.train.checkpoint import Checkpoints
 
+pytestmark = pytest.mark.extras
+
 QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
 
 

@@ -8,21 +8,27 @@ import pytest
 from taco_jax.data import DEFAULT_VAL_PLAYS, EOT, TokenStream, available_plays, eval_batches, load_shakespeare
 from taco_jax.data.shakespeare import play_text
 
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("taco_jax_cache"))
-
-
-@pytest.fixture(scope="module")
-def ds(cache_dir):
-    return load_shakespeare(2048, cache_dir=cache_dir)  # trains the tokenizer once (~5 s)
+pytestmark = pytest.mark.fast
+#: The tests that train a BPE tokenizer on the plays (8-11 s each on 2 loaded cores, no compile): in `make test`,
+#: where `ds` is the session's 512-entry tokenizer that the model tests train too (conftest `shakespeare512`).
+trains_a_tokenizer = pytest.mark.slow
 
 
+@pytest.fixture
+def cache_dir(tokenizer_dir):
+    return str(tokenizer_dir)
+
+
+@pytest.fixture
+def ds(shakespeare512):
+    return shakespeare512
+
+
+@trains_a_tokenizer
 def test_dataset_basics(ds):
     assert ds.train.dtype == np.int32 and ds.val.dtype == np.int32
     assert ds.train.ndim == 1 and ds.val.ndim == 1
-    assert ds.vocab_size == 2048
+    assert ds.vocab_size == 512
     assert ds.val_plays == DEFAULT_VAL_PLAYS
     assert 0 <= ds.train.min() and ds.train.max() < ds.vocab_size
     assert 0 <= ds.val.min() and ds.val.max() < ds.vocab_size
@@ -33,6 +39,7 @@ def test_dataset_basics(ds):
     assert not ds.train.flags.writeable
 
 
+@trains_a_tokenizer
 def test_split_by_play(ds):
     assert set(DEFAULT_VAL_PLAYS) <= set(available_plays())
     train_plays = [p for p in available_plays() if p not in DEFAULT_VAL_PLAYS]
@@ -53,6 +60,7 @@ def test_markdown_is_plain_text():
         assert marker not in text
 
 
+@trains_a_tokenizer
 def test_encode_decode_roundtrip(ds):
     sample = play_text("hamlet")[5000:7000] + "Zoë's naïve café — 1.5 & ☃\n\n" + EOT
     ids = ds.encode(sample)
@@ -62,9 +70,10 @@ def test_encode_decode_roundtrip(ds):
     assert ds.encode(EOT).tolist() == [ds.eot_id]
 
 
+@trains_a_tokenizer
 def test_cache_hit_and_rebuild_on_change(ds, cache_dir, tmp_path, monkeypatch):
     mtime = os.path.getmtime(ds.tokenizer_path)
-    again = load_shakespeare(2048, cache_dir=cache_dir)
+    again = load_shakespeare(512, cache_dir=cache_dir)
     assert again.tokenizer_path == ds.tokenizer_path and os.path.getmtime(ds.tokenizer_path) == mtime
     np.testing.assert_array_equal(again.train, ds.train)
     np.testing.assert_array_equal(again.val, ds.val)
@@ -77,6 +86,7 @@ def test_cache_hit_and_rebuild_on_change(ds, cache_dir, tmp_path, monkeypatch):
     assert other.decode(other.val) == play_text("macbeth") + EOT
 
 
+@trains_a_tokenizer
 def test_token_stream_deterministic(ds):
     def take(seed, n=3):
         it = TokenStream(ds.train, 4, 32, seed=seed)
@@ -118,6 +128,7 @@ def test_eval_batches():
     assert all(np.array_equal(x, x2) for (x, _), (x2, _) in zip(batches, again))
 
 
+@trains_a_tokenizer
 def test_eval_batches_on_val(ds):
     batches = eval_batches(ds.val, 8, 128, max_batches=5)
     assert len(batches) == 5

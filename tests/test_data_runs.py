@@ -14,6 +14,8 @@ from taco_jax.data import prepared as prep
 from taco_jax.data.shakespeare import EOT, play_text
 from taco_jax.train.config import TrainConfig
 
+pytestmark = pytest.mark.fast
+
 RUN = dict(mesh="data=2,tensor=4", batch_size=8, seq_len=16, eval_batches=1, warmup_steps=0)
 
 
@@ -68,6 +70,7 @@ def test_published_presets_keep_their_vocabulary_and_context(bpe300, tmp_path, c
         TrainConfig.from_flags(model="gpt2-124m", data=str(tmp_path / "big"), **RUN)
 
 
+@pytest.mark.slow
 def test_sample_draws_only_the_tokenizers_ids(tmp_path):
     """A model whose vocabulary is larger than its tokenizer's, which has holes (300 entries, the
     end-of-text token at id 60000): sampling at temperature 1 from random weights draws only ids the
@@ -114,6 +117,7 @@ def test_sample_names_why_a_run_has_no_weights(tmp_path, flags, says):
     assert says in str(e.value)
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_tokenizer_and_notes_other_data(bpe300, tmp_path, capsys):
     """A run on `--data` with a checkpoint: resuming with data of another tokenizer is refused naming
     both tokenizers (the run's tokenizer.json untouched); data with the same tokenizer is accepted,

@@ -17,6 +17,8 @@ import pytest
 from taco_jax.perf.hardware import get_hardware, load_hardware, parse_hardware, target_config
 from taco_jax.train import deviceless
 
+pytestmark = pytest.mark.fast
+
 PLUGIN = pathlib.Path(os.environ.get("TACO_GPU_COMPILE_PATH", _procs.ROOT / ".venv" / "gpu-compile"))
 GIB = 2**30
 

@@ -30,6 +30,8 @@ from taco_jax.launch import MALLOC_KEEP, free_port, launch, malloc_env, run_loca
 from taco_jax.train import distributed
 from taco_jax.train.distributed import DistConfig
 
+pytestmark = pytest.mark.fast
+
 # -----------------------------------------------------------------------------
 # in-process: flags, environment, batches
 
@@ -77,6 +79,7 @@ def test_launch_malloc_setting():
         launch(2, ["train"], config_of=config_from_argv, malloc="x")
 
 
+@pytest.mark.procs
 def test_run_local_waits_names_the_failure_and_bounds_the_time():
     """Real processes: all succeed -> returns; one fails -> RuntimeError naming it, the sleeping one
     is stopped (not left behind); the timeout stops every process."""
@@ -107,6 +110,7 @@ print(libc.mallinfo2().hblkhd)   # bytes in mmapped chunks
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc tunables: Linux only")
+@pytest.mark.procs
 def test_malloc_keep_takes_effect_in_glibc():
     """A real process: with MALLOC_KEEP glibc serves a 64 MiB buffer from the heap (no mmapped chunk);
     with glibc's defaults it maps it (the behaviour that page-faults fresh buffers in on every step)."""
@@ -194,6 +198,7 @@ jax.distributed.shutdown()
 
 
 @pytest.mark.parametrize("workaround", [True, False], ids=["workaround", "xla"])
+@pytest.mark.procs
 def test_exact_reduce_scatter_avoids_gloo_reduce_scatter(workaround, tmp_path):
     """Under gloo (jax.distributed initialized, 1 process x 4 CPU devices) the exact reduce-scatter and
     the exact all-gather's transpose compile to an all-to-all plus a local sum, not XLA:CPU's gloo

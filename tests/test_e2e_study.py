@@ -15,6 +15,8 @@ import pytest
 
 from experiments.e2e import bench_e2e, e2e_study, load_guard
 
+pytestmark = pytest.mark.fast
+
 
 def test_links_split_rates_but_keep_a_two_tier_link_whole():
     assert bench_e2e._links(["250mbit,1gbit", "none"]) == ["250mbit", "1gbit", "none"]
@@ -386,6 +388,7 @@ def test_wait_quiet_gives_up_on_a_round_that_stays_busy(tmp_path, monkeypatch, c
     assert res["config"]["wait_quiet"] == 60 and res["config"]["allow_loaded"]
 
 
+@pytest.mark.procs
 def test_a_cpu_burner_makes_the_study_warn_and_not_start(tmp_path, capsys):
     """A real busy machine: 3 busy-loop processes on this machine's cores; the one-rate command warns on
     the terminal naming the measurement and writes nothing."""

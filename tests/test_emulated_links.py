@@ -29,6 +29,8 @@ from taco_jax import emulate
 from taco_jax.cli import config_from_argv
 from taco_jax.launch import launch
 
+pytestmark = pytest.mark.fast
+
 needs_netns = pytest.mark.netns  # skipped with the reason where namespaces cannot be made (conftest.py)
 
 #: A 2-process tensor=2 run with checkpoints: every step's TP messages cross the link.
@@ -431,6 +433,7 @@ def _dead_cluster(tmp_path) -> int:
 
 
 @needs_netns
+@pytest.mark.procs
 def test_stale_namespaces_are_removed_by_prefix_and_live_ones_kept(tmp_path):
     """A cluster whose owner died without a reaper stays until `taco-jax launch --cleanup` or the next
     start removes it; the namespaces of a live launcher (this test process) are left alone."""

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 PKG = Path(__file__).resolve().parents[1] / "taco_jax"
 
 #: Variable -> why the package may read it.

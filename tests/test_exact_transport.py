@@ -25,6 +25,8 @@ from jax.sharding import PartitionSpec as P
 from taco_jax.codec import NONE
 from taco_jax.collectives import compressed as cc
 
+pytestmark = pytest.mark.fast
+
 GLOO = dataclasses.replace(NONE, transport="gloo")
 WIDENED = dataclasses.replace(NONE, transport="gloo_widened")
 _COLL = re.compile(r"= (\(.*?\)|\S+) (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
@@ -147,6 +149,7 @@ def test_launch_compare_with_the_tensor_axis_spanning_two_processes(tmp_path, ca
     _check_bf16_wire_and_losses(out / "none", tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_one_process_step_with_transport_gloo_is_the_multiprocess_program():
     """`--transport gloo` in one process (mesh tensor=2, exact bf16 step, sequence parallel) compiles
     the program a 2-process gloo run compiles: the activations' all-gathers move u16 (bf16 bytes),

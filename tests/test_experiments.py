@@ -15,6 +15,8 @@ import pytest
 
 from experiments import common
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"
 #: Every study as "THEME.NAME" (a module of a theme folder; shared helpers live in experiments/common.py).
@@ -139,6 +141,7 @@ def test_every_study_that_writes_a_result_records_its_run(name):
         assert "run_record(__spec__.name" in src, f"{name} writes a result JSON without common.run_record"
 
 
+@pytest.mark.procs
 def test_a_light_train_module_imports_without_the_models():
     """`taco_jax.train.distributed` (the studies' gloo set-up) does not load the config and the models."""
     import subprocess

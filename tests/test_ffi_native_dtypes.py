@@ -27,7 +27,8 @@ from taco_jax.kernels.conformance import assert_conforms, assert_decode_conforms
 
 ON_GPU = default_platform() == "cuda"
 FFI_REASON = ffi_codec.unavailable_reason(default_platform())
-pytestmark = pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec library not available: {FFI_REASON}")
+pytestmark = [pytest.mark.fast,
+              pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec library not available: {FFI_REASON}")]
 needs_cpu = pytest.mark.skipif(ON_GPU, reason="the packed targets and `impl` are the CPU library's")
 
 # the CPU kernel levels this machine runs (scalar, AVX2, AVX-512); [auto] where the library is absent
@@ -127,6 +128,7 @@ def test_dtype_conversions_equal_xla_convert(dtype, impl):
 
 @pytest.mark.parametrize("dtype", NARROW, **ids)
 @pytest.mark.parametrize(("g", "fmt"), [(32, "e4m3"), (128, "e5m2"), (256, "e4m3"), (512, "e5m2")])
+@pytest.mark.cover(2)
 def test_native_group_codec_equals_float32_path_and_conforms(g, fmt, dtype):
     cfg = CodecConfig(group_size=g, fmt=fmt)
     x, lc = make_groups(g, n_groups=20, seed=2)
@@ -161,6 +163,7 @@ def test_dispatch_round_trip_of_a_16_bit_message_equals_float32_path(dtype):
 @needs_cpu
 @pytest.mark.parametrize("dtype", NARROW, **ids)
 @pytest.mark.parametrize(("layout", "m"), [("dual", 700), ("folded", 1024)])
+@pytest.mark.cover(2)
 def test_packed_targets_native_equal_float32_composition(layout, m, dtype):
     cfg = dataclasses.replace(TACO, backend="ffi", group_size=128, scale_layout=layout)
     rng = np.random.default_rng(4)

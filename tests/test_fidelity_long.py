@@ -15,6 +15,8 @@ from _procs import run, start, wait_for
 from experiments.fidelity import fidelity_long as fl
 from experiments.fidelity import prepare_corpus as pc
 
+pytestmark = pytest.mark.fast
+
 STUDY = ["--models", "gpt2-tiny", "--steps", "6", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",
          "--eval-batches", "1", "--monitor-every", "2", "--checkpoint-every", "2", "--log-every", "1",
          "--milestones", "2", "4", "--train-window", "2"]

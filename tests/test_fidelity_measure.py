@@ -12,6 +12,8 @@ from scipy import stats
 
 from experiments.fidelity import fidelity_runs, grad_fidelity
 
+pytestmark = pytest.mark.slow
+
 
 def test_paired_ci_matches_scipy_ttest_rel():
     rng = np.random.default_rng(3)

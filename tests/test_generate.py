@@ -9,6 +9,8 @@ import pytest
 
 from taco_jax.models import InferenceModel, generate, load_hf
 
+pytestmark = pytest.mark.slow
+
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from experiments.gpu import gpu_check
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -34,6 +34,8 @@ from taco_jax.models import make_model
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.step import make_trainer
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_CALL = "__gpu$xla.gpu.triton"
 ALLOW_TRITON = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
@@ -180,6 +182,8 @@ AOT_VARIANTS = ["encode-bf16-e4m3-512", "encode-f32-e5m2-32", "decode-bf16-512-a
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton not installed (gpu-sim extra: pip install -e '.[gpu-sim]')")
+@pytest.mark.procs
+@pytest.mark.extras
 def test_triton_kernels_compile_for_sm90_without_spills_and_with_128bit_accesses(tmp_path):
     """Triton's whole pipeline to a cubin for sm_90 (experiments.gpu.triton_aot, in its own process:
     this suite may have turned the Triton interpreter on) for a representative subset of the

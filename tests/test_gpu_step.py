@@ -116,6 +116,8 @@ if __name__ == "__main__":
 import _procs  # noqa: E402
 import pytest  # noqa: E402
 
+pytestmark = pytest.mark.fast
+
 PLUGIN = pathlib.Path(os.environ.get("TACO_GPU_COMPILE_PATH", _procs.ROOT / ".venv" / "gpu-compile"))
 
 

@@ -18,6 +18,8 @@ from taco_jax.collectives import CommPolicy
 from taco_jax.models import count_params, hf, make_model
 from taco_jax.train.step import make_steps
 
+pytestmark = pytest.mark.slow
+
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MODELS = ("gpt2", "qwen2", "qwen3")
 TOL = 1e-4  # max abs, float32

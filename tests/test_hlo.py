@@ -4,6 +4,8 @@ import pytest
 
 from taco_jax.collectives.hlo import collective_bytes
 
+pytestmark = pytest.mark.fast
+
 LINES = {
     "list": "%a = f32[4,64]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
     "iota": "%b = u8[4,64]{1,0} all-gather(%x), replica_groups=[2,4]<=[8], dimensions={0}",

@@ -10,6 +10,8 @@ import pytest
 from taco_jax.models import get_config, hf
 from taco_jax.train.config import TrainConfig
 
+pytestmark = pytest.mark.slow
+
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 QWEN3_LABEL = "qwen3(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=16, mlp=64, vocab=99, context=64, tied)"
 RUN = dict(mesh="data=2,tensor=4", batch_size=4, seq_len=16, steps=2, warmup_steps=0, eval_every=2, eval_batches=1)

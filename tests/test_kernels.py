@@ -30,6 +30,8 @@ from taco_jax.kernels.conformance import (  # noqa: E402
     make_groups,
 )
 
+pytestmark = pytest.mark.fast
+
 ON_GPU = default_platform() == "cuda"
 FFI_REASON = ffi_codec.unavailable_reason(default_platform())
 needs_ffi = pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec library not available: {FFI_REASON}")
@@ -134,6 +136,7 @@ def test_encode_refuses_an_unregistered_backend():
 
 @pytest.mark.skipif(FFI_REASON is not None or len(jax.devices()) < 8, reason="needs the FFI library and 8 devices")
 @pytest.mark.parametrize(("comm", "backend"), [("none", "ffi"), ("taco", "auto")])
+@pytest.mark.slow
 def test_every_site_of_the_train_step_runs_the_requested_backend(monkeypatch, comm, backend):
     """The codecs of every site (tensor, data and stage axes) in the traced 3D train step run the
     backend asked for (`auto` resolved before tracing). Caught the DP/PP codecs running `reference`
@@ -239,6 +242,7 @@ def test_codec_quantizer_is_clamp_then_ml_dtypes(fmt, r, impl):
 @needs_ffi
 @pytest.mark.parametrize("g", [32, 64, 128, 256, 512])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.cover(2)
 def test_ffi_conforms_to_reference(g, fmt):
     check_backend("ffi", g, fmt)
 

@@ -17,6 +17,8 @@ from taco_jax.parallel.layers import layer_norm
 from taco_jax.train.config import TrainConfig
 from taco_jax.train.step import compiled_memory, make_steps, make_trainer, shard_batch
 
+pytestmark = pytest.mark.slow
+
 
 def test_norms_compute_in_f32_and_return_the_compute_dtype():
     """GPT-2's LayerNorm and Qwen's RMSNorm take bf16 rows with a mean far from 0 (the cancellation case,

@@ -12,6 +12,8 @@ from flax import nnx
 from taco_jax.collectives import CommPolicy
 from taco_jax.models import GPT, get_config
 
+pytestmark = pytest.mark.slow
+
 
 def _n_params(cfg):
     model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))  # allocates nothing

@@ -11,6 +11,8 @@ from flax import nnx
 from taco_jax import perf
 from taco_jax.models import MODELS, PRESETS, CausalLMConfig, count_params, get_config, make_model
 
+pytestmark = pytest.mark.fast
+
 
 def _tree(cfg) -> dict:
     """The model's parameters as a pure dict of ShapeDtypeStructs (allocates nothing)."""

@@ -17,6 +17,8 @@ from taco_jax.train.config import TrainConfig
 from taco_jax.train.monitor import Monitor, MonitorError, make_monitor_fn, monitor_due, summarize
 from taco_jax.train.step import make_trainer, shard_batch
 
+pytestmark = pytest.mark.slow
+
 SMALL = dict(model="gpt2-tiny", dtype="float32", vocab_size=512, batch_size=8, seq_len=32, warmup_steps=1,
              eval_every=50, eval_batches=1)
 

@@ -14,6 +14,8 @@ import pytest
 from taco_jax.codec import backends, dispatch, reference, wire
 from taco_jax.codec.config import CodecConfig
 
+pytestmark = pytest.mark.fast
+
 
 @contextlib.contextmanager
 def probe_backend(native: tuple[str, ...]):

@@ -11,6 +11,8 @@ import sys
 import pytest
 from _procs import CACHE_ENV
 
+pytestmark = [pytest.mark.notebook, pytest.mark.procs]
+
 ROOT = pathlib.Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 #: What each notebook prints once it has run through (every notebook must be listed here).

@@ -14,6 +14,8 @@ from taco_jax.models import get_config
 from taco_jax.perf import model
 from taco_jax.perf.model import CodecSpeed, Hardware, Layout, Link
 
+pytestmark = pytest.mark.fast
+
 SLOW = Link("slow", 1e-4, 1e-9)  # 1 GB/s
 FAST_CODEC = CodecSpeed(50.0, 50.0, 1e-5)
 

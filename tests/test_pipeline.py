@@ -15,6 +15,8 @@ from taco_jax.models import get_config, make_model
 from taco_jax.parallel import pipeline as pp
 from taco_jax.train.step import make_steps
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def mesh3d():

@@ -27,6 +27,8 @@ from taco_jax.train import loop
 from taco_jax.train import plan as planner
 from taco_jax.train.config import TrainConfig
 
+pytestmark = pytest.mark.fast
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +42,7 @@ def _per_device_bytes(tree) -> dict:
 
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", "qwen3-tiny"])
+@pytest.mark.slow
 def test_plan_matches_a_real_run_in_the_same_process(model, tmp_path):
     """The plan compiles from shapes alone: its wire bytes by axis are those a real run's summary
     reports (`wire_bytes_per_step`, the run's own compiled step), and its per-device argument memory

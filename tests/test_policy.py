@@ -11,6 +11,8 @@ from taco_jax.train.calibrate import calibrate, candidates, split_messages
 from taco_jax.train.capture import load_captures
 from taco_jax.train.config import CommFlags, TrainConfig
 
+pytestmark = pytest.mark.fast
+
 
 def test_json_round_trip(tmp_path):
     pol = CommPolicy(ar_fwd=CodecConfig(kind="int8", group_size=64, group_axis="token"),

@@ -19,6 +19,8 @@ from taco_jax.data import (
 from taco_jax.data import prepared as prep
 from taco_jax.data.shakespeare import EOT, play_text
 
+pytestmark = pytest.mark.fast
+
 QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
 
 
@@ -371,6 +373,7 @@ print(first, int(np.asarray(ds.train, np.int64).sum()), int(np.asarray(ds.val, n
 """
 
 
+@pytest.mark.procs
 def test_rewrite_under_a_running_reader(corpus, tmp_path):
     """`prepare-data` into the folder a running process memory-maps (a `train --data`): the files
     are replaced, not truncated, so the reader keeps reading the old tokens (no SIGBUS), and a new

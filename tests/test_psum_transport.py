@@ -21,6 +21,8 @@ from taco_jax.codec.backends import default_platform
 from taco_jax.collectives import compressed
 from taco_jax.kernels import ffi_codec
 
+pytestmark = pytest.mark.fast
+
 EPS = 2.0**-4 + 3e-5
 FFI_REASON = ffi_codec.unavailable_reason(default_platform())
 needs_ffi = pytest.mark.skipif(FFI_REASON is not None, reason=f"FFI codec library not available: {FFI_REASON}")

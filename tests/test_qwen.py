@@ -16,6 +16,8 @@ from taco_jax.models import Qwen, QwenConfig, get_config, make_model
 from taco_jax.models.qwen import rope
 from taco_jax.parallel import param_specs
 
+pytestmark = pytest.mark.slow
+
 
 def _n_params(cfg):
     model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0)))  # allocates nothing

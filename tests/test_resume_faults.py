@@ -13,6 +13,8 @@ from _procs import ROOT, TEST_XLA_FLAGS, TINY, cli, run
 
 from taco_jax.cli import _parser, config_from_argv, main
 
+pytestmark = pytest.mark.slow
+
 # -----------------------------------------------------------------------------
 # flags: no abbreviations; --policy FILE is the flag (--policy-file its other name)
 

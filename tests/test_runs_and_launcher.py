@@ -23,6 +23,8 @@ from _procs import ROOT, TINY, cli, env, metrics, run, start, wait_for
 from taco_jax import launch as launch_mod
 from taco_jax.cli import config_from_argv, main
 
+pytestmark = pytest.mark.fast
+
 
 def test_final_checkpoint_is_the_default_with_an_opt_out(tmp_path, capsys):
     """`train --help` offers --no-final-checkpoint; the flag and a config file's key turn it off. (The final
@@ -36,6 +38,7 @@ def test_final_checkpoint_is_the_default_with_an_opt_out(tmp_path, capsys):
     assert config_from_argv(["train", "--config", str(tmp_path / "c.toml")]).checkpoint.final_checkpoint is False
 
 
+@pytest.mark.slow
 def test_train_on_in_memory_tokens_without_a_tokenizer(tmp_path, capsys):
     """`train()` on a `TextDataset` of the caller's own token arrays with `tokenizer_path=""`: the run
     trains (nothing to copy: no tokenizer.json) and ends with its final checkpoint. Its validation
@@ -126,6 +129,7 @@ def _shadowing_folder(tmp_path) -> pathlib.Path:
     return cwd
 
 
+@pytest.mark.procs
 def test_launch_from_a_folder_holding_another_taco_jax(tmp_path):
     """The launcher (here `python -P`, as the console script: no working directory on its path) started
     in a folder holding another `taco_jax`: its processes import the launcher's package; the package's

@@ -17,6 +17,8 @@ from taco_jax.collectives import CommPolicy, gather_from_sp
 from taco_jax.models import get_config, make_model
 from taco_jax.parallel.context import ParallelContext, PendingGather
 
+pytestmark = pytest.mark.slow
+
 EPS32 = float(np.finfo(np.float32).eps)
 #: Exact codec: the overlapped block differs from the non-overlapped one only in summation order
 #: (XLA:CPU's dot over a [B, T/P, D] block accumulates differently from one over [B, T, D], and the

@@ -12,6 +12,8 @@ from taco_jax.train.config import TrainConfig
 from taco_jax.train.loop import train
 from taco_jax.train.step import make_trainer, shard_batch
 
+pytestmark = pytest.mark.slow
+
 SMALL = dict(model="gpt2-tiny", vocab_size=512, batch_size=8, seq_len=32, steps=30, warmup_steps=3, eval_every=15,
              eval_batches=2, lr=3e-3)
 

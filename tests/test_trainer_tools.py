@@ -21,6 +21,8 @@ from taco_jax.train.profile import hlo_op_names
 from taco_jax.train.sample import load_for_sampling
 from taco_jax.util import jsonio
 
+pytestmark = pytest.mark.slow
+
 QWEN3 = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3"
 
 TINY = ["--vocab-size", "512", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]

@@ -44,6 +44,8 @@ from taco_jax.codec.config import CodecConfig  # noqa: E402
 from taco_jax.kernels import triton_codec  # noqa: E402
 from taco_jax.kernels.conformance import assert_conforms, assert_decode_conforms, make_groups  # noqa: E402
 
+pytestmark = pytest.mark.extras
+
 _FP8 = {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
 _EXACT = {**_FP8, tl.bfloat16: ml_dtypes.bfloat16}
 _TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -25,8 +25,8 @@ from taco_jax.collectives import compressed
 from taco_jax.kernels import ffi_codec
 
 FFI_REASON = ffi_codec.unavailable_reason("cpu") if default_platform() == "cpu" else "not running on CPU"
-pytestmark = pytest.mark.skipif(FFI_REASON is not None,
-                                reason=f"fused wire path needs the CPU FFI codec library: {FFI_REASON}")
+pytestmark = [pytest.mark.fast, pytest.mark.skipif(
+    FFI_REASON is not None, reason=f"fused wire path needs the CPU FFI codec library: {FFI_REASON}")]
 # the scalar kernel is bit-identical to the AVX2 one (tests/test_kernels.py); here in `make test` (not `make test-fast`)
 IMPLS = (ffi_codec.IMPL_AUTO, pytest.param(ffi_codec.IMPL_SCALAR, marks=pytest.mark.slow, id="1"))
 
@@ -223,6 +223,7 @@ COLLECTIVES = {
 @pytest.mark.parametrize("p,rows,cols,layout", [(2, 8, 256, "dual"), (4, 12, 100, "folded"), (2, 6, 45, "dual"),
                                                 (4, 8, 512, "dual")], ids=str)
 @pytest.mark.parametrize("name", sorted(COLLECTIVES))
+@pytest.mark.cover(4)
 def test_collectives_bit_identical_fused_vs_unfused(name, p, rows, cols, layout, dtype):
     cfg = _cfg("e4m3" if cols % 2 == 0 else "e5m2", 32 if cols < 128 else 128, layout)
     x = _x((p * rows, cols), seed=rows + cols).astype(dtype)  # holds a NaN and an Inf (rank 0)
@@ -364,6 +365,7 @@ SP_SHAPES = [((2, 8, 64), 1), ((3, 4, 40), 1), ((2, 3, 8, 32), 2), ((2, 8, 16), 
                          ids=lambda v: jnp.dtype(v).name if not isinstance(v, int) else str(v))
 @pytest.mark.parametrize("shape,dim", SP_SHAPES, ids=str)
 @pytest.mark.parametrize("kind", ["all_gather", "all_gather_untiled", "psum_scatter", "psum_scatter_untiled"])
+@pytest.mark.cover(4)
 def test_sp_collectives_bit_identical_fused_vs_unfused(kind, shape, dim, p, dtype):
     cfg = _cfg("e4m3", 32, "dual")
     shape = list(shape)
