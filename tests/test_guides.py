@@ -13,6 +13,8 @@ import tokenize
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "taco_jax"
 #: The most docstring+comment lines `taco_jax/` may hold, as a share of its non-blank lines.
