@@ -23,7 +23,7 @@ from taco_jax.cli.common import (  # noqa: F401
     force_cpu_devices,
     show_warning,
 )
-from taco_jax.cli.flags import train_config, with_config
+from taco_jax.cli.flags import deprecated, train_config, with_config
 from taco_jax.train.config import PLAN_UNUSED, int_or_auto  # noqa: F401  (the CLI's names, kept)
 
 #: The command modules, in the order of `taco-jax --help`: each has `NAMES` (its subcommands),
@@ -57,8 +57,10 @@ def config_from_argv(argv: list[str]):
     `--config FILE` applied; nothing started). Raises ValueError naming a bad value; SystemExit for
     a malformed command line (as argparse)."""
     parser = _parser()
-    args, file_policy = with_config(parser, parser.parse_args(argv), argv, _parser)
-    return train_config(args, file_policy)
+    args, file_policy, note = with_config(parser, parser.parse_args(argv), argv, _parser)
+    cfg = train_config(args, file_policy)
+    deprecated(note)
+    return cfg
 
 
 def main(argv=None, *, own_process: bool = False) -> int:
@@ -74,7 +76,7 @@ def main(argv=None, *, own_process: bool = False) -> int:
     ctx = Context(parser, argv, own_process, _parser, config_from_argv)
     if args.command in FLAG_COMMANDS:
         try:
-            args, ctx.file_policy = with_config(parser, args, argv, _parser)
+            args, ctx.file_policy, ctx.note = with_config(parser, args, argv, _parser)
         except ValueError as e:
             return error(e, EXIT_BAD_INPUT)
     return MODULES[args.command].run(args, ctx)

@@ -125,7 +125,8 @@ class Context:
     """What a command's `run(args, ctx)` may need besides its flags: the whole `parser` (its
     `flag_parsers`: the `train` / `compare` / `plan` / `predict` subparsers), the command line `argv`
     (None: the process's), `own_process` (the command is the whole process: `cli.main`),
-    `file_policy` (the `--config` file's policy table where it applies, else None), `parser_of`
+    `file_policy` (the `--config` file's policy table where it applies, else None), `note` (the
+    `--config` file's deprecation line, printed once the run is accepted; "" for none), `parser_of`
     (builds the parser; `explicit=True`: flags without defaults) and `config_of` (the `TrainConfig`
     of a `train` / `compare` command line: `cli.config_from_argv`)."""
 
@@ -135,3 +136,4 @@ class Context:
     parser_of: Callable
     config_of: Callable
     file_policy: dict | None = None
+    note: str = ""

@@ -33,16 +33,17 @@ def add_flag(sp, flag, explicit: bool = False, hidden: bool = False) -> None:
     sp.add_argument(*names, **kw)
 
 
-def config_values(sp: argparse.ArgumentParser, path: str) -> tuple[dict, dict | None]:
+def config_values(sp: argparse.ArgumentParser, path: str, flat: list | None = None) -> tuple[dict, dict | None]:
     """The values of `--config path` as `sp`'s defaults (each checked and typed like its flag) and
-    the file's "policy" table (None without one). Raises ValueError naming the file and the
-    unknown key or bad value."""
+    the file's "policy" table (None without one); `flat` receives its deprecated flat keys
+    (`config.read_config_file`). Raises ValueError naming the file and the unknown key or bad
+    value."""
     from taco_jax.train.config import COMM_FLAGS, FLAGS, read_config_file
 
     actions = {a.dest: a for a in sp._actions if a.dest not in ("help", "config")}
     values, policy = {}, None
     command = sp.prog.split()[-1]
-    for key, value in read_config_file(path).items():
+    for key, value in read_config_file(path, [] if flat is None else flat).items():
         table = FLAGS.get(key) or (("communication", key) if key in COMM_FLAGS else None)  # its table, as given
         where = f"--config {path!r}: " + (f"[{table[0]}] {table[1]}" if table else key) + f"={value!r}"
         if key == "policy" and isinstance(value, dict):
@@ -96,17 +97,19 @@ def typed(action: argparse.Action, value, where: str):
 
 
 
-def with_config(parser, args, argv, parser_of) -> tuple[argparse.Namespace, dict | None]:
-    """`args` re-parsed with `--config FILE`'s values as the defaults (the command line wins), and
-    the file's policy table when it applies: when neither the file nor the command line gives a
-    communication flag (`CommFlags`; given on the command line, they replace the file's policy).
-    Raises ValueError naming the file and the key."""
+def with_config(parser, args, argv, parser_of) -> tuple[argparse.Namespace, dict | None, str]:
+    """`args` re-parsed with `--config FILE`'s values as the defaults (the command line wins), the
+    file's policy table when it applies (when neither the file nor the command line gives a
+    communication flag (`COMM_FLAGS`); given on the command line, they replace the file's policy),
+    and the file's deprecation line ("" for none: `config.flat_note`), for the command to print
+    once it has accepted the run (an error stays one line). `parser_of`: builds the parser
+    (`explicit=True`: flags without defaults). Raises ValueError naming the file and the key."""
     if not args.config:
-        return args, None
-    from taco_jax.train.config import COMM_FLAGS
+        return args, None, ""
+    from taco_jax.train.config import COMM_FLAGS, flat_note
 
-    sp = parser.flag_parsers[args.command]
-    values, policy = config_values(sp, args.config)
+    sp, flat = parser.flag_parsers[args.command], []
+    values, policy = config_values(sp, args.config, flat)
     sp.set_defaults(**values)
     args = parser.parse_args(argv)
     comm = set(COMM_FLAGS)
@@ -118,7 +121,17 @@ def with_config(parser, args, argv, parser_of) -> tuple[argparse.Namespace, dict
         say(f"taco-jax: --config {args.config!r}: its policy is replaced by the command line's "
              f"communication flags ({', '.join('--' + g.replace('_', '-') for g in sorted(given))})")
         policy = None
-    return args, policy
+    return args, policy, flat_note(flat, f"--config {args.config!r}")
+
+
+def deprecated(note: str) -> None:
+    """Gives `note` (a deprecation line; "" for none) as a FlagWarning: "[taco-jax] warning: ..."."""
+    if note:
+        import warnings
+
+        from taco_jax.train.config import FlagWarning
+
+        warnings.warn(note, FlagWarning, stacklevel=2)
 
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from taco_jax.cli.common import EXIT_BAD_INPUT, EXIT_NO_FIT, HelpFormatter, error, force_cpu_devices, say
-from taco_jax.cli.flags import add_flag, config_values, train_config
+from taco_jax.cli.flags import add_flag, config_values, deprecated, train_config
 
 NAMES = ("plan", "predict")
 
@@ -132,6 +132,7 @@ def run(args, ctx) -> int:
             return 0
         spec = get_hardware(args.hardware, args.hardware_file or None)
         cfg = planner.with_layers(train_config(args, ctx.file_policy), args.layers)
+        deprecated(ctx.note)
         if compile_:
             from taco_jax.train.loop import check_out_dir
 
@@ -188,7 +189,7 @@ def _paper_refusal(args, ctx) -> str:
     typed = {a.split("=", 1)[0] for a in (sys.argv[1:] if ctx.argv is None else ctx.argv) if a.startswith("--")}
     given = sorted(typed - {"--paper", "--json", "--config"})
     if args.config:  # the file's own settings, named as their flags (a file holding only paper = true is fine)
-        values, policy = config_values(ctx.parser.flag_parsers["predict"], args.config)
+        values, policy = config_values(ctx.parser.flag_parsers["predict"], args.config, [])
         first = ("--mesh", "--model", "--comm", "--hardware", "--hardware-file", "policy")  # named first
         keys = sorted({"--" + k.replace("_", "-") for k in values} - {"--paper", "--json"}
                       | ({"policy"} if policy is not None else set()),

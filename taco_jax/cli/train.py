@@ -17,7 +17,7 @@ from taco_jax.cli.common import (
     force_cpu_devices,
     say,
 )
-from taco_jax.cli.flags import add_flag, train_config
+from taco_jax.cli.flags import add_flag, deprecated, train_config
 
 NAMES = ("train", "compare")
 
@@ -94,6 +94,7 @@ def run(args, ctx) -> int:
         cfg = train_config(args, ctx.file_policy)  # validates every value before anything runs
     except ValueError as e:
         return error(e, EXIT_BAD_INPUT)
+    deprecated(ctx.note)
     import jax
 
     if dist is not None:

@@ -229,10 +229,6 @@ class CommFlags:
     def policy(self) -> CommPolicy:
         """The run's policy (see the class docstring). Raises ValueError naming the bad flag or value;
         a FlagWarning for `codec_kind` (deprecated: `comm` names the kind)."""
-        if self.codec_kind != CommFlags.codec_kind:
-            warnings.warn(f"codec_kind={self.codec_kind!r} (--codec-kind) is deprecated; write --comm "
-                          f"{self.codec_kind} (kind={self.codec_kind} in a --site or --policy file)", FlagWarning,
-                          stacklevel=3)
         tensor = self.tensor_codec()
         policy = CommPolicy(**dict.fromkeys(TENSOR_SITES, tensor), dp_grads=self.axis_codec(self.dp_comm, "dp_comm"),
                             pp_send=self.axis_codec(self.pp_comm, "pp_comm"),
@@ -244,6 +240,10 @@ class CommFlags:
             name, fields = parse_site(spec)
             policy = policy.with_sites({name: site_codec(getattr(policy, name), fields, spec, self)})
         self._check_effect(policy)
+        if self.codec_kind != CommFlags.codec_kind:  # accepted, as before; named once the policy is built
+            warnings.warn(f"codec_kind={self.codec_kind!r} (--codec-kind) is deprecated; write --comm "
+                          f"{self.codec_kind} (kind={self.codec_kind} in a --site or --policy file)", FlagWarning,
+                          stacklevel=3)
         return policy
 
     def _check_effect(self, policy: CommPolicy) -> None:
@@ -981,7 +981,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     return out
 
 
-def flag_values(values: dict, where: str = "config") -> dict:
+def flag_values(values: dict, where: str = "config", flat: list | None = None) -> dict:
     """{flag: value} of a config mapping: sectioned (`TrainConfig.to_dict()`, a TOML file with
     tables `[model]`, `[data]`, ...: each table's keys are its section's fields, plus `CommFlags`'
     names in `[communication]`) or flat (flag names at the top level, as config files and run
@@ -989,12 +989,15 @@ def flag_values(values: dict, where: str = "config") -> dict:
     "policy" table is `communication.policy`. Keys may use dashes. Top-level keys that are neither
     a section nor a flag come back unchanged (the caller names them).
 
+    `flat`: a list that receives the flat keys that are settings (`flat_note` says how to write
+    them in tables).
+
     Raises ValueError naming `where` and the key: a table that is no section (with the closest
     section's name), a key that is not in its table (naming the table it belongs to), a flag given
     both flat and in its table.
     """
     comm = set(COMM_FLAGS)
-    out, flat = {}, []
+    out, flat = {}, [] if flat is None else flat
 
     def put(flag, value, key):
         if flag in out:
@@ -1023,20 +1026,21 @@ def flag_values(values: dict, where: str = "config") -> dict:
             put(key, value, key)
             if key in FLAGS or key in comm or key == "policy":
                 flat.append(key)
-    if flat:  # read as before, named so that the file can be rewritten in tables
-        tables = ", ".join(f"{k} as [{_home(k)[0]}] {_home(k)[1]}" for k in flat[:3])
-        more = f" and {len(flat) - 3} more" if len(flat) > 3 else ""
-        warnings.warn(f"{where}: flat keys at the top level are deprecated; write each in its table ({tables}{more})",
-                      FlagWarning, stacklevel=3)
     return out
 
 
-def _home(flag: str) -> tuple[str, str]:
-    """(section, field) of a flag of `FLAGS`, `CommFlags` or "policy"."""
-    return ("communication", "policy" if flag == "policy" else flag) if flag not in FLAGS else FLAGS[flag]
+def flat_note(flat: list[str], where: str) -> str:
+    """The deprecation line of a `--config` file `where` with `flat` keys (`flag_values`): each
+    belongs in its table; "" for none."""
+    if not flat:
+        return ""
+    home = {**FLAGS, "policy": ("communication", "policy"), **{k: ("communication", k) for k in COMM_FLAGS}}
+    tables = ", ".join(f"{k} as [{home[k][0]}] {home[k][1]}" for k in flat[:3])
+    more = f" and {len(flat) - 3} more" if len(flat) > 3 else ""
+    return f"{where}: flat keys at the top level are deprecated; write each in its table ({tables}{more})"
 
 
-def read_config_file(path) -> dict:
+def read_config_file(path, flat: list | None = None) -> dict:
     """The flag values {flag: value} of a `--config FILE`: a TOML file (as torchtitan's), or a JSON
     object (".json", e.g. the `config.json` a run wrote). Tables mirror `TrainConfig`'s sections
     (`[model]`, `[data]`, `[training]`, `[parallelism]`, `[communication]`, `[checkpoint]`,
@@ -1044,9 +1048,16 @@ def read_config_file(path) -> dict:
     too and mapped to their section (`flag_values`). "policy" (`[communication.policy]`, or a flat
     "policy" table) is a `CommPolicy.to_dict()`, as config.json holds it.
 
+    Flat keys that are settings are deprecated: listed in `flat` when given (the command line
+    prints their line once the run is accepted), else a FlagWarning (`flat_note`).
+
     Raises ValueError naming the file when it cannot be read or parsed, is not a table / object,
     or has a key outside its table (`flag_values`).
     """
     from taco_jax.util.jsonio import read_table
 
-    return flag_values(read_table(path, "--config"), f"--config {str(path)!r}")
+    where, keys = f"--config {str(path)!r}", [] if flat is None else flat
+    values = flag_values(read_table(path, "--config"), where, keys)
+    if flat is None and keys:
+        warnings.warn(flat_note(keys, where), FlagWarning, stacklevel=2)
+    return values
