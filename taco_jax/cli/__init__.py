@@ -20,11 +20,10 @@ from taco_jax.cli.common import (  # noqa: F401
     Context,
     Parser,
     error,
-    force_cpu_devices,
     show_warning,
 )
 from taco_jax.cli.flags import deprecated, train_config, with_config
-from taco_jax.train.config import PLAN_UNUSED, int_or_auto  # noqa: F401  (the CLI's names, kept)
+from taco_jax.train.config import PLAN_UNUSED  # noqa: F401  (where tests and scripts look for it)
 
 #: The command modules, in the order of `taco-jax --help`: each has `NAMES` (its subcommands),
 #: `add_parser(sub, explicit)` and `run(args, ctx) -> exit status`.
@@ -33,8 +32,6 @@ COMMANDS = (train, plan, launch, calibrate, prepare_data, sample)
 MODULES = {name: module for module in COMMANDS for name in module.NAMES}
 #: The subcommands whose flags are `train`'s settings: `--config FILE` applies to them.
 FLAG_COMMANDS = ("train", "compare", "plan", "predict")
-#: Names of the command line before it became a package (tests, experiments/hlo_dump.py).
-_force_cpu_devices, _show_warning, _int_or_auto = force_cpu_devices, show_warning, int_or_auto
 
 
 def _parser(explicit: bool = False):

@@ -976,7 +976,10 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         return cfg
     out = copy.copy(cfg)  # no second construction: its checks passed, its warning was given
     out.__dict__.pop("model_config", None)  # cached before the vocabulary was known
-    out._settle(full=True, warn=False)
+    try:
+        out._settle(full=True, warn=False)
+    except ValueError as e:
+        raise _blame(e) from None
     object.__setattr__(out, "_resolved", True)
     return out
 
