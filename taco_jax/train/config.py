@@ -1,7 +1,13 @@
 """Typed training configuration: `TrainConfig` (one run, in sections: model, data, training,
 parallelism, communication, checkpoint, logging; `communication.policy` holds every codec setting),
 `CommFlags` (the command line's communication flags, mapped to that policy in one place) and
-`read_config_file` (`--config FILE`: TOML tables mirror the sections)."""
+`read_config_file` (`--config FILE`: TOML tables mirror the sections).
+
+Each setting is declared once, as a `setting(...)` field (flag, help, place in `--help`, the
+commands it applies to, parser); `flags()`, `FLAGS`, `PLAN_UNUSED`, `PATH_FLAGS` and the CLI
+(`taco_jax.cli.flags`) derive from the declarations. A bad value raises `ConfigError(field, flag,
+message)`. Building a `TrainConfig` reads no file; `resolve(cfg)` reads `--data`'s meta.json and
+`--init-from`'s config.json."""
 
 from __future__ import annotations
 
@@ -61,19 +67,20 @@ LISTINGS = {"{kinds}": lambda: " | ".join(codec_kinds()[1:]), "{presets}": lambd
 
 
 def setting(default, help: str, *, order: int, flag: str = "", applies: str = "both", parse=None, metavar=None,
-            choices=None, aliases: tuple[str, ...] = (), append: bool = False):
+            choices=None, aliases: tuple[str, ...] = (), append: bool = False, path: bool = False):
     """A dataclass field that is a command-line setting, declared once: its default, `help` (its
     `--help` line; "{kinds}" / "{presets}" become the registries' lists, `LISTINGS`), `order` (its
     place in `--help`, ascending), `flag` (its name where it differs from the field's), `applies`
     (a key of `APPLIES`), `parse` (a function returning the argparse type; default the default's
     type), `metavar`, `choices` (a function returning them), `aliases` (more option strings),
-    `append` (repeatable: a list of values). The CLI (`cli.flags`), `FLAGS`, `PLAN_UNUSED`,
-    `--config` tables and config.json derive from these declarations."""
+    `append` (repeatable: a list of values), `path` (a folder, recorded absolute: `PATH_FLAGS`).
+    The CLI (`cli.flags`), `FLAGS`, `PLAN_UNUSED`, `--config` tables and config.json derive from
+    these declarations."""
     if applies not in APPLIES:
         raise ValueError(f"applies={applies!r} must be one of {sorted(APPLIES)}")
     return dataclasses.field(default=default, metadata={
         "flag": flag, "help": help, "order": order, "applies": APPLIES[applies], "parse": parse,
-        "metavar": metavar, "choices": choices, "aliases": aliases, "append": append})
+        "metavar": metavar, "choices": choices, "aliases": aliases, "append": append, "path": path})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +213,12 @@ class CommFlags:
     def tensor_codec(self) -> CodecConfig:
         """The codec of every tensor-axis site (`--comm` and the codec flags)."""
         if self.comm not in codec_kinds():
-            raise bad("comm", f"comm={self.comm!r} is not supported; choose 'none' or a codec kind {codec_kinds()[1:]}")
+            raise flag_error("comm", f"comm={self.comm!r} is not supported; choose 'none' or a codec kind "
+                             f"{codec_kinds()[1:]}")
         kind = self.codec_kind if self.comm == "taco" else self.comm
         if self.comm not in ("none", "taco") and self.codec_kind not in ("taco", self.comm):
-            raise bad("comm", f"comm={self.comm!r} and codec_kind={self.codec_kind!r} disagree; give one of them")
+            raise flag_error("comm", f"comm={self.comm!r} and codec_kind={self.codec_kind!r} disagree; give one of "
+                             "them")
         if kind == "none":
             return NONE
         return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, scale_layout=self.scale_layout,
@@ -222,7 +231,7 @@ class CommFlags:
         if kind == "none":
             return NONE
         if kind not in codec_kinds():
-            raise bad(flag, f"{flag}={kind!r} is not supported; choose one of {codec_kinds()}")
+            raise flag_error(flag, f"{flag}={kind!r} is not supported; choose one of {codec_kinds()}")
         return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, nonfinite=self.nonfinite,
                            backend=self.backend, hadamard=get_kind(kind).hadamard == "optional")
 
@@ -282,13 +291,14 @@ class CommFlags:
                             ("reduce_domain", "reduce_domain"), ("chunks", "chunks")):
             if self.policy_file and getattr(self, flag) != getattr(default, flag) and \
                     getattr(policy, field) != getattr(self, flag):
-                raise bad(flag, f"{flag}={getattr(self, flag)!r} has no effect: the policy file {self.policy_file!r} "
-                          f"sets {field}={getattr(policy, field)!r}; drop the flag or change the file")
+                raise flag_error(flag, f"{flag}={getattr(self, flag)!r} has no effect: the policy file "
+                                 f"{self.policy_file!r} sets {field}={getattr(policy, field)!r}; drop the flag or "
+                                 "change the file")
         if self.algorithm == "one_shot":  # the one-shot all-reduce sends whole messages: no chunks, no domain
             for flag in ("chunks", "reduce_domain"):
                 if getattr(self, flag) != getattr(default, flag):
-                    raise bad(flag, f"{flag}={getattr(self, flag)!r} has no effect with algorithm='one_shot' "
-                              "(it applies to the two-shot all-reduce); drop one of them")
+                    raise flag_error(flag, f"{flag}={getattr(self, flag)!r} has no effect with algorithm='one_shot' "
+                                     "(it applies to the two-shot all-reduce); drop one of them")
         for flag, (reached, needs) in applies.items():
             if getattr(self, flag) == getattr(default, flag) or reached:
                 continue
@@ -299,7 +309,7 @@ class CommFlags:
             if not codecs:
                 warnings.warn(f"{msg}; the run is exact, so it is ignored", FlagWarning, stacklevel=4)
                 continue
-            raise bad(flag, f"{msg}; drop the flag or choose a codec it applies to")
+            raise flag_error(flag, f"{msg}; drop the flag or choose a codec it applies to")
 
 
 def parse_site(spec: str) -> tuple[str, dict]:
@@ -350,10 +360,10 @@ def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
 def _invalid(section: str, field: str, value, rule: str) -> ConfigError:
     """The error of a bad field value: names the value, its flag and its `--config` table, e.g.
     "lr=-1.0 must be positive and finite; set by --lr or [training] lr"."""
-    return bad(FIELD_FLAGS[section, field], f"{field}={value!r} {rule}")
+    return flag_error(FIELD_FLAGS[section, field], f"{field}={value!r} {rule}")
 
 
-def bad(flag: str, message: str) -> ConfigError:
+def flag_error(flag: str, message: str) -> ConfigError:
     """The `ConfigError` of flag `flag` (a `FLAGS` or `CommFlags` name): `message` with "; set by
     --FLAG or [SECTION] FIELD" appended (once)."""
     section, field = FLAGS[flag] if flag in FLAGS else ("communication", flag)
@@ -373,7 +383,7 @@ def _blame(err: ValueError, flag: str = "") -> ValueError:
         flag = {"all_reduce_algorithm": "algorithm"}.get(head, head)
     if flag not in FLAGS and flag not in COMM_FLAGS:
         return err
-    return bad(flag, str(err))
+    return flag_error(flag, str(err))
 
 
 def _positive(section: str, obj, names) -> None:
@@ -391,7 +401,7 @@ class ModelSection:
                         "checkpoint's: {presets}", flag="model", order=0, choices=lambda: sorted(PRESETS),
                         metavar="PRESET")
     init_from: str = setting("", "Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the "
-                             "model", order=200)
+                             "model", order=200, path=True)
     vocab_size: int = setting(0, "model vocabulary (and Shakespeare's BPE); 0: --data's, a published preset's own, "
                               "else 2048", order=90)
     make_vocab_size_divisible_by: int = setting(128, "pad the vocabulary to a multiple of this × tensor size "
@@ -414,7 +424,7 @@ class DataSection:
     """`[data]`: what a step reads. `path` is the `--data` flag."""
 
     path: str = setting("", "token folder of `taco-jax prepare-data` (train.bin, val.bin, meta.json); default: "
-                        "Shakespeare", flag="data", order=210)
+                        "Shakespeare", flag="data", order=210, path=True)
     batch_size: int = setting(16, "global batch (sequences); divided over the data axis", order=70)
     seq_len: int = setting(128, "tokens per sequence", order=80)
 
@@ -527,8 +537,8 @@ class CommunicationSection:
             except json.JSONDecodeError:
                 ok = False
             if not ok:
-                raise bad("emulated_link", f"emulated_link={self.emulated_link[:80]!r} must be a JSON object (the "
-                          "link description `taco-jax launch --link` passes), or empty")
+                raise flag_error("emulated_link", f"emulated_link={self.emulated_link[:80]!r} must be a JSON object "
+                                 "(the link description `taco-jax launch --link` passes), or empty")
         if self.transport not in TRANSPORTS:
             raise _invalid("communication", "transport", self.transport, f"must be one of {TRANSPORTS}")
 
@@ -555,7 +565,7 @@ class CheckpointSection:
     resume_fallback: bool = setting(True, "--resume: newest checkpoint corrupt -> the newest intact one (warned); "
                                     "off: refuse", order=380, applies="train")
     export_hf: str = setting("", "after training (and on SIGTERM) write the weights as an HF checkpoint ({out}/hf: in "
-                             "--out)", order=220, applies="train")
+                             "--out)", order=220, applies="train", path=True)
     overwrite_export: bool = setting(False, "let --export-hf replace another run's export or write into another "
                                      "run's folder", order=230, applies="train")
 
@@ -657,7 +667,7 @@ PLAN_UNUSED = frozenset(fl.name for fl in flags() if "plan" not in fl.applies)
 #: Flags naming folders, recorded absolute (against the current folder) by `TrainConfig.to_dict`: a
 #: run's config.json names the same folders wherever it is read from (`taco-jax sample --from`, `--config`).
 #: An `export_hf` inside the run's `out` is recorded relative to it (`recorded_export`).
-PATH_FLAGS = ("init_from", "data", "export_hf")
+PATH_FLAGS = tuple(fl.name for fl in flags() if fl.path)
 #: The run's `out` folder at the start of `export_hf` ("{out}/hf"): `CheckpointSection.export_dir`.
 OUT_DIR = "{out}"
 
@@ -739,7 +749,8 @@ class TrainConfig:
         data, batch = axes.get(DATA, 1), self.data.batch_size
         mesh = f"--mesh {self.parallelism.mesh}"
         if batch % data:
-            raise bad("batch_size", f"batch_size={batch} is not divisible by data={data} ({mesh}); change either")
+            raise flag_error("batch_size", f"batch_size={batch} is not divisible by data={data} ({mesh}); change "
+                             "either")
         if full:
             try:
                 check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), microbatches,
@@ -752,19 +763,19 @@ class TrainConfig:
                           f"--microbatches {microbatches}; a schedule orders stage > 1 or microbatches > 1), so it "
                           "is ignored", FlagWarning, stacklevel=4)
         if self.logging.capture and self.parallelism.pipelined:
-            raise bad("capture", f"capture={self.logging.capture} needs the unpipelined layout (stage=1, "
-                      "microbatches=1); capture on pipelined meshes is not supported")
+            raise flag_error("capture", f"capture={self.logging.capture} needs the unpipelined layout (stage=1, "
+                             "microbatches=1); capture on pipelined meshes is not supported")
         if self.logging.monitor_every and self.parallelism.pipelined:
-            raise bad("monitor_every", f"monitor_every={self.logging.monitor_every} needs the unpipelined layout "
-                      "(stage=1, microbatches=1); the monitor on pipelined meshes is not supported")
+            raise flag_error("monitor_every", f"monitor_every={self.logging.monitor_every} needs the unpipelined "
+                             "layout (stage=1, microbatches=1); the monitor on pipelined meshes is not supported")
         if batch % (data * microbatches):
-            raise bad("batch_size", f"batch_size={batch} is not divisible by data × microbatches = {data} × "
-                      f"{microbatches} ({mesh}, --microbatches {microbatches})")
+            raise flag_error("batch_size", f"batch_size={batch} is not divisible by data × microbatches = {data} × "
+                             f"{microbatches} ({mesh}, --microbatches {microbatches})")
         if not full:
             return
         if self.data.seq_len > self.model_config.block_size:
-            raise bad("seq_len", f"seq_len={self.data.seq_len} exceeds the model's block_size="
-                      f"{self.model_config.block_size} (model {self.model.name})")
+            raise flag_error("seq_len", f"seq_len={self.data.seq_len} exceeds the model's block_size="
+                             f"{self.model_config.block_size} (model {self.model.name})")
         try:
             self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), seq_len=self.data.seq_len,
                                                     sequence_parallel=self.parallelism.sequence_parallel)
@@ -785,7 +796,7 @@ class TrainConfig:
         try:
             ckpt = self.model_config
         except ValueError as e:
-            raise bad("init_from", f"init_from={init_from!r}: {e}") from None
+            raise flag_error("init_from", f"init_from={init_from!r}: {e}") from None
         label = architecture_label(ckpt)
         if name in ("", label):
             return label
@@ -793,7 +804,7 @@ class TrainConfig:
             same = {f: getattr(ckpt, f) for f in ("vocab_size", "vocab_multiple", "dtype", "remat", "init_std")}
             if get_config(name, **same) == ckpt:
                 return label
-        raise bad("model", f"model={name!r} disagrees with init_from={init_from!r}, a {label}; "
+        raise flag_error("model", f"model={name!r} disagrees with init_from={init_from!r}, a {label}; "
                          "leave --model out (the checkpoint sets the model)")
 
     def _resolve_vocab(self, name: str) -> int:
@@ -819,7 +830,7 @@ class TrainConfig:
             own = PRESETS[name].vocab_size
             theirs = int(read_meta(data)["vocab_size"]) if data else 0
             if theirs > own:
-                raise bad("data", f"data={data!r} has a vocabulary of {theirs:,} ids (meta.json) and {name} "
+                raise flag_error("data", f"data={data!r} has a vocabulary of {theirs:,} ids (meta.json) and {name} "
                                  f"(a published model) has {own:,}; prepare the data with the model's tokenizer, "
                                  f"or give --vocab-size {theirs} (then the model is not the published one)")
             return own
