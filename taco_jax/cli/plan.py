@@ -90,27 +90,14 @@ def add_parser(sub, explicit: bool = False) -> None:
 def run(args, ctx) -> int:
     """`taco-jax plan` / `predict` (taco_jax/train/plan.py): checks every value, then prints the table;
     `plan` writes plan.json and plan.md to --out. `ctx`: `common.Context`."""
-    if args.command == "predict" and args.paper:  # its settings are fixed: another flag would be ignored
-        refused = _paper_refusal(args, ctx)
-        if refused:
-            return error(ValueError(refused), EXIT_BAD_INPUT)
-    import json
-    import pathlib
-
+    if args.command == "predict" and args.paper:
+        return _paper(args, ctx)
     compile_ = args.command == "plan" and not args.no_compile
     wins = (f"--devices {args.devices}" if args.devices else f"--mesh {args.mesh}") if ctx.own_process else ""
-    if not (args.command == "predict" and args.paper):
-        from taco_jax.parallel.mesh import parse_mesh
-
-        try:
-            n = 1
-            for v in parse_mesh(args.mesh).values():
-                n *= v
-        except ValueError as e:
-            return error(e, EXIT_BAD_INPUT)
-        if args.devices is not None and args.devices != n:
-            return error(ValueError(f"devices={args.devices} differs from the mesh {args.mesh!r} ({n} devices); "
-                                     "give the mesh's size"), EXIT_BAD_INPUT)
+    try:
+        n = _device_count(args)
+    except ValueError as e:
+        return error(e, EXIT_BAD_INPUT)
     compiler = "cpu"
     if compile_:
         from taco_jax.train import deviceless
@@ -126,17 +113,13 @@ def run(args, ctx) -> int:
     from taco_jax.train import plan as planner
 
     try:
-        if args.command == "predict" and args.paper:
-            rows = planner.paper_table()
-            print(json.dumps(rows, indent=2) if args.json else "\n".join([PAPER_NOTE, *planner.paper_lines(rows)]))
-            return 0
         spec = get_hardware(args.hardware, args.hardware_file or None)
         cfg = planner.with_layers(train_config(args, ctx.file_policy), args.layers)
         deprecated(ctx.note)
         if compile_:
             from taco_jax.train.loop import check_out_dir
 
-            out = check_out_dir(args.out)
+            check_out_dir(args.out)  # a file or an unwritable --out: refused before the compile
         devices = None
         if compiler == "gpu":
             if args.compiler == "auto" and spec.target is None:  # the user's entry says nothing of its GPU
@@ -158,9 +141,32 @@ def run(args, ctx) -> int:
                               devices=devices, extrapolate=extrapolate)
     except ValueError as e:
         return error(e, EXIT_BAD_INPUT)
-    if args.command == "plan":
-        from taco_jax.util import jsonio
+    return _report(args, result, spec)
 
+
+def _device_count(args) -> int:
+    """The devices of `--mesh`. Raises ValueError naming a malformed mesh, or a `--devices` that
+    differs from its size."""
+    from taco_jax.parallel.mesh import parse_mesh
+
+    n = 1
+    for v in parse_mesh(args.mesh).values():
+        n *= v
+    if args.devices is not None and args.devices != n:
+        raise ValueError(f"devices={args.devices} differs from the mesh {args.mesh!r} ({n} devices); give the mesh's "
+                         "size")
+    return n
+
+
+def _report(args, result: dict, spec) -> int:
+    """Prints the plan (`--json`: as JSON), writes plan.json and plan.md (`plan`); the exit status:
+    `EXIT_NO_FIT` when XLA:GPU's memory verdict says the step does not fit `spec`'s GPU."""
+    import pathlib
+
+    from taco_jax.train import plan as planner
+    from taco_jax.util import jsonio
+
+    if args.command == "plan":
         out = pathlib.Path(args.out)
         if (out / "plan.json").exists() or (out / "plan.md").exists():
             say(f"plan: replacing the previous plan in {out} (give another --out to keep it)")
@@ -168,8 +174,6 @@ def run(args, ctx) -> int:
         jsonio.write(out / "plan.json", result)
         (out / "plan.md").write_text(planner.markdown(result))
     if args.json:
-        from taco_jax.util import jsonio
-
         print(jsonio.dumps(result, indent=2))
     else:
         print("\n".join(planner.lines(result)))
@@ -181,6 +185,24 @@ def run(args, ctx) -> int:
         return EXIT_NO_FIT
     return 0
 
+
+
+def _paper(args, ctx) -> int:
+    """`predict --paper`: the model's GPU table at the paper's fixed settings (refused with another
+    flag, which it would ignore)."""
+    import json
+
+    from taco_jax.train import plan as planner
+
+    refused = _paper_refusal(args, ctx)
+    if refused:
+        return error(ValueError(refused), EXIT_BAD_INPUT)
+    try:
+        rows = planner.paper_table()
+    except ValueError as e:
+        return error(e, EXIT_BAD_INPUT)
+    print(json.dumps(rows, indent=2) if args.json else "\n".join([PAPER_NOTE, *planner.paper_lines(rows)]))
+    return 0
 
 
 def _paper_refusal(args, ctx) -> str:
