@@ -82,33 +82,33 @@ test-gpu-sim: install gpu-sim cuda
 
 ## The collective benchmark as docs/results.md "Every compressed collective, measured" runs it (2 processes over
 ## gloo, taco vs exact, 64 KB to 64 MB per rank, 9 interleaved rounds): JSON, PNG and
-## Markdown in $(BENCH_OUT). Other options: BENCH_ARGS (python -m experiments.bench_collectives --help).
+## Markdown in $(BENCH_OUT). Other options: BENCH_ARGS (python -m experiments.collectives.bench_collectives --help).
 BENCH_OUT  ?= runs/bench_collectives
 BENCH_ARGS ?= --transports gloo --ranks 2 --codecs none,taco --backends ffi --dtypes float32 \
               --sizes 64K,1M,4M,16M,64M --runs 9 --variants 'two_shot,one_shot,hd:algorithm=two_shot:reduce_domain=hadamard'
 bench: install
-	$(PY) -m experiments.bench_collectives --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(PY) -m experiments.collectives.bench_collectives --out $(BENCH_OUT) $(BENCH_ARGS)
 
 ## The fidelity study as docs/fidelity.md "Convergence" runs it (paired seeds, none vs taco vs int8 on gpt2-tiny and
 ## qwen3-tiny, 60 steps, 8 seeds): summary JSON, Markdown and plot in $(FIDELITY_OUT).
-## Other options: FIDELITY_ARGS (python -m experiments.fidelity_runs --help).
+## Other options: FIDELITY_ARGS (python -m experiments.fidelity.fidelity_runs --help).
 FIDELITY_OUT  ?= runs/fidelity_runs_lr1e-3
 FIDELITY_ARGS ?= --models gpt2-tiny qwen3-tiny --variants none taco int8 --seeds 8 --eval-batches 64 \
                  --mesh data=1,tensor=2 --steps 60 --lr 1e-3 --batch-size 8 --seq-len 128 --backend ffi
 fidelity: install
-	$(PY) -m experiments.fidelity_runs --out $(FIDELITY_OUT) $(FIDELITY_ARGS)
+	$(PY) -m experiments.fidelity.fidelity_runs --out $(FIDELITY_OUT) $(FIDELITY_ARGS)
 
 ## The long paired study (docs/fidelity.md "Fidelity at length"): gpt2 and qwen3, 4 seeds × {exact, taco} × 2,000
 ## steps on the CPython-stdlib corpus (prepared first when missing), TP=2 with sequence parallelism, bf16. Resumable:
 ## run it again after a stop and it continues; with every run finished it only rebuilds the tables and plots.
-## Tables from the saved runs alone: FIDELITY_LONG_ARGS=--analyze. Other options: python -m experiments.fidelity_long --help.
+## Tables from the saved runs alone: FIDELITY_LONG_ARGS=--analyze. Other options: python -m experiments.fidelity.fidelity_long --help.
 CORPUS            ?= runs/corpus/cpython-stdlib
 FIDELITY_LONG_OUT ?= runs/fidelity_long
 FIDELITY_LONG_ARGS ?=
 $(CORPUS)/corpus.json: | $(STAMP)
-	$(PY) -m experiments.prepare_corpus --out $(CORPUS)
+	$(PY) -m experiments.fidelity.prepare_corpus --out $(CORPUS)
 fidelity-long: install $(CORPUS)/corpus.json
-	$(PY) -m experiments.fidelity_long --corpus $(CORPUS) --out $(FIDELITY_LONG_OUT) $(FIDELITY_LONG_ARGS)
+	$(PY) -m experiments.fidelity.fidelity_long --corpus $(CORPUS) --out $(FIDELITY_LONG_OUT) $(FIDELITY_LONG_ARGS)
 
 ## Where compression pays: exact vs TACO end to end on emulated links (network namespaces: root), the
 ## link sweep, TP 2/4, SP on/off, bf16/f32, chunks, the collective matmul, two tiers, and the cost model
@@ -116,19 +116,19 @@ fidelity-long: install $(CORPUS)/corpus.json
 E2E_OUT  ?= runs/e2e_study
 E2E_ARGS ?=
 bench-e2e: install
-	$(PY) -m experiments.e2e_study --out $(E2E_OUT) $(E2E_ARGS)
+	$(PY) -m experiments.e2e.e2e_study --out $(E2E_OUT) $(E2E_ARGS)
 
 ## One link, exact vs TACO (gpt2-narrow, TP=2 + SP, 2 processes, 2 rounds; ~3 min at 250 Mbit/s; root for a shaped
 ## link): `make bench-e2e-link LINK=150mbit` (LINK: a rate, none = loopback, or intra=RATE,inter=RATE with
 ## LINK_ARGS='--launch-args "--nodes 2"'). Table and JSON in runs/bench_e2e/<link> (LINK_OUT=DIR elsewhere); other options:
-## LINK_ARGS (python -m experiments.bench_e2e --help). Both bench-e2e targets refuse a busy machine (docs/emulated.md);
+## LINK_ARGS (python -m experiments.e2e.bench_e2e --help). Both bench-e2e targets refuse a busy machine (docs/emulated.md);
 ## on a shared host, E2E_ARGS / LINK_ARGS="--wait-quiet 900" waits it out and reruns a round it was busy during.
 comma    := ,
 LINK     ?= 250mbit
 LINK_OUT ?= runs/bench_e2e/$(subst =,-,$(subst $(comma),_,$(LINK)))
 LINK_ARGS ?=
 bench-e2e-link: install
-	$(PY) -m experiments.bench_e2e --links '$(LINK)' --sequence-parallel --out $(LINK_OUT) $(LINK_ARGS)
+	$(PY) -m experiments.e2e.bench_e2e --links '$(LINK)' --sequence-parallel --out $(LINK_OUT) $(LINK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check taco_jax tests experiments

@@ -11,36 +11,21 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
     that node's processes. No interface is made in the caller's namespace.
   - Routes are per peer (/32): a peer on the same node via `i0`, any other via `x0`. The links carry
     IPv4 only (`IPV6_DEFAULT`): no traffic of their own.
-  - Every interface is shaped on egress on both sides (process side and switch side, so a
-    process neither sends nor receives faster than its link): `tbf rate R burst B limit L`,
-    L = B + max(100 ms of the rate, 64 KB) (`latency 100ms`, and room for TCP's initial window on
-    slow links).
-    Send side (the process's interface): B = max(4 KB, R × 250 µs), a small bucket, so the messages of a
-    step are shaped too (at high rates the bucket must cover the timer's granularity or the rate is not
-    reached; 4 KB holds two full frames). A bucket passes its bytes at once after an idle gap, which no real
-    link does: with the 32 KB floor used until 2026-12-03 the first 32 KB of every message were free below 1
-    Gbit/s (1.05 ms at 250 Mbit/s, 5.2 ms at 50 Mbit/s), which favoured small messages, i.e. TACO and its
-    chunks (docs/emulated.md, "The bucket"). Receive side (the switch port toward the process): B_rx =
-    max(32 KB, R × 1 ms). Its input is already shaped to R by the sender's tbf, whose timer fires late when
-    the cores are busy; a bucket as small as the sender's then idles through that delay and loses the
-    tokens: two such queues in series delivered 0.74–0.83 of 1 Gbit/s on a loaded 2-core machine (the
-    sender's alone: 0.95). B_rx holds 1 ms of the delay, so the link keeps its rate (0.93–0.96 from 250
-    Mbit/s to 4 Gbit/s under the same load); the receive cap still holds for traffic from several senders,
-    which may exceed R by B_rx after an idle period. Per message, a shaped link costs what an unshaped veth
-    does, ~0.3–0.5 ms under load (docs/emulated.md, "The per-message cost of an emulated link").
+  - Every interface is shaped on egress on both sides (a process neither sends nor receives faster
+    than its link): `tbf rate R burst B limit L`, L = B + max(100 ms of the rate, 64 KB).
+    Send side: B = max(4 KB, R × 250 µs), small so that a step's messages are shaped too (a bucket
+    passes its bytes at once after an idle gap, which favours small messages; docs/emulated.md,
+    "The bucket"). Receive side (the switch port): B_rx = max(32 KB, R × 1 ms), so that the sender's
+    late timer on busy cores does not cost the link its rate.
 Two tiers (`--link intra=8gbit,inter=1gbit --nodes K`): processes 0..N/K-1 are node 0, the next
 N/K node 1, ... . Devices of process i are global devices i·d .. (i+1)·d-1 and a mesh spec
 takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nodes of 2
 one-device processes puts each tensor pair inside a node (`check_tensor_in_node`).
 
-Each link is measured before the run by a bulk TCP transfer between the namespaces (bounded in
-bytes and time; payload bits/s, i.e. without Ethernet/IP/TCP headers: ~95 % of the tbf rate): the
-bucket's burst, which passes at once, and then at least `MIN_PROBE_BYTES` timed at the receiver by
-the kernel's arrival stamps, so slow links (down to `MIN_RATE_BPS`, the slowest accepted) are
-measured too, also while the cores are busy.
-Cleanup: `Cluster.close()` (run end, failure, SIGTERM), a reaper process that cleans up when the
-launcher dies by any signal (it waits for the end of a pipe), and `cleanup_stale()` at the next
-start or `taco-jax launch --cleanup` (namespaces whose launcher is gone).
+Each link is measured before the run by a bulk TCP transfer (payload bits/s, ~95 % of the tbf
+rate): the bucket's burst, then at least `MIN_PROBE_BYTES` timed by the kernel's arrival stamps.
+Cleanup: `Cluster.close()`, a reaper process when the launcher dies by any signal, and
+`cleanup_stale()` at the next start or `taco-jax launch --cleanup`.
 """
 
 from __future__ import annotations
@@ -272,10 +257,9 @@ def _in_netns(ns: str, fn):
         os.close(here)
 
 
-#: The namespace's default IPv6 setting of new interfaces (per namespace). `Cluster` sets it to 1 in its
-#: namespaces before making their links: otherwise every link's own IPv6 (link-local address, duplicate
-#: address detection, router solicitations, MLD reports: 6 packets, 516 bytes in its first 3 s, measured
-#: with `tc -s`) takes turns on the shaped link, ~40 ms of a 100 kbit/s link, during the link test too.
+#: The namespace's default IPv6 setting of new interfaces. `Cluster` sets it to 1 in its namespaces
+#: before making their links: otherwise each link's own IPv6 chatter (516 bytes in its first 3 s) takes
+#: turns on the shaped link, during the link test too.
 IPV6_DEFAULT = pathlib.Path("/proc/sys/net/ipv6/conf/default/disable_ipv6")
 
 #: Fewest payload bytes a link test times after the bucket's burst: 16 full TCP segments, so the
@@ -337,16 +321,12 @@ def wire_bit_per_s(payload_bit_per_s: float, mss: int) -> float:
 
 def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds: float = 0.5,
             max_bytes: int = 256 << 20, info: dict | None = None, burst: int | None = None) -> float:
-    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`
-    (`probe_bytes`: the bucket's burst, then the timed bytes), timed by the receiver's kernel
-    (arrival stamps, `_recv_stamped`) from the end of the burst to the last byte; bounded by 4 × the
-    timed bytes' time at `rate_bps` + 5 s. `burst`: bytes the link's bucket passes at once (default
-    `_burst(rate_bps)`, the emulator's; `experiments/link_latency.py` passes its variants' buckets).
-    `info`, if given, receives the connection's "mss" (payload bytes per full segment, TCP_MAXSEG)
-    for `wire_bit_per_s`.
+    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`,
+    timed by the receiver's kernel (`_recv_stamped`) from the end of the burst to the last byte;
+    bounded by 4 × the timed bytes' time at `rate_bps` + 5 s. `burst`: bytes the link's bucket passes
+    at once (default `_burst(rate_bps)`). `info`, if given, receives the connection's "mss".
     Raises EmulationUnavailable naming what arrived (or the socket error) when too little did, or when
-    the link passed more than `burst` bytes unshaped (everything at once, or a shaped link read above
-    `UNSHAPED_ABOVE` × its rate)."""
+    the link passed more than `burst` bytes unshaped (or read above `UNSHAPED_ABOVE` × its rate)."""
     default_burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
     burst = default_burst if burst is None else int(burst)
     limit = 4 * timed * 8 / rate_bps + 5
@@ -507,9 +487,8 @@ class Cluster:
         """Measures every link of `peers()`; returns the run's link description (`TrainConfig.emulated_link`): per tier
         the requested and measured (median over its links) payload bits/s and each link's rate.
 
-        A link that reads below `RETEST_BELOW` × its rate is measured once more and keeps the faster
-        reading: tbf passes no more than the rate, so a low reading comes from sender or receiver
-        threads kept off a busy CPU, not from the link ("tries" records 2)."""
+        A link that reads below `RETEST_BELOW` × its rate is measured once more, keeping the faster
+        reading (tbf passes no more than the rate; "tries" records 2)."""
         rates = {"link": self.spec.inter, "inter": self.spec.inter, "intra": self.spec.intra}
         links = []
         for tier, i, j in self.peers():

@@ -3,42 +3,26 @@ and tests, in the manner of `torchrun --standalone`).
 
 Each process runs `python -P -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
 --process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on
-CPU (another count exported in XLA_FLAGS is replaced, said in one line). `<command>` is train or
-compare (`LAUNCHED`); another is refused before any process starts. The mesh is the one the command
-resolves (its `--mesh`, else its `--config` file's, else the default), read before any process starts;
-a mesh size not divisible by N is refused then. `-P`: the processes import the launcher's own taco_jax
-whatever the working directory holds (a folder named `taco_jax`, e.g. the clone, would otherwise come
-first on the path); the folder holding the package goes first on their PYTHONPATH unless it is a
-site-packages folder. When process 0 finds the port taken (another program bound it in between), the
-processes are started again on another free port (up to `PORT_ATTEMPTS` tries). Every output line is
-prefixed with "[I] " (gloo's "[Gloo] Rank I is connected to K peer ranks" lines, printed to stdout by
-its TCP transport with no setting to turn them off, are left out when every peer connected, unless
-`verbose`); when one process fails (exit status != 0) the others are stopped (SIGTERM, then SIGKILL
-after `grace_s`) and the launcher returns that status. SIGTERM / SIGINT to the launcher is forwarded
-to every process (a preemption: they checkpoint and exit); those still running `STOP_GRACE_S`
-(`stop_grace_s`, `--stop-grace`) after it are killed (SIGKILL to each one's process group), and the
-launcher says in one line what the run kept. Before any process started, the signal stops the
-launcher at once (namespaces removed), said too.
+CPU (another count in XLA_FLAGS is replaced, said in one line). `<command>` is train or compare
+(`LAUNCHED`); the command's mesh is resolved before any process starts, and one not divisible by N
+is refused. `-P` and PYTHONPATH: the processes import the
+launcher's own taco_jax whatever the working directory holds. A port taken between choosing and
+binding it: the processes start again on another (`PORT_ATTEMPTS`). Output lines are prefixed
+"[I] " (gloo's connection lines left out unless `verbose`). When one process fails the others are
+stopped and the launcher returns its status. SIGTERM / SIGINT to the launcher is forwarded to every
+process (they checkpoint and exit); those still running `stop_grace_s` later are killed.
 
-Allocator (`malloc="keep"`, the default): the processes get `GLIBC_TUNABLES` = `MALLOC_KEEP`, so
-glibc serves large buffers from its heap and keeps freed memory for reuse instead of mapping
-every buffer of >= 32 MB anew and returning it to the OS (which the kernel then page-faults in
-again on each step: a jitted `x * 2` of 64 MB took 30-34 ms of which most is faults on this VM).
-The cost is that a process's resident memory stays at its peak. Measured on the 2-core VM over
-gloo (docs/results.md, "Every compressed collective" and "Real transport"): the exact 64 MB all-gather
-147 -> 50 ms; the exact sequence-parallel step with XLA's gloo reduce-scatter 0.968 -> 0.887 s, and
-no difference beyond noise with the default all-to-all reduce-scatter (0.808 vs 0.828 s). An
-existing `GLIBC_TUNABLES` is left as it is; `malloc="default"` sets nothing.
-Other C libraries ignore the variable.
+Allocator (`malloc="keep"`, the default): `GLIBC_TUNABLES` = `MALLOC_KEEP`, so glibc keeps freed
+memory for reuse instead of mapping each buffer of >= 32 MB anew and page-faulting it in on every
+step (resident memory then stays at its peak; measured speed-ups: docs/results.md). An existing
+`GLIBC_TUNABLES` is left as it is; `malloc="default"` sets nothing.
 
-Emulated cluster (`link=`, `taco-jax launch --link 1gbit` or `--link intra=8gbit,inter=1gbit --nodes K`,
-taco_jax/emulate.py): each process runs in its own network namespace (`ip netns exec`), joined by
-links shaped with tbf; the coordinator is process 0's namespace address. Each link is measured
-first (a TCP bulk transfer); the description (requested and measured rates) reaches every process
-as `--emulated-link JSON` (a run config field, in config.json), so summary.json records it and `--min-bytes auto` /
-`--step-timeout auto` use the measured rate. Namespaces and hosts files are removed when the run
-ends, fails or the launcher is stopped; a reaper process removes them when the launcher is
-killed (SIGKILL too), and the next start removes those of any launcher that is gone.
+Emulated cluster (`--link 1gbit` or `--link intra=8gbit,inter=1gbit --nodes K`, taco_jax/emulate.py):
+each process runs in its own network namespace, joined by tbf-shaped links, each measured first;
+the description (requested and measured rates) reaches every process as `--emulated-link JSON`, so
+summary.json records it and `--min-bytes auto` / `--step-timeout auto` use the measured rate.
+Namespaces are removed when the run ends, fails or the launcher is stopped or killed (a reaper
+process; the next start removes those of any launcher that is gone).
 """
 
 from __future__ import annotations
@@ -102,10 +86,9 @@ LAUNCHED = ("train", "compare")
 
 
 def run_config(argv: list[str], config_of):
-    """The `TrainConfig` that `taco-jax ARGV` runs (`config_of(argv)`, e.g. `cli.config_from_argv`: its
-    flags and `--config` file, resolved as `train` resolves them), or None when ARGV is not a `train` /
-    `compare` command. Raises ValueError naming a bad value; SystemExit for a malformed command line
-    (argparse's message)."""
+    """The `TrainConfig` that `taco-jax ARGV` runs (`config_of(argv)`, e.g. `cli.config_from_argv`), or
+    None when ARGV is not a `train` / `compare` command. Raises ValueError naming a bad value;
+    SystemExit for a malformed command line."""
     if not argv or argv[0] not in LAUNCHED:
         return None
     return config_of(argv)
@@ -141,9 +124,9 @@ def malloc_env(env: dict, malloc: str = "keep") -> dict:
 
 def cpu_shares(processes: int, cpus: list[int] | None = None) -> list[set[int]]:
     """Each process's CPUs under `launch(..., pin_cpus=True)`: the launcher's CPUs (`cpus`, default
-    `os.sched_getaffinity(0)`, sorted) in `processes` contiguous shares, the first
-    len(cpus) mod processes one CPU larger; with more processes than CPUs, process i gets CPU
-    i mod len(cpus) (processes then share). Raises ValueError for processes < 1 or no CPUs."""
+    `os.sched_getaffinity(0)`, sorted) in `processes` contiguous shares, the first len(cpus) mod
+    processes one CPU larger; with more processes than CPUs, process i gets CPU i mod len(cpus).
+    Raises ValueError for processes < 1 or no CPUs."""
     cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     if processes < 1 or not cpus:
         raise ValueError(f"cpu_shares needs processes >= 1 and CPUs (got {processes}, {cpus})")
@@ -162,23 +145,18 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
            malloc: str = "keep", link: str | None = None, nodes: int = 0, verbose: bool = False,
            pin_cpus: bool = False, stop_grace_s: float | None = None) -> int:
     """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
-    the first failure's; the others then get `FAILED_GRACE_S` after SIGTERM). `out`: stream for the
-    prefixed lines (default stdout). `malloc`: the processes' allocator setting ("keep" or
-    "default", see the module docstring). `link`, `nodes`: an emulated cluster (module docstring;
-    None = plain local processes on 127.0.0.1; an empty string is refused, not read as none).
-    `verbose`: every line of the processes, gloo's connection lines included. `pin_cpus`: process i
-    runs on its own share of the launcher's CPUs (`cpu_shares`, printed to `out`), as a rank owns its
-    accelerator, instead of every process on every CPU. `config_of`: argv -> the `TrainConfig` the command runs
-    (`cli.config_from_argv`, passed in by the CLI: this module sits below it), checked before any
-    process starts. `stop_grace_s` (default `STOP_GRACE_S`): after a SIGTERM or SIGINT to the
-    launcher, the processes still running this many seconds later are killed (SIGKILL to each one's
-    process group) and the launcher says what the run keeps and returns 128 + the signal; before any
-    process started, the signal stops the launch at once (namespaces removed), also in one line.
+    the first failure's). `out`: stream for the prefixed lines (default stdout). `malloc`: "keep" or
+    "default" (module docstring). `link`, `nodes`: an emulated cluster (None: plain local processes;
+    "" is refused). `verbose`: gloo's connection lines too. `pin_cpus`: process i runs on its own
+    share of the launcher's CPUs (`cpu_shares`, printed to `out`). `config_of`: argv -> the
+    `TrainConfig` the command runs (`cli.config_from_argv`, passed in: this module sits below the
+    CLI). `stop_grace_s` (default `STOP_GRACE_S`): after a SIGTERM or SIGINT to the launcher, the
+    processes still running this long are killed and the launcher returns 128 + the signal, saying
+    what the run keeps; before any process started, the signal stops the launch at once.
     Raises ValueError for processes < 1, an empty command, a command other than train / compare,
-    flags the launcher sets itself, a
-    configuration `train` would refuse, a mesh size not divisible by `processes`, an unknown
-    `malloc`, a malformed `link` / `nodes` or a tensor axis spanning nodes;
-    emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
+    flags the launcher sets itself, a configuration `train` would refuse, a mesh size not divisible
+    by `processes`, an unknown `malloc`, a malformed `link` / `nodes` or a tensor axis spanning
+    nodes; emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
     if malloc not in MALLOC_MODES:
         raise ValueError(f"malloc={malloc!r} must be one of {MALLOC_MODES}")
     if processes < 1:
@@ -260,11 +238,9 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     return 128 + early.signum
 
 
-#: Seconds the processes get after a SIGTERM (or SIGINT) to the launcher, which forwards it, before the
-#: launcher kills the ones still running (SIGKILL to each one's process group), removes the namespaces
-#: and exits (`taco-jax launch --stop-grace S`). A preempted step boundary and its checkpoint fit in it;
-#: a process that has not reached its first step (start-up, compiling: with several processes JAX's
-#: preemption notifier holds SIGTERM until a step boundary) has nothing to save and is killed.
+#: Seconds the processes get after a SIGTERM (or SIGINT) forwarded by the launcher before it kills the
+#: ones still running (SIGKILL to each process group; `--stop-grace S`): a preempted step boundary and
+#: its checkpoint fit in it.
 STOP_GRACE_S = 30.0
 
 
@@ -311,8 +287,7 @@ def _kept(argv: list[str], cfg) -> str:
     return "; ".join(kept(o) for o in ([out] if argv[0] == "train" else [f"{out}/none", f"{out}/taco"]))
 
 
-#: Tries of `launch` with a fresh port when the chosen one turned out to be in use (another program
-#: took it between `free_port` and the coordinator's start).
+#: Tries of `launch` with a fresh port when another program took the chosen one first.
 PORT_ATTEMPTS = 3
 
 
@@ -334,11 +309,8 @@ def _retry_ports(run_on, out) -> int:
 FAILED_GRACE_S = 2.0
 
 
-#: Gloo's TCP transport's message once its connections are made (stdout; no setting silences it):
-#: "[Gloo] Rank I is connected to N peer ranks. Expected number of connected peer ranks is : M". Its
-#: threads write it unsynchronised, so a line may hold pieces of several ("[Gloo] Rank 1 is connected
-#: to [Gloo] Rank 3 is connected to 7 peer ranks. ...", then "7Expected number ... : 7"), and the
-#: numbers between the pieces of such a line may belong to different messages.
+#: Gloo's TCP transport's message once its connections are made (stdout; no setting silences it).
+#: Its threads write it unsynchronised, so a line may hold pieces of several messages.
 GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
                             r"connected peer ranks is : (\d+)")
 GLOO_PIECES = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :")
@@ -359,12 +331,9 @@ def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, gr
          busy: threading.Event | None = None, verbose: bool = False, shares: list[set[int]] | None = None, *,
          stop_grace_s: float = STOP_GRACE_S, kept=lambda: "") -> int:
     """Starts the processes (`wrap(i) + python -P -m taco_jax.cli ...`) and waits (see `launch`). `busy`
-    is set when process 0 reports `coordinator` in use. Without `verbose`, gloo's connection lines
-    are left out when every peer connected (`_gloo_connected_only`). `shares`: process i's CPUs (set
-    before its exec, so `ip netns exec` and python inherit them), or None for all. A SIGTERM / SIGINT
-    to the launcher is forwarded to every process; those still running `stop_grace_s` after it are
-    killed (SIGKILL to each one's process group) and the status is 128 + its number (unless a
-    process failed first), said in one line with `kept()` (what the run keeps)."""
+    is set when process 0 reports `coordinator` in use. `shares`: process i's CPUs (set before its
+    exec, so `ip netns exec` and python inherit them), or None. Signals: as `launch`, with `kept()`
+    saying what the run keeps."""
     from taco_jax.train.distributed import PORT_IN_USE
 
     busy_line = f"coordinator {coordinator} {PORT_IN_USE}"

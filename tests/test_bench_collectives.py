@@ -1,4 +1,4 @@
-"""experiments.bench_collectives: a --quick run on tiny messages over both transports (one process
+"""experiments.collectives.bench_collectives: a --quick run on tiny messages over both transports (one process
 with 2 simulated devices; 2 real processes over gloo), its JSON schema, exactness of codec "none"
 and the wire bytes of taco; option parsing. Real processes, no mocks; no timing asserts."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 from _procs import run
 
-from experiments import bench_collectives as bc
+from experiments.collectives import bench_collectives as bc
 
 CASES = {("psum", "two_shot"), ("psum", "one_shot"), ("all_gather", "default"), ("psum_scatter", "default"),
          ("ppermute", "default")}
@@ -22,7 +22,7 @@ def test_quick_run(tmp_path, cache, transport, donate):
     """sim: 1 process × 2 devices (and the PNG); gloo: 2 processes × 1 device over 127.0.0.1, with
     --donate (every call consumes a fresh copy of the input, with the same results)."""
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "experiments.bench_collectives", "--out", str(out), "--quick",
+    cmd = [sys.executable, "-m", "experiments.collectives.bench_collectives", "--out", str(out), "--quick",
            "--transports", transport, "--ranks", "2", "--sizes", "16K", "--codecs", "none,taco",
            "--backends", "ffi", "--dtypes", "float32", "--warmup", "0", "--timeout", "240",
            *(["--no-plot"] if transport == "gloo" or donate else []), *(["--donate"] if donate else [])]
@@ -62,6 +62,8 @@ def test_quick_run(tmp_path, cache, transport, donate):
     be = doc["summary"]["break_even"]
     assert len(be) == len(CASES) and all("break_even_bytes" in b for b in be)
     assert doc["env"]["git_commit"] and doc["env"]["workers"][0]["process_count"] == rows[0]["processes"]
+    assert doc["run"]["commit"] == doc["env"]["git_commit"]
+    assert doc["run"]["command"].startswith("python -m experiments.collectives.bench_collectives --out ")
 
 
 def test_options_are_checked_before_running():

@@ -154,7 +154,7 @@ def _accounting(codec, mesh):
 
 
 def _calibration(codec, tmp_path):
-    from experiments.fidelity import plot
+    from experiments.fidelity.fidelity import plot
     from taco_jax.collectives.policy import CommPolicy
     from taco_jax.train.calibrate import calibrate, candidates
 

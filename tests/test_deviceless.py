@@ -121,6 +121,22 @@ def test_plan_compiles_the_step_with_xla_gpu_and_refuses_what_does_not_fit(cache
     tensor = [s for s in c["by_site"] if s["axis"] == "tensor" and s["site"]]
     assert tensor and all(s["compressed"] == s["collectives"] and s["dtypes"] == ["u8"] for s in tensor)
     assert not c["mismatches"]
+    x = c["xla_schedule"]  # XLA:GPU's own estimate, beside the cost model's
+    assert 0 < x["waiting_s"] <= x["step_s"] < 1 and set(x["waiting_by_op"]) >= {"all_gather", "all_reduce"}
+    assert "XLA:GPU scheduler" in r.stdout
+
+
+def test_schedule_estimate_reads_the_statistics_at_the_end_of_the_dump(tmp_path):
+    """`deviceless.schedule_estimate` reads the entry's `scheduler_statistics` (cycles over
+    `cycles_per_microsecond`) from the tail of a large dump; no dump: None."""
+    from taco_jax.train.deviceless import schedule_estimate
+
+    assert schedule_estimate(str(tmp_path)) is None
+    (tmp_path / "jit_train_step.schedule.txt").write_text(
+        "hlo_module {\n" + "  x: 1\n" * 5000 + "}\ncomputation_schedules {\n  scheduler_statistics {\n"
+        "    all_gather_wasted_cycles: 300\n    total_wasted_cycles: 500\n    total_cycles: 4000\n  }\n"
+        "  cycles_per_microsecond: 2\n}\n")
+    assert schedule_estimate(str(tmp_path)) == {"step_s": 2e-3, "waiting_s": 2.5e-4, "waiting_by_op": {"all_gather": 1.5e-4}}
 
 
 def _toml(table, skip=()):

@@ -1,6 +1,6 @@
-"""The emulated-link study's bookkeeping (experiments/bench_e2e.py, experiments/e2e_study.py): argument
+"""The emulated-link study's bookkeeping (experiments/e2e/bench_e2e.py, experiments/e2e/e2e_study.py): argument
 parsing, the α fit and the step-time model of docs/emulated.md, the GPU predictions table, and the load
-guard (experiments/load_guard.py) that keeps a busy machine's timings out of the results. The
+guard (experiments/e2e/load_guard.py) that keeps a busy machine's timings out of the results. The
 runs themselves need network namespaces and a quiet machine (`make bench-e2e`); the emulated cluster
 is tested in tests/test_emulated_links.py."""
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from experiments import bench_e2e, e2e_study, load_guard
+from experiments.e2e import bench_e2e, e2e_study, load_guard
 
 
 def test_links_split_rates_but_keep_a_two_tier_link_whole():
@@ -108,7 +108,7 @@ def test_analyze_writes_tables_plot_and_gpu_predictions(tmp_path, monkeypatch, c
         rows += [ex, tc]
     d = tmp_path / "gpt2_tp2_sp_bf16"
     d.mkdir()
-    (d / "bench_e2e.json").write_text(json.dumps({"command": "python -m experiments.bench_e2e ...", "rows": rows,
+    (d / "bench_e2e.json").write_text(json.dumps({"command": "python -m experiments.e2e.bench_e2e ...", "rows": rows,
                                                   "loaded": True}))  # written under --allow-loaded
     res = e2e_study.analyze(tmp_path)
     assert res["loaded"] == ["gpt2_tp2_sp_bf16"] and "LOADED: gpt2_tp2_sp_bf16" in capsys.readouterr().err
@@ -192,7 +192,7 @@ def test_study_refuses_bad_rounds_and_an_empty_results_folder(args, message, tmp
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-# The load guard (experiments/load_guard.py): its decision with injected measurements, the studies'
+# The load guard (experiments/e2e/load_guard.py): its decision with injected measurements, the studies'
 # handling of a loaded run with injected runs, and one real CPU burner.
 
 def _calibration(path, probe_s, **machine):
@@ -204,7 +204,7 @@ def _calibration(path, probe_s, **machine):
 
 def _measured(other=0.0, probe=None, load=0.0):
     """Injected measurements of a quiet machine unless told otherwise; the probe by default at its
-    calibrated time (experiments/load_probe.json where it belongs to this machine), else 0.3 s."""
+    calibrated time (experiments/e2e/load_probe.json where it belongs to this machine), else 0.3 s."""
     if probe is None:
         probe = load_guard.load_calibration()[0] or 0.3
     return {"other_cpu_cores": other, "probe_s": probe, "load_average_1min": load}
@@ -292,6 +292,7 @@ def test_a_run_on_a_loaded_machine_is_written_as_not_a_result(tmp_path, monkeypa
     args[-1] = str(tmp_path / "b")
     res = bench_e2e.main(args, guard=load_guard.Guard(processes=2, allow_loaded=True, measure=measure))
     assert res["loaded"] and json.loads((tmp_path / "b" / "bench_e2e.json").read_text())["loaded"]
+    assert res["command"] == res["run"]["command"] == "python -m experiments.e2e.bench_e2e " + " ".join(args)
     assert capsys.readouterr().out.count("LOADED") == 3  # one run line, the last round's other run, the table
 
 

@@ -258,9 +258,9 @@ def test_links_carry_no_traffic_of_their_own():
 def test_link_test_skips_the_bucket_it_is_given():
     """A link whose bucket holds the whole probe is refused by name (all of it "arrived at once", or in a
     few reads at a rate far above the link's: "unshaped"), not read as a nonsense rate; told the bucket
-    (`burst=`, as experiments/link_latency.py does for its variants), the test skips it and reads the rate
+    (`burst=`, as experiments/e2e/link_latency.py does for its variants), the test skips it and reads the rate
     (namespaces: root)."""
-    from experiments import link_latency
+    from experiments.e2e import link_latency
 
     rate = 400e3
     with emulate.Cluster(2, emulate.LinkSpec.parse("400kbit")) as c:

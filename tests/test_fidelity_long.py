@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from _procs import run, start, wait_for
 
-from experiments import fidelity_long as fl
-from experiments import prepare_corpus as pc
+from experiments.fidelity import fidelity_long as fl
+from experiments.fidelity import prepare_corpus as pc
 
 STUDY = ["--models", "gpt2-tiny", "--steps", "6", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",
          "--eval-batches", "1", "--monitor-every", "2", "--checkpoint-every", "2", "--log-every", "1",
@@ -56,7 +56,7 @@ def test_corpus_lists_undecodable_files_and_leaves_out_installed_packages(tmp_pa
 
 
 def _command(corpus, out, seeds: int) -> list[str]:
-    return [sys.executable, "-m", "experiments.fidelity_long", "--corpus", str(corpus[0]), "--out", str(out),
+    return [sys.executable, "-m", "experiments.fidelity.fidelity_long", "--corpus", str(corpus[0]), "--out", str(out),
             "--seeds", str(seeds), *STUDY]
 
 

@@ -1,5 +1,5 @@
-"""The fidelity measurement protocol: paired t-interval (experiments.fidelity_runs) and the
-deterministic gradient measure (experiments.grad_fidelity)."""
+"""The fidelity measurement protocol: paired t-interval (experiments.fidelity.fidelity_runs) and the
+deterministic gradient measure (experiments.fidelity.grad_fidelity)."""
 
 import dataclasses
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from experiments import fidelity_runs, grad_fidelity
+from experiments.fidelity import fidelity_runs, grad_fidelity
 
 
 def test_paired_ci_matches_scipy_ttest_rel():

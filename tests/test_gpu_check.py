@@ -1,4 +1,4 @@
-"""experiments/gpu_check.sh --dry-run runs on CPU and writes a report in the format a lent GPU's run has."""
+"""experiments/gpu/gpu_check.sh --dry-run runs on CPU and writes a report in the format a lent GPU's run has."""
 
 import copy
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import gpu_check
+from experiments.gpu import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def dry_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
     env.update(OUT=str(out), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_check.sh"), "--dry-run"], env=env,
+    proc = subprocess.run(["bash", str(ROOT / "experiments" / "gpu" / "gpu_check.sh"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "gpu_check.log").exists()

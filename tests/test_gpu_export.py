@@ -181,15 +181,15 @@ AOT_VARIANTS = ["encode-bf16-e4m3-512", "encode-f32-e5m2-32", "decode-bf16-512-a
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton not installed (gpu-sim extra: pip install -e '.[gpu-sim]')")
 def test_triton_kernels_compile_for_sm90_without_spills_and_with_128bit_accesses(tmp_path):
-    """Triton's whole pipeline to a cubin for sm_90 (experiments.triton_aot, in its own process:
+    """Triton's whole pipeline to a cubin for sm_90 (experiments.gpu.triton_aot, in its own process:
     this suite may have turned the Triton interpreter on) for a representative subset of the
-    variants (every one: `python -m experiments.triton_aot`, table in docs/results.md): no spill, no
+    variants (every one: `python -m experiments.gpu.triton_aot`, table in docs/results.md): no spill, no
     stack; the message side of each kernel moves through 128-bit global loads (encode) / stores
     (decode), the codes too; resources within an H100/H200's limits."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # really compile, not a cache hit
     out = tmp_path / "aot.json"
-    subprocess.run([sys.executable, "-m", "experiments.triton_aot", "--out", str(out),
+    subprocess.run([sys.executable, "-m", "experiments.gpu.triton_aot", "--out", str(out),
                     "--variants", ",".join(AOT_VARIANTS)], check=True, env=env, cwd=ROOT, timeout=600)
     rows = json.loads(out.read_text())["kernels"]
     assert [r["variant"] for r in rows] == AOT_VARIANTS

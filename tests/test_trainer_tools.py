@@ -74,8 +74,8 @@ def test_toml_config_profile_tensorboard_and_export(tmp_path, capsys, monkeypatc
     scopes, steps = _executed_scopes(xplane)
     assert steps == [2, 3]
     assert {"taco_encode", "taco_decode", "taco_psum"} <= scopes["jit_train_step"], scopes
-    # experiments/codec_time.py's reading of the same trace: the codec's share of each traced step
-    from experiments.codec_time import summarize
+    # experiments/codec/codec_time.py's reading of the same trace: the codec's share of each traced step
+    from experiments.codec.codec_time import summarize
     from taco_jax.kernels import ffi_codec
 
     share = summarize(xplane, out / "metrics.jsonl", 0, jax.device_count())

@@ -1,12 +1,7 @@
 """Message codecs: TACO (spec §2), per-tensor / per-group FP8, int8, int4, TAH-style tiles, and the identity.
 
-Floor plan (nothing here imports `taco_jax.kernels` or anything above it): `constants` (spec
-numbers), `hadamard` (the WHT), `family` (group math of the non-TACO kinds), `kinds` (the
-registry: one entry per codec kind), `config` (CodecConfig), `reference` (the jnp specification
-of TACO's group math), `backends` (registries of the group backends and wire codecs), `dispatch`
-(`encode` / `decode` / `resolve_codec`: the one interface to every kind and backend), `wire`
-(packed wire rows, the generic wire codec), `nonfinite` (host-side "error"-policy reports),
-`metrics` (fidelity numbers), `vma` (varying manual axes inside `shard_map`).
+Nothing here imports `taco_jax.kernels` or anything above it; `dispatch` (`encode` / `decode` /
+`resolve_codec`) is the one interface to every kind and backend.
 """
 
 from taco_jax.codec.backends import GroupBackend, WireCodec, get_backend, register_backend

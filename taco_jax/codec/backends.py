@@ -1,64 +1,41 @@
-"""Registries of the implementations of the codec, filled in by their owners: group backends and wire codecs.
+"""Registries of the codec's implementations, filled in by their owners: group backends and wire codecs.
 
 The codec defines the contracts and looks implementations up by name; it never imports one.
-`taco_jax.codec.dispatch` registers the "reference" group backend (plain jnp, the specification)
-and `taco_jax.codec.wire` the "generic" wire codec; `taco_jax.kernels` registers the "pallas",
-"triton" and "ffi" group backends, the "ffi" wire codec (CPU) and the resolver of backend names
-(`register_resolver`: which backend "auto" stands for, and whether a named one can run here)
-when it is imported. Every "auto" of a `CodecConfig` is resolved in one place,
-`taco_jax.codec.dispatch.resolve_codec`, which asks these registries, for the platform the codec is
-traced for (`default_platform`: jax's, or the one `kernels.pallas_codec.lowering_platform` pins).
+`codec.dispatch` registers the "reference" group backend (plain jnp, the specification) and
+`codec.wire` the "generic" wire codec; importing `taco_jax.kernels` registers "pallas", "triton" and
+"ffi", the "ffi" wire codec (CPU) and the backend resolver (`register_resolver`). Every "auto" is
+resolved in `codec.dispatch.resolve_codec` for the platform traced for (`default_platform`).
 
-Contract of a group backend (spec §2 steps 1-5 and their inverse):
-  encode_groups(xg, cfg, *, last_count) -> (codes, s, a)
-    xg: float32 [..., n_groups, G], the last group zero-padded past `last_count` (1..G), G =
-    cfg.group_size; codes: cfg.code_dtype [..., n_groups, G]; s, a: float32 [..., n_groups];
-    a group holding NaN/±Inf gets s = NaN.
+Group backend (spec §2 steps 1-5 and their inverse):
+  encode_groups(xg, cfg, *, last_count) -> (codes, s, a): xg float32 [..., n_groups, G] (G =
+    cfg.group_size; the last group zero-padded past `last_count`); codes cfg.code_dtype
+    [..., n_groups, G]; s, a float32 [..., n_groups]; a group holding NaN/±Inf gets s = NaN.
   decode_groups(codes, s, a) -> float32 [..., n_groups, G]; a=None for the folded layout.
-Optional, registered apart (`register_native`; none registered: float32 in and out, no fused sum):
-  dtypes: names of the message dtypes ("bfloat16", "float16", ...) that encode_groups
-    reads as they are (xg in that dtype; no convert to float32 before it) and that
-    decode_groups(codes, s, a, dtype=...) writes directly, its finite values clipped to the
-    dtype's range (`dispatch.clip_to_dtype`) and rounded to nearest even: for such a dtype d,
-    encode_groups(xg in d) is bit-identical to encode_groups(xg.astype(float32)), and
-    decode_groups(..., dtype=d) to clip_to_dtype(decode_groups(...), d).astype(d), so the
-    dispatcher runs no convert before or after the backend;
-  decode_sum_groups(codes, s, a, *, dtype) -> dtype [..., n_groups, G]: P ranks' groups
-    (codes [P, ..., n_groups, G], s, a [P, ..., n_groups]) decoded and summed in float32 in rank
-    order, then rounded to dtype once, not clipped: a sum beyond dtype's range is ±Inf, as the
-    exact sum (used by `dispatch.decode_sum`; dtype float32 or a native one).
-Optional, registered apart (`register_reducer`; none registered: the reference's is used):
-  reduce_groups(codes, s, a, cfg) -> (codes, s): the transform-domain reduction of the two-shot
-    all-reduce (`taco_jax.codec.reference.reduce_groups`): codes [P, ..., n_groups, G] and
-    s, a [P, ..., n_groups] of P ranks' messages -> the requantized sum, codes [..., n_groups, G]
-    and s [..., n_groups] (folded layout: decode_groups(codes, s, None) gives the sum).
+Optional (`register_native`; default: float32 in and out, no fused sum):
+  dtypes: message dtype names that encode_groups reads and decode_groups(..., dtype=d) writes
+    directly, bit-identical to converting through float32 (decode clipped to d's range,
+    `dispatch.clip_to_dtype`, rounded to nearest even).
+  decode_sum_groups(codes, s, a, *, dtype) -> dtype [..., n_groups, G]: P ranks' groups (leading P
+    axis; a=None: folded) decoded, summed in float32 in rank order, rounded once, not clipped (±Inf).
+Optional (`register_reducer`; default: the reference's):
+  reduce_groups(codes, s, a, cfg) -> (codes, s): the two-shot transform-domain reduction
+    (`codec.reference.reduce_groups`): P ranks' groups -> the requantized sum in the folded layout.
 
-Contract of a wire codec (`WireCodec`): messages <-> the uint8 rows the collectives move. A row
-holds one message's wire buffers as bytes, [codes][s][a] ([codes][s/a] folded), the layout
-`taco_jax.codec.wire.pack_rows` gives; every wire codec writes and reads the same bytes and
-gives values bit-identical to the generic one. `shape` is the shape of one message and `dtype`
-its dtype; the rows' leading axes index messages.
-  encode_rows(x, cfg, *, batch_dims=0, blocks=None, per_rank=False) -> uint8 [*batch, row_bytes]
-    x: float [*batch, *shape] (messages along the leading `batch_dims` axes); or, with
-    blocks=(dim, P), x [*pre, P*s, *post] holding P messages, message r its block r along `dim`
-    ([*pre, s, *post]), giving rows [P, row_bytes]. per_rank: the rows are for an all-to-all (the
-    wire codec may lay them out as one buffer per destination).
-  decode_rows(rows, cfg, shape, dtype, *, axis=0, overflow=False) -> dtype [*lead, *shape]
-    rows [*lead, row_bytes]; finite values clipped to dtype's range before the cast
-    (`dispatch.clip_to_dtype`). axis (rows [P, row_bytes] only): where the P axis goes:
-    [*shape[:axis], P, *shape[axis:]]. overflow: the rows are `reduce_rows` ("signal") results and
-    may hold overflow groups (`dispatch.overflow_groups`), decoded as such (±Inf where the sum
-    overflowed).
-  decode_sum_rows(rows, cfg, shape, dtype) -> dtype [*shape]
-    rows: uint8 [P, row_bytes], or the sequence of P rows an all-to-all delivered (`per_source`);
-    the P messages decoded and summed in FP32 in rank order, then cast.
-  reduce_rows(rows, cfg, shape, dtype, domain) -> uint8 [row_bytes]
-    the middle step of the two-shot all-reduce on received rows (as `decode_sum_rows` takes
-    them): "signal": the FP32 sum rounded to dtype and encoded again, a group in which it
-    overflowed (±Inf, no NaN) as an overflow group (`encode(..., overflow=True)`); "hadamard"
-    (kind taco): `reduce_groups`, the sum's rows in the folded layout.
-  per_source: whether the rows an all-to-all delivers are handed to decode_sum_rows / reduce_rows
-    as a sequence of P buffers (one per source rank) rather than one [P, row_bytes] array.
+Wire codec (`WireCodec`): messages <-> uint8 rows, one message per row as [codes][s][a] ([codes][s/a]
+folded, `codec.wire.pack_rows`); every wire codec writes the same bytes and decodes bit-identically
+to the generic one. `shape`/`dtype`: one message's; the rows' leading axes index messages.
+  encode_rows(x, cfg, *, batch_dims=0, blocks=None, per_rank=False) -> uint8 [*batch, row_bytes]:
+    x [*batch, *shape]; or blocks=(dim, P): x [*pre, P*s, *post], message r its block r along
+    `dim`, giving [P, row_bytes]. per_rank: rows for an all-to-all.
+  decode_rows(rows, cfg, shape, dtype, *, axis=0, overflow=False) -> dtype [*lead, *shape]:
+    finite values clipped to dtype's range. axis (rows [P, row_bytes]): where P goes in the result.
+    overflow: rows from `reduce_rows` ("signal") that may hold overflow groups (±Inf kept).
+  decode_sum_rows(rows, cfg, shape, dtype) -> dtype [*shape]: rows [P, row_bytes] (or P buffers,
+    `per_source`) decoded, summed in FP32 in rank order, cast.
+  reduce_rows(rows, cfg, shape, dtype, domain) -> uint8 [row_bytes]: the two-shot middle step:
+    "signal": the FP32 sum rounded to dtype and re-encoded (overflowed groups as overflow groups);
+    "hadamard" (kind taco): `reduce_groups`, folded layout.
+  per_source: received rows come as a sequence of P buffers rather than one [P, row_bytes] array.
 """
 
 from __future__ import annotations
@@ -112,9 +89,7 @@ def register_reducer(name: str, fn: Callable) -> None:
 
 
 def get_reducer(name: str) -> Callable | None:
-    """Backend `name`'s `reduce_groups`, or None if it has none (then the reference's applies).
-    "auto" is `resolve_backend("auto")`'s. Loads the backend first (`get_backend`), whose loader
-    may register it."""
+    """Backend `name`'s `reduce_groups` ("auto" resolved, the backend loaded first), or None."""
     name = resolve_backend(name)
     get_backend(name)
     return _REDUCERS.get(name)
@@ -128,25 +103,23 @@ def register_native(name: str, dtypes: tuple[str, ...] = (), decode_sum_groups: 
 
 
 def get_native(name: str) -> NativeSupport:
-    """Backend `name`'s `NativeSupport` (empty if none registered); "auto" is resolved first. Loads
-    the backend first (`get_backend`), whose loader may register it."""
+    """Backend `name`'s `NativeSupport` ("auto" resolved, the backend loaded first; empty if none)."""
     name = resolve_backend(name)
     get_backend(name)
     return _NATIVE.get(name, NativeSupport())
 
 
 def register_backend(name: str, loader: Callable[[], GroupBackend]) -> None:
-    """Registers `loader`, called on the first `get_backend(name)` (it may import, check that the
-    backend runs here and raise ValueError saying why not). Re-registering replaces the entry."""
+    """Registers `loader`, called on the first `get_backend(name)` (it may raise ValueError saying why
+    the backend cannot run here). Re-registering replaces the entry."""
     _LOADERS[name] = loader
     _LOADED.pop(name, None)
     _NATIVE.pop(name, None)
 
 
 def register_resolver(resolver: Callable) -> None:
-    """Registers `resolver(name, platform, *, n_devices) -> concrete backend name` (it raises
-    ValueError for a backend that cannot run on `platform`); `taco_jax.kernels` registers `resolve`.
-    Re-registering replaces it."""
+    """Registers `resolver(name, platform, *, n_devices) -> concrete backend name` (ValueError where
+    it cannot run), replacing any earlier one."""
     _RESOLVER[:] = [resolver]
 
 
@@ -154,17 +127,15 @@ _ON_PIN: list[Callable[[], None]] = []  # caches to clear when the pinned platfo
 
 
 def register_pin_hook(clear: Callable[[], None]) -> None:
-    """Registers `clear()`, called on entering and leaving `pin_platform` (a backend's jit caches of
-    traces made for another platform; `taco_jax.kernels.pallas_codec` registers its kernels')."""
+    """Registers `clear()` (a backend's jit caches), called on entering and leaving `pin_platform`."""
     _ON_PIN.append(clear)
 
 
 @contextlib.contextmanager
 def pin_platform(platform: str, gpu_lowering: str = "triton"):
     """Traces the codec and its backends for `platform` ("cpu", "cuda", "rocm"; `gpu_lowering`: Pallas'
-    "triton" or "mosaic_gpu") instead of jax's default platform, e.g. a train step compiled for abstract
-    CUDA devices on a CPU-only machine (`train.deviceless`). `kernels.pallas_codec.lowering_platform`
-    checks its arguments and enters this. The registered caches are cleared on entry and exit."""
+    "triton" or "mosaic_gpu") instead of jax's default, e.g. for a deviceless CUDA compile. Entered
+    by `kernels.pallas_codec.lowering_platform`; the registered caches are cleared on entry and exit."""
     for clear in _ON_PIN:
         clear()
     token = PINNED.set((platform, gpu_lowering))
@@ -177,16 +148,14 @@ def pin_platform(platform: str, gpu_lowering: str = "triton"):
 
 
 def pinned_platform() -> str | None:
-    """The platform pinned by an enclosing `taco_jax.kernels.pallas_codec.lowering_platform(...)`,
-    else None."""
+    """The platform pinned by an enclosing `pin_platform`, else None."""
     pinned = PINNED.get()
     return None if pinned is None else pinned[0]
 
 
 def default_platform() -> str:
-    """The platform the codec and its kernels are traced for (name as `jax.export` spells it): the
-    pinned one (`pinned_platform`), else jax's default platform: "cpu", "cuda", "rocm" or "tpu"
-    ("gpu" is reported as "cuda")."""
+    """The platform traced for, as `jax.export` spells it: the pinned one, else jax's default
+    ("cpu", "cuda", "rocm" or "tpu"; "gpu" is "cuda")."""
     pinned = pinned_platform()
     if pinned is not None:
         return pinned
@@ -195,9 +164,8 @@ def default_platform() -> str:
 
 
 def resolve_backend(name: str, platform: str | None = None, *, n_devices: int = 1) -> str:
-    """The concrete group backend `name` stands for on `platform` (default: `default_platform()`):
-    the registered resolver's answer; without one (`taco_jax.kernels` not imported), "reference"
-    for "auto" and the name itself otherwise. Raises ValueError from the resolver."""
+    """The concrete backend `name` stands for on `platform` (default `default_platform()`): the
+    resolver's answer; without one, "reference" for "auto". Raises ValueError from the resolver."""
     if _RESOLVER:
         return _RESOLVER[0](name, platform, n_devices=n_devices)
     return "reference" if name == "auto" else name
@@ -210,18 +178,14 @@ def resolve_auto() -> str:
 
 def get_backend(name: str) -> GroupBackend:
     """The backend registered as `name` (loaded once per process); "auto" is `resolve_auto()`'s.
-
-    Raises:
-      ValueError: for a name nothing registered, or a backend that cannot run here (its loader's).
-    """
+    Raises: ValueError for a name nothing registered, or a backend that cannot run here."""
     if name == "auto":
         name = resolve_auto()
     return _load(name, _LOADED, _LOADERS, "codec backend", "pallas, triton and ffi")
 
 
 def _load(name: str, loaded: dict, loaders: dict, what: str, kernels_register: str):
-    """`loaded[name]`, loading it with `loaders[name]` (a loader, or a (loader, ...) tuple) once.
-    Raises ValueError for a name nothing registered."""
+    """`loaded[name]`, loaded once by `loaders[name]`. Raises ValueError for an unregistered name."""
     got = loaded.get(name)
     if got is not None:
         return got
@@ -234,9 +198,8 @@ def _load(name: str, loaded: dict, loaders: dict, what: str, kernels_register: s
 
 
 def register_wire(name: str, loader: Callable[[], WireCodec], platforms: tuple[str, ...] = ()) -> None:
-    """Registers wire codec `name`: `loader()` is called on its first use; `platforms` lists where it
-    runs (empty: everywhere). A wire codec other than "generic" runs the group math of the backend
-    of the same name. Re-registering replaces the entry."""
+    """Registers wire codec `name` (`loader()` called on first use; `platforms`: where it runs, empty
+    for everywhere). A non-"generic" wire codec runs the same-named backend's group math."""
     _WIRE_LOADERS[name] = (loader, tuple(platforms))
     _WIRE_LOADED.pop(name, None)
 
@@ -249,7 +212,5 @@ def wire_runs_on(name: str, platform: str) -> bool:
 
 def get_wire(name: str) -> WireCodec:
     """The wire codec registered as `name` (loaded once per process).
-
-    Raises: ValueError for a name nothing registered.
-    """
+    Raises: ValueError for a name nothing registered."""
     return _load(name, _WIRE_LOADED, _WIRE_LOADERS, "wire codec", "ffi")

@@ -17,34 +17,25 @@ FP8_FORMATS = {
     "e4m3": jnp.float8_e4m3fn,
     "e5m2": jnp.float8_e5m2,
 }
-#: The codec kinds are registered in `taco_jax.codec.kinds` (`codec_kinds()`: "none", the exact
-#: collective, and every registered kind); every per-kind rule below derives from the registry.
+#: Codec kinds: "none" and the kinds registered in `taco_jax.codec.kinds`, whose entries give every
+#: per-kind rule below.
 SCALE_LAYOUTS = ("dual", "folded")
 GROUP_AXES = ("hidden", "token")
 NONFINITE_POLICIES = ("propagate", "zero", "error")
 
 
-#: Implementations of the taco group math (registry: `taco_jax.codec.backends`; filled in by
-#: `taco_jax.kernels`). "auto" (the default) and whether a backend runs here are resolved by
-#: `taco_jax.codec.dispatch.resolve_codec`: once, before tracing, in training
-#: (`CommPolicy.resolve_backends`); at trace time for a library call with an "auto" codec.
+#: Implementations of the taco group math (registry `taco_jax.codec.backends`, filled by
+#: `taco_jax.kernels`); "auto" resolved by `taco_jax.codec.dispatch.resolve_codec`.
 BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
-#: Wire codecs (`CodecConfig.wire`; registry: `taco_jax.codec.backends.register_wire`): what turns a
-#: message into the uint8 rows a collective moves, and rows back into values, sums or a requantized
-#: sum. "generic" composes `encode` / `decode` of the group backend with byte packing
-#: (`taco_jax.codec.wire`); "ffi" runs the C++ FFI kernels that read and write the rows themselves
-#: (CPU; `taco_jax.kernels.ffi_codec`). "auto" (the default) is resolved with the backend.
+#: Wire codecs (registry `codec.backends.register_wire`): "generic" = the group backend's
+#: encode/decode plus byte packing (`codec.wire`); "ffi" = C++ kernels that read and write the rows
+#: (CPU, `kernels.ffi_codec`).
 WIRES = ("auto", "generic", "ffi")
-#: How the exact (uncompressed) collectives move their data (`CodecConfig.transport`): "xla": the
-#: `lax` collectives as XLA lowers them. "gloo": XLA:CPU runs the collectives through gloo
-#: (`jax.distributed` initialized, CPU backend); then (1) the reduce-scatter, which gloo's
-#: ReduceScatterHalvingDoubling intermittently gets wrong (jax-ml/jax#40830), runs as an
-#: all-to-all plus a rank-order sum instead, and (2) messages of a float dtype narrower than 32
-#: bits (bfloat16, float16), which XLA:CPU would widen to float32 on the wire, move as their own
-#: bytes (bit-cast to unsigned integers, moved by all-to-all / all-gather / collective-permute,
-#: summed in FP32 on the receiver), the bytes a GPU run (NCCL) moves. "gloo_widened": (1) only,
-#: narrow floats moved as XLA:CPU widens them (the baseline before (2), kept for comparisons).
-#: "auto" (the default) is resolved with the backend (`taco_jax.codec.dispatch.resolve_transport`).
+#: How exact collectives move data: "xla": as XLA lowers them. "gloo" (XLA:CPU under
+#: `jax.distributed`): (1) the reduce-scatter runs as all-to-all + rank-order sum (gloo's
+#: ReduceScatterHalvingDoubling is intermittently wrong, jax-ml/jax#40830) and (2) floats narrower
+#: than 32 bits move as their own bytes (bit-cast, summed in FP32 on the receiver), as NCCL would,
+#: not widened to float32. "gloo_widened": (1) only. "auto": `codec.dispatch.resolve_transport`.
 TRANSPORTS = ("auto", "xla", "gloo", "gloo_widened")
 
 
@@ -63,67 +54,40 @@ class CodecConfig:
     """How one message is compressed.
 
     Attributes:
-      kind: which codec (all share `encode`/`decode` and move every wire buffer as data): a kind
-        registered in `taco_jax.codec.kinds` (its entry gives the rules below), or "none"; built in:
-        "none"        identity; the collective is the exact `lax` one.
-        "fp8_tensor"  naive per-tensor FP8: one FP32 absmax scale per message (TransformerEngine
-                      style), 1 + 4/n B/elt.
-        "fp8_group"   FP8 per group of G, FP32 absmax scale, no transform (optional Hadamard),
-                      1 + 4/G B/elt.
-        "int8"        symmetric int8 per block of G, FP32 absmax scale (EQuARX / ZeRO++ style;
-                      optional Hadamard for data-parallel use), 1 + 4/G B/elt.
-        "int4"        symmetric 4-bit (levels -7..7) per group of G, FP32 absmax scale, two
-                      codes per byte; with `hadamard=True` the SDP4Bit-style gradient codec,
-                      0.5 + 4/G B/elt.
-        "taco"        TACO (TACO_SPEC.md §2): RMS pre-scale, orthonormal WHT, FP8, 1 + 8/G
-                      ("dual") or 1 + 4/G ("folded") B/elt.
-        "tah"         TAH-Quant-style tiles for pipeline activations: orthonormal WHT per tile
-                      of G, asymmetric 4-bit (min/max, 16 levels), FP32 scale and zero point,
-                      0.5 + 8/G B/elt. Not implemented from TAH-Quant: entropy-guided 3/4-bit
-                      allocation and pivot swapping (fixed 4 bits, plain Sylvester WHT).
-      fmt: FP8 code format of the FP8 kinds, "e4m3" (F = 448) or "e5m2" (F = 57344).
-      group_size: G, elements per group / block / tile, one of 32, 64, 128, 256, 512.
+      kind: "none" (the exact `lax` collective) or a kind registered in `taco_jax.codec.kinds`; built
+        in (bytes per element on the wire):
+        "fp8_tensor"  FP8, one FP32 absmax scale per message (TransformerEngine style), 1 + 4/n.
+        "fp8_group"   FP8 per group of G, FP32 absmax scale (optional Hadamard), 1 + 4/G.
+        "int8"        symmetric int8 per block of G, FP32 absmax scale (EQuARX / ZeRO++), 1 + 4/G.
+        "int4"        symmetric 4-bit (-7..7) per group, two per byte (SDP4Bit with Hadamard), 0.5 + 4/G.
+        "taco"        TACO (TACO_SPEC.md §2): RMS pre-scale, WHT, FP8, 1 + 8/G ("dual"), 1 + 4/G ("folded").
+        "tah"         TAH-Quant-style WHT tiles, asymmetric 4-bit, FP32 scale and zero point, 0.5 + 8/G
+                      (without TAH-Quant's entropy-guided bit allocation and pivot swapping).
+      fmt: FP8 code format, "e4m3" (F = 448) or "e5m2" (F = 57344).
+      group_size: G, elements per group, one of 32, 64, 128, 256, 512.
       lam: λ added to the group's mean square before TACO's adaptive scale (default 1e-6).
-      target_range: R, the FP8 code range absmax values are mapped to (default 448); in (0, F].
-      scale_layout: taco only: "dual" sends s and a as FP32 per group (the paper's wire
-        format); "folded" sends the single scale s/a.
-      group_axis: "hidden" groups contiguous elements of the flattened message (the spec);
-        "token" groups one channel across tokens (the message's last axis is moved first).
-        fp8_tensor has no groups and accepts "hidden" only.
-      hadamard: fp8_group / int8 / int4 only: apply the orthonormal WHT to each group before
-        quantizing (taco and tah always do; the others never).
-      nonfinite: "propagate" (default): a group (fp8_tensor: the message) holding NaN/±Inf
-        decodes to NaN, as an uncompressed sum would be non-finite (a two-shot all-reduce's
-        partial sum that overflowed the message dtype from finite inputs is not such a group: it
-        gives ±Inf in those elements only, as the exact sum, for the kinds with
-        `CodecKind.overflow`; `taco_jax.codec.dispatch.overflow_groups`); "zero": the COCCL plugin's
-        behaviour, NaN/Inf replaced by 0 before encoding and after decoding; "error": as
-        "propagate", and a device-side check reports `site` to the host, where
-        `taco_jax.codec.raise_if_nonfinite()` raises `FloatingPointError` naming it (the
-        training loop calls it after every step; `taco_jax.codec.reference.check_finite`).
-      site: name of the communication site, for "error" messages (`CommPolicy.codec_for` sets it).
-      backend: which implementation runs the taco group math, one of `BACKENDS`. Default "auto":
-        the fastest conforming backend on jax's default platform (C++ FFI on CPU when its library
-        is built, else "reference" with a one-time warning; fused kernels on GPU), resolved by
-        `taco_jax.kernels.resolve_codec` before tracing in training, or at trace time when a
-        library call gets an "auto" codec. "reference" = plain jnp, the specification and the
-        tests' oracle (see `taco_jax.kernels`). The other kinds always run the jnp reference.
-        Only the name is checked here; availability (e.g. "triton" on CPU is refused, listing the
-        available ones) is checked by `taco_jax.codec.dispatch.resolve_codec`.
-      wire: kind "taco": the wire codec that packs messages into the rows the collectives move
-        (one of `WIRES`): "generic" (`encode` / `decode` of `backend` plus byte packing) or "ffi"
-        (the C++ FFI kernels read and write the rows themselves; CPU, backend "ffi", group_axis
-        "hidden", nonfinite "propagate"; values bit-identical to "generic"). Default "auto": "ffi"
-        where it can run, else "generic". Other kinds always use "generic".
-      transport: how the exact collectives (kind "none", and a compressed collective's exact
-        backward or below-threshold messages) move data, one of `TRANSPORTS`: "xla", "gloo" or
-        "gloo_widened".
-        Default "auto": the run's `--transport` where that is not "auto"
-        (`resolve_codec(..., transport=...)`), else "gloo" when XLA:CPU runs the collectives through
-        gloo (`jax.distributed` initialized, CPU backend), else "xla".
-      All "auto" fields are resolved in one place, `taco_jax.codec.dispatch.resolve_codec`: once,
-      before tracing, in training (`CommPolicy.resolve_backends`), or at trace time when a library
-      call gets an unresolved codec.
+      target_range: R, the code range absmax values map to (default 448); in (0, F].
+      scale_layout: taco only: "dual" sends s and a per group (the paper's); "folded" sends s/a.
+      group_axis: "hidden" groups contiguous elements of the flattened message (the spec); "token"
+        groups one channel across tokens (fp8_tensor: "hidden" only).
+      hadamard: fp8_group / int8 / int4 only: the orthonormal WHT per group before quantizing
+        (taco and tah always transform).
+      nonfinite: "propagate" (default): a group (fp8_tensor: the message) holding NaN/±Inf decodes
+        to NaN (a two-shot partial sum that overflowed from finite inputs gives ±Inf in those
+        elements only, `codec.dispatch.overflow_groups`); "zero": NaN/Inf replaced by 0 before
+        encoding and after decoding (the COCCL plugin's behaviour); "error": as "propagate", and
+        `taco_jax.codec.raise_if_nonfinite()` raises `FloatingPointError` naming `site`.
+      site: the communication site named by "error" (`CommPolicy.codec_for` sets it).
+      backend: the implementation of the taco group math, one of `BACKENDS`; "reference" is plain
+        jnp, the specification. Default "auto": the fastest conforming one on the platform. Other
+        kinds always run the reference. Availability is checked at resolution, not here.
+      wire: kind "taco": "generic" or "ffi" (CPU, backend "ffi", group_axis "hidden", nonfinite
+        "propagate"; bit-identical to "generic"). Default "auto": "ffi" where it runs.
+      transport: how exact collectives (kind "none", exact backward, below-threshold messages)
+        move data, one of `TRANSPORTS`. Default "auto": the run's `--transport`, else "gloo" under
+        XLA:CPU with `jax.distributed`, else "xla".
+      Every "auto" is resolved by `taco_jax.codec.dispatch.resolve_codec`: before tracing in
+      training (`CommPolicy.resolve_backends`), at trace time in a library call.
 
     Raises:
       ValueError: on any value outside the sets above, naming it.
@@ -231,11 +195,9 @@ class CodecConfig:
         """Bytes on the wire per message element.
 
         Args:
-          dtype: the message dtype (only "none" depends on it: its itemsize).
-          n: elements per message. None gives the large-message limit (1 + 8/G, 1 + 4/G,
-            0.5 + 4/G, ...; fp8_tensor 1.0); an int gives the exact figure, counting the
-            zero-padded last group and, for a kind with one scale per message, that scale.
-        Derived from the kind's registry entry: code bits, scale dtype, prescale, grouping.
+          dtype: the message dtype (used by kind "none" only: its itemsize).
+          n: elements per message; None gives the large-message limit (e.g. 1 + 8/G), an int the
+            exact figure with the zero-padded last group (or the per-message scale).
         """
         if self.kind == "none":
             return float(np.dtype(dtype).itemsize)

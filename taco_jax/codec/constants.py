@@ -1,10 +1,5 @@
-"""Numerical constants of the TACO codec specification (TACO_SPEC.md §2), named once.
-
-Every implementation of the taco group math reads them from here: the jnp reference
-(`taco_jax.codec.reference`), the Pallas and Triton kernels (`taco_jax.kernels`), and, through
-`custom_calls/taco_constants.h` (same names, checked by tests/test_codec.py), the C++ and CUDA
-FFI handlers. All are float32 quantities.
-"""
+"""Numerical constants of the TACO codec (TACO_SPEC.md §2), float32, named once for every
+implementation (the C++/CUDA ones through `custom_calls/taco_constants.h`, checked by tests)."""
 
 from __future__ import annotations
 
@@ -21,8 +16,7 @@ E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 #: Default λ added to a group's mean square before the adaptive scale.
 DEFAULT_LAM = 1e-6
-#: Group sizes G the codec and every kernel support: the powers of two (the WHT needs one) from
-#: MIN_GROUP_SIZE to MAX_GROUP_SIZE.
+#: Group sizes G: powers of two (for the WHT) from MIN_GROUP_SIZE to MAX_GROUP_SIZE.
 MIN_GROUP_SIZE = 32
 MAX_GROUP_SIZE = 512
 GROUP_SIZES = (32, 64, 128, 256, 512)

@@ -1,10 +1,8 @@
 """The codec's dispatcher: `encode` / `decode` of every kind, the `Encoded` wire buffers, and `resolve_codec`.
 
-`encode` / `decode` cut messages into groups and hand them to the group math of the codec's kind
-(its `taco_jax.codec.kinds` entry): kind "taco" to the registered group backend `cfg.backend`
-(`taco_jax.codec.backends`; the "reference" backend, `taco_jax.codec.reference`, is registered
-here), the other built-in kinds to `taco_jax.codec.family`. `resolve_codec` is the one place
-where a codec's "auto" fields (backend, wire, transport) become concrete.
+Messages are cut into groups and handed to the kind's group math (`taco_jax.codec.kinds`): kind
+"taco" to the group backend `cfg.backend` ("reference" registered here), the others to
+`codec.family`. `resolve_codec` is the one place where "auto" fields become concrete.
 """
 
 from __future__ import annotations
@@ -41,13 +39,11 @@ class Encoded:
     """One or more encoded messages, as they travel on the wire: every array leaf is a wire buffer.
 
     Attributes:
-      codes: [*batch, n_groups, G] codes in `cfg.code_dtype`: FP8 (fp8_*, taco), int8, or uint8
-        holding two 4-bit codes per byte ([*batch, n_groups, G/2]; int4, tah). A kind with one
-        scale per message (fp8_tensor): [*batch, 1, n] (one group = the message, no padding).
-      scale: [*batch, n_groups] in `cfg.scale_dtype` (float32 for the built-in kinds): s (taco
-        dual), s/a (taco folded), the absmax scale (fp8_*, int8, int4) or the tile step (tah).
-      prescale: like scale, or None: taco's adaptive scale a (dual layout), tah's zero point
-        (tile minimum); None where the kind sends none (`CodecKind.prescale`).
+      codes: [*batch, n_groups, G] in `cfg.code_dtype` (uint8 [..., G/2] for 4-bit kinds;
+        fp8_tensor: [*batch, 1, n]).
+      scale: [*batch, n_groups] in `cfg.scale_dtype`: s (taco dual), s/a (taco folded), the absmax
+        scale or the tile step (tah).
+      prescale: like scale (taco dual: a; tah: the zero point), or None (`CodecKind.prescale`).
       shape: static shape of one message (without the batch axes).
       dtype: static dtype the message is decoded back to.
     """
@@ -64,9 +60,7 @@ class Encoded:
         return sum(int(np.prod(b.shape)) * b.dtype.itemsize for b in jax.tree.leaves(self))
 
 
-# --------------------------------------------------------------------------------------
-# Message layout: any shape <-> groups.
-# --------------------------------------------------------------------------------------
+# --- Message layout: any shape <-> groups.
 
 
 def _message_to_rows(x: jax.Array, cfg: CodecConfig, batch_dims: int) -> jax.Array:
@@ -90,28 +84,16 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, overflow: boo
     """Encodes each message of `x` with the codec `cfg.kind` (inside `jax.named_scope("taco_encode")`).
 
     Args:
-      x: float array [*batch, *shape]; the leading `batch_dims` axes index independent
-        messages (e.g. the P chunks of a two-shot all-reduce); each message is flattened
-        (after moving channels first if `cfg.group_axis == "token"`) and cut into groups of
-        `cfg.group_size`, the last one zero-padded (fp8_tensor: one group per message). A
-        zero-size `x` gives an `Encoded` of zero-size buffers (no groups when a message is empty).
-      cfg: a `CodecConfig` of a compressing kind (not "none"); kind "taco" runs the group math of
-        the registered backend `cfg.backend` (`taco_jax.codec.backends`; "auto", the default,
-        is resolved here, at trace time, for jax's default platform, as `resolve_codec` does).
+      x: float array [*batch, *shape]; each message is flattened (channels first for group_axis
+        "token") and cut into groups of `cfg.group_size`, the last zero-padded (fp8_tensor: one
+        group). Zero-size `x` gives zero-size buffers.
+      cfg: a codec of a compressing kind; an "auto" backend is resolved here for the platform.
       batch_dims: number of leading message axes.
-      overflow: `x` is a sum that may have overflowed (the two-shot all-reduce's FP32 partial sum
-        rounded to the message dtype, whose inputs were finite where it holds ±Inf): a group holding
-        ±Inf and no NaN is sent as an overflow group (`overflow_groups`) rather than with a NaN
-        scale, so that it decodes (`decode(..., overflow=True)`) to ±Inf in those elements only, as
-        the exact sum would, and the other elements stay finite. Kinds with `CodecKind.overflow`
-        only (taco, fp8_group, fp8_tensor); ignored for the others and with nonfinite "zero".
-
-    Returns:
-      An `Encoded` pytree (see its docstring).
-
-    Raises:
-      ValueError: if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is not
-        registered or cannot run here.
+      overflow: `x` is a two-shot partial sum: a group holding ±Inf and no NaN is sent as an
+        overflow group (`overflow_groups`; kinds with `CodecKind.overflow`; not with nonfinite "zero").
+    Returns: an `Encoded` pytree.
+    Raises: ValueError if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is not
+      registered or cannot run here.
     """
     if cfg.kind == "none":
         raise ValueError(f"encode needs a compressing codec (kind 'taco' or another of {codec_kinds()[1:]}); "
@@ -152,9 +134,7 @@ def _encode(x: jax.Array, cfg: CodecConfig, batch_dims: int, overflow: bool = Fa
     return Encoded(codes, s, a, shape, np.dtype(x.dtype))
 
 
-# --------------------------------------------------------------------------------------
-# Overflow groups: the two-shot all-reduce's partial sums that overflowed the message dtype.
-# --------------------------------------------------------------------------------------
+# --- Overflow groups: the two-shot all-reduce's partial sums that overflowed the message dtype.
 
 #: The code byte of a ±Inf element in an overflow group (| 0x80 for -Inf): codes no finite value
 #: takes (the quantizer saturates): E4M3FN's NaN (it has no Inf), E5M2's Inf.
@@ -170,16 +150,12 @@ def _overflow_codes(cfg: CodecConfig) -> bool:
 def overflow_groups(xg: jax.Array, codes: jax.Array, scale: jax.Array, prescale, cfg: CodecConfig):
     """The groups of `xg` that hold ±Inf and no NaN, re-encoded as overflow groups; the others unchanged.
 
-    A sum of finite values can overflow: the two-shot all-reduce rounds its FP32 partial sum to the
-    message dtype before encoding it again, and float16 overflows at 65520. The exact collective gives
-    ±Inf in that element only; a group with a NaN scale would decode to NaN in all of it. An
-    overflow group instead carries each element itself, with no transform: scale = -s (the sign
-    bit marks the group; every other scale is positive or NaN), s = max(max|x_finite|, EPS) * (1 / R),
-    codes = fp8(clip(x * (1 / s), -R, R)) (each reciprocal rounded to float32 once; round to
-    nearest even) for the finite elements and `INF_CODE` (| 0x80 for -Inf) for the infinite ones;
-    prescale (taco "dual": a) = 1. Decoded by `decode(..., overflow=True)` (and the "ffi" wire's C++
-    decoder): fp8(code) * |scale|, ±Inf for an `INF_CODE`. The C++ two-shot reducer (custom_calls/,
-    `taco_reduce_packed`) writes the same bytes.
+    Why: a two-shot partial sum of finite values may overflow the message dtype (float16 at 65520),
+    ±Inf in that element only, where a NaN scale would poison the whole group. Format, no transform:
+    scale = -s (the sign marks the group), s = max(max|x_finite|, EPS) * (1 / R), codes =
+    fp8(clip(x * (1 / s), -R, R)) (float32 reciprocals, RNE), `INF_CODE` (| 0x80 for -Inf) for the
+    infinite elements; prescale = 1. Decoded by `decode(..., overflow=True)`: fp8(code) * |scale|.
+    The C++ reducer (`taco_reduce_packed`) writes the same bytes.
 
     Args:
       xg: [..., n_groups, G] the groups as encoded (float32 or a native message dtype).
@@ -219,10 +195,8 @@ def _decode_overflow(rows: jax.Array, enc: Encoded, dtype, n: int) -> jax.Array:
 
 
 def wire_layout(cfg: CodecConfig, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], np.dtype]]:
-    """(shape, dtype) of each wire buffer of one message of `shape` as `encode` gives it, in the
-    order of `Encoded`'s leaves: codes [n_groups, width], scale [n_groups], and the prescale
-    [n_groups] where the layout has one (taco "dual", tah), from the kind's registry entry. No
-    group math is run."""
+    """(shape, dtype) of each wire buffer of one message, in `Encoded`'s leaf order: codes
+    [n_groups, width], scale [n_groups], and prescale [n_groups] where the layout has one."""
     kind = get_kind(cfg.kind)
     n = math.prod(shape)
     if not kind.grouped:
@@ -246,18 +220,9 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None, *, overflow: bool = False
     """Decodes an `Encoded` back to [*batch, *enc.shape] in `dtype` (default: the encoded dtype),
     inside `jax.named_scope("taco_decode")`.
 
-    With `cfg.nonfinite` "propagate" or "error" a group that held NaN/±Inf decodes to NaN;
-    with "zero" every non-finite output is replaced by 0 (COCCL plugin behaviour). For a
-    narrower `dtype` than float32 finite values are clipped to its finite range (a decoded
-    float16 never overflows to Inf); float32 output is left alone (it could only overflow for
-    inputs within rounding of float32's largest value), so the float32 program has no extra op.
-    Zero-size buffers decode to a zero-size array, with no group math run.
-    `overflow`: `enc` may hold overflow groups (`encode(..., overflow=True)`, the two-shot
-    all-reduce's requantized sum): those decode to their finite elements and ±Inf
-    (`overflow_groups`), the others as always.
-
-    Raises: ValueError if `cfg.backend` is not registered or cannot run here (kind "taco"; "auto"
-    is resolved as in `encode`).
+    A group that held NaN/±Inf decodes to NaN (nonfinite "zero": every non-finite output to 0).
+    Values are clipped to a dtype narrower than float32 (float32: no extra op). `overflow`: `enc`
+    may hold overflow groups (`overflow_groups`). Raises: ValueError as `encode` for the backend.
     """
     with jax.named_scope("taco_decode"):
         dtype = jnp.dtype(dtype or enc.dtype)
@@ -283,11 +248,9 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None, *, overflow: bool = False
 
 
 def decode_sum(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
-    """The P messages of `enc` (batch axis 0) decoded and summed in FP32 in rank order, then cast
-    to `dtype` (default: the encoded dtype) once: [*enc.shape]. Runs the backend's fused
-    `decode_sum_groups` where it has one (kind taco, nonfinite not "zero", dtype float32 or native
-    to it), else `decode` to float32 and a rank-order sum (inside `jax.named_scope("taco_decode")`).
-    Raises: ValueError as `decode`."""
+    """The P messages of `enc` (batch axis 0) decoded, summed in FP32 in rank order and cast once to
+    `dtype` (default: the encoded dtype): [*enc.shape]. Uses the backend's fused `decode_sum_groups`
+    where it applies. Raises: ValueError as `decode`."""
     dtype = jnp.dtype(dtype or enc.dtype)
     fused_fn = get_native(cfg.backend).decode_sum_groups if cfg.kind == "taco" else None
     fused = (fused_fn is not None and cfg.nonfinite != "zero" and enc.codes.size
@@ -311,9 +274,8 @@ def _native(cfg: CodecConfig, dtype) -> bool:
 
 
 def clip_to_dtype(rows: jax.Array, dtype) -> jax.Array:
-    """Decoded float32 values clipped to the finite range of a narrower `dtype` (float16, bfloat16),
-    so that casting them never overflows to Inf (NaN stays NaN); unchanged for float32 or wider.
-    `decode` applies it before its cast; so do the wire codecs' `decode_rows`."""
+    """float32 values clipped to the finite range of a narrower `dtype`, so the cast never overflows
+    to Inf (NaN stays NaN); unchanged for float32 or wider."""
     dtype = jnp.dtype(dtype)
     if jnp.finfo(dtype).max < jnp.finfo(jnp.float32).max:
         big = np.float32(jnp.finfo(dtype).max)
@@ -333,18 +295,12 @@ register_reducer("reference", reduce_groups)
 
 
 def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
-    """Sums the P messages of `enc` (batch axis 0) in the Hadamard domain and requantizes the sum
-    (`reduce_groups`; the backend's own kernel when it has one), inside
-    `jax.named_scope("taco_reduce")`.
+    """Sums the P messages of `enc` (batch axis 0, `encode(x, cfg, batch_dims=1)`) in the Hadamard
+    domain and requantizes the sum (`reduce_groups`, or the backend's kernel).
 
-    Args:
-      enc: an `Encoded` of kind "taco" with a leading batch axis of P messages of equal shape
-        (`encode(x, cfg, batch_dims=1)`, as received by the two-shot all-to-all).
-      cfg: the codec that encoded them.
-    Returns: an `Encoded` of the sum, [*enc.shape], in the folded layout (prescale None): decode it
+    Returns: an `Encoded` of the sum [*enc.shape] in the folded layout (prescale None): decode it
       with `dataclasses.replace(cfg, scale_layout="folded")`.
-    Raises: ValueError if `cfg.kind` has no transform-domain reduction (`CodecKind.transform_reduce`:
-    "taco" only among the built-in kinds).
+    Raises: ValueError if the kind has no transform-domain reduction (`CodecKind.transform_reduce`).
     """
     if cfg.kind == "none" or not get_kind(cfg.kind).transform_reduce:
         raise ValueError(f"reduce_encoded (transform-domain reduction) needs kind 'taco', got kind={cfg.kind!r}")
@@ -356,9 +312,7 @@ def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
         return Encoded(codes, s, None, enc.shape, enc.dtype)
 
 
-# --------------------------------------------------------------------------------------
-# Resolution of "auto": the one place.
-# --------------------------------------------------------------------------------------
+# --- Resolution of "auto": the one place.
 
 def gloo_collectives() -> bool:
     """Whether XLA:CPU runs this process's collectives through gloo: `jax.distributed` initialized
@@ -367,14 +321,9 @@ def gloo_collectives() -> bool:
 
 
 def resolve_transport(name: str = "auto", run: str = "auto") -> str:
-    """The concrete `CodecConfig.transport` a codec's `name` stands for here. A concrete `name` comes
-    back unchanged; "auto" becomes the run's transport `run` (a run's `--transport`; one of
-    `TRANSPORTS`) where that is concrete, else "gloo" when `gloo_collectives()` (the processes'
-    collectives run through gloo), else "xla". So `run="xla"` under gloo gives XLA's own collectives
-    (its gloo reduce-scatter, bf16 widened to float32 on the wire), and `run="gloo"` in one process
-    gives the program a multi-process CPU run compiles (exact reduce-scatter as all-to-all + sum,
-    narrow floats moved as their own bytes), with in-process collectives.
-    Raises ValueError naming a `name` or `run` outside `TRANSPORTS`."""
+    """The concrete transport `name` stands for: `name` if concrete, else the run's `run` (its
+    `--transport`) if concrete, else "gloo" when `gloo_collectives()`, else "xla". (`run="gloo"` in
+    one process compiles the multi-process CPU program.) Raises ValueError outside `TRANSPORTS`."""
     for what, value in (("transport", name), ("run transport", run)):
         if value not in TRANSPORTS:
             raise ValueError(f"{what}={value!r} must be one of {TRANSPORTS}")
@@ -386,10 +335,8 @@ def resolve_transport(name: str = "auto", run: str = "auto") -> str:
 
 
 def _resolve_wire(cfg: CodecConfig, backend: str, platform: str) -> str:
-    """The concrete wire codec of `cfg` with its backend resolved to `backend`: "auto" -> the wire
-    codec of the same name as the backend where one is registered for `platform` and the codec's
-    rows are its kind ("taco", group_axis "hidden", nonfinite "propagate"), else "generic".
-    Raises ValueError for an explicit wire codec that cannot run here."""
+    """`cfg.wire` made concrete: "auto" -> the backend's own wire codec where it runs and fits
+    (taco, "hidden", "propagate"), else "generic". Raises ValueError for one that cannot run here."""
     fits = _backends(cfg) and cfg.group_axis == "hidden" and cfg.nonfinite == "propagate"
     if cfg.wire == "auto":
         return backend if fits and wire_runs_on(backend, platform) else "generic"
@@ -400,20 +347,12 @@ def _resolve_wire(cfg: CodecConfig, backend: str, platform: str) -> str:
 
 def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: int = 1,
                   transport: str = "auto") -> CodecConfig:
-    """`cfg` with every "auto" made concrete, the one place where that is decided:
-    `backend` (kind "taco": the registered resolver's choice for `platform`, default
-    `backends.default_platform()`; other kinds always run the jnp reference: "reference"),
-    `wire` (`_resolve_wire`) and `transport` (`resolve_transport`). Training calls it once per
-    site before tracing (`CommPolicy.resolve_backends`); the compressed collectives call it at
-    trace time on a codec a library caller passed unresolved.
+    """`cfg` with every "auto" made concrete: `backend` (kind "taco": the registered resolver's
+    choice; other kinds "reference"), `wire` (`_resolve_wire`), `transport` (`resolve_transport`).
 
-    Args:
-      cfg: the codec. platform: "cpu", "cuda", ... n_devices: devices of the program (the resolver
-        refuses backends that stall a multi-device program). transport: the run's transport (a
-        run's `--transport`), what an "auto" `cfg.transport` becomes where it is not "auto"
-        (`resolve_transport`); a codec that names its transport keeps it.
-    Raises: ValueError naming a backend or wire codec that cannot run here, or a transport outside
-      `TRANSPORTS`.
+    Args: platform: default `backends.default_platform()`. n_devices: devices of the program (the
+      resolver refuses backends that stall a multi-device program). transport: the run's transport.
+    Raises: ValueError naming a backend or wire codec that cannot run here, or a bad transport.
     """
     platform = platform or default_platform()
     backend = resolve_backend(cfg.backend, platform, n_devices=n_devices) if _backends(cfg) else "reference"

@@ -1,11 +1,8 @@
 """Group math of the non-TACO codecs: per-tensor / per-group FP8, int8, int4 (SDP4Bit-style), TAH-style tiles.
 
-Every function works on float32 groups `[..., n_groups, G]` (the last group zero-padded) and
-returns / takes the wire buffers `(codes, scale, prescale)`; the kinds' registry
-(`taco_jax.codec.kinds`) names them and `taco_jax.codec.dispatch.encode` cuts messages into
-groups and calls them. `cfg` is the message's `CodecConfig` (not imported here: the config
-module validates against the registry, which imports this one). A group holding NaN/±Inf gets a NaN scale, so it
-decodes to NaN (the "propagate" policy; "zero" and "error" are applied around these functions).
+Every function maps float32 groups `[..., n_groups, G]` (the last zero-padded) to the wire buffers
+`(codes, scale, prescale)` or back; `cfg` is a `CodecConfig` (not imported: config imports the
+registry, which imports this). A group holding NaN/±Inf gets a NaN scale, so it decodes to NaN.
 
 Sources: per-tensor FP8 with an absmax scale as TransformerEngine's current scaling; block-wise
 absmax int8 as EQuARX (arXiv 2506.17615) and ZeRO++ (arXiv 2306.10209); 4-bit groups with
@@ -51,12 +48,8 @@ def unpack4(b: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def encode_fp8(xg: jax.Array, cfg):
-    """FP8 codes with s = max(absmax / R, 2^-126) per group (fp8_tensor: the group is the message).
-
-    Args:
-      xg: float32 [..., n_groups, G] (fp8_tensor: [..., 1, n], the whole message).
-    Returns: (codes fp8 like xg, s float32 [..., n_groups], None).
-    """
+    """FP8 codes with s = max(absmax / R, 2^-126) per group: xg float32 [..., n_groups, G]
+    (fp8_tensor: [..., 1, n], the message) -> (codes fp8 like xg, s float32 [..., n_groups], None)."""
     y = _wht(xg) if cfg.hadamard else xg
     r = np.float32(cfg.target_range)
     s = jnp.maximum(jnp.max(jnp.abs(y), axis=-1) / r, S_MIN)
@@ -76,11 +69,8 @@ def decode_fp8(codes, s, prescale, cfg):
 
 @functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def encode_int(xg: jax.Array, cfg):
-    """Symmetric integer codes q = round(y / s) in [-L, L], s = max(absmax / L, 2^-126).
-
-    L = 127 (int8, codes int8) or 7 (int4, codes q + 8 packed two per byte, uint8 [..., G/2]).
-    Rounding is to nearest, ties to even.
-    """
+    """Symmetric integer codes q = round(y / s) in [-L, L] (ties to even), s = max(absmax / L, 2^-126);
+    L = 127 (int8, codes int8) or 7 (int4, codes q + 8 packed two per byte, uint8 [..., G/2])."""
     levels = INT_LEVELS[cfg.kind]
     y = _wht(xg) if cfg.hadamard else xg
     finite = _finite(xg)

@@ -1,13 +1,5 @@
-"""The codec kinds: one registry entry per kind, from which every per-kind rule of the package derives.
-
-A `CodecKind` declares a kind's wire format (code and scale dtypes, bits per code, whether a
-second per-group buffer travels), its grouping rules (one scale per group of G, or one per
-message; the group sizes it takes), whether the Walsh-Hadamard transform is always, never or
-optionally applied, its group math (encode / decode of float32 groups), whether it runs through
-the registered group backends and reduces in its transform domain (taco), whether
-`taco-jax calibrate` searches it, and how plots draw it. `CodecConfig` validates against it,
-`dispatch` cuts messages and lays out the wire buffers with it, `wire_bytes_per_element` (and so
-the cost model) counts bytes from it, and `train.calibrate.candidates` enumerates it.
+"""The codec kinds: one registry entry per kind, from which every per-kind rule of the package derives
+(validation, wire layout, byte counts, calibration candidates, plots).
 
 Adding a kind: `register_kind(CodecKind(...))` (docs/architecture.md, "Adding a codec kind").
 """
@@ -37,30 +29,22 @@ class CodecKind:
       code_bits: bits per code on the wire (8; 4: two codes per byte, packed by the encoder).
       code_dtype: numpy dtype of the code buffer; None: FP8 in the codec's `fmt` (E4M3 / E5M2).
       encode: `encode(xg, cfg, *, last_count) -> (codes, scale, prescale)`: float32 groups
-        [..., n_groups, G] (the last zero-padded; `last_count` real elements in it) -> codes
-        [..., n_groups, G * code_bits / 8] in `code_dtype`, scale [..., n_groups] in
-        `scale_dtype`, prescale like scale or None (`has_prescale`). A group holding NaN/±Inf
-        must decode to NaN (the "propagate" policy; "zero" / "error" are applied around it).
+        [..., n_groups, G] (the last zero-padded past `last_count`) -> codes [..., n_groups,
+        G * code_bits / 8], scale [..., n_groups], prescale like scale or None. A group holding
+        NaN/±Inf must decode to NaN.
       decode: `decode(codes, scale, prescale, cfg) -> float32 groups [..., n_groups, G]`.
       scale_dtype: numpy dtype of the scale (and prescale) buffers (default float32).
-      prescale: whether a second per-group buffer travels: a bool, or a function of the codec
-        (taco: with `scale_layout` "dual").
-      grouped: True: one scale per group of `group_size` elements; False: one per message (the
-        message is one group, no padding; `group_axis` "hidden" only).
+      prescale: whether a second per-group buffer travels (a bool, or a function of the codec).
+      grouped: one scale per group of G (True) or per message (False: `group_axis` "hidden" only).
       group_sizes: the group sizes G the kind takes (a subset of `constants.GROUP_SIZES`).
       hadamard: "never", "optional" (`CodecConfig.hadamard` chooses) or "always".
-      scale_layouts: the `CodecConfig.scale_layout` values the kind takes (taco: "dual", "folded").
-      backends: the group math runs through the registered group backends (`cfg.backend`,
-        `taco_jax.codec.backends`) and may use their wire codecs; otherwise `encode` / `decode`.
-      transform_reduce: the two-shot all-reduce may sum in the transform domain
-        (`reduce_domain="hadamard"`, `dispatch.reduce_encoded`).
-      calibrate: `taco-jax calibrate` searches the kind (`train.calibrate.candidates`: every
-        G, group axis, FP8 format, optional Hadamard and scale layout it takes).
-      overflow: a group of the two-shot all-reduce's partial sum that overflowed the message
-        dtype (±Inf from finite inputs) travels as an overflow group (`dispatch.overflow_groups`:
-        FP8 codes of the elements, float32 scale, decoded as fp8(code) * |scale| whatever `decode`
-        does), so it gives ±Inf in those elements only, as the exact sum; False: it decodes to NaN
-        as a non-finite group. Needs FP8 codes (`code_dtype` None) and a float32 `scale_dtype`.
+      scale_layouts: the `CodecConfig.scale_layout` values the kind takes.
+      backends: the group math runs through the registered group backends and their wire codecs.
+      transform_reduce: the two-shot all-reduce may sum in the transform domain.
+      calibrate: `taco-jax calibrate` searches the kind.
+      overflow: an overflowed two-shot partial-sum group travels as an overflow group
+        (`dispatch.overflow_groups`; ±Inf in those elements only) instead of decoding to NaN.
+        Needs FP8 codes (`code_dtype` None) and a float32 `scale_dtype`.
       color: how plots draw the kind (a matplotlib colour).
       summary: one line for listings.
     Raises: ValueError naming a bad field.

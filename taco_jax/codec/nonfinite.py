@@ -1,9 +1,5 @@
-"""Host-side reporting of the "error" non-finite policy (`CodecConfig.nonfinite == "error"`).
-
-A device-side check (`check_finite`) reports the communication site to the host through a
-`jax.debug.callback`; the host keeps the reported sites until `nonfinite_sites` /
-`raise_if_nonfinite` read them (the training loop calls the latter after every step).
-"""
+"""Host-side reporting of the "error" non-finite policy (`CodecConfig.nonfinite == "error"`):
+`check_finite` reports a site from the device, `raise_if_nonfinite` raises on the host."""
 
 from __future__ import annotations
 
@@ -30,14 +26,10 @@ def _report(*, site: str):
 def check_finite(rows: jax.Array, site: str) -> None:
     """The "error" policy's device-side check: reports `site` to the host if `rows` holds NaN/±Inf.
 
-    Mechanism (works inside `jit`, `shard_map` and `custom_vjp` backward rules, jax >= 0.10.2):
-    `lax.cond(all finite, nothing, jax.debug.callback(report))` — the callback takes no array
-    operands and only runs on a rank that saw a non-finite value; it records the site and prints
-    it. `raise_if_nonfinite()` then raises `FloatingPointError` naming the site(s) on the host
-    (the training loop calls it after every step). Raising *inside* the callback is not used: on
-    a multi-device mesh the failing rank leaves its peers waiting in the next collective, and
-    XLA aborts the process; `checkify` is not used: it needs the caller to wrap the whole train
-    step in `checkify.checkify`. The values themselves follow "propagate" (NaN out).
+    A `lax.cond` around an operand-free `jax.debug.callback` (works in `jit`, `shard_map` and
+    custom_vjp rules). Not raising inside the callback: the failing rank would leave its peers
+    waiting in the next collective. Not `checkify`: it would wrap the whole step. Values follow
+    "propagate".
     """
     ok = jnp.all(jnp.isfinite(rows))
     jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(functools.partial(_report, site=site)))

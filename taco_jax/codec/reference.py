@@ -1,13 +1,9 @@
 """Plain-jnp specification of TACO's group math (TACO spec §2): what every group backend must match.
 
 Source: TACO (arXiv 2604.24088) §"Adaptive Scale-Hadamard Transform" and "Dual-Scale
-Quantization"; COCCL taco plugin (reference CUDA codec). Differences from the plugin are
-explicit options (`CodecConfig.nonfinite`), never silent. The group functions here, in
-`taco_jax.codec.family` and in `taco_jax.kernels.ffi_codec` are `jax.jit(inline=True)`: inside a jitted
-program they are traced in place (the program is the same as without the decorator), and called
-eagerly each runs as one compiled program rather than one per operation. The math only: registered as the
-"reference" backend and called through `taco_jax.codec.dispatch` (`encode` / `decode`, the one
-interface to every codec kind); the other kinds' group math is in `taco_jax.codec.family`.
+Quantization"; the COCCL taco plugin. Differences from the plugin are explicit options
+(`CodecConfig.nonfinite`). The group functions are `jax.jit(inline=True)`: traced in place inside
+a jitted program, one compiled program when called eagerly. Registered as the "reference" backend.
 """
 
 from __future__ import annotations
@@ -22,9 +18,7 @@ from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.hadamard import wht
 
-# --------------------------------------------------------------------------------------
-# Group math: [..., n_groups, G] float32 <-> codes + scales. Kernel backends implement these two.
-# --------------------------------------------------------------------------------------
+# --- Group math: [..., n_groups, G] float32 <-> codes + scales. Kernel backends implement these two.
 
 
 @functools.partial(jax.jit, inline=True, static_argnames=("cfg", "last_count"))
@@ -35,10 +29,8 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
       xg: float32 [..., n_groups, G], the last group zero-padded past `last_count`.
       cfg: codec configuration (fmt, group_size, lam, target_range).
       last_count: real element count of the last group (1..G); its mean square uses it.
-
-    Returns:
-      (codes fp8 [..., n_groups, G], s float32 [..., n_groups], a float32 [..., n_groups]).
-      A group holding NaN/±Inf gets s = NaN (so it decodes to NaN).
+    Returns: (codes fp8 [..., n_groups, G], s float32 [..., n_groups], a float32 [..., n_groups]);
+      a group holding NaN/±Inf gets s = NaN (so it decodes to NaN).
     """
     g = cfg.group_size
     n_groups = xg.shape[-2]
@@ -59,11 +51,7 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
 @functools.partial(jax.jit, inline=True)
 def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Array:
     """Decodes groups: x' = WHT(fp8(q) * s) / max(a, EPS); `a=None` for the folded layout.
-
-    Args:
-      codes: fp8 [..., n_groups, G]; s, a: float32 [..., n_groups].
-    Returns: float32 [..., n_groups, G].
-    """
+    codes fp8 [..., n_groups, G]; s, a float32 [..., n_groups] -> float32 [..., n_groups, G]."""
     x = wht(codes.astype(jnp.float32) * s[..., None])
     if a is not None:
         x = x / jnp.maximum(a, C.EPS)[..., None]
@@ -72,24 +60,16 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None) -> jax.Ar
 
 @functools.partial(jax.jit, inline=True, static_argnames=("cfg",))
 def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: CodecConfig):
-    """Transform-domain reduction (two-shot all-reduce, `reduce_domain="hadamard"`): sums P ranks'
-    encoded groups without leaving the Hadamard domain and requantizes the sum.
+    """Transform-domain reduction (`reduce_domain="hadamard"`): P ranks' groups summed in the
+    Hadamard domain and requantized.
 
-    The WHT is linear, so with z_r = q_r * (s_r / max(a_r, EPS)) ≈ WHT(x_r) (step 5 undone, no
-    inverse transform), Σ_r z_r ≈ WHT(Σ_r x_r). The sum (FP32, in rank order) is quantized with
-    an absmax scale and no transform (a = 1): s' = clip(max(max|Σz|, EPS) / R, EPS, SCALE_MAX),
-    codes' = fp8(clip(Σz * (1 / s'), -R, R)) (1/s' rounded once to float32; round to nearest
-    even, saturating), so that
-    `decode_groups(codes', s', None)` = WHT(codes' * s') is the sum in the signal domain. Two
-    transforms fewer per group than decode -> sum -> encode.
+    The WHT is linear: with z_r = q_r * (s_r / max(a_r, EPS)) ≈ WHT(x_r), Σ_r z_r ≈ WHT(Σ_r x_r). The
+    FP32 rank-order sum is quantized with an absmax scale, no transform: s' = clip(max(max|Σz|, EPS)
+    / R, EPS, SCALE_MAX), codes' = fp8(clip(Σz * (1 / s'), -R, R)) (RNE, saturating), so
+    `decode_groups(codes', s', None)` is the sum. Two transforms fewer per group than decode-sum-encode.
 
-    Args:
-      codes: cfg.code_dtype [P, ..., n_groups, G]; s, a: float32 [P, ..., n_groups] (a=None: the
-        folded layout, s already s/a).
-      cfg: the taco codec that encoded them (fmt, target_range).
-    Returns:
-      (codes' cfg.code_dtype [..., n_groups, G], s' float32 [..., n_groups]). A group whose sum is
-      not finite (an input group held NaN/±Inf, so its s was NaN) gets s' = NaN (decodes to NaN).
+    Args: codes [P, ..., n_groups, G]; s, a float32 [P, ..., n_groups] (a=None: folded); cfg.
+    Returns: (codes' [..., n_groups, G], s' float32 [..., n_groups]); s' = NaN for a non-finite sum.
     """
     k = s if a is None else s / jnp.maximum(a, C.EPS)
     z = codes.astype(jnp.float32) * k[..., None]

@@ -1,13 +1,7 @@
-"""Varying-manual-axes (vma) helpers, so values keep their varying type inside `shard_map(check_vma=True)`.
+"""Varying-manual-axes (vma) helpers for `shard_map(check_vma=True)`, on the lowest floor for every user.
 
-The one home of these helpers for every floor (kernels, collectives, train): it sits at the lowest
-floor so that no module above has to reach into another floor's internals for them
-(`taco_jax.collectives.dp.varying_axes` / `vary` are the same two functions).
-
-The type is spelled `ShapedArray.manual_axis_type` (`jax.sharding.ManualAxisType`) in some jax
-versions and `aval.vma` in others; both are read. A custom call whose output type lacks the inputs'
-varying axes would be taken as replicated (invariant) by later collectives, so every kernel
-declares it explicitly.
+jax spells the type `aval.manual_axis_type` or `aval.vma` by version; both are read. Every kernel
+declares its outputs' varying axes: otherwise later collectives would take them as invariant.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Wire rows: the generic wire codec (group math of the backend + byte packing) and the choice of a wire codec.
 
-A collective moves each compressed message as ONE uint8 row holding all its wire buffers
-(`pack_rows`: codes, then s, then a, each as little-endian bytes): one collective instead of one
-per buffer (over gloo every collective costs a rendezvous, which dominated the small scale
-buffers' transfer). The contract of a wire codec is in `taco_jax.codec.backends`; the generic one
-here composes `dispatch.encode` / `decode` with `pack_rows` / `unpack_rows`, so it serves every
-codec kind and group backend. `wire_for` picks the wire codec a message takes.
+Each message travels as ONE uint8 row (`pack_rows`: codes, s, a as little-endian bytes): one
+collective rather than one per buffer, since over gloo each collective costs a rendezvous. Contract
+in `taco_jax.codec.backends`; the generic codec serves every kind and backend.
 """
 
 from __future__ import annotations

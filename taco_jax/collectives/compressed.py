@@ -1,72 +1,33 @@
 """Compressed collectives inside `jax.shard_map` (TACO spec §3), shaped and differentiated like `lax`'s.
 
-Algorithms (P = size of the named axis):
-- all-reduce, two-shot: encode P chunks -> all-to-all -> sum the P received versions of the chunk
-  this rank owns in FP32 -> requantize the sum -> all-gather -> decode. Two quantizations
-  whatever P is; ≈ 2(P-1)/P of the compressed message on the wire per rank. The sum runs in the
-  signal domain by default ("signal": decode, sum, re-encode) or in the Hadamard domain
-  (`reduce_domain="hadamard"`: no inverse transform before the sum, no forward transform after
-  it; `codec.reference.reduce_groups`). `chunks=K` splits the message into K independent chains
-  (encode -> all-to-all -> reduce -> all-gather -> decode) that XLA may overlap.
-- all-reduce, one-shot: encode -> all-gather -> decode P copies -> sum in FP32 in rank order.
-  One quantization; (P-1)× the compressed message.
+Algorithms (P = size of the named axis; FP8 codes only move as data, every sum is FP32):
+- all-reduce, two-shot: encode P chunks -> all-to-all -> FP32 sum of the chunk this rank owns ->
+  requantize -> all-gather -> decode. Two quantizations, ≈ 2(P-1)/P of the compressed message per
+  rank. The sum runs in the signal domain ("signal") or, for kind "taco", in the Hadamard domain
+  ("hadamard", `codec.reference.reduce_groups`). `chunks=K`: K independent chains XLA may overlap.
+- all-reduce, one-shot: encode -> all-gather -> decode P copies -> FP32 rank-order sum. One
+  quantization, (P-1)× the compressed message.
 - reduce-scatter: the first half of two-shot. all-gather: encode -> all-gather -> decode.
-- ppermute (pipeline send/recv): encode -> ppermute -> decode.
-FP8 codes only ever move as data (all-to-all, all-gather, ppermute); sums are FP32.
-A sum of finite values that overflows the message dtype (float16: 65520) is ±Inf in that element
-only, as the exact collective gives: the one-shot all-reduce and the reduce-scatter round one FP32
-sum to the dtype; the two-shot one rounds its partial sum to the dtype before encoding it again,
-and a group of it holding ±Inf (and no NaN) travels as an overflow group
-(`taco_jax.codec.dispatch.overflow_groups`; kinds with `CodecKind.overflow`) rather than with a
-NaN scale. The Hadamard-domain reduction never rounds the partial sum to the dtype; its final
-decode clips to the dtype's range, as every decode does (float16: ±65504, never NaN).
-Wire format: codes and scales of a message travel packed as one uint8 row ([codes][s][a], or
-[codes][s/a] folded). The rows are made and read by the codec's wire codec
-(`taco_jax.codec.wire_for`, contract in `taco_jax.codec.backends`): encode rows, decode rows,
-decode-and-sum rows, reduce rows. The generic one composes the group backend's encode / decode
-with byte packing; the "ffi" one (C++ kernels on CPU, `CodecConfig.wire`) writes and reads the
-rows itself, bit-identical. Each collective below is written once, against that interface.
-With a codec of kind "none" (forward and backward) each function *is* the `lax` collective
-(bit-for-bit, derivatives included). Every function returns its input unchanged on an axis of
-size 1, and a zero-size message gives the empty result of the right shape and dtype without
-any communication (nothing is encoded).
+  ppermute: encode -> ppermute -> decode.
+Overflow: a finite sum beyond the dtype's range (float16: 65520) is ±Inf in that element only, as
+in the exact collective; a two-shot group holding ±Inf travels as an overflow group
+(`codec.dispatch.overflow_groups`). Every decode clips to the dtype's range (float16: ±65504).
+Wire format: one uint8 row per message, made and read by the codec's wire codec
+(`taco_jax.codec.wire_for`, contract in `taco_jax.codec.backends`).
+Every function runs inside `shard_map` over a manual mesh axis `axis_name` (size P). Kind "none"
+(forward and backward) is the `lax` collective bit for bit, derivatives included. An axis of size 1
+returns the input; a zero-size message returns the empty result without communication.
 
-Derivatives (reverse mode, `jax.grad` / `jax.vjp`): each compressed collective has the
-derivative of the exact collective it stands for — its transpose, as `lax` defines it under
-`shard_map(check_vma=True)`:
-
-| collective    | backward (cotangent)                                         |
-|---------------|--------------------------------------------------------------|
-| psum          | identity, made varying over the axis (no communication)      |
-| all_gather    | psum_scatter of the cotangent along the gathered axis        |
-| psum_scatter  | all_gather of the cotangent along the scattered axis         |
-| ppermute      | ppermute of the cotangent with the inverse permutation       |
-
-The backward message goes through `bwd_codec` (default: the forward `codec`; `NONE` for an
-exact backward). The forward rule calls the differentiable function itself and the backward is
-a compressed collective too (the two codecs swapped), so higher-order reverse mode
-(grad of grad) is the exact collective's as well. Autodiff never goes through the quantizer: the
-codecs are `jax.custom_vjp` functions. Consequence: forward mode (`jax.jvp`, `jax.linearize`,
-`jax.jacfwd`) is NOT defined for a compressing codec and raises jax's `TypeError` ("can't apply
-forward-mode autodiff (jvp) to a custom_vjp function"); with kind "none" on both directions
-the function is the `lax` collective and forward mode works (with transport "gloo" or
-"gloo_widened", `CodecConfig.transport`, the exact reduce-scatter is an all-to-all + sum and the
-exact all-gather a custom_jvp, both still differentiable in either mode). Exception: with
-transport "gloo" a message of a float dtype narrower than 32 bits moves as its own bytes
-(bit-cast; the exact all-reduce then runs as all-to-all, FP32 rank-order sum, all-gather), the
-collective is a custom_vjp with `lax`'s derivative, and forward mode is not defined for it.
-An input that is not varying over the axis is first made varying (`lax.pcast`), as `lax`'s
-collectives do, so its gradient is the sum over ranks, as with `lax`.
-Limits: the chunking of two-shot is along the leading axis when it divides by P, else over the
-flattened message zero-padded to a multiple of P (padding is removed). Reduce-scatter along
-dimension d of x [*pre, P*s, *post]: rank r's message from each rank is the block x viewed as
-[outer, P, inner] (outer = prod(pre), inner = s * prod(post)) at [:, r, :], i.e. [*pre, s, *post]
-flattened row-major (for d = 0 the leading-axis chunk); the result is the FP32 sum of the P
-messages r, already in [*pre, s, *post] order. A wire codec may read these strided blocks in
-place and decode an all-gather along an axis a != 0 straight into its [outer, P, inner] result
-(the "ffi" one does when inner % G == 0), so no transpose surrounds the codec.
-Codecs: a codec with a field still "auto" (backend, wire, transport) is resolved on entry, at
-trace time (`taco_jax.codec.resolve_codec`); training passes codecs resolved once, before tracing.
+Derivatives: each collective's is its exact counterpart's transpose under `shard_map(check_vma=True)`
+(each function's "Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire, itself a
+compressed collective (grad of grad works). Forward mode raises jax's `TypeError` for a compressing
+codec and for a narrow float moved as its own bytes under transport "gloo" (custom_vjp). An input
+not varying over the axis is first made varying, as `lax` does.
+Layout: two-shot chunks along the leading axis when it divides by P, else the flattened message
+zero-padded to a multiple of P. Reduce-scatter along d of x [*pre, P*s, *post]: rank r receives from
+every rank the block x viewed as [outer, P, inner] at [:, r, :] (flattened row-major) and returns
+their FP32 sum as [*pre, s, *post]; a wire codec may read those blocks in place.
+A codec with a field still "auto" is resolved at trace time (`taco_jax.codec.resolve_codec`).
 """
 
 from __future__ import annotations
@@ -84,47 +45,39 @@ from taco_jax.codec.vma import pvary, vma_of
 from taco_jax.codec.wire import sum_fp32, wire_for
 
 ALGORITHMS = ("two_shot", "one_shot")
-#: Where the two-shot all-reduce sums the ranks' chunks: "signal" (decode, sum, re-encode) or
-#: "hadamard" (sum in the transform domain, requantize, one inverse transform at the end).
+#: Where the two-shot all-reduce sums the ranks' chunks (`psum`'s `reduce_domain`).
 REDUCE_DOMAINS = ("signal", "hadamard")
-#: `chunks="auto"`: one pipeline chunk per this many uncompressed bytes of the message, at most
-#: AUTO_MAX_CHUNKS (see `auto_chunks`).
+#: `chunks="auto"`: one chunk per this many uncompressed bytes, at most AUTO_MAX_CHUNKS.
 AUTO_CHUNK_BYTES = 8 << 20
 AUTO_MAX_CHUNKS = 4
 
 
 def _resolved(codec: CodecConfig) -> CodecConfig:
-    """`codec` with its "auto" fields made concrete (`taco_jax.codec.resolve_codec`), at trace time
-    for a library call; a codec resolved before tracing comes back unchanged."""
+    """`codec` with its "auto" fields resolved (unchanged if already resolved)."""
     return codec if is_resolved(codec) else resolve_codec(codec)
 
 
 def _gloo(codec: CodecConfig) -> bool:
-    """Whether the codec's exact collectives run through gloo (transport "gloo" or "gloo_widened"):
-    then the exact reduce-scatter is `_exact_psum_scatter`, not XLA:CPU's gloo reduce-scatter."""
+    """Transport "gloo" or "gloo_widened": the exact reduce-scatter is then `_exact_psum_scatter`."""
     return codec.transport in ("gloo", "gloo_widened")
 
 
 def _own_bytes(codec: CodecConfig, x) -> bool:
-    """Whether the exact collective moves `x` as its own dtype's bytes rather than as XLA:CPU widens
-    it: transport "gloo" and a floating dtype narrower than 32 bits (bfloat16, float16, FP8)."""
+    """Transport "gloo" and a float narrower than 32 bits: the exact collective moves x's own bytes."""
     return codec.transport == "gloo" and jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
 
 
 def _move_bits(fn, x: jax.Array) -> jax.Array:
-    """`fn` (a data-movement collective) applied to x's bits, bit-cast to the unsigned integer of
-    x's width: the wire carries x's own bytes (XLA:CPU widens narrow float collectives to float32).
-    Not differentiable: callers are custom_vjp rules."""
+    """`fn` (a data-movement collective) applied to x bit-cast to uint of x's width, so XLA:CPU
+    cannot widen it to float32. Not differentiable: callers are custom_vjp rules."""
     bits = jnp.dtype(f"uint{jnp.dtype(x.dtype).itemsize * 8}")
     return lax.bitcast_convert_type(fn(lax.bitcast_convert_type(x, bits)), x.dtype)
 
 
 def _exact_psum_scatter(x, axis_name, dim, tiled, own_bytes: bool = False):
-    """`lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)`, exact, as an all-to-all
-    of the P blocks and a sum in rank order (FP32 accumulation for narrower floats, as the compressed
-    path). The same bytes on the wire as a reduce-scatter; used instead of XLA:CPU's gloo
-    reduce-scatter with transport "gloo" (`CodecConfig.transport`). `own_bytes`: the blocks move as
-    their own dtype's bytes (`_move_bits`; then not differentiable: only inside `_psum_scatter`)."""
+    """Exact `lax.psum_scatter` as an all-to-all of the P blocks and a rank-order sum (FP32 for
+    narrower floats): XLA:CPU's gloo reduce-scatter avoided. `own_bytes`: blocks move as their own
+    dtype's bytes (`_move_bits`; not differentiable, so only inside `_psum_scatter`)."""
     p = lax.axis_size(axis_name)
     pre, post = x.shape[:dim], x.shape[dim + 1:]
     shape = (*pre, *((x.shape[dim] // p,) if tiled else ()), *post)
@@ -141,8 +94,7 @@ def _exact_psum_scatter(x, axis_name, dim, tiled, own_bytes: bool = False):
 
 
 def _a2a_all_gather(x, axis_name, axis, tiled):
-    """`lax.all_gather(x, axis_name, axis=axis, tiled=tiled)` written as an all-to-all of P copies of
-    x (the same bytes on the wire). Its transpose is an all-to-all + sum, not a reduce-scatter."""
+    """`lax.all_gather` as an all-to-all of P copies of x: its transpose avoids the reduce-scatter."""
     p = lax.axis_size(axis_name)
     g = lax.all_to_all(jnp.broadcast_to(x[None], (p, *x.shape)), axis_name, 0, 0)  # g[q]: rank q's x
     g = jnp.moveaxis(g, 0, axis)
@@ -151,9 +103,8 @@ def _a2a_all_gather(x, axis_name, axis, tiled):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _exact_all_gather(x, axis_name, axis, tiled):
-    """Exact all-gather under gloo: `lax.all_gather` forward; its tangent map is `_a2a_all_gather`, so
-    reverse mode (the transpose) never emits XLA:CPU's gloo reduce-scatter. Forward mode, reverse
-    mode and vmap all work (a custom_jvp, not a custom_vjp)."""
+    """`lax.all_gather` whose tangent map is `_a2a_all_gather`, so its transpose emits no gloo
+    reduce-scatter; a custom_jvp, so forward mode, reverse mode and vmap work."""
     return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
 
 
@@ -169,9 +120,8 @@ def _wide(dtype) -> bool:
 
 
 def _all_to_all_rows(x: jax.Array, axis_name, wire, codec: CodecConfig, *, blocks=None):
-    """P messages (x [P, *shape], or x split into P blocks along `blocks`=(dim, P)) -> the rows of
-    the P messages this rank receives, one from each rank, as the wire codec reads them (one
-    [P, row_bytes] array, or P buffers [row_bytes] for a `per_source` wire codec)."""
+    """x [P, *shape] (or split along `blocks`=(dim, P)) -> the P rows this rank receives: one
+    [P, row_bytes] array, or P [row_bytes] buffers for a `per_source` wire codec."""
     rows = wire.encode_rows(x, codec, batch_dims=1, blocks=blocks, per_rank=True)
     moved = lax.all_to_all(rows, axis_name, 0, 0)
     return [moved[r] for r in range(moved.shape[0])] if wire.per_source else moved
@@ -214,14 +164,11 @@ def _norm_axis(axis: int, ndim: int, name: str) -> int:
     return axis % ndim
 
 
-# --------------------------------------------------------------------------------------
-# all-reduce
-# --------------------------------------------------------------------------------------
+# --- all-reduce
 
 
 def _scoped(name: str):
-    """Runs a compressed collective's value under `jax.named_scope(name)`, so profiles and HLO
-    dumps (op_name metadata) name TACO's work; the computation is unchanged."""
+    """Runs the function under `jax.named_scope(name)` (names TACO's work in profiles and HLO)."""
     def deco(fn):
         @functools.wraps(fn)
         def wrapped(*args):
@@ -234,18 +181,16 @@ def _scoped(name: str):
 
 
 def auto_chunks(nbytes: int, platform: str | None = None) -> int:
-    """Pipeline chunks for `chunks="auto"`: on CPU (XLA:CPU + gloo) 1, because there each extra
-    collective costs more than the overlap gains (docs/results.md); elsewhere one per AUTO_CHUNK_BYTES of
-    the (uncompressed) message, between 1 and AUTO_MAX_CHUNKS.
-    `platform` defaults to jax's default backend."""
+    """Chunks for `chunks="auto"`: 1 on CPU (an extra gloo collective costs more than the overlap
+    gains, docs/results.md); elsewhere one per AUTO_CHUNK_BYTES of the uncompressed message, in
+    [1, AUTO_MAX_CHUNKS]. `platform` defaults to jax's default backend."""
     if (platform or jax.default_backend()) == "cpu":
         return 1
     return int(max(1, min(AUTO_MAX_CHUNKS, nbytes // AUTO_CHUNK_BYTES)))
 
 
 def _two_shot(x, axis_name, codec, reduce_domain, p):
-    """Two-shot all-reduce of one message: x [*shape] -> [x.size] flat sum over ranks: P chunks
-    encoded -> all-to-all -> reduced (the chunk this rank owns) -> all-gather -> decoded."""
+    """Two-shot all-reduce of one message: x [*shape] -> its flat sum over ranks [x.size]."""
     wire = wire_for(codec, x)
     xs = _split_chunks(x, p)
     if codec.group_axis == "hidden":  # groups cut the flattened chunk either way
@@ -287,8 +232,7 @@ def _psum_value(x, axis_name, codec, algorithm, reduce_domain="signal", chunks=1
     k = max(1, min(k, x.size // unit))
     if k == 1 or codec.group_axis == "token":
         return _two_shot(x, axis_name, codec, reduce_domain, p).reshape(x.shape)
-    # K independent two-shot chains over contiguous pieces of the flattened message: no data
-    # dependence between chains, so XLA may run one piece's codec work beside another's transfer.
+    # K independent chains: XLA may run one piece's codec work beside another's transfer.
     flat = x.reshape(-1)
     step = -(-flat.size // (k * unit)) * unit
     outs = [_two_shot(flat[i * step:(i + 1) * step], axis_name, codec, reduce_domain, p)
@@ -310,29 +254,14 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
     """All-reduce (sum) of `x` over `axis_name`; result replicated (invariant) over the axis.
 
     Args:
-      x: float array of any shape (zero-size included), normally varying over `axis_name`
-        (partial sums).
-      axis_name: a manual mesh axis of the enclosing `shard_map`.
-      codec: message codec; kind "none" gives exactly `lax.psum`.
+      x: float array of any shape, normally partial sums varying over the axis.
       algorithm: "two_shot" or "one_shot" (module docstring).
-      reduce_domain: two-shot only, codecs of kind "taco" only (other kinds have no transform
-        domain and always reduce in the signal domain; so does one-shot):
-        "signal": decode each received chunk, sum in FP32 in rank order, encode the sum (two
-          transforms per chunk and rank between the wire hops);
-        "hadamard": sum the chunks in the transform domain (z_r = q_r * s_r / a_r, FP32, rank
-          order), requantize the sum with an absmax scale and no transform, all-gather, one
-          inverse transform at the end (`taco_jax.codec.reference.reduce_groups`). As accurate
-          as "signal" on captured TP messages; not the default (docs/results.md).
-      chunks: two-shot only: split the flattened message into this many contiguous pieces (whole
-        groups on every rank; fewer when the message is small; 1 for a codec grouping along
-        "token", whose groups span the message), each its own two-shot chain, so
-        that one piece's codec work can run beside another's transfer; "auto": `auto_chunks`
-        of the message's bytes. 1 = one chain over the whole message (the chunking of the module
-        docstring).
+      reduce_domain: two-shot with kind "taco" only: "signal" (decode, FP32 sum, re-encode) or
+        "hadamard" (`taco_jax.codec.reference.reduce_groups`; docs/results.md compares them).
+      chunks: two-shot only: that many independent chains over contiguous pieces of whole groups
+        (fewer for a small message; 1 for a "token"-grouped codec); "auto": `auto_chunks`.
     Returns: array of x's shape and dtype, equal on every rank.
-    Derivative: `lax.psum`'s — the cotangent made varying over the axis, no communication (so
-      there is no backward codec). Forward mode is undefined for a compressing codec (module
-      docstring).
+    Derivative: `lax.psum`'s (the cotangent made varying, no communication, no backward codec).
     Raises: ValueError for an unknown algorithm or reduce_domain, or chunks not "auto" nor an
       integer >= 1.
     """
@@ -348,9 +277,7 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
     return _psum(_vary(x, axis_name), axis_name, codec, algorithm, reduce_domain, chunks)
 
 
-# --------------------------------------------------------------------------------------
-# all-gather and reduce-scatter (each other's transpose)
-# --------------------------------------------------------------------------------------
+# --- all-gather and reduce-scatter (each other's transpose)
 
 
 @_scoped("taco_all_gather")
@@ -387,8 +314,7 @@ def _psum_scatter_value(x, axis_name, codec, dim, tiled):
     shape = (*x.shape[:dim], *((x.shape[dim] // p,) if tiled else ()), *x.shape[dim + 1:])
     if x.size == 0:
         return _empty(shape, x.dtype, vma_of(x) | _axes(axis_name))
-    # rank r's message: block r of x along dim, [*pre, s, *post] (a codec grouping along "token"
-    # keeps x's last axis as its channels)
+    # rank r's message: block r of x along dim, [*pre, s, *post]
     wire = wire_for(codec, x)
     msg = (*x.shape[:dim], x.shape[dim] // p, *x.shape[dim + 1:])
     rows = _all_to_all_rows(x, axis_name, wire, codec, blocks=(dim, p))
@@ -420,17 +346,11 @@ def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 
     """`lax.all_gather` with each rank's block sent through `codec` (result varying over the axis).
 
     Args:
-      x: array [*shape] (zero-size allowed).
-      axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
-      codec: forward codec; kind "none" with an exact backward gives exactly `lax.all_gather`
-        (under gloo its derivative avoids the reduce-scatter: `_exact_all_gather`).
       axis: where the ranks' blocks go (negative counts from the end of the result's rank).
       tiled: False: a new axis of size P at `axis`; True: the blocks concatenated along `axis`.
-      bwd_codec: codec of the backward reduce-scatter of the cotangent (default: `codec`).
     Returns: x's dtype; shape x.shape with P inserted at `axis` (tiled=False) or x.shape[axis]
       multiplied by P (tiled=True).
-    Derivative: `lax.all_gather`'s — `psum_scatter` of the cotangent along `axis` (FP32 sums,
-      `bwd_codec` on the wire).
+    Derivative: `lax.all_gather`'s (`psum_scatter` of the cotangent along `axis`).
     Raises: ValueError for `axis` out of range or a `bwd_codec` that is not a CodecConfig.
     """
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))
@@ -447,22 +367,12 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
     """Reduce-scatter: `lax.psum_scatter` with the codec on the all-to-all and FP32 sums.
 
     Args:
-      x: float array, partial sums varying over `axis_name` (zero-size allowed).
-      axis_name: a manual mesh axis of the enclosing `shard_map` (size P).
-      codec: forward codec; kind "none" with an exact backward gives exactly `lax.psum_scatter`
-        (with transport "gloo": the same values from `_exact_psum_scatter`).
+      x: float array, partial sums varying over `axis_name`.
       scatter_dimension: the dimension split into P blocks (rank r keeps block r of the sum).
       tiled: True: the dimension shrinks P-fold; False: x.shape[scatter_dimension] must be P and
         the dimension is removed.
-      bwd_codec: codec of the backward all-gather of the cotangent (default: `codec`).
     Returns: x's dtype; x's shape with `scatter_dimension` divided by P (tiled) or removed.
-    Message layout (what each codec group holds): with x [*pre, P*s, *post] viewed as
-      [outer, P, inner] (outer = prod(pre), inner = s * prod(post)), the message every rank sends
-      to rank r is x[:, r, :] flattened row-major, i.e. its [*pre, s, *post] block; rank r decodes
-      the P messages it receives and sums them in FP32 in rank order. A wire codec may read the
-      blocks from x in place (the "ffi" one does when inner % G == 0: no transpose).
-    Derivative: `lax.psum_scatter`'s — `all_gather` of the cotangent along `scatter_dimension`
-      (`bwd_codec` on the wire).
+    Derivative: `lax.psum_scatter`'s (`all_gather` of the cotangent along `scatter_dimension`).
     Raises: ValueError if x.shape[scatter_dimension] is not divisible by P (tiled) or not P
       (tiled=False), for a dimension out of range, or a `bwd_codec` that is not a CodecConfig.
     """
@@ -481,9 +391,7 @@ def psum_scatter(x: jax.Array, axis_name: str, *, codec: CodecConfig, scatter_di
     return _psum_scatter(_vary(x, axis_name), axis_name, codec, bwd, dim, tiled)
 
 
-# --------------------------------------------------------------------------------------
-# ppermute
-# --------------------------------------------------------------------------------------
+# --- ppermute
 
 
 @_scoped("taco_ppermute")
@@ -514,14 +422,9 @@ def ppermute(x: jax.Array, axis_name: str, perm, *, codec: CodecConfig,
              bwd_codec: CodecConfig | None = None) -> jax.Array:
     """`lax.ppermute` of the encoded message (pipeline send/recv).
 
-    Args:
-      x: array (zero-size allowed). axis_name: a manual mesh axis of the enclosing `shard_map`.
-      perm: (source, destination) rank pairs, as `lax.ppermute`; a rank no pair sends to
-        receives zeros.
-      codec: forward codec; kind "none" with an exact backward gives exactly `lax.ppermute`.
-      bwd_codec: codec of the backward ppermute of the cotangent (default: `codec`).
+    perm: (source, destination) pairs, as `lax.ppermute`; a rank nobody sends to gets zeros.
     Returns: x's shape and dtype.
-    Derivative: `lax.ppermute`'s — ppermute of the cotangent with the inverse permutation.
+    Derivative: `lax.ppermute`'s (the inverse permutation).
     Raises: ValueError for a `bwd_codec` that is not a CodecConfig (bad `perm`: `lax`'s error).
     """
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))

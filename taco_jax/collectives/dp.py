@@ -1,22 +1,10 @@
-"""Data-parallel gradient synchronisation inside `shard_map`, optionally compressed (policy site `dp_grads`).
+"""Data-parallel gradient synchronisation inside `shard_map` (policy site `dp_grads`).
 
-Gradients are computed per data shard (the caller differentiates w.r.t. parameters made varying
-over the data axis, and scales the loss by 1 / data size) and summed here:
-
-- codec kind "none": `lax.psum` per gradient leaf (`compressed.psum` with the exact codec) — exactly
-  what `shard_map`'s transpose inserts when the gradient is taken outside, so the uncompressed
-  numerics are unchanged. (Gradients of the FP32 parameters are FP32; a narrower gradient leaf
-  moves as its own bytes under transport "gloo", `CodecConfig.transport`.)
-- any other codec: the leaves are packed into one flat FP32 bucket per (dtype, varying-axes) class
-  and summed with the two-shot compressed all-reduce (`compressed.psum(..., algorithm="two_shot")`):
-  encode P chunks -> all-to-all -> decode, sum in FP32 the chunk this rank owns (reduce-scatter)
-  -> encode the sum -> all-gather -> decode. That is the ZeRO++ / SDP4Bit gradient path with the
-  codec as a config switch (`CodecConfig(kind=...)`: the TACO FP8 codec today, low-bit integer
-  groups with Hadamard smoothing when the codec provides them).
-
-Buckets never mix leaves of different varying axes: a bucket of gradients that are replicated
-over the tensor axis (norm scales, biases) sees identical bytes on every tensor rank, so its
-quantized sum stays identical there and the replicas cannot drift apart.
+- codec kind "none": `lax.psum` per leaf, what `shard_map`'s transpose would insert.
+- any other codec: leaves packed into one flat bucket per (dtype, varying axes) and summed with
+  the two-shot compressed all-reduce (the ZeRO++ / SDP4Bit gradient path).
+A bucket never mixes varying axes, so gradients replicated over the tensor axis (norms, biases)
+get identical quantized sums on every tensor rank and cannot drift apart.
 Source: ZeRO++ (arXiv 2306.10209) §"qgZ"; SDP4Bit (arXiv 2410.15526); TACO spec §3-4.
 """
 
@@ -39,17 +27,10 @@ def varying_axes(x) -> frozenset:
 
 
 def sync_gradients(grads, axis_name: str | None, policy: CommPolicy):
-    """Sum of per-shard gradients over `axis_name` (the data axis), compressed per `policy.dp_grads`.
-
-    Args:
-      grads: pytree of float arrays, varying over `axis_name` (one data shard's gradients,
-        already scaled by 1 / axis size if a mean is wanted).
-      axis_name: the data axis of the enclosing `shard_map`, or None (returns `grads`).
-      policy: `CommPolicy`; `dp_grads` is the codec, `min_bytes` the threshold per bucket.
-    Returns: pytree like `grads`, invariant over `axis_name` (equal on every data rank).
-    Derivative: that of `lax.psum` per leaf (the cotangent made varying over `axis_name`, no
-      communication), whatever the codec: the compressed path is `compressed.psum` on slices of
-      a bucket. Forward mode (`jax.jvp`) is undefined when `policy.dp_grads` compresses.
+    """Sum of per-shard gradients over `axis_name` (the data axis; None: `grads` returned), with
+    codec `policy.dp_grads` and its `min_bytes` per bucket. grads: pytree of float arrays varying
+    over `axis_name`. Returns: pytree like `grads`, invariant over `axis_name`.
+    Derivative: `lax.psum`'s per leaf; forward mode is undefined when `dp_grads` compresses.
     """
     if axis_name is None:
         return grads

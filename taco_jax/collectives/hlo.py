@@ -72,12 +72,8 @@ def _groups(line: str) -> list[tuple[int, ...]] | None:
 
 def mesh_axis_groups(mesh) -> dict[str, set[frozenset[int]]]:
     """For each mesh axis, the groups of logical device ids it spans; and for each set of two or more
-    axes, named "a+b" in mesh order, the groups they span together.
-
-    The replica groups of a compiled SPMD program name logical ids: positions in its device
-    assignment, which for a jit over `mesh` is `mesh.devices` flattened in order. They are not
-    `Device.id`s: those coincide on one host's CPU devices 0..N-1, but not across processes
-    (process 1's CPU devices have other ids) or for a mesh of permuted devices.
+    axes, named "a+b" in mesh order, the groups they span together. Logical ids (what replica groups
+    name) are positions in `mesh.devices` flattened, not `Device.id`s (which differ across processes).
     """
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     out = {}
@@ -120,11 +116,10 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     """Every collective of an HLO module, one record each (a `-start` / `-done` pair once).
 
     Record: "axis" (mesh axis, "+"-joined for multi-axis groups, "?" when the groups match no
-    axis), "op" (HLO op), "dtype" ("+"-joined element types of the result), "result_bytes",
-    "message_bytes" (what one rank contributes: the operand, i.e. the result / P for an
-    all-gather, the result × P for a reduce-scatter), "sent" (bytes sent per device, module
-    docstring), "ranks" (P), "site" (`site_scope` in its op_name, "" if none), "op_name".
-    Group-less or single-rank collectives (P <= 1) move nothing and are left out.
+    axis), "op" (HLO op), "dtype" ("+"-joined result element types), "result_bytes",
+    "message_bytes" (one rank's operand), "sent" (bytes sent per device, module docstring), "ranks"
+    (P), "site" (`site_scope` in its op_name, "" if none), "op_name". Collectives with P <= 1 are
+    left out.
     """
     axis_groups = mesh_axis_groups(mesh)
     done_type = _done_types(hlo_text)
@@ -197,11 +192,9 @@ def _kind(line: str) -> str | None:
 
 def async_overlap(hlo_text: str, mesh) -> list[dict]:
     """What a scheduled program (XLA:GPU's `compiled.as_text()`) runs between each async collective's
-    `-start` and `-done`, in the same computation. One record per start, with `collectives`' fields
-    ("axis", "op", "dtype", "sent", "site", ...) plus "sync" (XLA's `is_sync`: started and waited for
-    at once), "between" ({kind: count} of the instructions scheduled in between: "matmul", "codec",
-    "compute", "collective"; `_kind`) and "overlapped" (not sync, and matmul, codec or other compute
-    scheduled in between). Collectives that are not async (XLA:CPU's) are left out."""
+    `-start` and `-done`: one record per start with `collectives`' fields plus "sync" (XLA's
+    `is_sync`), "between" ({`_kind`: count} of the instructions in between) and "overlapped" (not
+    sync, and compute scheduled in between). Collectives that are not async (XLA:CPU's) are left out."""
     starts = {c["name"]: c for c in collectives(hlo_text, mesh) if "-start" in c["name"]}
     out = []
     for comp in _computations(hlo_text):
@@ -252,12 +245,10 @@ def _computations(hlo_text: str) -> list[list[str]]:
 
 
 def codec_calls(hlo_text: str) -> list[dict]:
-    """The codec work of an HLO module: each custom-call whose target names a TACO kernel
-    ("taco_..."), and each other top-level instruction (a fusion, say) inside a `taco_encode` /
-    `taco_decode` / `taco_reduce` scope (backends without kernels). Record: "kind" (encode,
-    decode, reduce), "target" (the custom-call target, or the HLO op), "site" (as `collectives`).
-    Instructions inside fused computations and reducer regions are not counted (their fusion or
-    reduction is)."""
+    """The codec work of an HLO module: each "taco_..." custom-call, and each other top-level
+    instruction inside a `taco_encode` / `taco_decode` / `taco_reduce` scope (not those inside
+    fusions or reducer regions). Record: "kind" (encode, decode, reduce), "target" (the custom-call
+    target, or the HLO op), "site" (as `collectives`)."""
     out, fused = [], False
     for line in hlo_text.splitlines():
         if line and not line[0].isspace():  # a computation header: fusion bodies and reducers are skipped
@@ -279,11 +270,8 @@ def codec_calls(hlo_text: str) -> list[dict]:
 
 
 def collective_bytes(hlo_text: str, mesh) -> dict:
-    """Bytes sent per device per execution, by mesh axis, op and dtype (from `collectives`).
-
-    Returns: {"by_axis": {axis: bytes}, "detail": [{"axis", "op", "dtype", "count", "bytes"}]}.
-    Axis is "+".join of axes for multi-axis groups, "?" if the groups match no mesh axis.
-    """
+    """Bytes sent per device per execution, by mesh axis (as `collectives`), op and dtype:
+    {"by_axis": {axis: bytes}, "detail": [{"axis", "op", "dtype", "count", "bytes"}]}."""
     detail = collections.defaultdict(lambda: [0, 0.0])
     for c in collectives(hlo_text, mesh):
         key = (c["axis"], c["op"], c["dtype"])

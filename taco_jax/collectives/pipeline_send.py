@@ -1,9 +1,5 @@
-"""Pipeline stage-to-stage transfer over the `stage` mesh axis, compressed per `CommPolicy.pp_send`.
-
-`send` is the compressed `ppermute` (`collectives.compressed.ppermute`) to the neighbour stage,
-so its derivative is `lax.ppermute`'s (the gradient travels back s + shift -> s), with the
-backward message compressed too. Source: TACO spec §4 (compressed pipeline send/recv).
-"""
+"""Pipeline stage-to-stage transfer over the `stage` axis, compressed per `CommPolicy.pp_send`
+(TACO spec §4); the derivative is `lax.ppermute`'s, its message compressed too."""
 
 from __future__ import annotations
 
@@ -18,19 +14,9 @@ from taco_jax.collectives.policy import CommPolicy
 
 def send(x: jax.Array, axis_name: str, policy: CommPolicy, shift: int = 1, *,
          bwd_codec: CodecConfig | None = None) -> jax.Array:
-    """Stage s -> s + shift (`ppermute`, no wrap-around: the first receiver gets zeros).
-
-    Args:
-      x: activation (or gradient) of this stage, any shape and float dtype.
-      axis_name: the stage axis of the enclosing `shard_map`.
-      policy: `CommPolicy`; the message goes through `policy.codec_for("pp_send", x)`.
-      shift: +1 sends to the next stage, -1 to the previous one.
-      bwd_codec: codec of the backward transfer (the gradient s + shift -> s); default: the
-        forward codec.
-    Returns: x's shape and dtype: stage s + shift's value on stage s (zeros on the stages no
-      one sends to).
-    Derivative: `lax.ppermute`'s (inverse shift). Forward mode is undefined when the codec
-      compresses (`collectives.compressed`).
+    """Stage s -> s + shift (+1: next stage, -1: previous) over the stage axis `axis_name`, no
+    wrap-around. x: any shape and float dtype. Returns: x's shape and dtype, stage s holding stage
+    s - shift's x (zeros where none is sent). bwd_codec: the gradient's (default: the forward codec).
     """
     n = lax.axis_size(axis_name)
     perm = [(i, i + shift) for i in range(n) if 0 <= i + shift < n]

@@ -35,22 +35,13 @@ class CommPolicy:
       all_gather: codec of sequence-parallel all-gathers (forward of gather, backward of scatter).
       reduce_scatter: codec of sequence-parallel reduce-scatters.
       dp_grads: codec of the data-parallel gradient all-reduce (reduce-scatter + all-gather).
-      pp_send: codec of pipeline stage-to-stage send/recv (forward activations and backward
-        gradients).
-      all_reduce_algorithm: "two_shot" (all-to-all reduce-scatter + all-gather; two
-        quantizations) or "one_shot" (all-gather of the whole message; one quantization).
-      min_bytes: messages smaller than this (uncompressed bytes) use the exact collective; "auto"
-        until resolved (`taco_jax.perf.resolve_min_bytes`: the predicted break-even size, once,
-        before tracing, like backend "auto").
-      reduce_domain: two-shot all-reduce with a taco codec: "signal" (default) decodes, sums and
-        re-encodes; "hadamard" sums the ranks' chunks in the transform domain and requantizes (two
-        transforms fewer per chunk, as accurate on captured messages; docs/results.md) (`compressed.psum`).
-      chunks: two-shot all-reduce pipeline chunks (an integer >= 1, or "auto": from the message
-        size, `compressed.auto_chunks`).
-
-    Raises:
-      ValueError: for an unknown algorithm or reduce_domain, chunks neither "auto" nor an integer
-        >= 1, or a negative threshold.
+      pp_send: codec of pipeline send/recv (activations forward, gradients backward).
+      all_reduce_algorithm: "two_shot" or "one_shot" (`compressed.psum`).
+      min_bytes: messages below this many uncompressed bytes use the exact collective; "auto"
+        until resolved before tracing (`taco_jax.perf.resolve_min_bytes`).
+      reduce_domain, chunks: `compressed.psum`'s, for the two-shot all-reduce.
+    Raises: ValueError for an unknown algorithm or reduce_domain, chunks neither "auto" nor an
+      integer >= 1, or a negative threshold.
     """
 
     ar_fwd: CodecConfig = NONE
@@ -82,11 +73,8 @@ class CommPolicy:
                 raise ValueError(f"{site}={getattr(self, site)!r} must be a CodecConfig")
 
     def codec_for(self, site: str, x) -> CodecConfig:
-        """The codec for a message `x` at `site`, or the exact codec (kind "none", with the site
-        codec's `transport`) if `x` is below `min_bytes`.
-
-        A codec with `nonfinite="error"` comes back with `site` set, so its error names the site.
-        """
+        """The codec for a message `x` at `site` (with `site` set, for `nonfinite="error"`), or the exact
+        codec (kind "none", the site codec's `transport`) if `x` is below `min_bytes`."""
         if site not in SITES:
             raise ValueError(f"site={site!r} is not one of {SITES}")
         if self.min_bytes == "auto":
@@ -102,12 +90,9 @@ class CommPolicy:
 
     def resolve_backends(self, platform: str | None = None, *, n_devices: int = 1,
                          transport: str = "auto") -> CommPolicy:
-        """A copy whose codecs are concrete (`taco_jax.codec.dispatch.resolve_codec`: backend, wire
-        codec and exact transport; "auto" and availability on `platform`, default jax's); run once,
-        before the step is traced (after `jax.distributed` is initialized, which decides an "auto"
-        transport unless the run's `transport`, its `--transport`, is concrete: `resolve_transport`).
-
-        Raises: ValueError naming the site whose backend, wire codec or transport cannot run here.
+        """A copy whose codecs are concrete (`codec.dispatch.resolve_codec` on `platform`, default
+        jax's); run once before tracing, after `jax.distributed` is initialized (it decides an "auto"
+        transport). Raises: ValueError naming the site whose backend, wire or transport cannot run here.
         """
         new = {}
         for site in SITES:
@@ -120,9 +105,7 @@ class CommPolicy:
 
     def with_sites(self, sites: dict) -> CommPolicy:
         """A copy with the codecs of `sites` ({site: CodecConfig or dict of codec fields}) replaced.
-
-        Raises: ValueError naming an unknown site or a bad codec entry.
-        """
+        Raises: ValueError naming an unknown site or a bad codec entry."""
         new = {}
         for site, codec in sites.items():
             if site not in SITES:
@@ -141,11 +124,8 @@ class CommPolicy:
 
     @classmethod
     def from_dict(cls, d: dict, *, base: CommPolicy | None = None, where: str = "policy") -> CommPolicy:
-        """Policy from a dict shaped like `to_dict` (only "sites" is required; other top-level keys
-        such as "objective" or "calibration" are metadata and ignored). Sites absent from the
-        file keep `base`'s codec (default: exact); "all_reduce_algorithm" / "min_bytes" /
-        "reduce_domain" / "chunks", when given, replace `base`'s. Format and a minimal example: docs/training.md.
-
+        """Policy from a dict shaped like `to_dict` (only "sites" required; unknown top-level keys
+        are metadata). Absent sites and settings keep `base`'s (default: exact). Format: docs/training.md.
         Raises: ValueError naming the file (`where`) and the unknown site or bad codec field.
         """
         base = base or cls()
@@ -176,9 +156,7 @@ class CommPolicy:
 
     def to_json(self, path, **metadata) -> pathlib.Path:
         """Writes `to_dict()` (plus `metadata` keys) to `path` as strict JSON.
-
-        Raises: ValueError for a non-finite float in `metadata` (not JSON; RFC 8259).
-        """
+        Raises: ValueError for a non-finite float in `metadata`."""
         path = pathlib.Path(path)
         path.write_text(json.dumps({**self.to_dict(), **metadata}, indent=2, allow_nan=False) + "\n")
         return path

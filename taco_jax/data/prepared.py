@@ -10,20 +10,11 @@ A prepared folder holds
                          dtype, eot_id / eot_token, the source files with their sizes in bytes and
                          documents, val_fraction and the token counts of both splits
 
-Documents: each text file is one document; each line of a `.jsonl` file is one, its `text_field`.
-The token stream is every document's ids followed by the end-of-text id, in the order of the
-sources (a folder: its files sorted by path); the last `val_fraction` of the stream (at least 2
-tokens; training needs more than one window) is the validation split (nanoGPT's split of one
-stream; a document may straddle it). Encoding runs in parallel (the `tokenizers` library's batch
-encode on documents, long documents cut into pieces at line starts where the pre-tokenizer splits
-anyway, so the ids equal whole-document encoding; `_splits_at_line_starts`).
-
-Documents are encoded as text: a special token's text inside a document (e.g. "<|endoftext|>") is
-encoded as the characters it is made of (`Tokenizer.encode_special_tokens`), so the stream holds
-exactly one end-of-text id per document. The files are written to temporary files in the folder and
-renamed over the old ones (`os.replace`) only when all of them are complete: a refused input
-leaves the folder as it was, and a process that memory-maps the old files (a running `train
---data`) keeps reading them.
+Documents: a text file, or a line of a `.jsonl` file (its `text_field`). The stream is each
+document's ids then the end-of-text id, sources in order; its last `val_fraction` (at least 2
+tokens) is the validation split, as nanoGPT's. The ids equal whole-document encoding, with exactly
+one end-of-text id per document. Files are written to temporaries and renamed only when all are
+complete: a refused input leaves the folder as it was.
 """
 
 from __future__ import annotations
@@ -52,8 +43,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl",)
 
 
-# -----------------------------------------------------------------------------
-# tokenizers
+# --- tokenizers
 
 
 @functools.lru_cache(maxsize=16)
@@ -118,8 +108,7 @@ def _pieces(text: str, limit: int) -> Iterator[str]:
         yield text[start:]
 
 
-# -----------------------------------------------------------------------------
-# sources
+# --- sources
 
 
 def source_files(inputs: Sequence[str]) -> list[pathlib.Path]:
@@ -142,11 +131,9 @@ def source_files(inputs: Sequence[str]) -> list[pathlib.Path]:
 
 
 def _folder_files(root: pathlib.Path) -> list[pathlib.Path]:
-    """The source files under folder `root`, sorted by path, symlinked folders followed (as symlinked
-    files are read): each folder once, so a link back up (a loop) or to a folder already read adds
-    nothing. Raises ValueError naming a folder that cannot be listed, or a symlink named as a source or
-    with no suffix (it may have been a folder) whose target does not exist (`Path.rglob` would skip
-    them without a word)."""
+    """The source files under folder `root`, sorted by path, symlinked folders followed, each folder
+    once (a loop adds nothing). Raises ValueError naming a folder that cannot be listed, or a dangling
+    symlink named as a source or without a suffix (`Path.rglob` would skip it without a word)."""
     def unreadable(e: OSError):
         raise ValueError(f"folder {e.filename!r} under {str(root)!r} cannot be read ({e.strerror or e})")
 
@@ -197,8 +184,7 @@ def _documents(path: pathlib.Path, text_field: str) -> Iterator[str]:
         raise ValueError(f"{path} is not UTF-8 text ({e})") from None
 
 
-# -----------------------------------------------------------------------------
-# prepare
+# --- prepare
 
 
 def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: str = "", vocab_size: int = 0,
@@ -213,8 +199,7 @@ def prepare_data(inputs: Sequence[str], out, *, tokenizer: str = "", init_from: 
     `progress`: a tqdm bar over the input bytes (on a terminal).
     Returns the meta.json dict. Raises ValueError naming a bad input, tokenizer, field or fraction,
     a corpus too small for a validation split, or an `eot_token` that is not a special token and
-    occurs in a document's text. A refused input writes nothing: the temporary files are removed,
-    and so are the folders made for `out`; `out`'s files stay as they were.
+    occurs in a document's text; `out` then stays as it was.
     """
     from tqdm.auto import tqdm
 
@@ -355,8 +340,7 @@ def _write_stream(tok: Tokenizer, docs, path: pathlib.Path, eot_id: int, eot_tok
     return counts
 
 
-# -----------------------------------------------------------------------------
-# load
+# --- load
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -454,12 +438,10 @@ def _split_name(ds, split: str) -> str:
 
 
 def check_resumed_data(ds, run_dir, data: str, before: str | None) -> str:
-    """Checks the data of a run resumed in `run_dir` against the data it trained on: the run's
-    `tokenizer.json` (written at its start) and `before`, the data folder its `config.json` records
-    ("" = Shakespeare; None when the run records none: only the tokenizers are compared).
-    `ds`: the data given now (`PreparedData`, `TextDataset`); `data`: its folder ("" = Shakespeare).
-    Returns a note (the same tokenizer, other data) or "". Raises ValueError naming both tokenizers
-    when the data's tokenizer is not the run's. A run folder without a tokenizer.json passes."""
+    """Checks the data `ds` (folder `data`, "" = Shakespeare) of a run resumed in `run_dir` against the
+    run's `tokenizer.json` and `before`, the data folder its `config.json` records (None: tokenizers
+    only). Returns a note (same tokenizer, other data) or "". Raises ValueError naming both
+    tokenizers when they differ; a run folder without a tokenizer.json passes."""
     theirs = pathlib.Path(run_dir) / "tokenizer.json"
     if not ds.tokenizer_path or not theirs.is_file():
         return ""

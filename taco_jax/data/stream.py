@@ -28,16 +28,12 @@ def _check_batch_args(tokens: np.ndarray, batch_size: int, seq_len: int) -> np.n
 
 class TokenStream:
     """Infinite stream of random training windows of `tokens` (int array [n], e.g. a np.memmap),
-    deterministic given `seed`.
-
-    Host side (iterator protocol): `next(stream)` -> (inputs, targets), int32 numpy
-    [batch_size, seq_len], targets = inputs shifted left by one.
-    Device side (the trainer): `stream.next(sharding)` -> the same windows as global int32
-    `jax.Array`s on `sharding`, each process reading only its own devices' rows.
-    `position` counts the batches drawn; `state()` / `restore(state)` save and continue the stream
-    (position and the PCG64 bit-generator state) for checkpoints.
-    Raises ValueError (at construction) for tokens that are not 1-D or not longer than `seq_len`, or
-    a non-positive `batch_size` / `seq_len`.
+    deterministic given `seed`. `next(stream)` -> (inputs, targets), int32 numpy [batch_size,
+    seq_len], targets = inputs shifted left by one; `stream.next(sharding)` -> the same as global
+    `jax.Array`s (`global_batch`). `position` counts the batches drawn; `state()` / `restore(state)`
+    save and continue the stream for checkpoints.
+    Raises ValueError for tokens that are not 1-D or not longer than `seq_len`, or a non-positive
+    `batch_size` / `seq_len`.
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int):
@@ -97,11 +93,9 @@ def global_batch(tokens, starts, seq_len: int, sharding):
 def eval_batches(
     tokens: np.ndarray, batch_size: int, seq_len: int, *, max_batches: int | None = None
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Fixed, non-overlapping windows from the start of `tokens` (for validation loss).
-
-    Window i has inputs tokens[i*seq_len : (i+1)*seq_len] and targets shifted by one, so every token is
-    predicted at most once. Returns a list of (inputs, targets), both int32 [batch_size, seq_len]; a final
-    partial batch is dropped, and at most `max_batches` batches are returned (only those tokens are read).
+    """Fixed, non-overlapping windows from the start of `tokens` (validation): window i has inputs
+    tokens[i*seq_len : (i+1)*seq_len] and targets shifted by one. Returns at most `max_batches`
+    (inputs, targets), int32 [batch_size, seq_len]; a final partial batch is dropped.
     """
     tokens = _check_batch_args(tokens, batch_size, seq_len)
     if max_batches is not None and max_batches <= 0:

@@ -1,61 +1,33 @@
 """Codec kernel backends for the TACO group math (`reference | pallas | triton | ffi | auto`) and the "ffi" wire codec.
 
-Every backend is a pair `(encode_groups, decode_groups)` with the contract of
-`taco_jax.codec.backends` (spec §2). Importing this package registers pallas, triton and ffi in
-that registry (the codec never imports kernels), the "ffi" wire codec (`ffi_wire`, CPU: packed
-wire rows written and read by the C++ kernels) and `resolve`, which
-`taco_jax.codec.dispatch.resolve_codec` (the one place "auto" is decided) asks which backend a
-name stands for:
+Importing this package registers pallas, triton and ffi (pairs `(encode_groups, decode_groups)`,
+contract in `taco_jax.codec.backends`), the "ffi" wire codec (`ffi_wire`, CPU) and `resolve`, which
+`codec.dispatch.resolve_codec` asks what a backend name stands for:
 
   reference  plain jnp (the specification); every platform.
-  pallas     fused one-pass Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs
-             sm >= 89), the interpreter on CPU (slow: for tests).
-  triton     one-pass Triton kernels through jax-triton (`triton_codec`); GPU only, imported lazily.
-pallas and triton read and write float32, bfloat16 and float16 messages as they are and have a
-fused decode-sum (`codec.backends.register_native`, registered by their loaders).
-  ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU (AVX2 when the CPU has it), CUDA on
-             GPU; needs the shared library built by `make -C custom_calls` (`... cuda` for GPU).
-  auto       the default: CPU: ffi if built, else reference. GPU: the fastest backend present by the
-             declared speed table (`gpu_speeds.json`, `gpu_speed_table`; `python -m
-             experiments.gpu_check --update-speeds` rewrites it from a lent GPU's measurements):
-             ffi (CUDA) if built, else triton when jax-triton is installed, else reference (the
-             pallas kernels are the slowest on GPU; docs/results.md "GPU path"). When ffi is not
-             built, a one-time warning says so and how to build it.
+  pallas     one-pass Pallas kernels (`pallas_codec`): Triton lowering on GPU (FP8 needs sm >= 89),
+             the interpreter on CPU (slow: for tests).
+  triton     one-pass Triton kernels through jax-triton (`triton_codec`); GPU only.
+  ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU, CUDA on GPU; needs `make -C custom_calls`
+             (`... cuda` for GPU).
+  auto       CPU: ffi if built, else reference (warning once). GPU: the fastest present by the
+             declared speed table (`gpu_speed_table`).
+pallas and triton read and write float32, bfloat16 and float16 as they are and have a fused decode-sum.
 
-Conformance rule (tested in tests/test_kernels.py against `reference` on the same inputs):
-  For a group whose input is finite:
-    * scales s and a agree with the reference to a relative 2^-23 * G (a bound for summing G
-      float32 terms in another order: butterflies vs. the reference's matmul, lanes vs. XLA's
-      reduction, WHT(x) * a vs. WHT(a * x));
-    * codes: at most 1e-3 of them differ, and each differing code is one FP8 step from the
-      reference's, or (near zero, where FP8 steps are finer than float32 reordering noise: E5M2
-      subnormals) within 2^-23 * G * R of it in value. A code flips only where y/s lies within
-      rounding of a code boundary;
-    * decoded values agree to 2^-23 * G * max|x_ref| over the group; decoded straight into a
-      narrower dtype (bfloat16, float16: a backend's native dtypes), within that plus one ulp of
-      the dtype of the reference's value clipped to the dtype's range (the float32 values may
-      straddle a rounding boundary); a decode-sum of P ranks within 2^-23 * G * sum of the ranks'
-      max|x_ref| (`conformance.assert_decode_conforms`).
-  For a group holding NaN or +-Inf: s is NaN (so it decodes to NaN), a is the reference's
-  formula applied (NaN or 1e-3); its codes are unspecified.
-  Measured agreement of each backend: custom_calls/README.md ("Conformance, measured").
-
-Training-level rule (a backend vs `reference`, same config and seed):
-  * on a step's real messages (`train.capture`) the encode conforms as above
-    (`conformance.check_messages`);
-  * the first step's loss (the same weights, so only the codec differs) agrees within what the
-    contract allows: 3.5e-4 relative at gpt2-tiny, twice the largest effect of the contract's
-    deviation injected into the reference (`conformance.step_codes`; the derivation and the
-    one-ulp chaos that makes 1e-5 host-dependent: tests/test_train.py `FIRST_STEP_RTOL`), and
-    the first six steps' to 1e-3 (tested for ffi in tests/test_train.py). From the first
-    update on, the runs differ by more than the codec's error: AdamW's first update is
-    lr * sign(gradient) in every entry, so each gradient entry near zero whose sign flips with a
-    rare one-step code flip moves its weight by 2 * lr (gpt2-tiny, TP=4, float32: 0.48 % of the
-    entries, step-2 loss 1.1e-4 relative apart). Later the runs drift apart as training amplifies
-    these differences like any other reordering of float sums;
-  * so the run-level check is against seed noise: over two or more seeds, the backend's mean
-    final validation loss lies within two standard errors of the difference from the reference's
-    mean (4 seeds measured for ffi, numbers in docs/results.md).
+Conformance rule (tests/test_kernels.py, against `reference` on the same inputs), finite groups:
+  * s and a agree to a relative 2^-23 * G (summing G float32 terms in another order);
+  * at most 1e-3 of the codes differ, each by one FP8 step or (E5M2 subnormals) by at most
+    2^-23 * G * R in value: a code flips only where y/s lies within rounding of a code boundary;
+  * decoded values agree to 2^-23 * G * max|x_ref| over the group; decoded into a native narrower
+    dtype, within that plus one ulp of the dtype; a decode-sum of P ranks within 2^-23 * G * the sum
+    of the ranks' max|x_ref| (`conformance.assert_decode_conforms`).
+  A group holding NaN/±Inf: s is NaN, a the reference's formula, codes unspecified.
+Training-level rule (a backend vs `reference`, same config and seed): captured messages conform
+(`conformance.check_messages`); the first step's loss agrees within `FIRST_STEP_RTOL`
+(tests/test_train.py, from `conformance.step_codes`), the first six steps' to 1e-3; later the runs
+drift apart (AdamW's first update is lr * sign(gradient): a code flip that flips a near-zero
+gradient's sign moves that weight by 2 * lr), so over seeds the mean final validation loss lies
+within two standard errors of the reference's (docs/results.md).
 """
 
 from __future__ import annotations
@@ -87,10 +59,9 @@ GPU_SPEEDS = Path(__file__).with_name("gpu_speeds.json")
 
 @functools.cache
 def gpu_speed_table() -> dict[str, dict]:
-    """{backend: {"encode_GBps", "decode_GBps", "measured", "source"}} from `GPU_SPEEDS`: encode /
-    decode throughput on a GPU, GB/s (1e9 B/s) of the uncompressed message; "measured" False marks a
-    bound (e.g. from the AOT SASS counts of `experiments/triton_aot.py`), which `gpu_rank` counts at
-    `UNMEASURED_FRACTION` of its value. Raises ValueError naming a malformed entry."""
+    """{backend: {"encode_GBps", "decode_GBps", "measured", "source"}} from `GPU_SPEEDS`: GB/s (1e9 B/s)
+    of uncompressed message; "measured" False marks a bound, counted at `UNMEASURED_FRACTION`.
+    Raises ValueError naming a malformed entry."""
     table = json.loads(GPU_SPEEDS.read_text())["backends"]
     for name, row in table.items():
         ok = all(isinstance(row.get(k), (int, float)) and row[k] > 0 for k in ("encode_GBps", "decode_GBps"))
@@ -99,9 +70,8 @@ def gpu_speed_table() -> dict[str, dict]:
     return table
 
 
-#: Share of an unmeasured (bound) speed that `gpu_rank` assumes is achieved: what the measured CUDA
-#: FFI encoder reaches of the same HBM bound on an H200 (1386 GB/s of f32 message vs 4.8 TB/s /
-#: (1 + 1.0625 / 4) = 3.8 TB/s), so a bound never outranks that measured kernel on its own.
+#: Share of an unmeasured (bound) speed that `gpu_rank` assumes is achieved: the share of the HBM bound
+#: the measured CUDA FFI encoder reaches (docs/results.md), so a bound never outranks a measured kernel.
 UNMEASURED_FRACTION = 0.36
 
 
@@ -146,16 +116,9 @@ def available_backends(platform: str | None = None) -> tuple[str, ...]:
 def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> str:
     """The concrete backend `name` stands for on `platform` (`auto` -> the fastest available).
 
-    Args:
-      name: one of `BACKENDS`.
-      platform: "cpu", "cuda", ... (default: jax's default platform).
-      n_devices: devices of the program the backend will run in. On CPU, pallas runs the Pallas
-        TPU-semantics interpreter, whose per-call host callbacks stall a multi-device program, so
-        it is refused for n_devices > 1 (it is for the kernel tests).
-
-    Raises:
-      ValueError: if `name` is unknown, not available, or pallas in a multi-device CPU program;
-        listing the available backends or the ones to use instead.
+    Args: name: one of `BACKENDS`; platform: default jax's; n_devices: devices of the program (pallas
+      on CPU is refused for n_devices > 1: its interpreter's host callbacks stall the program).
+    Raises: ValueError for an unknown or unavailable name, listing what can run instead.
     """
     platform = platform or default_platform()
     if name not in BACKENDS:

@@ -70,10 +70,8 @@ def encode_kernel(
     t = _wht(x * a[:, None], BLOCK, G, LOG_G)
     amax_t = tl.max(tl.abs(t), axis=1)
     amax = tl.div_rn(amax_t, tl.full((BLOCK,), SQRT_G, tl.float32))
-    # 4. quantization scale; a group holding NaN/Inf gets s = NaN. It is the group whose sum of
-    # squares is NaN (a NaN) or whose transform is not finite (an Inf: a = A_MIN then, a x = +-Inf).
-    # A finite group's t is finite: |a x| <= A_MIN * FLT_MAX (sum of squares overflowed) or
-    # FMAX * sqrt(G), and G of them sum below FLT_MAX for G <= 512
+    # 4. quantization scale; a group holding NaN/Inf gets s = NaN: its sum of squares is NaN or its t is
+    # not finite (a finite group's |a x| <= max(A_MIN * FLT_MAX, FMAX * sqrt(G)): t is finite for G <= 512)
     s = tl.div_rn(tl.maximum(amax, EPS), tl.full((BLOCK,), R, tl.float32))
     s = tl.minimum(tl.maximum(s, EPS), S_MAX)
     s = tl.where((m == m) & (amax_t < float("inf")), s, float("nan"))

@@ -1,16 +1,6 @@
-"""The conformance rule of `taco_jax.kernels` as a check: a codec backend against `reference` on the
-same inputs. Used by the tests (tests/test_kernels.py, tests/test_triton_interpret.py) and by the GPU
-check (`python -m experiments.gpu_check`), so both apply one rule.
-
-  make_groups             test input: [batch, n_groups, G] float32 with the hard cases
-  assert_conforms         encode outputs (codes, s, a) against the reference's
-  assert_decode_conforms  decoded values against the reference's (in float32 or a narrower output dtype)
-  dtype_ulp               one ulp of an output dtype, for that comparison
-  check_backend           all three for one registered backend, format and group size
-  check_messages          encode conforms on real messages (e.g. a train step's, `train.capture`)
-  step_codes              FP8 codes moved a number of steps (the contract's flips, injected)
-
-Every check raises AssertionError naming what differs (and by how much); it returns None.
+"""The conformance rule of `taco_jax.kernels` as a check (a backend against `reference` on the same
+inputs), shared by the tests and the GPU check. Every check raises AssertionError naming what
+differs and by how much.
 """
 
 from __future__ import annotations
@@ -25,12 +15,9 @@ from taco_jax.codec.config import CodecConfig
 
 
 def make_groups(g: int, n_groups: int = 24, batch: int = 2, seed: int = 0, last_count: int | None = None):
-    """[batch, n_groups, G] float32 with varied scales, outlier channels, a zero group, a partial
-    last group (zero-padded past `last_count`), a NaN group and an Inf group, huge and tiny groups.
-
-    Returns (x: np.ndarray float32 [batch, n_groups, g], last_count: int, the valid entries of
-    each message's last group; default g // 3). Raises ValueError if batch * n_groups < 9 (the
-    special groups need 9 places)."""
+    """(x float32 [batch, n_groups, g], last_count) with varied scales, outlier channels, a zero
+    group, a NaN and an Inf group, huge and tiny groups, and a last group zero-padded past
+    `last_count` (default g // 3). Raises ValueError if batch * n_groups < 9."""
     if batch * n_groups < 9:
         raise ValueError(f"make_groups needs batch * n_groups >= 9, got {batch} * {n_groups}")
     rng = np.random.default_rng(seed)
@@ -83,12 +70,10 @@ def assert_conforms(got, want, g: int, r: float = 448.0, max_code_frac: float = 
 
 
 def step_codes(codes, frac: float, seed: int = 0, *, steps: int = 1):
-    """`codes` (FP8 [..., G], numpy or jax) with a fraction `frac` of them moved `steps` FP8 steps
-    up or down (the signed step count `ordinal` changes by +-steps, clamped to the largest finite
-    code, so no code becomes NaN), at positions and signs fixed by `seed` and the element index:
-    the deviation the contract allows (`max_code_frac` of the codes one step off), made on purpose.
-    Traceable (jnp), for injecting into a backend inside a jitted step. Returns the same dtype and
-    shape. Raises ValueError for `frac` outside [0, 1]."""
+    """`codes` (FP8 [..., G], numpy or jax) with a fraction `frac` of them moved `steps` FP8 steps up
+    or down (clamped to the largest finite code), at positions and signs fixed by `seed`: the
+    deviation the contract allows, made on purpose. Traceable (jnp); same dtype and shape.
+    Raises ValueError for `frac` outside [0, 1]."""
     if not 0.0 <= frac <= 1.0:
         raise ValueError(f"step_codes: frac={frac} must be in [0, 1]")
     import jax  # noqa: PLC0415
@@ -142,12 +127,10 @@ def dtype_ulp(values: np.ndarray, dtype) -> np.ndarray:
 
 
 def assert_decode_conforms(got, want, g: int, *, dtype=None, ref_max=None) -> None:
-    """Decoded values [..., G] of a backend (`got`) against `reference` (`want`, float32, before any
-    cast): NaN in the same places; elsewhere within 2^-23 * G * max|want| of the group (`ref_max`
-    [..., 1] replaces max|want|, e.g. the sum over ranks of each rank's max for a decode-sum). With
-    `dtype` (the output dtype `got` was written in, narrower than float32), `want` is clipped to
-    dtype's finite range as the codec does before the cast, and one ulp of dtype at |want| is
-    allowed on top (the f32 values may straddle a rounding boundary of dtype). Raises AssertionError."""
+    """Decoded values [..., G] of a backend (`got`) against `reference` (`want`, float32): NaN in the
+    same places; elsewhere within 2^-23 * G * max|want| of the group (or `ref_max` [..., 1], e.g.
+    the sum of the ranks' maxima for a decode-sum). With a narrower output `dtype`, `want` is
+    clipped to its range and one ulp of dtype is allowed on top. Raises AssertionError."""
     got, want = np.asarray(got).astype(np.float32), np.asarray(want).astype(np.float32)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want).any(axis=-1)

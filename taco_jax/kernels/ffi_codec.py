@@ -1,18 +1,10 @@
 """XLA FFI codec backend: the fused C++ (CPU) and CUDA (GPU) handlers of `custom_calls/`.
 
-The shared libraries live in `taco_jax/kernels/_lib/` (built by `make -C custom_calls`; the
-CUDA one by `make -C custom_calls cuda`). Each is loaded once, on first use, and its handlers
-are registered with `jax.ffi` under the same target names for their platform, so one
-`ffi_call` lowers to the CPU or the CUDA handler as the computation's platform asks.
-
-Leading (batch) axes are flattened here; under `vmap` the handlers see one more leading axis,
-which they flatten too (`vmap_method="broadcast_all"`).
-
-Messages are read and written in their own dtype (`NATIVE_DTYPES`: float32, bfloat16, float16):
-the handlers widen 16-bit inputs to float32 in registers (exact) and round decoded values to the
-output dtype as XLA's convert does, so XLA runs no convert before or after a call. Results are
-bit-identical to casting to float32 first and back after (`codec.dispatch.clip_to_dtype` then
-`astype` for a decode; `astype` for a decoded sum). Other floating dtypes are cast to float32.
+The libraries in `taco_jax/kernels/_lib/` (`make -C custom_calls`, `... cuda`) are loaded on first
+use and registered under the same target names per platform. Leading axes are flattened (also
+under `vmap`: `vmap_method="broadcast_all"`). `NATIVE_DTYPES` are read and written as they are,
+bit-identical to converting through float32; other floating dtypes are cast to float32. Each
+handler call raises RuntimeError when the platform's library is not built (`_ensure_loaded`).
 """
 
 from __future__ import annotations
@@ -59,10 +51,8 @@ _DTYPE_CODES = {d: i for i, d in enumerate(NATIVE_DTYPES)}
 FFI_ABI = 2
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 
-#: `impl` attribute, the highest CPU kernel level a call may use: 0 = the fastest the machine has
-#: (AVX-512 encoder and decoder, AVX2 elsewhere, on x86-64 CPUs that have them), 1 = portable scalar
-#: kernel, 2 = at most AVX2, 3 = at most AVX-512. All levels run the same operation order and give
-#: bit-identical results (levels 1-3 are for tests; the CUDA library ignores `impl`).
+#: `impl` attribute, the highest CPU kernel level a call may use: 0 = the fastest present, 1 = scalar,
+#: 2 = AVX2, 3 = AVX-512. All levels give bit-identical results (CUDA ignores `impl`).
 IMPL_AUTO, IMPL_SCALAR, IMPL_AVX2, IMPL_AVX512 = 0, 1, 2, 3
 
 
@@ -78,9 +68,8 @@ def lib_path(platform: str = "cpu") -> Path:
     return LIB_DIR / LIBS[platform]
 
 
-#: Environment knobs of the CPU library, read once, at its first call: name -> smallest value.
-#: TACO_FFI_THREADS caps the threads per call (1 = the calling thread only); TACO_FFI_SPIN_US is
-#: how long helper threads spin for the next call before they sleep (default 200).
+#: Environment knobs of the CPU library (read at its first call) -> smallest value: TACO_FFI_THREADS
+#: caps the threads per call; TACO_FFI_SPIN_US is how long helpers spin before sleeping (default 200).
 ENV_KNOBS = {"TACO_FFI_THREADS": 1, "TACO_FFI_SPIN_US": 0}
 
 
@@ -147,20 +136,14 @@ _FMT_OF_DTYPE = {jnp.dtype(jnp.float8_e4m3fn): 0, jnp.dtype(jnp.float8_e5m2): 1}
 
 
 def _codes_as_u8() -> bool:
-    """Whether the decoding and reducing handlers take codes as uint8 (CPU): the FP8 bytes, typed
-    uint8 so that the wire codec's own uint8 view of received codes (`codec.wire.unpack_rows`)
-    cancels against ours and XLA moves them without an elementwise bitcast-convert copy. The CUDA
-    handlers take FP8 types. The encoder writes the FP8 type on every platform: XLA:CPU compiles a
-    bitcast-convert that does not cancel against another as an elementwise copy, so uint8 codes
-    returned as FP8 (the encoder's result) would take a second pass over the codes, into a
-    temporary buffer rather than the (donated) result."""
+    """Whether the decoding and reducing handlers take codes as uint8 (CPU): then the wire codec's
+    uint8 view cancels against ours and XLA:CPU copies nothing (a lone bitcast-convert is an
+    elementwise copy there). The encoder writes the FP8 type everywhere for the same reason."""
     return default_platform() == "cpu"
 
 
 def _revary(outs, vma: frozenset):
-    """Gives ffi_call's results the varying manual axes of its operands: jax 0.10's ffi_call
-    types them invariant inside `shard_map`, and later collectives would take such a value as
-    replicated. (A no-op where ffi_call already propagates them.)"""
+    """ffi_call's results given their operands' varying axes (jax 0.10 types them invariant)."""
     return tuple(pvary(o, vma) for o in outs)
 
 
@@ -263,16 +246,10 @@ def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: Code
     return out_codes.reshape(*lead, n_groups, g), out_s.reshape(*lead, n_groups)
 
 
-# --------------------------------------------------------------------------------------------
-# Packed wire rows (CPU only): one uint8 row per message, laid out as `codec.wire.pack_rows` packs an
-# `Encoded` (its leaves in field order, each as little-endian bytes):
+# Packed wire rows (CPU only), as `codec.wire.pack_rows` lays them out (little-endian):
 #   [codes: n_groups * G bytes][s: n_groups float32][a: n_groups float32]   dual layout
 #   [codes: n_groups * G bytes][s / a: n_groups float32]                    folded layout
-# n_groups = ceil(m / G) for a message of m elements (the last group zero-padded). The compressed
-# collectives move these rows as they are: no concatenation into, nor slicing out of, the wire
-# buffer. Results are bit-identical to `encode_groups` / `decode_groups` / `reduce_groups` (+ the
-# collectives' packing, sums and slices); `impl` as there.
-# --------------------------------------------------------------------------------------------
+# n_groups = ceil(m / G). Bit-identical to the unpacked functions plus packing, sums and slices.
 
 
 def packed_row_bytes(m: int, cfg: CodecConfig, *, has_a: bool | None = None) -> int:
@@ -323,24 +300,16 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
     """Encodes messages straight into packed wire rows (C++ `taco_encode_packed`, CPU).
 
     Args:
-      x: float [..., m], m >= 1: each row one message (float32, bfloat16 and float16 read as they
-        are, other dtypes cast to float32; zero-padded to n_groups * G here, as
-        `codec.dispatch.encode` does). With `interleaved`: float
-        [..., outer, P, inner] with inner % G == 0, holding P messages of m = outer * inner
-        elements, message r = x[..., :, r, :] (row-major): read in place, as if x were
-        `swapaxes(x, -3, -2).reshape(..., P, m)`, without that transpose (the compressed
-        reduce-scatter along a non-leading dimension).
-      cfg: codec of kind "taco" (fmt, group_size, lam, target_range, scale_layout: "dual" rows hold
-        s and a, "folded" rows s / a computed in float32).
-      split: False: one result; True: x is [..., P, m] and each of the P messages along axis -2
-        gets its own result buffer [..., row_bytes] (stacked for an all-to-all, XLA moves them
-        without the slicing copies one [P, ...] buffer takes).
-    Returns: uint8 [..., packed_row_bytes(m, cfg)], equal byte for byte to
-      `codec.wire.pack_rows(encode(x, cfg, batch_dims=x.ndim - 1), x.ndim - 1)`; with split,
-      a tuple of P uint8 [..., packed_row_bytes(m, cfg)] (x[..., r, :]'s rows in result r).
-      (Interleaved: the same for the transposed x; without split the result is [..., P, row_bytes].)
+      x: float [..., m], m >= 1, one message per row. With `interleaved`: [..., outer, P, inner],
+        inner % G == 0, read in place as if x were `swapaxes(x, -3, -2).reshape(..., P, m)`.
+      cfg: codec of kind "taco" ("folded" rows hold s / a computed in float32).
+      split: x is [..., P, m] and each message along axis -2 gets its own result buffer (no
+        slicing copies before an all-to-all).
+    Returns: uint8 [..., packed_row_bytes(m, cfg)], byte for byte
+      `codec.wire.pack_rows(encode(x, cfg, batch_dims=x.ndim - 1), x.ndim - 1)`; with split, a
+      tuple of P such arrays (interleaved without split: [..., P, row_bytes]).
     Raises: ValueError for a non-floating x, another codec kind, m == 0, split with x of rank < 2, or
-      interleaved with x of rank < 3 or x.shape[-1] not a multiple of G; RuntimeError if the library is not built.
+      interleaved with x of rank < 3 or x.shape[-1] not a multiple of G.
     """
     _ensure_loaded()
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -374,9 +343,8 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
 
 
 def _rank_operands(rows, m: int, cfg: CodecConfig, has_a: bool):
-    """P ranks' packed rows as FFI operands: one uint8 [..., P, row_bytes] array, or a sequence of
-    P uint8 [..., row_bytes] arrays of one shape (e.g. the slices of an all-to-all's result: passed
-    as they are, XLA forwards them without a concatenation copy), made to vary alike."""
+    """P ranks' rows as FFI operands, made to vary alike: one [..., P, row_bytes] array, or P
+    [..., row_bytes] arrays (passed as they are: no concatenation copy)."""
     if isinstance(rows, (list, tuple)):
         if not rows:
             raise ValueError("packed rows: an empty sequence of ranks")
@@ -401,23 +369,15 @@ def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | No
 
     Args:
       rows: uint8 [..., packed_row_bytes(m, cfg, has_a=has_a)], one message of m elements per row.
-      cfg: the codec (fmt, group_size); has_a: the rows' layout (default: cfg.scale_layout == "dual";
-        False for `reduce_hadamard_packed`'s folded output).
-      m: elements per message (the padding of the last group is dropped).
-      outer: None: one decoded message per row. An integer k >= 1 (rows [..., P, row_bytes], m a
-        multiple of k * G): each message viewed as [k, inner] (inner = m // k) is written
-        interleaved, element (b, j) of row r's message at [..., b, r, j] of a [..., k, P, inner]
-        result: `jnp.moveaxis(decode_packed(rows, cfg, m).reshape(..., P, k, inner), -3, -2)`
-        without the transpose (the compressed all-gather along a non-leading axis).
-      dtype: the output dtype, float32 (None), bfloat16 or float16: values clipped to its finite
-        range and rounded as `decode_groups(..., dtype=dtype)` writes them. An overflow group (its
-        scale < 0: `codec.dispatch.overflow_groups`) is decoded as such, as `codec.dispatch.decode(...,
-        overflow=True)` does: its finite elements clipped, its ±Inf kept.
-    Returns: dtype [..., m] (outer None), what `decode_groups` gives for the unpacked buffers
-      (flattened, sliced); dtype [..., outer, P, m // outer] with `outer`.
+      cfg: the codec; has_a: the rows' layout (default: cfg.scale_layout == "dual").
+      m: elements per message.
+      outer: an integer k >= 1 (rows [..., P, row_bytes], m % (k * G) == 0): the result is
+        `jnp.moveaxis(decode_packed(rows, cfg, m).reshape(..., P, k, inner), -3, -2)`, written in place.
+      dtype: float32 (None), bfloat16 or float16, as `decode_groups(..., dtype=dtype)` writes it;
+        overflow groups (scale < 0) decode as `codec.dispatch.decode(..., overflow=True)`.
+    Returns: dtype [..., m]; with `outer`, dtype [..., outer, P, m // outer].
     Raises: ValueError for rows of the wrong dtype or width, an `outer` that is not an integer
-      >= 1 with m % (outer * G) == 0 (or rows of rank < 2 with it), or another output dtype;
-      RuntimeError if the library is not built.
+      >= 1 with m % (outer * G) == 0 (or rows of rank < 2 with it), or another output dtype.
     """
     _ensure_loaded()
     out_dtype = _out_dtype(dtype)
@@ -443,15 +403,11 @@ def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, 
     """Decodes P packed rows and sums them in float32 in rank order (acc = d_0; acc = acc + d_1; ...)
     in one pass (C++ `taco_decode_sum_packed`, CPU): `codec.wire.sum_fp32(decode(...), dtype)` fused.
 
-    Args:
-      rows: uint8 [..., P, packed_row_bytes(m, cfg)] (P >= 1; cfg.scale_layout's layout), or a
-        sequence of P uint8 [..., packed_row_bytes(m, cfg)] arrays (rank r's rows at index r).
-      cfg: the codec; m: elements per message.
-      dtype: the output dtype, float32 (None), bfloat16 or float16: the float32 sum rounded to it
-        once, as `astype` rounds (no clipping).
+    Args: rows: uint8 [..., P, row_bytes], or a sequence of P [..., row_bytes] arrays (rank order);
+      cfg; m: elements per message; dtype: float32 (None), bfloat16 or float16 (the sum rounded
+      once, not clipped).
     Returns: dtype [..., m].
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or another
-      output dtype; RuntimeError if the library is not built.
+    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or another dtype.
     """
     _ensure_loaded()
     out_dtype = _out_dtype(dtype)
@@ -465,19 +421,13 @@ def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, 
 
 
 def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtype=None) -> jax.Array:
-    """Signal-domain middle step of the two-shot all-reduce on packed rows (C++ `taco_reduce_packed`,
-    CPU): `encode_packed(decode_sum_packed(rows, cfg, m, dtype=dtype), cfg)` in one pass, the sum
-    rounded to the message dtype (bfloat16 / float16; None or float32: kept) and its padding past m
-    zeroed before it is re-encoded (as casting, slicing the sum and re-padding it does); a group
-    in which the rounded sum overflowed (±Inf, no NaN) written as an overflow group, byte for byte
-    as `codec.dispatch.encode(..., overflow=True)` (`decode_packed` decodes it: ±Inf there only).
+    """Signal-domain two-shot middle step (C++ `taco_reduce_packed`, CPU):
+    `encode_packed(decode_sum_packed(rows, cfg, m, dtype=dtype), cfg)` in one pass, the sum rounded to
+    `dtype`, its padding zeroed, overflowed groups written as `codec.dispatch.encode(..., overflow=True)`.
 
-    Args:
-      rows: P ranks' rows, as `decode_sum_packed` takes them; cfg: the codec; m: elements per message;
-      dtype: the message dtype.
+    Args: rows: as `decode_sum_packed`; cfg; m: elements per message; dtype: the message dtype.
     Returns: uint8 [..., packed_row_bytes(m, cfg)].
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or a dtype
-      other than float32, bfloat16, float16; RuntimeError if the library is not built.
+    Raises: ValueError as `decode_sum_packed`.
     """
     _ensure_loaded()
     round_to = _DTYPE_CODES[_out_dtype(dtype)]
@@ -490,16 +440,10 @@ def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtyp
 
 
 def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO) -> jax.Array:
-    """Transform-domain reduction (`reduce_groups`, C++ `taco_reduce` kernel) of P packed rows
-    (C++ `taco_reduce_hadamard_packed`, CPU).
-
-    Args:
-      rows: P ranks' rows (cfg.scale_layout's layout), as `decode_sum_packed` takes them; cfg: the
-        codec; m: elements per message.
-    Returns: uint8 [..., packed_row_bytes(m, cfg, has_a=False)]: the requantized sum in the folded
-      layout [codes'][s'] (decode it with `decode_packed(..., has_a=False)`).
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes; RuntimeError
-      if the library is not built.
+    """Transform-domain reduction (`reduce_groups`) of P packed rows (C++
+    `taco_reduce_hadamard_packed`, CPU). rows: as `decode_sum_packed`; m: elements per message.
+    Returns: uint8 [..., packed_row_bytes(m, cfg, has_a=False)]: the sum, folded layout.
+    Raises: ValueError as `decode_sum_packed`.
     """
     _ensure_loaded()
     attrs = _packed_attrs(m, cfg)
@@ -514,10 +458,8 @@ def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_A
 
 @functools.partial(jax.jit, inline=True, static_argnames=("dtype", "clamp", "impl"))
 def fp8_cast(x: jax.Array, dtype, *, clamp: float = 0.0, impl: int = IMPL_AUTO) -> jax.Array:
-    """Elementwise float32 -> FP8 (optionally clamped to +-clamp first) or FP8 -> float32 (for tests);
-    on CPU also the kernels' own conversions: float32 -> bfloat16 / float16 (the decoder's store;
-    clamp > 0: clipped to the dtype's finite range first) and bfloat16 / float16 -> float32 (the
-    encoder's load)."""
+    """Elementwise conversion, for tests: float32 <-> FP8 (clamped to ±clamp first if > 0) and, on
+    CPU, the kernels' own float32 <-> bfloat16 / float16 conversions."""
     _ensure_loaded()
     call = jax.ffi.ffi_call("taco_fp8_cast", jax.ShapeDtypeStruct(x.shape, dtype), vmap_method="broadcast_all")
     (out,) = _revary([call(x, clamp=np.float32(clamp), impl=_impl(impl))], vma_of(x))

@@ -1,19 +1,10 @@
 """The "ffi" wire codec: packed wire rows written and read by the C++ FFI kernels (CPU).
 
-Implements the wire-codec contract of `taco_jax.codec.backends` with the packed targets of
-`ffi_codec` (`encode_packed`, `decode_packed`, `decode_sum_packed`, `reduce_packed`,
-`reduce_hadamard_packed`): the kernels write and read the rows themselves (decode, FP32
-rank-order sum and re-encode in one pass), so XLA adds no concatenation, slice or FP32 temporary
-around the transfers. The bytes and values are those of the generic wire codec
-(`taco_jax.codec.wire`; tested byte for byte against it). Messages of kind "taco", group_axis "hidden",
-nonfinite "propagate", group backend "ffi" only (`taco_jax.codec.dispatch.resolve_codec` picks it
-for them). Rows an all-to-all delivers are read as P separate buffers (`per_source`): the encoder
-writes one buffer per destination and the reducer reads one per source, so XLA's all-to-all
-needs no slicing copy before it nor concatenation after it. Strided messages (the reduce-scatter
-blocks along a non-leading dimension, the all-gather along a non-leading axis) are read and
-written in place when their inner extent is a multiple of G, so no transpose surrounds the codec.
-Messages of a native dtype (`ffi_codec.NATIVE_DTYPES`: float32, bfloat16, float16) are read and
-written by the kernels in that dtype, so no convert surrounds the codec either.
+The wire-codec contract of `taco_jax.codec.backends` on `ffi_codec`'s packed targets: the kernels
+write and read the rows themselves, so XLA adds no concatenation, slice, transpose (strided blocks
+with inner extent % G == 0), convert (native dtypes) or FP32 temporary around the transfers. Bytes
+and values equal the generic wire codec's (tested byte for byte). Kind "taco", group_axis "hidden",
+nonfinite "propagate", backend "ffi" only. All-to-all rows are one buffer per rank (`per_source`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """Pallas fused TACO codec (spec §2): one program per block of groups; Triton on GPU, interpreter on CPU.
 
-Each program loads a [block, G] tile of groups in the message's own dtype (float32, bfloat16 or
-float16: `NATIVE_DTYPES`) and does the whole group math in one pass, each element read once:
-sum of squares -> adaptive scale a -> Walsh-Hadamard transform as an in-register butterfly
-(`_wht`: log2(G) stages of lo + hi, lo - hi; reshape / transpose / unstack / stack, which the
-Triton lowering maps to tt.reshape / tt.trans / tt.split / tt.join, as in `triton_codec`) ->
-absmax -> quantization scale s -> FP8 codes; decode is FP8 -> q s / (sqrt(G) max(a, EPS)) (one
-factor per group) -> the same butterfly -> written in the output dtype (clipped to its range);
-decode-sum adds P ranks' decodes in float32 in rank order and writes once (rounded, not clipped).
-The arithmetic is the reference's (`taco_jax.codec.reference`) up to the order of the transform's
-sums and one rounding of the per-group factors (see the conformance rule in `taco_jax.kernels`).
+Each program reads a [block, G] tile in the message's own dtype (`NATIVE_DTYPES`) once: sum of
+squares -> a -> WHT as an in-register butterfly (`_wht`, log2(G) stages) -> absmax -> s -> FP8
+codes; decode: q s / (sqrt(G) max(a, EPS)) -> the same butterfly -> the output dtype (clipped);
+decode-sum: P ranks in float32 in rank order, rounded once. The reference's arithmetic up to the
+order of the transform's sums (conformance rule in `taco_jax.kernels`).
 
-Interpret mode is chosen by the platform the computation is *lowered* for
-(`lax.platform_dependent`), not the one jax runs on, so `jax.export(..., platforms=["cuda"])`
-works on a CPU-only machine: CPU lowers the Pallas interpreter (`interpret=True`; slow: for
-tests, not training), CUDA the Triton kernel (FP8 E4M3 casts need compute capability >= 8.9).
-`lowering_platform("cuda")` pins the mode while tracing (needed for calls inside
-`shard_map(check_vma=True)`, where `platform_dependent` cannot lower for CUDA alone; see
-`_per_platform`), e.g. to export a whole training step (tests/test_gpu_export.py).
-
-Layout: in the order of jax's `experimental/pallas/ops`: kernels, then the public ops.
+The mode follows the platform lowered for (`lax.platform_dependent`), so a CUDA `jax.export` works
+on a CPU host: CPU lowers the interpreter (slow: for tests), CUDA the Triton kernel (FP8 E4M3
+needs sm >= 89). `lowering_platform("cuda")` pins it while tracing (needed inside `shard_map`).
 """
 
 from __future__ import annotations
@@ -50,15 +39,10 @@ _GPU_LOWERINGS = ("triton", "mosaic_gpu")
 
 @contextlib.contextmanager
 def lowering_platform(platform: str, gpu_lowering: str = "triton"):
-    """Traces the kernels for `platform` ("cpu": interpreter, "cuda": `gpu_lowering`) instead of
-    choosing per lowering platform; `gpu_lowering` is Pallas' "triton" (the default) or "mosaic_gpu".
-
-    For `jax.export(..., platforms=[platform])` from another host, e.g. a CUDA export of a whole
-    training step on a CPU-only machine. Traces made inside are for that platform only, so the
-    kernels' jit caches are cleared on entry and exit; jit'd callers traced inside must not run here.
-    Inside, `taco_jax.kernels` resolves backends for `platform` too (e.g. pallas is allowed in a
-    multi-device program traced for CUDA).
-
+    """Traces the kernels (and resolves backends) for `platform` ("cpu": interpreter, "cuda":
+    `gpu_lowering`, Pallas' "triton" or "mosaic_gpu") instead of per lowering platform, for
+    `jax.export(..., platforms=[platform])` from another host. The kernels' jit caches are cleared
+    on entry and exit; jit'd callers traced inside must not run here.
     Raises: ValueError for a platform other than "cpu", "cuda", "rocm", or an unknown gpu_lowering.
     """
     if platform not in ("cpu", "cuda", "rocm"):
@@ -85,17 +69,10 @@ def _gpu_compiler_params(gpu_lowering: str):
 
 
 def _per_platform(call, *args, vma: frozenset):
-    """`call(*args, interpret=..., compiler_params=...)` in the mode of the platform the computation
-    is lowered for (`lax.platform_dependent`): Triton on CUDA; on CPU the interpreter, plain
-    `interpret=True` (no host callbacks) outside `shard_map`, and the TPU-semantics one for operands
-    varying over manual axes (`vma`), as only it handles them under `shard_map(check_vma=True)`.
-    Inside `lowering_platform(...)` the pinned platform's mode is used directly.
-
-    Limitation (jax 0.10.2): the TPU-semantics interpreter has ordered host callbacks, and
-    `platform_dependent` then fails to lower for CUDA alone ("incorrect set of output tokens"), so
-    a CUDA `jax.export` from a CPU host of calls inside `shard_map(check_vma=True)` needs
-    `lowering_platform("cuda")`.
-    """
+    """`call(*args, interpret=..., compiler_params=...)` in the mode of the platform lowered for:
+    Triton on CUDA; on CPU plain `interpret=True`, or the TPU-semantics interpreter for operands
+    varying over manual axes (only it handles `shard_map(check_vma=True)`; its ordered callbacks
+    stop `platform_dependent` lowering for CUDA alone, hence `lowering_platform`)."""
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
 
     cpu_mode = pltpu.InterpretParams() if vma else True
@@ -112,9 +89,7 @@ def _per_platform(call, *args, vma: frozenset):
     )
 
 
-# --------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------
+# --- Kernels
 
 
 def _wht(x):
@@ -136,7 +111,6 @@ def _encode_kernel(x_ref, codes_ref, s_ref, a_ref, *, block, g, n_groups, last_c
     v = jnp.maximum(m + np.float32(lam), np.float32(C.EPS))
     a = jnp.clip(np.float32(fmax) / jnp.sqrt(v), np.float32(C.ADAPTIVE_SCALE_MIN), np.float32(C.ADAPTIVE_SCALE_MAX))
     # NaN in -> NaN a, as the reference: Triton lowers maximum/clip to fmax/fmin, which drop NaN
-    # (seen on an H200: a NaN group got a = ADAPTIVE_SCALE_MAX)
     a = jnp.where(jnp.isnan(m), np.float32(np.nan), a)
     n_bad = jnp.sum(jnp.where(jnp.abs(x) < np.float32(np.inf), 0.0, 1.0), axis=1)
     # 3. t = WHT(a x), once; y = t / sqrt(G) is never formed: max|y| = max|t| / sqrt(G)
@@ -183,9 +157,7 @@ def _decode_sum_kernel(codes_ref, s_ref, *rest, g, has_a, p):
     _store_out(out_ref, acc, clip=False)  # the sum rounded once, as the exact sum: ±Inf where it overflows
 
 
-# --------------------------------------------------------------------------------------
-# Public ops
-# --------------------------------------------------------------------------------------
+# --- Public ops
 
 
 def _pad_rows(x, block, axis=0):
@@ -214,14 +186,9 @@ def _check_dtype(dtype, what: str):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "last_count", "block"))
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: int | None = None):
-    """Fused encode, same contract as `taco_jax.codec.reference.encode_groups`, reading `xg` in its own
-    dtype (no convert before the kernel).
-
-    Args:
-      xg: float32, bfloat16 or float16 [..., n_groups, G]; cfg: codec config; last_count: real size
-        of the last group.
-      block: groups per program (a power of 2; default ELEMENTS // G).
-    Raises: ValueError for another dtype or a block that is not a power of 2.
+    """Fused encode, the contract of `taco_jax.codec.reference.encode_groups`, reading `xg` (float32,
+    bfloat16 or float16) in its own dtype. block: groups per program (a power of 2; default
+    ELEMENTS // G). Raises: ValueError for another dtype or a block that is not a power of 2.
     """
     *lead, n_groups, g = xg.shape
     _check_dtype(xg.dtype, "encode input")
@@ -321,13 +288,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block:
 @functools.partial(jax.jit, static_argnames=("block", "dtype"))
 def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, block: int | None = None,
                       dtype=jnp.float32) -> jax.Array:
-    """P ranks' groups decoded and summed in float32 in rank order, written once in `dtype`.
-
-    Args:
-      codes: FP8 [P, ..., n_groups, G]; s, a: float32 [P, ..., n_groups] (a=None: folded layout).
-      dtype: output dtype (float32, bfloat16 or float16): the float32 sum rounded to it once, not
-        clipped (a sum beyond its range is ±Inf, as the exact sum and `codec.dispatch.decode_sum`).
-    Returns: dtype [..., n_groups, G].
+    """The group backend's `decode_sum_groups` (contract in `taco_jax.codec.backends`).
     Raises: ValueError for another dtype or a block that is not a power of 2."""
     p, *lead, n_groups, g = codes.shape
     _check_dtype(dtype, "decode output")

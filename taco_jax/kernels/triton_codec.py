@@ -1,37 +1,14 @@
 """Triton fused TACO codec (spec §2) called through jax-triton; GPU only, imported lazily.
 
-One program per block of `ELEMENTS // G` groups; every element is read from HBM once and written
-once:
+One program per block of `ELEMENTS // G` groups, each element read from HBM once and written once;
+the same passes as `pallas_codec` (encode, decode, decode_sum), the WHT an in-register butterfly
+(`_wht`). Per-group divisions and square roots round to nearest (`div_rn`, `sqrt_rn`) as the
+reference's XLA ops do, so the kernels conform under the rule of `taco_jax.kernels`.
 
-  encode      x (f32, bf16 or f16, as stored) -> f32 in registers -> sum of squares -> a ->
-              t = WHT(a x) -> s from max|t| / sqrt(G) -> FP8 codes of t / (sqrt(G) s) (one
-              reciprocal per group); writes codes, s, a.
-  decode      codes -> q k, k = s / sqrt(G) / max(a, EPS) per group -> WHT -> clipped to the
-              output dtype's finite range -> written in the output dtype (f32, bf16 or f16).
-  decode_sum  P ranks' codes of the same groups, each decoded as above (not clipped) and summed in
-              f32 in rank order, then written once in the output dtype (rounded, not clipped: a
-              sum beyond its range is +-Inf, as the exact sum).
-
-The Walsh-Hadamard transform is an in-register butterfly (`_wht`): log2(G) stages of
-`lo + hi, lo - hi` on the index bit of the stage (reshape / permute / split / join, which Triton
-maps to register renames, warp shuffles, or a shared-memory exchange for bits held by other
-warps): G log2(G) additions per group instead of the G^2 multiply-adds of a dense matmul, and no
-[block, G] tile kept across two loops. Divisions and square roots use the round-to-nearest
-intrinsics (`div_rn`, `sqrt_rn`) per group, as the reference's XLA ops do; per element there are
-multiplications by those per-group factors instead of the reference's divisions, and the sums of
-the transform run in another order than its matmul: the kernels conform to `reference` under the
-rule of `taco_jax.kernels`. NaN-propagating max/min mirror jnp.
-
-`triton` and `jax_triton` are imported on first use only, so CPU installs never need them
-(`pip install 'taco_jax[gpu]'` brings them). FP8 E4M3 needs compute capability >= 8.9.
-
-Inside `shard_map` (the train step's collectives): jax-triton's call types its results invariant
-(its abstract eval drops the operands' varying manual axes), and later collectives would take such a
-value as replicated, so the wrappers give the results their operands' varying axes back
-(`codec.vma.pvary`, as `ffi_codec` does). jax-triton compiles each kernel to a cubin while lowering,
-for the compute capability of device 0 unless told one; on a machine without a GPU (a deviceless
-XLA:GPU compile for abstract CUDA devices, `train.deviceless`) there is none to ask, so the lowering
-of its call takes the capability of the devices the computation is lowered for (`_lowering_capability`).
+`triton` and `jax_triton` are imported on first use (`pip install 'taco_jax[gpu]'`). FP8 E4M3 needs
+sm >= 89. jax-triton types its results invariant inside `shard_map`, so the wrappers restore the
+operands' varying axes (`codec.vma.pvary`). Without a GPU (a deviceless compile) the cubin is built
+for the capability of the devices lowered for (`_lowering_capability`).
 """
 
 from __future__ import annotations
@@ -50,9 +27,8 @@ from taco_jax.codec.vma import pvary, vma_of
 
 #: Message dtypes the kernels read and write as they are (no convert around the custom call).
 NATIVE_DTYPES = ("float32", "bfloat16", "float16")
-#: Elements per program (groups per program = ELEMENTS // G): 16 f32 values per thread at 4 warps,
-#: 32-64 registers at sm_90 (experiments/triton_aot.py). 4096 compiles without spills too (~10 %
-#: fewer instructions per element, ~70 registers: half the occupancy); which is faster is for a GPU.
+#: Elements per program (groups per program = ELEMENTS // G): 16 f32 values per thread at 4 warps
+#: (register counts: `python -m experiments.triton_aot`).
 ELEMENTS = 2048
 NUM_WARPS = 4
 #: The spec constants, passed to the kernels as `tl.constexpr` arguments (a @triton.jit function
@@ -141,10 +117,9 @@ def _lowering_capability(ctx) -> int | None:
 
 @functools.cache
 def _jax_triton():
-    """`jax_triton`, imported on first use, with its CUDA lowering wrapped once so that a call that
-    names no compute capability is compiled for the devices it is lowered for (`_lowering_capability`)
-    rather than for device 0 of this process, which a machine without a GPU does not have. A call that
-    names one, or a lowering whose devices carry none, goes to jax-triton's own rule unchanged."""
+    """`jax_triton`, imported on first use, its CUDA lowering wrapped once so that a call naming no
+    compute capability compiles for the devices lowered for (`_lowering_capability`), not for this
+    process's device 0 (absent without a GPU); otherwise jax-triton's own rule."""
     import jax_triton as jt  # noqa: PLC0415
 
     lib = getattr(jt, "triton_lib", None)
@@ -185,9 +160,7 @@ def _check_dtype(dtype, what: str):
 @functools.partial(jax.jit, static_argnames=("cfg", "last_count"))
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int):
     """Fused encode, the contract of `taco_jax.codec.reference.encode_groups`, reading `xg` in its own
-    dtype (float32, bfloat16 or float16: `NATIVE_DTYPES`; no convert before the kernel).
-
-    Raises: ValueError for another dtype."""
+    dtype (`NATIVE_DTYPES`). Raises: ValueError for another dtype."""
     *lead, n_groups, g = xg.shape
     _check_dtype(xg.dtype, "encode input")
     encode_kernel = _kernels()[0]
@@ -208,7 +181,6 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dtype=
     """Fused decode, the contract of `taco_jax.codec.reference.decode_groups`, written straight in
     `dtype` (float32, bfloat16 or float16; finite values clipped to its range first, as
     `taco_jax.codec.dispatch.clip_to_dtype`). Returns dtype [..., n_groups, G].
-
     Raises: ValueError for another dtype."""
     *lead, n_groups, g = codes.shape
     _check_dtype(dtype, "decode output")
@@ -225,13 +197,7 @@ def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dtype=
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def decode_sum_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, dtype=jnp.float32) -> jax.Array:
-    """P ranks' groups decoded and summed in f32 in rank order, written once in `dtype`.
-
-    Args:
-      codes: FP8 [P, ..., n_groups, G]; s, a: float32 [P, ..., n_groups] (a=None: folded layout).
-      dtype: output dtype (float32, bfloat16 or float16): the float32 sum rounded to it once, not
-        clipped (as `codec.dispatch.decode_sum`).
-    Returns: dtype [..., n_groups, G], the sum of each rank's groups decoded in float32.
+    """The group backend's `decode_sum_groups` (contract in `taco_jax.codec.backends`).
     Raises: ValueError for another dtype."""
     p, *lead, n_groups, g = codes.shape
     _check_dtype(dtype, "decode output")

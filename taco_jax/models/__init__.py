@@ -24,11 +24,9 @@ DECAY_BY_NAME = {"kernel": True, "embedding": True, "wpe": True, "bias": False, 
 
 
 def decays(path) -> bool:
-    """Whether the parameter at `path` (a pytree key path or a tuple of names) gets weight decay.
-
-    Decided by the parameter's role (its name, `DECAY_BY_NAME`), never by its rank: GPT-2's fused
-    QKV bias [3, H, hd] and Qwen2.5's q/k/v biases [H, hd] are biases. Works on the model's own
-    layout and on the pipeline's stacked layers alike (same names).
+    """Whether the parameter at `path` (a pytree key path or a tuple of names) gets weight decay, by
+    its name (`DECAY_BY_NAME`), never by its rank (GPT-2's fused QKV bias [3, H, hd] is a bias); the
+    same in the model's and the pipeline's layout.
     Raises: ValueError for a parameter name with no decay rule (a new parameter must be classified).
     """
     names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]

@@ -1,25 +1,9 @@
 """The causal-LM skeleton both model families share, and the config interface they expose.
 
-`CausalLMConfig` is the interface every family's (frozen dataclass) config implements; the rest of
-taco_jax (trainer, pipeline, HF conversion, cost model) reads a model config only through it:
-
-  family                 "gpt2" | "qwen" (the HF conversion's switch; `models.make_model`'s key)
-  vocab_size, block_size, init_std, dtype, vocab_multiple, remat    fields of every family
-  n_layers, d_model      depth L and hidden size D (D: the width of every tensor-parallel message)
-  attn_width             query heads x head size (H·hd), the attention score's contraction width
-  tied_embeddings        whether the LM head is the embedding table transposed
-  padded_vocab_size      embedding (and LM-head) rows: vocab_size padded to vocab_multiple
-  param_sizes()          (matmul weights of one layer, its other parameters, the parameters outside
-                         the layers but the token embedding and LM head)
-  layer_matmul_params    param_sizes()[0] (the cost model's FLOPs)
-  n_params()             parameters of the model, vocabulary padding left out (the published count)
-  validate()             raises ValueError naming a bad field (run on construction)
-  check_tensor_parallel  raises ValueError if the model cannot be split over `tp` tensor ranks
-
-`CausalLM` owns what the families' modules share: embed -> layers -> final norm -> LM head, the
-vocab-parallel loss and the pieces the pipeline uses (`embed`, `pipeline_layers`, `head_loss`).
-`PreNormBlock` is the shared pre-norm residual block. A family names its own submodules (the
-parameter tree keeps the HF-like names of each family) and builds them in its `__init__`.
+`CausalLMConfig` is the only way the rest of taco_jax (trainer, pipeline, HF conversion, cost
+model) reads a model config. `CausalLM` owns embed -> layers -> final norm -> LM head, the
+vocab-parallel loss and the pipeline's pieces; `PreNormBlock` is the shared residual block. Each
+family keeps its HF-like submodule names.
 """
 
 from __future__ import annotations
@@ -35,11 +19,10 @@ from taco_jax.parallel.layers import check_compute, mask_vocab_padding, remat_ca
 
 
 class CausalLMConfig:
-    """The config interface of a causal-LM family (module docstring). A family subclasses it as a
-    frozen dataclass with the fields vocab_size, block_size, init_std, dtype, vocab_multiple and
-    remat, sets `family`, `POSITIVE` (its integer fields that must be > 0) and the names of its
-    depth, width and query-head fields, provides `head_dim` and `tied_embeddings`, and implements
-    `param_sizes`, `_check_shape` and `_check_split` (its own rules)."""
+    """The config interface of a causal-LM family: a frozen dataclass with the fields vocab_size,
+    block_size, init_std, dtype, vocab_multiple and remat; it sets `family` ("gpt2" | "qwen"),
+    `POSITIVE` and the *_FIELD names, provides `head_dim` and `tied_embeddings`, and implements
+    `param_sizes`, `_check_shape` and `_check_split`."""
 
     family: ClassVar[str]
     #: Integer fields that must be positive.

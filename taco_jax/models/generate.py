@@ -84,9 +84,8 @@ def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temp
 
     temperature 0: greedy (argmax); > 0: sample from softmax(logits / temperature), restricted to
     the `top_k` most likely tokens when top_k > 0; `seed` fixes the samples (jax.random key).
-    `allowed`: bool [vocab_size], the ids that may be generated (e.g. those the tokenizer has: a
-    model's vocabulary may be larger than its tokenizer's, or have holes); the others' logits are
-    -inf before the choice. None: every id.
+    `allowed`: bool [vocab_size], the ids that may be generated (e.g. those the tokenizer has); None:
+    every id.
     Raises ValueError for an empty prompt, a negative or non-finite count / temperature / top_k, a
     seed outside [0, 2**63), ids outside the vocabulary, a total length over the model's block_size,
     or an `allowed` of another shape or with no id.

@@ -80,8 +80,7 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-tiny": GPTConfig(vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_embd=128),
     "gpt2-mini": GPTConfig(vocab_size=4096, block_size=512, n_layer=6, n_head=8, n_embd=256),
     # narrow: per token, compute (~36·D² + 6·T·D FLOPs a layer per TP rank) is small beside the TP
-    # all-reduces (4·D values a layer), so communication dominates a CPU step over a real transport
-    # (the end-to-end measurement of docs/results.md "Real transport, end to end").
+    # all-reduces (4·D values a layer): communication dominates (docs/results.md "Real transport, end to end").
     "gpt2-narrow": GPTConfig(vocab_size=2048, block_size=256, n_layer=4, n_head=2, n_embd=32),
     "gpt2-124m": GPTConfig(),
     "gpt2-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
@@ -132,10 +131,7 @@ class Block(PreNormBlock):
 
 class GPT(CausalLM):
     """GPT-2 language model: the `CausalLM` skeleton with learned positions and a tied LM head.
-
-    `tensor_size` (the tensor axis it will run on) is accepted for the families' common signature;
-    GPT-2's parameters and their sharding do not depend on it.
-    """
+    `tensor_size` is accepted for the families' common signature (GPT-2 does not depend on it)."""
 
     pipeline_layers, token_embed, final_norm = "h", "wte", "ln_f"
 

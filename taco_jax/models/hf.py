@@ -48,9 +48,7 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F6
 _GPT2_BUFFERS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 
 
-# --------------------------------------------------------------------------------------
-# config.json <-> model config
-# --------------------------------------------------------------------------------------
+# --- config.json <-> model config
 
 
 def read_config(path) -> dict:
@@ -90,11 +88,9 @@ def _rope_theta(hf: dict) -> float:
 
 
 def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GPTConfig | QwenConfig:
-    """Model config of an HF checkpoint (a directory, or its `config.json` as a dict).
-
-    vocab_multiple: pad the vocabulary rows to a multiple of this (see `GPTConfig.vocab_multiple`).
-    Raises ValueError for an unknown architecture or a setting taco_jax does not implement
-    (naming the config key and its value).
+    """Model config of an HF checkpoint (a directory, or its `config.json` as a dict), its vocabulary
+    padded to a multiple of `vocab_multiple`. Raises ValueError naming the config key and value of an
+    unknown architecture or a setting taco_jax does not implement.
     """
     if not isinstance(hf, dict):
         hf = read_config(hf)
@@ -163,9 +159,7 @@ def hf_config(cfg: CausalLMConfig) -> dict:
                 initializer_range=cfg.init_std, attention_dropout=0.0, dtype="float32")
 
 
-# --------------------------------------------------------------------------------------
-# parameter map
-# --------------------------------------------------------------------------------------
+# --- parameter map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,9 +250,7 @@ def param_map(cfg: CausalLMConfig) -> list[Entry]:
     return e
 
 
-# --------------------------------------------------------------------------------------
-# safetensors files
-# --------------------------------------------------------------------------------------
+# --- safetensors files
 
 
 class _Tensors:
@@ -336,20 +328,16 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-# --------------------------------------------------------------------------------------
-# public API
-# --------------------------------------------------------------------------------------
+# --- public API
 
 
 def load_params(path, cfg: CausalLMConfig, *, shardings=None, stacked_key: str | None = None) -> dict:
     """The parameters stored in HF checkpoint `path`, as the model's pure dict (float32).
 
-    cfg: the model config (`config_from_hf(path, ...)`; its `vocab_multiple` sets the padding).
-    shardings: optional pytree of `jax.sharding.Sharding` matching the result; each array is then
-      built with `jax.make_array_from_callback`, every device receiving only its shard (the host
-      holds one tensor — or one stacked layer parameter — at a time, memory-mapped).
-    stacked_key: return the pipeline layout (`parallel.pipeline.StagedModel`): params[stacked_key]
-      is one per-layer tree whose leaves are stacked along a new leading axis.
+    cfg: the model config (`config_from_hf`; its `vocab_multiple` sets the padding).
+    shardings: optional pytree of `jax.sharding.Sharding`: each device receives only its shard; the
+      host holds one memory-mapped tensor (or stacked layer parameter) at a time.
+    stacked_key: return the pipeline layout (`parallel.staged.StagedModel`).
     Returns: numpy arrays (no shardings) or `jax.Array`s.
     Raises ValueError for missing or unexpected tensors, a shape mismatch (naming the tensor and
     both shapes), an unsupported dtype, or a stored tied LM head that differs from the embedding.
@@ -452,8 +440,7 @@ EXPORT_RECORD = "taco_jax_export.json"
 
 def read_record(path) -> dict | None:
     """The `EXPORT_RECORD` of export folder `path` (e.g. {"step": 150, "steps": 2000, "preempted": True,
-    "run": "/abs/runs/qc"}); None when it has none or it is not a JSON object (an export of another
-    tool, or one written before the record existed)."""
+    "run": "/abs/runs/qc"}); None when it has none or it is not a JSON object."""
     try:
         record = json.loads((pathlib.Path(path) / EXPORT_RECORD).read_text())
     except (OSError, ValueError):
@@ -477,29 +464,19 @@ def _umask() -> int:
 def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None = None,
             source=None, tokenizer=None, eos_token_id: int | None = None,
             stacked_key: str | None = None, record: dict | None = None) -> pathlib.Path:
-    """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to `path`,
-    with the tokenizer: `source`'s tokenizer files and `generation_config.json` (`TOKENIZER_FILES`)
-    when `source` (an HF checkpoint folder, e.g. `--init-from`) has a `tokenizer.json`, else
-    `tokenizer` (a `tokenizers` JSON file, e.g. the run's BPE) as `tokenizer.json` with a
-    `tokenizer_config.json` for `transformers.AutoTokenizer`.
+    """Writes `config.json` + `model.safetensors` (float32, HF layout, vocabulary padding dropped) to
+    `path`, which `transformers.AutoModelForCausalLM.from_pretrained(path)` loads, with a tokenizer:
+    `source`'s `TOKENIZER_FILES` when that folder has a `tokenizer.json`, else `tokenizer` (a
+    `tokenizers` JSON file) with a `tokenizer_config.json`.
 
-    params: the model's pure dict, numpy or (sharded) jax arrays — each is gathered to the host in
-    turn, one tensor at a time. In a multi-process run every process must call this (the gather is
-    a collective) and process 0 writes: the folder equals a one-process export byte for byte.
-    stacked_key: `params` is in the pipeline layout (`parallel.staged.StagedModel`, params[stacked_key]
-      one tree of leaves stacked over layers); each layer's tensor is cut from its stack in turn.
-    base_config: a source `config.json` dict (e.g. of the `--init-from` checkpoint) whose other keys
-      (token ids, generation settings) are kept; the architecture keys come from `cfg`.
-    eos_token_id: the end-of-text id of the tokenizer written (the training data's document
-      separator; default: `tokenizer`'s `END_OF_TEXT` id): config.json's `bos_token_id` and
-      `eos_token_id` where `base_config` gives none (as GPT-2's, whose one end-of-text token also
-      opens a document), the tokenizer_config.json's `bos_token` / `eos_token`, and a
-      `generation_config.json` with them unless `source` has its own: `generate` stops at a
-      document's end.
-    record: JSON-ready facts about the weights (e.g. {"step": 150, "run": "/abs/runs/qc"}), written
-      last as `EXPORT_RECORD` (a folder with it holds a complete export); a record already in `path`
-      is removed first. Every file is written with mode 0666 less the umask (0644 under umask 022).
-    `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
+    params: the model's pure dict, numpy or (sharded) jax arrays, gathered one tensor at a time
+      (multi-process: every process calls this, process 0 writes). stacked_key: pipeline layout.
+    base_config: a source `config.json` whose non-architecture keys are kept.
+    eos_token_id: the tokenizer's end-of-text id (default: `tokenizer`'s `END_OF_TEXT`), written as
+      bos/eos where `base_config` has none, in tokenizer_config.json, and in a generation_config.json
+      unless `source` has one.
+    record: JSON-ready facts about the weights, written last as `EXPORT_RECORD` (marking a complete
+      export). Files get mode 0666 less the umask.
     Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
     """
     import jax

@@ -6,13 +6,11 @@ and the published `config.json` of each checkpoint; one-file layout after jax-ml
 RMS-normalises each query and key head (over `head_dim`) before RoPE, and sets `head_dim`
 explicitly. No dropout, no sliding window, no KV cache (training only).
 
-Tensor parallelism (axis size tp): query heads, the MLP hidden size and the vocabulary are split
-over the tensor axis. Key/value heads are split too when `num_kv_heads % tp == 0`; when there are
-fewer KV heads than ranks (`tp % num_kv_heads == 0`) the K/V projections are replicated and each
-rank projects only the one KV head its query heads read (their gradients are summed over the
-tensor axis by `shard_map`'s transpose). Sequence parallelism needs nothing model-specific: RoPE
-is applied inside the TP region, after `ctx.enter` has gathered the whole sequence, so positions
-are always 0..T-1 of the full sequence.
+Tensor parallelism (axis size tp): query heads, the MLP hidden size and the vocabulary are split.
+Key/value heads are split when `num_kv_heads % tp == 0`; with fewer KV heads than ranks
+(`tp % num_kv_heads == 0`) the K/V projections are replicated and each rank projects only the KV
+head its query heads read. RoPE is applied after `ctx.enter` gathered the whole sequence, so
+sequence parallelism needs nothing model-specific.
 """
 
 from __future__ import annotations
@@ -264,10 +262,8 @@ class DecoderLayer(PreNormBlock):
 
 class Qwen(CausalLM):
     """Qwen2.5 / Qwen3 causal language model: the `CausalLM` skeleton with RoPE in attention and a
-    tied or separate (`lm_head`) LM head.
-
-    `tensor_size`: the tensor-axis size the model will run on (decides whether K/V heads are split
-    or replicated, hence their sharding); parameter shapes and values do not depend on it.
+    tied or separate (`lm_head`) LM head. `tensor_size`: the tensor-axis size the model will run on
+    (it decides whether K/V heads are split or replicated; parameter values do not depend on it).
     Raises ValueError if the model cannot be split over `tensor_size` ranks.
     """
 

@@ -12,9 +12,8 @@ from taco_jax.codec import NONE
 from taco_jax.collectives import CommPolicy, copy_to_tp, gather_from_sp, psum, reduce_from_tp, scatter_to_sp
 from taco_jax.collectives.megatron import all_gather_matmul, matmul_reduce_scatter
 
-#: `ParallelContext.tp_overlap` / `--tp-overlap`: "none" (the all-gather and reduce-scatter run
-#: whole, before / after the matmuls) or "collective-matmul" (each split into P - 1 ring ppermute
-#: steps interleaved with the partial matmuls; needs sequence parallelism).
+#: `--tp-overlap`: "none" or "collective-matmul" (the sequence-parallel all-gather / reduce-scatter as
+#: P - 1 ring steps interleaved with the matmuls).
 TP_OVERLAP = ("none", "collective-matmul")
 
 
@@ -32,24 +31,14 @@ class ParallelContext:
     """Static (hashable) description of the tensor-parallel environment a layer runs in.
 
     Attributes:
-      tensor_axis: the manual mesh axis of the enclosing `shard_map` that shards heads / MLP /
-        vocab, or None when running unsharded (single device, or outside `shard_map`).
+      tensor_axis: the `shard_map` axis sharding heads / MLP / vocab, or None (unsharded).
       policy: the codec per communication site (`CommPolicy`).
-      sequence_parallel: Megatron sequence parallelism: activations outside the TP blocks are
-        sharded over the sequence axis (axis 1 of [B, T, D]) and the f/g pair becomes
-        all-gather / reduce-scatter (Korthikanti et al. 2022).
-      tap: optional observer of the TP messages, installed by the caller (`train/capture.py`):
-        an object with `enter(ctx, x)` and `exit(ctx, x)` that must return `ctx.enter(x)` /
-        `ctx.exit(x)` (same arithmetic) for the untapped `ctx` it is given. Hashable (it is
-        part of the model's static graph). None: no observer.
-      tp_overlap: "none" (default) or "collective-matmul" (needs `sequence_parallel`): `enter`
-        returns a `PendingGather` and the ColumnParallel layers reading it run the all-gather as a
-        ring of ppermutes interleaved with their matmul (`all_gather_matmul`); RowParallel runs its
-        reduce-scatter the same way (`exit_matmul`, `matmul_reduce_scatter`). Same values as
-        "none" up to float summation order with an exact codec; with compression the ring
-        requantizes (docs/training.md, "Overlapping TP communication with matmuls"). A tapped
-        context (`tap`) runs the non-overlapped collectives (the messages observed are the same).
-
+      sequence_parallel: Megatron sequence parallelism (Korthikanti et al. 2022): activations
+        outside the TP blocks are sharded over T (axis 1 of [B, T, D]); f/g become all-gather /
+        reduce-scatter.
+      tap: None, or a hashable observer with `enter(ctx, x)` / `exit(ctx, x)` (`train/capture.py`).
+      tp_overlap: "none" or "collective-matmul" (needs `sequence_parallel`; not with a tap): `enter`
+        returns a `PendingGather` and the matmuls run the collectives as rings.
     Raises: ValueError for a `tp_overlap` not in `TP_OVERLAP`, or "collective-matmul" without
       `sequence_parallel`.
     """
@@ -114,17 +103,10 @@ class ParallelContext:
 
 
 class PendingGather:
-    """The sequence-parallel all-gather of `shard`, not run yet: what `ParallelContext.enter` returns
-    with `tp_overlap="collective-matmul"`, so that the layer reading it can interleave the all-gather
-    with its matmul.
-
-    `apply(fn)` (ColumnParallel, `VocabParallelEmbed.attend`): the first call runs the ring
-    (`all_gather_matmul`) with `fn` overlapped and keeps the gathered sequence; later calls (Qwen's
-    q/k/v and gate/up read one entered input) apply `fn` to it with no further communication.
-    Anything else that reads it as an array (`jnp` functions, via `__jax_array__`) gets the
-    gathered sequence (`gathered`), from the ring if one ran, else from `gather_from_sp`.
-    `shape` / `dtype`: those of the gathered sequence [B, T, D]. Use it inside the trace that
-    made it (it holds traced values).
+    """The sequence-parallel all-gather of `shard`, not run yet (`ParallelContext.enter` with
+    `tp_overlap="collective-matmul"`). The first `apply(fn)` runs the ring with `fn` overlapped and
+    keeps the gathered sequence for later calls; reading it as an array (`__jax_array__`) gathers.
+    `shape` / `dtype`: the gathered [B, T, D]'s. Holds traced values: use it in its own trace.
     """
 
     def __init__(self, shard: jax.Array, ctx: ParallelContext):

@@ -25,10 +25,8 @@ class ColumnParallel(nnx.Module):
     """y = x @ W + b with W [in, *out_shape] sharded over the output axis named in `axes`.
 
     No communication: the caller enters the TP region once (`ctx.enter`, Megatron "f") for all
-    ColumnParallel layers reading the same input.
-    Shapes: x [..., in] (replicated over the tensor axis) -> y [..., *out_shape_local].
-    With `--tp-overlap collective-matmul` x is the `PendingGather` of a sequence shard [B, T/tp, in]
-    and the all-gather runs as a ring interleaved with this matmul (`PendingGather.apply`).
+    ColumnParallel layers reading the same input. x [..., in] (replicated over the tensor axis, or a
+    `PendingGather` with `--tp-overlap collective-matmul`) -> y [..., *out_shape_local].
     """
 
     def __init__(self, in_features: int, out_shape: tuple[int, ...], axes: tuple[str | None, ...], *,
@@ -48,10 +46,8 @@ class ColumnParallel(nnx.Module):
 class RowParallel(nnx.Module):
     """y = g(x @ W) + b with W [*in_shape, out] sharded over an input axis; g = `ctx.exit`.
 
-    Shapes: x [..., *in_shape_local] (varying) -> y [..., out] (replicated, or sequence-sharded
-    with sequence parallelism). The bias is added once, after the all-reduce.
-    With `--tp-overlap collective-matmul` the reduce-scatter runs as a ring interleaved with the
-    partial matmuls (`ParallelContext.exit_matmul`).
+    x [..., *in_shape_local] (varying) -> y [..., out] (replicated, or sequence-sharded with
+    sequence parallelism; overlapped: `ParallelContext.exit_matmul`). The bias is added after the g.
     """
 
     def __init__(self, in_shape: tuple[int, ...], out_features: int, axes: tuple[str | None, ...], *,
@@ -116,15 +112,10 @@ def mask_vocab_padding(logits: jax.Array, vocab_size: int, ctx: ParallelContext)
 
 
 def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, ctx: ParallelContext) -> jax.Array:
-    """Per-token cross-entropy from vocab-sharded logits without gathering them.
-
-    Args:
-      logits: [B, T, V / tp] this rank's vocabulary slice (vocab shard r holds ids
-        [r·V/tp, (r+1)·V/tp)).
-      targets: int32 [B, T] token ids in [0, V).
-    Returns: float32 [B, T] negative log-likelihood, replicated over the tensor axis.
-    Three exact FP32 all-reduces of [B, T] (max, sum of exp, target logit); source:
-    Megatron-LM `_VocabParallelCrossEntropy`.
+    """Per-token cross-entropy from vocab-sharded logits without gathering them (Megatron-LM
+    `_VocabParallelCrossEntropy`: three exact FP32 all-reduces of [B, T]).
+    logits [B, T, V / tp] (shard r holds ids [r·V/tp, (r+1)·V/tp)), targets int32 [B, T] in [0, V)
+    -> float32 [B, T] negative log-likelihood, replicated over the tensor axis.
     """
     logits = logits.astype(jnp.float32)
     v_local = logits.shape[-1]
@@ -167,11 +158,8 @@ def check_compute(dtype: str, remat: str) -> None:
 
 
 def remat_call(layer: nnx.Module, forward, x: jax.Array, remat: str) -> jax.Array:
-    """forward(layer, x), rematerialised per `REMAT_POLICIES[remat]` (`nnx.remat`, i.e. `jax.checkpoint`).
-
-    Recomputation repeats the layer's forward all-reduces in the backward pass (as Megatron's
-    recompute does); the values, hence the loss and gradients, are unchanged.
-    """
+    """forward(layer, x), rematerialised per `REMAT_POLICIES[remat]` (`nnx.remat`); the recomputation
+    repeats the layer's forward all-reduces (as Megatron's does), the values are unchanged."""
     if remat == "none":
         return forward(layer, x)
     return nnx.remat(forward, policy=REMAT_POLICIES[remat])(layer, x)

@@ -15,9 +15,7 @@ DATA, STAGE, TENSOR = MESH_AXES
 
 def parse_mesh(spec: str) -> dict[str, int]:
     """"data=2,tensor=4" -> {"data": 2, "tensor": 4} (axis order as written).
-
-    Raises: ValueError for a malformed entry, an unknown axis name, a repeated axis or a size < 1.
-    """
+    Raises: ValueError for a malformed entry, an unknown axis name, a repeated axis or a size < 1."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, size = part.partition("=")
@@ -35,9 +33,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 def make_mesh(axes: dict[str, int], devices=None) -> Mesh:
     """A mesh over the first prod(sizes) devices, axes in the given order.
-
-    Raises: ValueError if the mesh needs more devices than exist or does not use them all.
-    """
+    Raises: ValueError if the mesh needs more devices than exist or does not use them all."""
     devices = jax.devices() if devices is None else devices
     n = math.prod(axes.values())
     if n != len(devices):

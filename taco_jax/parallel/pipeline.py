@@ -1,14 +1,6 @@
 """Pipeline parallelism over the `stage` mesh axis: GPipe and 1F1B microbatch schedules in one SPMD program.
 
-One import for the pipeline's public names; each job lives in its own module:
-- `parallel.schedule_math`: validity checks, tick counts, bubbles (`check_pipeline`,
-  `pipelined_layout`, `bubble_fraction`, `schedule_stats`, `SCHEDULES`);
-- `parallel.staged`: `StagedModel`, a model cut into embed -> stacked layers -> head, and the
-  stacked parameter layout and its PartitionSpecs;
-- `parallel.schedules`: the schedules inside `shard_map` (`gpipe_loss`, `one_f_one_b`,
-  `value_and_grad`);
-- `collectives.pipeline_send`: the compressed stage-to-stage `send` (differentiable, backward
-  compressed too).
+One import for the pipeline's public names (`schedule_math`, `staged`, `schedules`, `send`).
 """
 
 from taco_jax.collectives.pipeline_send import send

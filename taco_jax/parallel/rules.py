@@ -23,9 +23,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
 
 def logical_to_spec(axes: tuple[str | None, ...] | None, mesh_axis_names, rules=None) -> P:
     """PartitionSpec for a tensor whose dims carry `axes` logical names; unknown mesh axes -> None.
-
-    Raises: ValueError for a logical name missing from the rules.
-    """
+    Raises: ValueError for a logical name missing from the rules."""
     rules = LOGICAL_AXIS_RULES if rules is None else rules
     if axes is None:
         return P()

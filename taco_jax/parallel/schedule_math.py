@@ -24,12 +24,8 @@ def check_pipeline(n_layers: int, stages: int, microbatches: int, schedule: str 
 
 
 def pipelined_layout(stages: int, microbatches: int) -> bool:
-    """Whether a run of `stages` pipeline stages (the mesh's stage axis, 1 without one) and
-    `microbatches` steps in the pipeline layout: decoder layers stacked along a leading axis
-    (`parallel.staged.StagedModel`) and run by a schedule. True with stage > 1, and with
-    microbatches > 1 on one stage (gradient accumulation through the same schedules). The one test of
-    the layout: the trainer's parameters (`train.step.make_steps`), its checkpoints and `sample`'s
-    reading of them all ask it."""
+    """Whether a run uses the pipeline layout (layers stacked, `parallel.staged.StagedModel`, run by a
+    schedule): stage > 1, or microbatches > 1 on one stage. The one test every user asks."""
     return stages > 1 or microbatches > 1
 
 
@@ -39,12 +35,9 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 def schedule_stats(schedule: str, stages: int, microbatches: int) -> dict:
-    """What one train step of `schedule` costs on this SPMD implementation, in stage-steps.
-
-    Returns: ticks, the stage forwards / backwards each device executes (masked ones included),
-    the useful ones (M each), the SPMD bubble = 1 - useful work / executed work (counting a
-    backward as two forwards), the analytic bubble, and the stage inputs kept for the backward.
-    """
+    """What one train step of `schedule` costs on this SPMD implementation, in stage-steps: ticks,
+    stage forwards / backwards executed (masked included), useful (M), the SPMD bubble (1 - useful /
+    executed work, a backward = two forwards), the analytic bubble, the stage inputs kept."""
     s, m = stages, microbatches
     if schedule == "gpipe":
         ticks, fwd, bwd, kept = m + s - 1, m + s - 1, m + s - 1, m + s - 1

@@ -1,23 +1,16 @@
 """GPipe and 1F1B microbatch schedules in one SPMD program (inside `shard_map` over data, stage, tensor).
 
-Every stage executes the same program, so a stage with nothing to do in a tick computes on
-zeros/stale data whose result is masked out ("SPMD pipeline", as MaxText's). Stage-to-stage
-transfer is `collectives.pipeline_send.send` (compressed per `CommPolicy.pp_send` in both
-directions). Gradients of stage-replicated parameters (the tied embedding is used on the first
-and the last stage) are summed over stages exactly.
+Every stage runs the same program; an idle stage computes on masked-out data ("SPMD pipeline", as
+MaxText's). Transfers are `collectives.pipeline_send.send`; gradients of stage-replicated
+parameters (a tied embedding) are summed over stages exactly.
 
-- "gpipe": M + S - 1 forward ticks (microbatch m is on stage s at tick m + s), loss on the last
-  stage, then `jax.grad` through the unrolled loop gives the mirrored backward (M + S - 1 ticks).
-  Activations of all M microbatches are alive at the turn: memory O(M).
-- "1f1b": M + 2S - 2 ticks, each doing one forward *and* one backward slot on every stage:
-  forward of m on stage s at tick m + s, backward at tick m + 2S - 2 - s (the last stage runs
-  the backward of a microbatch right after its forward). Only stage *inputs* are kept, in a
-  ring of min(M, 2S - 1) slots, and the stage forward is recomputed in the backward slot (the
-  gradient is the same math as GPipe). Memory O(S) instead of O(M); the price on an SPMD mesh
-  is S - 1 more ticks and the recomputation (`schedule_math.schedule_stats`).
+- "gpipe": M + S - 1 forward ticks (microbatch m on stage s at tick m + s); `jax.grad` through
+  the unrolled loop gives the mirrored backward. Memory O(M).
+- "1f1b": M + 2S - 2 ticks of one forward and one backward slot (backward of m on stage s at tick
+  m + 2S - 2 - s); only stage inputs are kept (min(M, 2S - 1) slots) and the forward is recomputed.
+  Memory O(S); costs S - 1 more ticks and the recomputation (`schedule_math.schedule_stats`).
 
-Loops are unrolled in Python (ticks and layers are static), so every collective appears in the
-compiled HLO once per execution and `collectives.hlo` counts the wire bytes per step exactly.
+Loops are unrolled (static ticks and layers), so `collectives.hlo` counts every collective exactly.
 Source: GPipe (Huang et al. 2019), PipeDream-flush / 1F1B (Narayanan et al. 2021),
 Megatron-LM `schedules.py`; TACO spec §4 (compressed pipeline send/recv).
 """
@@ -68,12 +61,9 @@ def _tie(params, grads, never):
 
 def gpipe_loss(sm: StagedModel, params: dict, ids, targets, *, microbatches: int, stage_axis: str | None,
                policy: CommPolicy) -> jax.Array:
-    """Mean cross-entropy over this data shard's M microbatches, run as a GPipe forward.
-
-    Differentiable (its gradient is GPipe's backward). params: pipeline layout, local shards,
-    varying over `stage_axis`. ids, targets: int32 [B_local, T]. Returns a scalar, invariant
-    over the stage and tensor axes.
-    """
+    """Mean cross-entropy over this data shard's M microbatches as a GPipe forward (its gradient is
+    GPipe's backward). params: pipeline layout, local shards, varying over `stage_axis`; ids, targets:
+    int32 [B_local, T]. Returns a scalar, invariant over the stage and tensor axes."""
     n_stages, stage = _stage_info(stage_axis)
     outer = sm.outer(params)
     ids, targets = _microbatches(ids, microbatches), _microbatches(targets, microbatches)
@@ -96,11 +86,8 @@ def gpipe_loss(sm: StagedModel, params: dict, ids, targets, *, microbatches: int
 
 def one_f_one_b(sm: StagedModel, params: dict, ids, targets, *, microbatches: int, stage_axis: str | None,
                 policy: CommPolicy, loss_scale: float = 1.0):
-    """1F1B: (mean loss, gradient of loss_scale · mean loss) with interleaved forward/backward ticks.
-
-    Same inputs as `gpipe_loss`. The gradients w.r.t. every parameter are per stage (varying over
-    `stage_axis`); the caller sums the stage-replicated ones over stages (`value_and_grad`).
-    """
+    """1F1B: (mean loss, gradient of loss_scale · mean loss), inputs as `gpipe_loss`. Gradients are per
+    stage; the caller sums the stage-replicated ones over stages (`value_and_grad`)."""
     n_stages, stage = _stage_info(stage_axis)
     mb = microbatches
     ids, targets = _microbatches(ids, mb), _microbatches(targets, mb)
@@ -176,8 +163,7 @@ def value_and_grad(sm: StagedModel, params: dict, ids, targets, *, schedule: str
 
     params: pipeline layout, local shards. Gradients of the stage-replicated (non-layer)
     parameters are summed over `stage_axis` here (exact FP32 all-reduce); the layer stack's stay
-    per stage. Varying axes of the gradients are those of `params` plus any the inputs add
-    (e.g. the data axis if `params` were made varying over it).
+    per stage. The gradients vary over `params`' axes plus any the inputs add.
     """
     outer_keys = [k for k in params if k != sm.layer_key]
     if stage_axis is not None:  # per-stage gradients of stage-replicated params, summed below

@@ -25,11 +25,8 @@ from taco_jax.parallel.rules import logical_to_spec
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StagedModel:
-    """A model cut into embed -> L identical layers -> head, with its parameters in pipeline layout.
-
-    Pipeline layout = the model's pure-dict parameters with `params[layer_key]` replaced by one
-    per-layer tree whose leaves are stacked along a new leading axis (see `stack_layers`).
-    """
+    """A model cut into embed -> L identical layers -> head, with its parameters in pipeline layout
+    (module docstring: `params[layer_key]` one tree of stacked leaves, `stack_layers`)."""
 
     graphdef: nnx.GraphDef
     state: nnx.State  # abstract, whole model
@@ -43,9 +40,7 @@ class StagedModel:
     @classmethod
     def from_model(cls, model) -> StagedModel:
         """From an (abstract) model whose class declares `pipeline_layers`, `embed` and `head_loss`
-        (module docstring; GPT and Qwen do).
-
-        Raises: ValueError naming the model class if it lacks one of them or has no layers.
+        (module docstring). Raises: ValueError naming the model class if it lacks one or has no layers.
         """
         kind = type(model)
         key = getattr(kind, "pipeline_layers", None)

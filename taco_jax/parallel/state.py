@@ -7,13 +7,10 @@ from flax import nnx
 
 
 def merge_params(graphdef: nnx.GraphDef, abstract_state: nnx.State, params: dict):
-    """The module `graphdef` describes, holding `params`.
-
-    Args:
-      graphdef, abstract_state: `nnx.split(model, nnx.Param)` of a (possibly abstract) model.
-      params: pure dict of arrays shaped like `nnx.to_pure_dict(abstract_state)` (tracers allowed).
-    Returns: a fresh module (`abstract_state` is not modified).
-    Raises: ValueError / KeyError from `nnx.replace_by_pure_dict` when `params` does not match.
+    """A fresh module of `graphdef` holding `params` (a pure dict shaped like
+    `nnx.to_pure_dict(abstract_state)`, tracers allowed); (graphdef, abstract_state) =
+    `nnx.split(model, nnx.Param)`, not modified. Raises: ValueError / KeyError from
+    `nnx.replace_by_pure_dict` when `params` does not match.
     """
     state = jax.tree.map(lambda v: v, abstract_state)  # a fresh State to fill in
     nnx.replace_by_pure_dict(state, params)
@@ -21,16 +18,11 @@ def merge_params(graphdef: nnx.GraphDef, abstract_state: nnx.State, params: dict
 
 
 def sharded_initializer(fn, shardings):
-    """A jitted no-argument function computing `fn()` (a parameter initialisation from a seed: no
-    arguments, a pytree of arrays out) straight into `shardings` (a pytree of `jax.sharding.Sharding`
-    like its result): each device computes only its own shards, nothing is first built whole on one
-    device. Compiled at its first call (`jax.jit`'s cache: keep the returned function to reuse it).
+    """A jitted function computing `fn()` (a no-argument initialisation) straight into `shardings`:
+    each device computes only its shards.
 
-    The values are those of `fn()` run eagerly, bit for bit: the program is one `jit` of `fn`'s
-    jaxpr with an optimization barrier after every top-level operation, so each operation is
-    compiled as the unit eager dispatch compiles (a plain `jit(fn)` lets XLA fuse e.g. a normal
-    initializer's `* stddev` into the sampler and rounds ~1/4 of the values 1 ulp differently);
-    the threefry bits are the same for any sharding (`jax_threefry_partitionable`).
+    Values equal eager `fn()` bit for bit: an optimization barrier after every top-level operation
+    stops XLA fusing e.g. `* stddev` into the sampler (which rounds some values 1 ulp differently).
     Raises what `fn` raises while tracing; ValueError from `jax.jit` if `shardings` does not match.
     """
     from jax.extend.core import Literal

@@ -6,20 +6,15 @@ data's statistics; its criterion is not public (TACO_SPEC.md §2). Ours, stated 
   Data: the messages of `taco-jax train --capture N` (every tensor rank, data rank 0). Captured
   steps are split alternately: steps 1st, 3rd, 5th, ... calibrate; 2nd, 4th, ... are held out
   (with a single captured step, its messages alternate instead).
-  Candidates: every codec kind the registry marks for calibration with every parameter it takes
-  (FP8 format; G in 32..512; group axis hidden | token; taco scale layout dual | folded;
-  optional Hadamard for fp8_group / int8 / int4) — `candidates()`.
+  Candidates: `candidates()`, every kind marked for calibration with every parameter it takes.
   Per-site objective: maximise SQNR_s(c) = 10·log10(Σ‖x‖² / Σ‖x − decode(encode(x))‖²) over
   the site's messages, subject to wire_bytes_per_element(c, n) ≤ budget (default 1.0625 B/elt,
-  the spec's TACO setting: 0.53× bf16). Ties (within 0.01 dB, or the same infinite SQNR, e.g.
-  +∞ on messages every codec carries exactly) go to fewer bytes.
-  Non-finite messages: a captured message holding NaN/±Inf is reported (site, step, role, rank)
-  in the report's "excluded" list and on stderr, and left out of both splits.
+  the spec's TACO setting: 0.53× bf16). Ties (within 0.01 dB, or the same infinite SQNR) go to
+  fewer bytes. A message holding NaN/±Inf is left out of both splits and reported ("excluded").
   Policy objective (to compare policies): the mean over sites of the held-out SQNR (dB).
 
-The report compares the calibrated policy with every fixed choice (one candidate on every
-site) on the held-out messages, including the best fixed choice picked with hindsight on the
-held-out messages themselves.
+The report compares the calibrated policy on the held-out messages with every fixed choice (one
+candidate on every site), including the best one picked with hindsight.
 """
 
 from __future__ import annotations
@@ -48,11 +43,9 @@ TIE_DB = 0.01
 
 
 def candidates() -> list[CodecConfig]:
-    """The search space, from the kinds' registry (`taco_jax.codec.kinds`, the kinds with
-    `calibrate` set, in registration order): the kinds with one scale per message in each FP8
-    format first; then per group size G and group axis, each grouped kind with every FP8 format
-    (FP8 codes), optional Hadamard (off, on) and scale layout it takes (132 codecs for the
-    built-in kinds)."""
+    """The search space from the kinds with `calibrate` set (`taco_jax.codec.kinds`, registration
+    order): per-message-scale kinds in each FP8 format, then per G and group axis each grouped kind
+    with every format, Hadamard and scale layout it takes (132 codecs for the built-in kinds)."""
     kinds = [k for k in registered() if k.calibrate]
     out = [CodecConfig(**v) for k in kinds if not k.grouped for v in _variants(k)]
     for g, axis in itertools.product(GROUP_SIZES, GROUP_AXES):
@@ -100,8 +93,7 @@ def evaluate(cfg: CodecConfig, msgs: list[Message]) -> dict:
     """SQNR (dB), max relative error (‖e‖∞/‖x‖∞, worst message), cosine (`taco_jax.codec.metrics`,
     float64) and wire B/elt of `cfg` on `msgs` (decoded in one jitted call per message shape).
 
-    Raises: ValueError naming the site and step of a message holding NaN/±Inf (its scores would
-    say nothing about the codec; `calibrate` excludes such messages first).
+    Raises: ValueError naming the site and step of a message holding NaN/±Inf.
     """
     for m in msgs:
         if not np.isfinite(m.x).all():

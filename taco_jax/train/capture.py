@@ -1,11 +1,8 @@
 """Capture the real tensor-parallel messages of a training run to `.npz` (`taco-jax train --capture N`).
 
-Mechanism. On each of the N capture steps (evenly spaced, ending at the last step), the loop
-calls `Recorder.capture(step, params, inputs, targets)` *before* the train step, with the very
-parameters and batch that step then trains on. It runs a jitted twin of the train step's loss
-and gradient (`Trainer`'s mesh, model definition and parameter specs, inside `jax.shard_map`)
-in which `ParallelContext.enter` / `exit` hand their messages to a `Tap` (the context's `tap`,
-installed only in the twin's model; the real train and eval steps carry none):
+Mechanism. On each of the N capture steps (evenly spaced, ending at the last step), before the
+train step and with its parameters and batch, a jitted twin of the step's loss and gradient runs
+in which `ParallelContext.enter` / `exit` hand their messages to a `Tap` (the real steps carry none):
 
 | ctx method | forward message (site)                  | backward message (site)                   |
 |------------|-----------------------------------------|-------------------------------------------|
@@ -15,14 +12,13 @@ installed only in the twin's model; the real train and eval steps carry none):
 | enter, SP  | x into gather_from_sp (all_gather)      | cotangent into its reduce-scatter (reduce_scatter) |
 
 Forward messages are returned as outputs; backward messages are the gradients of zero "probes"
-added right after each enter / exit (h + 0: the arithmetic is unchanged), i.e. exactly the
-cotangents the Megatron operators all-reduce. The twin's loss is written next to the real
-step's loss in `meta.json` (they agree to float32 rounding). Why not `jax.debug.callback` taps inside the real
-step: on the simulated multi-device CPU mesh (jax 0.10.2) reading a large callback operand
-inside the callback deadlocks against the running collectives, and copying it later is unsafe.
+added after each enter / exit (h + 0), i.e. exactly the cotangents the Megatron operators
+all-reduce. The twin's loss is written next to the real step's in `meta.json` (equal to float32
+rounding). Not `jax.debug.callback` taps in the real step: on the simulated CPU mesh reading a large
+callback operand deadlocks against the running collectives.
 
-Kept: every rank of the tensor axis, data-axis rank 0. Limits: data × tensor meshes only;
-pipelined runs (stage > 1 or microbatches > 1) are refused by `TrainConfig` (not supported).
+Kept: every rank of the tensor axis, data-axis rank 0. Data × tensor meshes only (`TrainConfig`
+refuses pipelined runs).
 
 Files: `<out>/captures/step{S:05d}.npz`, one array per message named `<site>__<role>` (role =
 `exit03` / `enter02`: the k-th call of that ctx method in the forward pass), stacked over tensor
@@ -126,11 +122,9 @@ class Tap:
 
 @dataclasses.dataclass(frozen=True)
 class MessageFn:
-    """The twin (see the module docstring), traceable: `fn(params, inputs, targets) -> (loss, fwd, bwd)`
-    with `fwd[i]` the forward message `fwd_keys[i]` and `bwd[j]` the backward message `bwd_keys[j]`,
-    each stacked over the mesh's devices in mesh order, `[n_devices, *message]`, in the message's own
-    dtype (the model's compute dtype). Call it inside `jax.jit` (capture: `make_capture_fn`; the
-    fidelity monitor: `train/monitor.py`)."""
+    """The twin (module docstring), traceable: `fn(params, inputs, targets) -> (loss, fwd, bwd)` with
+    `fwd[i]` the forward message `fwd_keys[i]` and `bwd[j]` the backward message `bwd_keys[j]`, each
+    `[n_devices, *message]` in mesh order, in the model's compute dtype. Call it inside `jax.jit`."""
 
     fn: callable
     fwd_keys: list
@@ -139,11 +133,8 @@ class MessageFn:
 
 
 def make_message_fn(trainer) -> MessageFn:
-    """The capture twin of `trainer`'s train step (its mesh, model, parameter specs and resolved
-    policy `trainer.policy`, i.e. the codecs the real step runs).
-
-    Raises: ValueError for a pipelined trainer (not supported).
-    """
+    """The capture twin of `trainer`'s train step (its mesh, model, specs and resolved policy).
+    Raises: ValueError for a pipelined trainer."""
     if getattr(trainer, "staged", None) is not None:
         raise ValueError("capture supports data × tensor meshes without pipeline stages")
     cfg, mesh, abstract_state = trainer.cfg, trainer.mesh, trainer.abstract_state
@@ -197,10 +188,7 @@ def make_message_fn(trainer) -> MessageFn:
 
 def make_capture_fn(trainer):
     """(params, inputs, targets) -> (loss, {key: [n_devices, *message] float32 numpy}) for `trainer`'s
-    model and mesh (`make_message_fn`, jitted).
-
-    Raises: ValueError for a pipelined trainer (not supported).
-    """
+    model and mesh (`make_message_fn`, jitted). Raises: ValueError for a pipelined trainer."""
     msg = make_message_fn(trainer)
     run = jax.jit(msg.fn)
 
@@ -241,11 +229,8 @@ def capture_steps(steps: int, n: int) -> list[int]:
 
 
 class Recorder:
-    """Writes the messages of the chosen steps of one run (see the module docstring).
-
-    Per step: `capture(step, params, inputs, targets)` before the train step (its parameters
-    are donated), `finish_step(step, loss)` after it.
-    """
+    """Writes the messages of the chosen steps of one run: per step `capture(step, params, inputs,
+    targets)` before the train step (which donates the parameters), `finish_step(step, loss)` after."""
 
     def __init__(self, trainer, out_dir, steps: list[int], meta: dict):
         self.trainer = trainer
@@ -316,9 +301,7 @@ class Message:
 
 def load_captures(path) -> tuple[dict, list[Message]]:
     """Reads `<path>/meta.json` and every `step*.npz`; returns (meta, messages, one per rank).
-
-    Raises: ValueError if `path` holds no captures.
-    """
+    Raises: ValueError if `path` holds no captures."""
     path = pathlib.Path(path)
     files = sorted(path.glob("step*.npz"))
     if not files or not (path / "meta.json").exists():

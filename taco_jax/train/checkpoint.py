@@ -8,13 +8,9 @@ Layout (`<out>/checkpoints/`, docs/distributed.md):
     <step>.orbax-checkpoint-tmp*    a save in progress (or interrupted): never read
     <step>.corrupt                  a corrupt checkpoint set aside by `Checkpoints.resume` (kept, never read)
 
-A save runs in the background (async: the step loop continues while the arrays are written) and
-is atomic: Orbax writes into a temporary folder and renames it to `<step>` only when every process
-finished, so a crash during a save leaves the previous checkpoints untouched and no `<step>` that
-looks complete; old checkpoints beyond `keep` are removed only after a newer one is complete.
-Resume (`Checkpoints.resume`) takes the newest checkpoint that restores: a corrupt newer one is
-named and set aside (or, without fallback, refused naming the intact one); arrays whose vocabulary
-padding differs (another tensor size) are trimmed or zero-padded.
+A save is asynchronous and atomic (Orbax renames its temporary folder to `<step>` once every
+process finished; older checkpoints beyond `keep` go only after that). `Checkpoints.resume` takes
+the newest checkpoint that restores.
 """
 
 from __future__ import annotations
@@ -120,13 +116,9 @@ def _why(e: Exception) -> str:
 
 
 def _state_handler():
-    """Orbax's `StandardCheckpointHandler`; in a one-process run its jax.Array leaves are written without
-    replica-parallel slicing (`ArrayHandler(use_replica_parallel=False)`: each shard by its replica 0).
-    Replica-parallel saving compiles a slicing program per shard shape on the first save (seconds on
-    CPU) and, in one process, spreads the writes over nothing; with several processes it stays on (on
-    CPU), so each process writes its share of the replicated arrays. The files are the same OCDBT +
-    zarr layout, read by any `StandardRestore`. The registry is this handler's own: Orbax's global
-    type-handler registry is left as it is."""
+    """Orbax's `StandardCheckpointHandler`, in a one-process run without replica-parallel saving
+    (which compiles a slicing program per shard shape on the first save and gains nothing in one
+    process). Same files; its own type-handler registry (Orbax's global one is left as it is)."""
     ocp = _ocp()
     handler = ocp.StandardCheckpointHandler()
     if jax.process_count() > 1:
@@ -146,10 +138,7 @@ def _state_handler():
 
 class Checkpoints:
     """The checkpoints of one run in `directory` (every process constructs it; Orbax coordinates).
-
-    keep: how many of the newest complete checkpoints to keep (older ones are deleted after a
-    newer one completes). `async_save`: write in a background thread.
-    """
+    keep: how many of the newest complete checkpoints to keep. async_save: write in a background thread."""
 
     def __init__(self, directory, *, keep: int, async_save: bool = True):
         ocp = _ocp()
@@ -206,15 +195,12 @@ class Checkpoints:
         return meta
 
     def check(self, step: int, config: dict, params, opt_state, *, vocab: tuple[int, int] | None = None) -> dict:
-        """The meta of checkpoint `step` after checking that it can be restored into arrays shaped like
-        `params` / `opt_state` of a run with `config` (`TrainConfig.to_dict()`); reads no array.
+        """The meta of checkpoint `step` after checking, without reading an array, that it restores
+        into arrays shaped like `params` / `opt_state` of a run with `config` (`TrainConfig.to_dict()`).
 
-        vocab: (real rows, padded rows) of this run's vocabulary (`model_config.vocab_size`,
-        `padded_vocab_size`): a leaf whose one differing axis is the saved run's padded vocabulary
-        (from its config: vocabulary padded to make_vocab_size_divisible_by × tensor size) vs this
-        run's is accepted (`restore` trims or pads the zero padding rows). None: shapes must match.
-        Raises CheckpointError naming what differs (model, vocab_size, a parameter's shape);
-        CorruptCheckpointError for an unreadable meta."""
+        vocab: this run's (real rows, padded rows): a leaf differing only in the padded vocabulary
+        axis is accepted (`restore` trims or pads the zero rows). None: shapes must match.
+        Raises CheckpointError naming what differs; CorruptCheckpointError for an unreadable meta."""
         where = self.directory / str(step)
         meta = self.read_meta(step)
         saved, config = _flags(meta.get("config", {})), _flags(config)
@@ -247,18 +233,13 @@ class Checkpoints:
 
     def restore(self, step: int, config: dict, params, opt_state, *, shardings=None,
                 vocab: tuple[int, int] | None = None) -> tuple:
-        """Checkpoint `step` placed like `params` / `opt_state` (this run's arrays: their shapes and
-        dtypes, and their shardings unless `shardings` = (params', opt_state') shardings is given; a
-        checkpoint saved on another mesh is resharded by Orbax).
+        """Checkpoint `step` with the shapes, dtypes and shardings of `params` / `opt_state` (or of
+        `shardings` = (params', opt_state') shardings); another mesh's checkpoint is resharded.
 
-        config: this run's `TrainConfig.to_dict()`. vocab: as `check`; the vocabulary padding rows
-        of the embedding, an untied LM head and their optimizer moments are trimmed (they must be
-        zero) or padded with zeros to this run's padded vocabulary.
-        Returns (params, opt_state, meta, notes): notes name run-config fields that differ from the
-        checkpoint's but do not prevent resuming (e.g. lr), the mesh and a re-padded vocabulary.
-        Raises CheckpointError as `check`, or naming a leaf whose trimmed padding rows are not zero;
-        CorruptCheckpointError for a corrupt / truncated checkpoint (unreadable arrays, or arrays that
-        differ from the fingerprints saved with them).
+        config, vocab: as `check`; vocabulary padding rows are trimmed (they must be zero) or zero-padded.
+        Returns (params, opt_state, meta, notes): notes name what differs without preventing the resume.
+        Raises CheckpointError as `check`, or naming a leaf whose trimmed rows are not zero;
+        CorruptCheckpointError for unreadable arrays or arrays that differ from their fingerprints.
         """
         ocp = _ocp()
         where = self.directory / str(step)
@@ -308,16 +289,14 @@ class Checkpoints:
 
     def resume(self, config: dict, params, opt_state, *, shardings=None, vocab: tuple[int, int] | None = None,
                fallback: bool = True, arrays: bool = True):
-        """The newest checkpoint that restores (`restore`; with `arrays` False only `check`ed: a cheap
-        look before compiling). Returns None when there is none, else (step, params, opt_state, meta,
-        notes, warnings) (params etc. None without `arrays`; warnings: the corrupt checkpoints skipped).
+        """The newest checkpoint that restores (`restore`; with `arrays` False only `check`ed).
+        Returns None when there is none, else (step, params, opt_state, meta, notes, warnings)
+        (params etc. None without `arrays`; warnings name the corrupt checkpoints skipped).
 
-        A corrupt newest checkpoint (CorruptCheckpointError) is skipped with `fallback`: the next older
-        one is tried; the corrupt ones are named in the notes and, once one restored, renamed aside to
-        `<step>.corrupt` (never deleted: this run's own save of that step would collide with it).
-        Without `fallback` it raises CorruptCheckpointError naming the corrupt one and the newest intact
-        one to use. Raises CorruptCheckpointError when every checkpoint is corrupt (naming each);
-        CheckpointError (a run that differs) as `check`, at the first checkpoint that differs."""
+        With `fallback`, corrupt newer checkpoints are skipped and, once one restored, renamed to
+        `<step>.corrupt` (never deleted: this run's save of that step would collide with it); without,
+        CorruptCheckpointError names the newest intact one. Raises CorruptCheckpointError when all are
+        corrupt; CheckpointError as `check`."""
         bad = []
         for step in reversed(self.steps()):
             try:
@@ -369,9 +348,8 @@ class Checkpoints:
 
 
 def saved_steps(directory) -> list[int]:
-    """Steps of the complete checkpoints in `directory` (`<out>/checkpoints`), ascending, read from the
-    folder names without Orbax (an unfinished save's folder is named "N.orbax-checkpoint-tmp-..."); []
-    when it does not exist."""
+    """Steps of the complete checkpoints in `directory`, ascending, from the folder names without
+    Orbax; [] when it does not exist."""
     d = pathlib.Path(directory)
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 

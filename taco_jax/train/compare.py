@@ -24,14 +24,12 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     `--policy`, `--site`; whatever its codecs, its folder and summary keys say "taco").
 
     Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and
-    `<out>/summary.json`: both final validation losses, their relative difference, and the wire
-    bytes per step of each run by mesh axis with the compressed / exact ratio per axis.
-    In a multi-process run (`taco-jax launch --processes N -- compare ...`) every process trains
-    both runs on the distributed runtime and returns the summary; process 0 writes the files.
-    Raises: as `train`; ValueError before any training when `<out>` cannot be written, when the
-    policy compresses no site (the two runs would be the same), with `--eval-batches 0` (no
-    validation loss to compare), or when both runs would export into one `--export-hf` folder
-    (`{out}/hf` exports each into its own) or a run's export is refused (`loop.check_export_dir`).
+    `<out>/summary.json`: both final validation losses, their relative difference, and each run's
+    wire bytes per step by mesh axis with the compressed / exact ratio. Multi-process: every process
+    trains both runs; process 0 writes the files.
+    Raises: as `train`; ValueError before any training when `<out>` cannot be written, the policy
+    compresses no site, `--eval-batches 0`, or both runs would export into one `--export-hf` folder
+    (`{out}/hf` gives each its own) or a run's export is refused (`loop.check_export_dir`).
     """
     if not cfg.logging.eval_batches:
         raise ValueError("eval_batches=0 evaluates nothing, and compare compares the two runs' validation losses: "

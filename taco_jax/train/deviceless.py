@@ -16,12 +16,15 @@ cuBLAS), no allocator fragmentation, nothing allocated outside XLA's buffers (`R
   plugin_error()     why the CUDA plugin cannot be used here (None when it can)
   gpu_devices        the abstract devices of `n` GPUs of a hardware entry, as its nodes hold them
   memory_verdict     XLA:GPU's peak per device against the GPU's memory less `RESERVE`
+  schedule_estimate  XLA:GPU's own step-time estimate (its latency-hiding scheduler's statistics)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
+import re
 
 from taco_jax.perf.hardware import HardwareSpec, target_config
 
@@ -155,3 +158,37 @@ def verdict_lines(v: dict, gpu: str) -> list[str]:
         out.append("  does not fit: more tensor or pipeline parallelism, --remat full, a smaller --batch-size or more "
                    "--microbatches lower the peak")
     return out
+
+
+def schedule_dump_options(folder: str) -> dict:
+    """`lowered.compile(...)` options that make XLA:GPU write its latency-hiding scheduler's schedule into
+    `folder` (`<module>.schedule.txt`, a text `ScheduleProto`): dump options, the program is unchanged."""
+    return {"xla_dump_to": folder, "xla_dump_latency_hiding_schedule": True, "xla_dump_hlo_as_text": False,
+            "xla_dump_hlo_module_re": "train_step"}
+
+
+_STAT = re.compile(r"^\s*(\w+): ([-+0-9.eE]+)\s*$", flags=re.M)
+
+
+def schedule_estimate(folder: str) -> dict | None:
+    """XLA:GPU's own estimate of the step, from the latency-hiding scheduler's dump in `folder`
+    (`schedule_dump_options`): the entry computation's `scheduler_statistics` (XLA's
+    `ScheduleProto.SchedulerStatisticsProto`) in seconds: {"step_s": total, "waiting_s": time the
+    schedule stalls on collectives, "waiting_by_op": {"all_gather": s, ...}}; None when no schedule was
+    written. XLA's latency estimator (its default on this XLA: the analytical speed-of-light model of
+    each kernel and collective, no autotuning) gives the times; `cycles_per_microsecond` converts."""
+    dumps = sorted(pathlib.Path(folder).glob("*train_step*.schedule.txt"))
+    if not dumps:
+        return None
+    with open(dumps[-1], "rb") as f:  # the statistics close the file; the schedule before them is large
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+        tail = f.read().decode(errors="replace")
+    block = tail[tail.rfind("scheduler_statistics"):]
+    stats = {k: float(v) for k, v in _STAT.findall(block)}
+    if "total_cycles" not in stats:
+        return None
+    per_us = stats.get("cycles_per_microsecond") or 1.0
+    seconds = {k: v / per_us * 1e-6 for k, v in stats.items() if k.endswith("_cycles")}
+    return {"step_s": seconds["total_cycles"], "waiting_s": seconds.get("total_wasted_cycles", 0.0),
+            "waiting_by_op": {k[:-len("_wasted_cycles")]: v for k, v in seconds.items()
+                              if k.endswith("_wasted_cycles") and k != "total_wasted_cycles"}}

@@ -1,10 +1,8 @@
 """Multi-process runs on JAX's multi-controller runtime (`jax.distributed`): start-up, process-local
 data, outputs written once, and the step watchdog.
 
-One process per host (or per GPU) runs the same program; `jax.distributed.initialize` connects them
-through a coordinator (process 0), after which `jax.devices()` lists every process's devices and a
-mesh may span processes. Collectives between processes run over NCCL on GPU and over gloo (TCP) on
-CPU. Launch on a cluster: docs/distributed.md; locally: `taco-jax launch --processes N -- train ...`.
+Collectives between processes run over NCCL on GPU and gloo (TCP) on CPU. Launch on a cluster:
+docs/distributed.md; locally: `taco-jax launch --processes N -- train ...`.
 """
 
 from __future__ import annotations
@@ -89,10 +87,8 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def with_device_count(flags: str, n: int) -> tuple[str, str | None]:
-    """`flags` (an XLA_FLAGS value) asking for `n` CPU devices (`DEVICE_COUNT_FLAG`), and the count it
-    asked for before where that was another (None: it asked for none, or for `n`). A count it holds is
-    replaced where it stands (a repeated one, of which XLA takes the last, is dropped); the other flags
-    are kept, in their order."""
+    """`flags` (an XLA_FLAGS value) asking for `n` CPU devices (`DEVICE_COUNT_FLAG`; other flags kept in
+    order, a repeated count dropped), and the other count it asked for before (None: none, or `n`)."""
     words, old, placed = [], None, False
     for word in flags.split():
         if not word.startswith(DEVICE_COUNT_FLAG + "="):
@@ -108,13 +104,10 @@ def with_device_count(flags: str, n: int) -> tuple[str, str | None]:
 
 
 def check_coordinator_port(address: str) -> str | None:
-    """Probes the coordinator's address "HOST:PORT" (IPv6 as "[::1]:PORT") the way its gRPC service
-    will bind it (SO_REUSEADDR: a port held only by closed connections counts as free).
-
-    Returns the address for the service to bind: `address`, or "[::]:PORT" (every interface, JAX's
-    default) when HOST is not an address of this machine (e.g. a NAT-ed or container address).
-    Raises ValueError naming `address` when something already listens there or HOST does not resolve.
-    """
+    """Probes the coordinator's address "HOST:PORT" (IPv6 as "[::1]:PORT") as its gRPC service will
+    bind it (SO_REUSEADDR). Returns the address to bind: `address`, or "[::]:PORT" when HOST is not an
+    address of this machine (NAT, container). Raises ValueError naming `address` when something
+    listens there or HOST does not resolve."""
     import errno
     import socket
 
@@ -140,12 +133,10 @@ def check_coordinator_port(address: str) -> str | None:
 
 
 def initialize(dist: DistConfig, *, heartbeat_timeout_s: int = 100) -> None:
-    """Joins the run: selects gloo for CPU collectives (must precede the backend's start, i.e. the
-    first device query), then `jax.distributed.initialize`. Blocks until every process connected
-    (up to 300 s). Process 0 (the coordinator) first checks that its address is free
-    (`check_coordinator_port`) and starts the coordinator service on the address given, not on
-    every interface. Raises ValueError naming the coordinator address when it is in use;
-    RuntimeError from JAX when the coordinator cannot be reached."""
+    """Joins the run: gloo for CPU collectives (before the first device query), then
+    `jax.distributed.initialize`, blocking until every process connected (up to 300 s). Process 0
+    first checks its address (`check_coordinator_port`). Raises ValueError naming the coordinator
+    address when it is in use; RuntimeError from JAX when the coordinator cannot be reached."""
     import jax
 
     bind = None
@@ -170,8 +161,7 @@ def _client():
     return distributed.global_state.client
 
 
-# -----------------------------------------------------------------------------
-# data: each process builds only its own rows of the global batch
+# --- data: each process builds only its own rows of the global batch
 
 
 def global_arrays(sharding, *arrays):
@@ -183,30 +173,21 @@ def global_arrays(sharding, *arrays):
                  for a in arrays)
 
 
-# -----------------------------------------------------------------------------
-# hangs: the step watchdog
+# --- hangs: the step watchdog
 
 
 class StepWatchdog:
-    """Ends the run when a step, or other work of the run between steps, does not finish within its
-    time limit.
+    """Ends the run when a step, or work between steps, does not finish within its time limit.
 
-    `start(step)` before the step's work, `done()` after its result arrived; `with guard(what, step,
-    kind=...)` around the work beside the steps that waits on the other processes too (each
-    evaluation batch, a checkpoint save, the export), with the step limit plus `nbytes` at
-    `IO_FLOOR_BYTES_PER_S` (the first of each kind: the first step's; a guard adapts no limit).
-    When the time passes,
-    a thread prints an error naming the step (and, multi-process, which processes had not started
-    it: each process records the last step it started in the coordinator's key-value store; and
-    which stopped answering: each advances a heartbeat counter there every `HEARTBEAT_S`) to
-    stderr and ends the process with `os._exit(exit_status)` (a hung collective cannot be
-    interrupted from Python; the launcher or the cluster then stops the other processes).
-    timeout_s: seconds per step (<= 0: disabled); the first step a process runs gets
-    `first_factor` × timeout_s (it also opens the collectives' connections, e.g. gloo's TCP mesh,
-    and warms caches). "auto": from the steps measured so far (`AUTO_FACTOR`, `AUTO_FLOOR_S`,
-    `AUTO_FIRST_S`); `wire_bytes`, the step's wire bytes, and the link rate of `link`
-    lengthen the first step's limit on a slow link.
-    link: the run's emulated links (`emulated_link(cfg.communication.emulated_link)`), None on real links.
+    `start(step)` before the step's work, `done()` after its result arrived; `with guard(...)` around
+    work beside the steps (evaluation batch, checkpoint save, export). When the time passes, a thread
+    prints an error naming the step (multi-process: also which processes had not started it and which
+    stopped answering, from the coordinator's key-value store) and ends the process with
+    `os._exit(exit_status)`: a hung collective cannot be interrupted from Python.
+    timeout_s: seconds per step (<= 0: disabled); a process's first step gets `first_factor` ×
+    timeout_s (it opens the collectives' connections). "auto": from the steps measured so far
+    (`AUTO_FACTOR`, `AUTO_FLOOR_S`, `AUTO_FIRST_S`), the first step's limit lengthened by
+    `wire_bytes` at the rate of `link` (the run's emulated links, None on real links).
     """
 
     def __init__(self, timeout_s: float | str, *, exit_status: int = 1, first_factor: float = 10.0,
@@ -243,10 +224,9 @@ class StepWatchdog:
 
     @contextlib.contextmanager
     def guard(self, what: str, step: int, *, kind: str, nbytes: float = 0.0, stall: str = ""):
-        """Arms the watchdog around `what` (e.g. "evaluation after step 5 (batch 2 of 8)"), done after
-        step `step`: the current step limit plus `nbytes` at `IO_FLOOR_BYTES_PER_S`; the first work of
-        its `kind` (e.g. "eval": it compiles, or opens files) gets the first step's limit instead of the
-        step limit. `stall`: the `testing.faults.stall` point this work is (e.g. "eval@5")."""
+        """Arms the watchdog around `what` (e.g. "evaluation after step 5 (batch 2 of 8)") after step
+        `step`: the step limit plus `nbytes` at `IO_FLOOR_BYTES_PER_S` (the first work of its `kind`:
+        the first step's limit). `stall`: its `testing.faults.stall` point (e.g. "eval@5")."""
         if self.timeout_s > 0:
             with self._cond:
                 first = self._first or kind not in self._kinds
@@ -367,8 +347,7 @@ class StepWatchdog:
         return f"every process started step {step}; a collective of the step hung"
 
 
-# -----------------------------------------------------------------------------
-# emulated links (`taco-jax launch --link`, taco_jax/emulate.py)
+# --- emulated links (`taco-jax launch --link`, taco_jax/emulate.py)
 
 
 def emulated_link(text: str) -> dict | None:

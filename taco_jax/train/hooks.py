@@ -1,10 +1,9 @@
-"""Per-step hooks of the training loop (`train/loop.py`): each concern of a run beside the step itself
-(watchdog, capture, monitor, evaluation, metrics log, progress, preemption, checkpoints, profile,
-TensorBoard) is one small object of the same shape, as Flax/CLU's periodic actions.
+"""Per-step hooks of the training loop (`train/loop.py`): each concern beside the step itself is one
+small object of the same shape, as Flax/CLU's periodic actions.
 
 A hook may implement any of four methods. The hooks form layers around the step, the first of the
-list outermost: `before_step` runs in list order, `on_step` in reverse (the innermost hook sees the
-step's result first, as the watchdog must; the outermost, the checkpoint, last).
+list outermost: `before_step` runs in list order, `on_step` in reverse (the watchdog sees the
+step's result first, the checkpoint last).
   `before_step(state, step) -> dict | None`  before the train step (it donates the parameters):
                                              entries for the step's metrics record;
   `on_step(state, step, rec)`                after it, with the step's record (`rec`, mutable);
@@ -69,10 +68,8 @@ class Hook:
 
 
 class Hooks(contextlib.AbstractContextManager):
-    """An ordered list of hooks, outermost first: `before_step` and `end` in list order, `on_step`
-    in reverse; `with hooks:` closes all of them at the end (innermost first, each even when
-    another's close raised). `guard`: the run's watchdog guard for work beside the steps
-    (`distributed.StepWatchdog.guard`), for the loop's own such work (the export)."""
+    """An ordered list of hooks (module docstring); `with hooks:` closes all of them, innermost first,
+    each even when another's close raised. `guard`: `distributed.StepWatchdog.guard` (the export)."""
 
     def __init__(self, hooks, guard=None):
         self.hooks = [h for h in hooks if h is not None]
@@ -108,8 +105,7 @@ def _no_guard(what: str, step: int, *, kind: str, **_):
 
 class Watchdog(Hook):
     """`--step-timeout S`: `distributed.StepWatchdog` armed around each step (the innermost hook, so
-    the other hooks' work is not counted in the step; the hooks that wait on the other processes
-    arm it themselves, `StepWatchdog.guard`)."""
+    the other hooks' work is not counted in the step)."""
 
     def __init__(self, watchdog):
         self.watchdog = watchdog
@@ -256,9 +252,7 @@ class Progress(Hook):
 
 class Preemption(Hook):
     """SIGTERM (preemption) -> `state.preempted` at a step boundary (the checkpoint hook saves, the
-    loop stops). One process: a Python SIGTERM handler sets a flag. Several: JAX's preemption sync
-    manager (its SIGTERM notifier, started by `jax.distributed.initialize`) makes the step the same
-    on every process, so all of them save the same checkpoint."""
+    loop stops). Several processes: JAX's preemption sync manager makes the step the same on all."""
 
     def __init__(self):
         self.multi, self.flag, self.old = jax.process_count() > 1, False, None
@@ -306,14 +300,11 @@ def kept(out) -> str:
 
 
 class StopBeforeSteps(contextlib.AbstractContextManager):
-    """SIGTERM before the first step of a one-process run (start-up, compilation, restoring a checkpoint):
-    nothing is trained yet, so there is nothing to save, and the handler raises `Stopped` in the main
-    thread at once (jaxlib checks for signals while XLA compiles: a compilation of minutes is cut
-    short too), naming `phase` and what the run in `out` keeps. From the first step the `Preemption`
-    hook's handler takes over (a checkpoint at the next step boundary): set `phase` to None then; a
-    SIGTERM after the hooks closed (the summary) is ignored, the run is finishing. With several
-    processes nothing is installed (JAX's preemption notifier owns SIGTERM; `taco-jax launch` bounds
-    its wait, launch.py)."""
+    """SIGTERM before the first step of a one-process run: nothing to save, so the handler raises
+    `Stopped` in the main thread at once (also during an XLA compilation), naming `phase` and what the
+    run in `out` keeps. Set `phase` to None at the first step (the `Preemption` hook takes over); a
+    SIGTERM after the hooks closed is ignored. With several processes nothing is installed (JAX's
+    preemption notifier owns SIGTERM)."""
 
     def __init__(self, out):
         self.out, self.phase, self.old = out, "start-up", None
@@ -339,9 +330,8 @@ class StopBeforeSteps(contextlib.AbstractContextManager):
 
 class Checkpoint(Hook):
     """Orbax checkpoints (`train/checkpoint.py`) every `every` steps (0: none), at the last step
-    unless `final` is off, and on preemption (waiting for it); the batch stream's position saved
-    with them. `guard`: the watchdog's guard (`StepWatchdog.guard`) around each save and the wait
-    for the last one (they wait on every process)."""
+    unless `final` is off, and on preemption, with the batch stream's position. `guard`:
+    `StepWatchdog.guard` around each save and the final wait."""
 
     def __init__(self, ckpt, batches, every: int, steps: int, config: dict, run_dir, *, final: bool = True,
                  guard=None):
@@ -376,10 +366,9 @@ def _finite(rec: dict) -> bool:
 
 
 def monitor_summary(history: list[dict], start: int = 0) -> dict:
-    """The monitor over a run (`summary.json` "monitor"): per site the mean and minimum over the
-    monitored steps of `sqnr_db` and the minimum of `min_sqnr_db` (NaN if any step's was NaN), and
-    the cost: mean `monitor_s` over the monitored steps but the first of this process (it compiles
-    the monitor) and mean `step_s` over the steps after the first of this process (`start + 1`)."""
+    """`summary.json`'s "monitor": per site the mean and minimum of `sqnr_db` and the minimum of
+    `min_sqnr_db` over the monitored steps (NaN if any was NaN); the mean `monitor_s` and `step_s`
+    of this process's steps after its first (which compiles)."""
     mon = [r for r in history if "monitor" in r and r["step"] > start]
     sites = {}
     for site in SITES:

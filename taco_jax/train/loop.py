@@ -44,31 +44,23 @@ from taco_jax.util.console import rel, say
 
 def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None) -> dict:
     """Trains `cfg.model.name` on Shakespeare or `cfg.data.path`; writes `config.json`, `metrics.jsonl`,
-    `summary.json` and `loss.png` to `cfg.checkpoint.out` (strict JSON: non-finite numbers as strings,
-    `util/jsonio.py`).
+    `summary.json` and `loss.png` to `cfg.checkpoint.out` (strict JSON, `util/jsonio.py`).
 
-    Returns the summary: final train/validation loss, tokens/s, the policy that ran (backends
-    resolved), and the compiled train step's wire bytes per step by mesh axis
-    (`collectives.hlo.collective_bytes`).
-    `progress`: a progress bar on a terminal; with stderr not a terminal, a line every
-    `cfg.logging.log_every` steps.
-    `devices`: the mesh's devices (default all; `jax.devices()[:1]` for a one-device reference).
-    Multi-process (`jax.distributed` initialized): every process runs this; each builds only its
-    rows of the batches, process 0 writes the files and prints progress. Checkpoints
-    (`cfg.checkpoint`: `checkpoint_every`, `final_checkpoint`, SIGTERM, `resume`): `train/checkpoint.py`;
-    a run that ends normally leaves one at its last step (unless `final_checkpoint` is off), so
-    `taco-jax sample --from` finds its weights; a SIGTERM ends the run at the next step boundary
-    with a checkpoint and a summary holding "preempted_at_step". `dataset`: e.g. a `TextDataset`
-    of the caller's own token arrays; with `tokenizer_path=""` the run folder gets no tokenizer.json.
-    `cfg.communication.step_timeout`: `distributed.StepWatchdog`, around each step, evaluation batch, checkpoint
-    save and the export. `cfg.logging.profile_steps`: a jax.profiler trace
-    (`train/profile.py`); `cfg.logging.tensorboard`: TensorBoard events (`train/tensorboard.py`).
-    Raises: ValueError for a configuration that cannot run, an output folder that cannot be
-    written (before anything is compiled) or a checkpoint that cannot be resumed (CheckpointError,
-    naming what differs); FloatingPointError when the loss or gradient norm of a
-    step is not finite (naming the step; unless `cfg.training.allow_nonfinite`) or, with a codec
-    `nonfinite="error"`, when a message held NaN/Inf (naming the site); `hooks.Stopped` (its text
-    the line to print) when a one-process run gets SIGTERM before its first step.
+    Returns the summary: final losses, tokens/s, the policy that ran (backends resolved) and the
+    compiled step's wire bytes per step by mesh axis (`collectives.hlo.collective_bytes`).
+    `progress`: a progress bar on a terminal, else a line every `cfg.logging.log_every` steps.
+    `devices`: the mesh's devices (default all). `dataset`: e.g. a `TextDataset` of the caller's
+    own token arrays (`tokenizer_path=""`: no tokenizer.json in the run folder).
+    Multi-process: every process runs this and builds only its rows of the batches; process 0
+    writes the files. A run that ends normally leaves a checkpoint at its last step (unless
+    `final_checkpoint` is off); SIGTERM ends it at the next step boundary with a checkpoint and a
+    summary holding "preempted_at_step" (`train/hooks.py`, `train/checkpoint.py`).
+    Raises: ValueError for a configuration that cannot run or an output folder that cannot be
+    written (before anything is compiled); CheckpointError naming what differs;
+    FloatingPointError for a non-finite loss or gradient norm (naming the step; unless
+    `cfg.training.allow_nonfinite`) or, with a codec `nonfinite="error"`, a message holding
+    NaN/Inf (naming the site); `hooks.Stopped` (its text the line to print) when a one-process run
+    gets SIGTERM before its first step.
     """
     with hooks.StopBeforeSteps(cfg.checkpoint.out) as stop:  # SIGTERM before the first step: stopped at once
         return _train(cfg, dataset, progress, devices, stop)
@@ -109,10 +101,9 @@ def _train(cfg: TrainConfig, dataset, progress: bool, devices, stop: hooks.StopB
 
 
 def write_export(run: Run, state: hooks.RunState, guard) -> None:
-    """The HF export of the run's weights (`save_hf`: model layout, vocabulary padding dropped; in a
-    multi-process run gathered, every process calls it) to `cfg.checkpoint.export_dir`, recording the
-    step of its weights and the run (`models.hf.EXPORT_RECORD`), then said on stderr with that step.
-    `guard`: the watchdog's (`StepWatchdog.guard`)."""
+    """The HF export of the run's weights (`save_hf`; every process calls it) to
+    `cfg.checkpoint.export_dir`, recording the step and the run (`models.hf.EXPORT_RECORD`).
+    `guard`: `StepWatchdog.guard`."""
     cfg = run.cfg
     folder = cfg.checkpoint.export_dir
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
@@ -212,11 +203,8 @@ def initial_state(run: Run) -> hooks.RunState:
 
 
 def finished_summary(run: Run) -> dict | None:
-    """With `--resume` of a finished run (its newest checkpoint at `cfg.training.steps` or later, and
-    its `summary.json` written): that summary, left as it is (said on stderr). None otherwise: a run
-    with steps to train, or one without a summary (an interrupted run, or one whose newest checkpoint
-    is unreadable) resumes as usual (`Checkpoints.resume`, with its fallback to an older checkpoint).
-    """
+    """With `--resume` of a finished run (newest checkpoint at `cfg.training.steps` or later, and a
+    `summary.json`): that summary, unchanged. None otherwise (the run resumes as usual)."""
     latest = run.ckpt.steps()[-1] if run.resuming else 0
     summary = run.out / "summary.json"
     if not run.resuming or latest < run.cfg.training.steps or not summary.exists():
@@ -246,17 +234,15 @@ def compile_step(run: Run, state: hooks.RunState) -> Accounting:
     lowered = trainer.train_step.lower(state.params, state.opt_state, batch, batch)
     train_step = lowered.compile()
     compile_s = time.perf_counter() - t0
-    # as the program issues them, before the backend's dtype rewrites (XLA:CPU has no bf16 all-reduce
-    # and promotes it to f32; GPUs send bf16)
+    # before the backend's dtype rewrites (XLA:CPU promotes a bf16 all-reduce to f32)
     issued = collective_bytes(lowered.as_text(dialect="hlo"), trainer.mesh)
     return Accounting(train_step, compile_s, collective_bytes(train_step.as_text(), trainer.mesh), issued,
                       compiled_memory(train_step))  # memory per device; temp = activations (what --remat lowers)
 
 
 def resume(run: Run, acct: Accounting, state: hooks.RunState) -> None:
-    """With a checkpoint to resume: its parameters, optimizer state, data position and the metrics
-    records up to its step into `state` (placed as the compiled step returns them, its steady-state
-    layout). Then `config.json` written and the first batch drawn."""
+    """With a checkpoint to resume: its arrays, data position and metrics records into `state`
+    (placed as the compiled step returns them). Then `config.json` written and the first batch drawn."""
     out = run.out
     if run.resuming:
         state.start, state.params, state.opt_state, meta, notes, warnings = run.ckpt.resume(
@@ -415,12 +401,10 @@ def previous_outputs(out) -> list[str]:
 
 def check_export_dir(cfg: TrainConfig) -> None:
     """Raises ValueError, before anything runs, when `--export-hf` cannot receive the export: an
-    existing file, the run's own `--out` (the export's config.json would replace the run's), or a
-    folder that cannot be created and written (`check_out_dir`, which creates it). Unless
-    `--overwrite-export`, also a folder outside the run's `--out` that lies in another run's folder
-    (`run_folder`), or that holds an HF checkpoint other than this run's export (its
-    `EXPORT_RECORD` names this `--out`: a resumed run exports again): a run writes into no other
-    run's folder and replaces no other checkpoint unless told to."""
+    existing file, the run's own `--out`, or a folder that cannot be created and written
+    (`check_out_dir`, which creates it); unless `--overwrite-export`, also a folder inside another
+    run's folder (`run_folder`) or holding an HF checkpoint that is not this run's export (its
+    `EXPORT_RECORD` names another `--out`)."""
     export = cfg.checkpoint.export_dir
     if not export:
         return
@@ -462,10 +446,7 @@ def run_folder(folder: pathlib.Path) -> bool:
 
 def check_out_dir(out) -> pathlib.Path:
     """Creates the output folder `out` and checks that a file can be written there.
-
-    Raises: ValueError naming `out` when it is an existing file, cannot be created, or is not
-    writable (permissions, read-only or full disk).
-    """
+    Raises: ValueError naming `out` when it is a file, cannot be created or is not writable."""
     out = pathlib.Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={str(out)!r} is an existing file; give a folder for the run's outputs")
@@ -503,9 +484,8 @@ _CODE_DTYPES = ("u8", "s8")
 
 
 def compressed_axes(policy: CommPolicy, detail: list[dict] | None = None) -> list[str]:
-    """Mesh axes on which at least one site compresses, in mesh order. With `detail` (the compiled
-    step's `collective_bytes(...)["detail"]`), only axes that really move compressed codes (a 1-byte
-    integer collective on that axis): a site whose messages all fall under `min_bytes` stays exact."""
+    """Mesh axes on which at least one site compresses, in mesh order; with `detail`
+    (`collective_bytes(...)["detail"]`), only axes whose compiled step moves 1-byte codes."""
     axes = [a for a in MESH_AXES if any(getattr(policy, s).kind != "none" for s in AXIS_SITES[a])]
     if detail is None:
         return axes

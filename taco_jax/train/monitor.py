@@ -1,22 +1,14 @@
 """Online fidelity monitor (`taco-jax train --monitor-every N`): per-site SQNR of the compressed
 tensor-parallel collectives against the exact ones, measured on the run's own messages.
 
-When. Step k is monitored when k % N == 0 or k is the run's last step (`monitor_due`; the same
-rule as `--eval-every`). Other steps run nothing extra: the monitor never touches the train step
-(`Trainer.train_step` is the same jitted function, the same compiled program, with or without it).
+When. Step k is monitored when k % N == 0 or k is the run's last step (`monitor_due`, as
+`--eval-every`). The train step's compiled program is the same with or without the monitor.
 
-How. Before a monitored step trains, the loop calls `Monitor.measure(step, params, inputs, targets)`
-with that step's parameters and batch. It runs one jitted function: the capture twin of the train
-step's loss and gradient (`capture.make_message_fn`: the trainer's mesh, model and resolved policy,
-with a `ParallelContext.tap` handing over every TP message: forward messages as outputs, backward
-messages as the gradients of zero probes), then, inside a second `jax.shard_map` over the same mesh,
-for every message m of a compressed tensor site the site's collective twice
-(`collectives.megatron.site_collective`): with the run's codec (y) and exact (x, the `lax`
-collective in the message's dtype, what an exact run computes from the same m). Per device it
-reduces to four float32 numbers — Σx², Σ(y−x)², max|y−x|, max|x| — summed (`psum`) or maximised
-(`pmax`) over all devices, so only 4 numbers per message leave the accelerator (the same on every
-process; a value replicated over an axis is summed once, `_over_devices`). The train step that
-follows is the unchanged one, so a monitored step updates the parameters exactly as an unmonitored one.
+How. Before a monitored step trains, `Monitor.measure(step, params, inputs, targets)` runs one
+jitted function on that step's parameters and batch: the capture twin (`capture.make_message_fn`)
+yields every TP message m; for each m of a compressed tensor site the site's collective
+(`collectives.megatron.site_collective`) runs with the run's codec (y) and exact (x). Four float32
+numbers per message (Σx², Σ(y−x)², max|y−x|, max|x|, reduced over all devices) leave the accelerator.
 
 What is logged (per compressed site, in the step's `metrics.jsonl` record under "monitor"; the
 "calls" of a site are its messages in one step, e.g. one per layer and direction, over all devices):
@@ -36,9 +28,8 @@ message held NaN. Thresholds on `min_sqnr_db` (NaN counts as below): under `--mo
 warning on stderr; under `--monitor-min-sqnr` `MonitorError` naming the site, call and step (the
 step's record is written first; the CLI exits with status 1, as for a non-finite loss).
 
-Limits: tensor-axis sites only (`dp_grads` and `pp_send` are not measured); data × tensor meshes
-(pipelined runs are refused by `TrainConfig`, as for `--capture`). The twin recomputes the step's
-forward and backward, so a monitored step costs about one more step plus the collectives twice.
+Limits: tensor-axis sites only; data × tensor meshes (as `--capture`). A monitored step costs about
+one more step plus the collectives twice.
 """
 
 from __future__ import annotations
@@ -78,12 +69,9 @@ def monitored_sites(policy: CommPolicy) -> list[str]:
 
 
 def make_monitor_fn(trainer):
-    """Jitted (params, inputs, targets) -> (twin loss, {message key: float32 [4]}) with
-    (Σx², Σ(y−x)², max|y−x|, max|x|) over all devices (replicated) for each message of a compressed tensor site of
-    `trainer.policy` (x exact, y compressed; module docstring). Keys are "<site>__<role>".
-
-    Raises: ValueError for a pipelined trainer (from `capture.make_message_fn`).
-    """
+    """Jitted (params, inputs, targets) -> (twin loss, {"<site>__<role>": float32 [4]}), the four
+    numbers of the module docstring for each message of a compressed tensor site of `trainer.policy`.
+    Raises: ValueError for a pipelined trainer (`capture.make_message_fn`)."""
     policy = trainer.policy or trainer.cfg.communication.policy
     sites = set(monitored_sites(policy))
     msg = capture.make_message_fn(trainer)

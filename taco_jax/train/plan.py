@@ -23,11 +23,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import tempfile
 import time
 
 from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.perf import model, uncertainty
 from taco_jax.perf.hardware import HardwareSpec, with_tp_span
+from taco_jax.train import deviceless
 from taco_jax.train.config import AXIS_SITES, TrainConfig
 from taco_jax.util.console import format_bytes
 
@@ -478,11 +480,14 @@ def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
                                      sharding=NamedSharding(trainer.mesh, P(axes or None)))
         t0 = time.perf_counter()
         lowered = trainer.train_step.lower(params, opt_state, batch, batch)
-        with progress_lines(say, XLA_ALARM_NOTE, XLA_ALARM_S + 1), _no_cache(devices[0].platform != "cpu"):
+        gpu = devices[0].platform != "cpu"
+        with progress_lines(say, XLA_ALARM_NOTE, XLA_ALARM_S + 1), _no_cache(gpu), \
+                tempfile.TemporaryDirectory(prefix="taco-jax-schedule-") as dump:
             try:
-                compiled = lowered.compile()
+                compiled = lowered.compile(deviceless.schedule_dump_options(dump) if gpu else None)
+                schedule = deviceless.schedule_estimate(dump) if gpu else None
             except Exception as e:  # XLA:GPU refusing the declared GPU (e.g. a compute capability ptxas lacks)
-                if devices[0].platform == "cpu":
+                if not gpu:
                     raise
                 raise ValueError(f"XLA:GPU could not compile the step for {devices[0].device_kind}: "
                                  f"{str(e).strip().splitlines()[0][:300]} (check the hardware's [KEY.target] table: "
@@ -499,7 +504,7 @@ def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
                          "total": parts["params"] + parts["opt_state"] + parts["batch"] + parts["params"]
                          + act["activations"]}
     report = compiled_report(compiled.as_text(), trainer.mesh, trainer.policy)
-    return {"platform": devices[0].platform, "devices": n, "compile_s": compile_s,
+    return {"platform": devices[0].platform, "devices": n, "compile_s": compile_s, "xla_schedule": schedule,
             "memory": {**(mem or {}), **parts, "analysis": mem is not None}, **report,
             "wire_issued": collective_bytes(lowered.as_text(dialect="hlo"), trainer.mesh)["by_axis"],
             "policy": trainer.policy.to_dict()}
@@ -556,9 +561,7 @@ def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = No
             compiled["extrapolated"] = {"layers": cfg.model_config.n_layers, "peak": peak,
                                         "from": {str(k): v for k, v in peaks.items()}}
         if compiled["platform"] != "cpu" and compiled["memory"].get("analysis"):
-            from taco_jax.train.deviceless import memory_verdict
-
-            compiled["verdict"] = memory_verdict(peak, spec, lower_bound=extrapolate)
+            compiled["verdict"] = deviceless.memory_verdict(peak, spec, lower_bound=extrapolate)
     return out
 
 
@@ -702,9 +705,7 @@ def lines(result: dict) -> list[str]:
             L.append(f"  compiled at {l1} and {l2} layers (peaks {_mib(p1)}, {_mib(p2)}; the rest of this report is "
                      f"the {l2}-layer copy's): peak at {x['layers']} layers extrapolated to {_mib(x['peak'])}")
         if c.get("verdict"):
-            from taco_jax.train.deviceless import verdict_lines
-
-            L.extend(verdict_lines(c["verdict"], hw["name"]))
+            L.extend(deviceless.verdict_lines(c["verdict"], hw["name"]))
         L.append(f"compile: {c['compile_s']:.1f} s on {c['devices']} {c['platform']} devices")
         L.append("wire bytes per step and device, by axis: " + ", ".join(
             f"{a} {_bytes(b)}" for a, b in sorted(c["wire"]["by_axis"].items())) + "; as issued (bf16 as bf16, "
@@ -732,6 +733,9 @@ def lines(result: dict) -> list[str]:
                     ("data_s", "data axis"), ("stage_s", "stage axis")):
         L.append(f"  {name:26s} {_ms(e[k]):>13s} {_ms(t[k]):>13s}")
     L.append(f"  {'throughput':26s} {_tokens_per_s(e['tokens_per_s']):>13s} {_tokens_per_s(t['tokens_per_s']):>13s}")
+    if (x := (result.get("compiled") or {}).get("xla_schedule")):  # the compiled program is the policy's
+        L.append(f"  {'XLA:GPU scheduler':26s} {'-':>13s} {_ms(x['step_s']):>13s}  (its own estimate of this compile: "
+                 f"{_ms(x['waiting_s'])} of it waiting on collectives; no autotuning, docs/plan.md)")
     if nothing := _nothing_to_bound(p):
         L.append(f"predicted speedup 1.00x: {nothing[0]}; {_steps(p)}")
         threshold = nothing[1]

@@ -1,14 +1,10 @@
 """`taco-jax train --profile-steps A:B`: a `jax.profiler` trace of steps A..B (a loop hook).
 
-The trace goes to `--profile-dir` (default `<out>/profile`; process i of a multi-process run:
-`<dir>/process<i>`) in the layout TensorBoard's profile plugin and XProf read:
-`plugins/profile/<time>/<host>.xplane.pb` (and `<host>.trace.json.gz`), plus
-`perfetto_trace.json.gz` (ui.perfetto.dev; `python -m experiments.tp_overlap_trace --from-trace DIR`
-reads its thunks' concurrency). Each traced step is a
-`StepTraceAnnotation` ("train_step", its number); the compiled program's ops carry the named scopes
-of the compressed collectives (`taco_encode`, `taco_decode`, `taco_reduce`, `taco_psum`,
-`taco_all_gather`, ...) in their op names, which the profiler's views group by; `op_events` reads
-them back from the trace (`experiments/codec_time.py` sums the codec's share of a step).
+The trace goes to `--profile-dir` (default `<out>/profile`; process i: `<dir>/process<i>`) in the
+layout TensorBoard's profile plugin and XProf read (`plugins/profile/<time>/<host>.xplane.pb`),
+plus `perfetto_trace.json.gz`. Each traced step is a `StepTraceAnnotation` ("train_step", its
+number); op names carry the compressed collectives' named scopes (`taco_encode`, `taco_psum`, ...),
+which `op_events` reads back from the trace.
 """
 
 from __future__ import annotations
@@ -58,8 +54,7 @@ class ProfileSteps(Hook):
             jax.profiler.stop_trace()
 
 
-# ------------------------------------------------------------------------------------------------
-# Reading a trace back: an XSpace (`*.xplane.pb`) without its .proto, from the protobuf wire format
+# --- Reading a trace back: an XSpace (`*.xplane.pb`) without its .proto, from the protobuf wire format
 # (field numbers from tsl/profiler/protobuf/xplane.proto and xla/service/hlo.proto).
 
 

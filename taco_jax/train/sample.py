@@ -2,13 +2,10 @@
 
     taco-jax sample --from runs/qwen --prompt "ROMEO:" --max-new-tokens 64 --temperature 0.8 --top-k 50
 
-A run folder (`train --out`) holds its tokenizer (`tokenizer.json`: the Shakespeare BPE, or the
-`--data` folder's); its weights are read from its `--export-hf` folder when that exists, else from
-its latest complete checkpoint (`<out>/checkpoints`, parameters only, onto one device). An HF
-checkpoint folder needs a `tokenizer.json`. A line on stderr names the weights read (folder and
-training step; an export's step from its `models.hf.EXPORT_RECORD`), with a warning when the run
-has a checkpoint newer than the export read. Generation: `models.generate` (one device), drawing
-only ids the tokenizer has (`tokenizer_ids`).
+A run folder (`train --out`) holds its `tokenizer.json`; its weights are read from its `--export-hf`
+folder when that exists, else from its latest complete checkpoint (parameters only, one device).
+An HF checkpoint folder needs a `tokenizer.json`. Stderr names the weights read (folder and step).
+Generation: `models.generate` (one device), drawing only ids the tokenizer has (`tokenizer_ids`).
 """
 
 from __future__ import annotations
@@ -84,10 +81,9 @@ def _no_checkpoint(run: pathlib.Path, cfg) -> str:
 
 
 def _recorded_folder(run: pathlib.Path, conf: dict, key: str) -> pathlib.Path | None:
-    """Folder `key` of run `run`'s config.json `conf` (recorded absolute, or an export inside the run
-    folder as "{out}/REL": `run` / REL). A relative one (relative to the folder the run was started
-    from, as older runs recorded them) is resolved against that folder, told by the recorded
-    relative `out` that ends `run`'s path; None when not recorded or not told."""
+    """Folder `key` of run `run`'s config.json `conf` (absolute, or "{out}/REL": `run` / REL). A
+    relative one (older runs) is resolved against the folder the run started from, told by the
+    recorded relative `out` that ends `run`'s path; None when not recorded or not told."""
     from taco_jax.train.config import OUT_DIR
 
     if not conf.get(key):
@@ -104,9 +100,8 @@ def _recorded_folder(run: pathlib.Path, conf: dict, key: str) -> pathlib.Path | 
 
 
 def _say_export(folder: pathlib.Path, run: pathlib.Path | None = None) -> None:
-    """Says on stderr which HF folder `sample` reads, with the training step its `EXPORT_RECORD` gives;
-    for the export of run folder `run`, warns when the run has a newer checkpoint than that step
-    (e.g. an export written when SIGTERM stopped the run, then a resumed run without --export-hf)."""
+    """Says on stderr which HF folder `sample` reads and its step (`EXPORT_RECORD`); for run folder
+    `run`'s export, warns when the run has a newer checkpoint than that step."""
     from taco_jax.models.hf import EXPORT_RECORD, read_record
     from taco_jax.train.checkpoint import saved_steps
     from taco_jax.util.console import say, warn
@@ -159,9 +154,8 @@ def load_for_sampling(source):
 
 
 def tokenizer_ids(tok, vocab_size: int) -> np.ndarray:
-    """bool [vocab_size]: the ids of `vocab_size` that the tokenizer `tok` has a token for (added tokens
-    included). A model's vocabulary can be larger (a published preset's own, `--vocab-size`,
-    padding) or the tokenizer's can have holes; ids without a token would vanish from the text."""
+    """bool [vocab_size]: the ids the tokenizer `tok` has a token for (added tokens included); a
+    model's vocabulary can be larger, and ids without a token would vanish from the text."""
     allowed = np.zeros(vocab_size, bool)
     ids = np.fromiter(tok.get_vocab(with_added_tokens=True).values(), np.int64)
     allowed[ids[ids < vocab_size]] = True

@@ -1,11 +1,10 @@
 """Model state on a mesh, and the jitted train / eval steps (loss and gradients inside `shard_map`, AdamW outside).
 
-Inside one `shard_map` over the mesh (data, stage, tensor): each data shard differentiates its
-own loss (parameters made varying over the data axis, loss scaled by 1 / data size), the
-pipeline schedule runs over the stage axis when there is one (`parallel/pipeline.py`), and the
-per-shard gradients are summed explicitly over the data axis in float32 (`collectives/dp.py`,
-compressed per `CommPolicy.dp_grads`). With `dp_grads` exact this equals differentiating the
-`shard_map`ped mean loss from outside to float rounding (~1e-7 relative; tests/test_3d.py).
+Inside one `shard_map` over the mesh (data, stage, tensor) each data shard differentiates its
+own loss (scaled by 1 / data size), the pipeline runs over the stage axis (`parallel/pipeline.py`),
+and the gradients are summed over the data axis in float32 (`collectives/dp.py`, codec
+`CommPolicy.dp_grads`). With `dp_grads` exact this equals differentiating the mean loss from
+outside to float rounding (~1e-7 relative; tests/test_3d.py).
 """
 
 from __future__ import annotations
@@ -35,12 +34,10 @@ from taco_jax.util.console import say
 
 @dataclasses.dataclass
 class Trainer:
-    """Everything a run needs: mesh, parameter specs, optimizer, and the two jitted steps.
-
-    `train_step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)`;
-    `eval_step(params, inputs, targets) -> mean loss`. inputs/targets: int32 [B, T] global.
-    With pipelining (`staged` set) the parameters are in pipeline layout (decoder layers stacked,
-    `StagedModel.stack_layers`); `staged.unstack_layers` gives the model's own layout back.
+    """Everything a run needs: mesh, parameter specs, optimizer, and the two jitted steps
+    `train_step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)` and
+    `eval_step(params, inputs, targets) -> mean loss`; inputs/targets: int32 [B, T] global. With
+    `staged` set the parameters are in pipeline layout (`staged.unstack_layers` undoes it).
     """
 
     cfg: TrainConfig
@@ -55,15 +52,10 @@ class Trainer:
     policy: CommPolicy | None = None  # cfg.communication.policy with concrete backends (what the step runs)
 
     def init(self):
-        """Initial (params, opt_state), created sharded over the mesh; same values for any --comm and mesh.
-
-        Every array is created with its final sharding (`shardings`, `opt_shardings`): each device
-        computes and holds only its own shards. With `cfg.model.init_from` the
-        parameters are read from that HF checkpoint straight into the mesh sharding
-        (`models.hf.load_params`); otherwise initialised from `cfg.training.seed`, the values of the
-        eager `make_model(cfg.model_config, rngs=nnx.Rngs(cfg.training.seed))` bit for bit
-        (`parallel.state.sharded_initializer`,
-        compiled once per model, seed and shardings in a process)."""
+        """Initial (params, opt_state), each device computing only its own shards; the same values for
+        any --comm and mesh. With `cfg.model.init_from`: read from that HF checkpoint
+        (`models.hf.load_params`); otherwise the values of the eager `make_model(cfg.model_config,
+        rngs=nnx.Rngs(cfg.training.seed))` bit for bit (`parallel.state.sharded_initializer`)."""
         if self.cfg.model.init_from:
             from taco_jax.models.hf import load_params
 
@@ -112,10 +104,8 @@ def _initializer(model_cfg, seed: int, pipelined: bool, shardings: tuple, treede
 
 
 def compiled_memory(compiled) -> dict | None:
-    """Per-device memory of a compiled step in bytes (XLA `memory_analysis()`): `temp` (the scratch
-    buffers: activations kept for the backward pass, what `--remat` lowers), `argument`, `output`,
-    `alias` (donated arguments reused as outputs), `generated_code`. None where the backend gives no
-    analysis."""
+    """Per-device memory of a compiled step in bytes (XLA `memory_analysis()`): `temp` (activations,
+    what `--remat` lowers), `argument`, `output`, `alias`, `generated_code`; None without analysis."""
     try:
         mem = compiled.memory_analysis()
     except (NotImplementedError, RuntimeError):  # backends without an analysis
@@ -150,10 +140,8 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
-    """AdamW (β1, β2 = `cfg.training.adam_b1`, `adam_b2`; default 0.9, 0.95) with linear warmup + cosine decay
-    (`lr_schedule`) and global-norm clipping (nanoGPT recipe).
-
-    decay_mask: pytree of bools, or a function params -> pytree of bools; default: by role
+    """AdamW (β1, β2 = `cfg.training.adam_b1`, `adam_b2`) with `lr_schedule` and global-norm clipping
+    (nanoGPT recipe). decay_mask: pytree of bools, or params -> pytree of bools; default: by role
     (`taco_jax.models.decays`: kernels and embeddings decayed, biases and norm scales never).
     """
     if decay_mask is None:
@@ -172,12 +160,9 @@ def role_decay_mask(params):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Steps:
-    """The sharded loss and gradient of a model on a mesh (what `make_trainer` jits).
-
-    `value_and_grad(params, inputs, targets) -> (mean loss, gradients)` and
-    `loss(params, inputs, targets) -> mean loss`: `shard_map`ped over the whole mesh, global
-    arrays in and out, gradients synchronised over the data axis. `specs`: PartitionSpecs of the
-    parameters (pipeline layout when `staged` is set).
+    """The sharded `value_and_grad(params, inputs, targets) -> (mean loss, gradients)` and
+    `loss(params, inputs, targets) -> mean loss` of a model (what `make_trainer` jits): global arrays
+    in and out. `specs`: PartitionSpecs of the parameters (pipeline layout when `staged` is set).
     """
 
     value_and_grad: callable
@@ -192,10 +177,7 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
                schedule: str = "gpipe", pipelined: bool | None = None, tap=None, tp_overlap: str = "none") -> Steps:
     """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
 
-    pipelined: run the pipeline schedules (stacked layers); default: `pp.pipelined_layout` (the mesh
-    has stage > 1, or microbatches > 1).
-    The gradient: each data shard differentiates its own loss inside `shard_map`, and
-    `sync_gradients` sums the gradients over the data axis in FP32 (with `policy.dp_grads`'s codec).
+    pipelined: run the pipeline schedules (stacked layers); default: `pp.pipelined_layout`.
     tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
     tp_overlap: `ParallelContext.tp_overlap` ("none" | "collective-matmul", with sequence_parallel).
     """
@@ -244,10 +226,8 @@ def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, micr
 
 def make_trainer(cfg: TrainConfig, devices=None) -> Trainer:
     """Builds the mesh, model definition, specs and jitted steps for `cfg` (validated already).
-
-    devices: the devices of the mesh (default: all; e.g. `jax.devices()[:1]` for a one-device run).
-    Raises: ValueError (from `make_mesh`) if the mesh does not match the device count.
-    """
+    devices: the mesh's devices (default: all). Raises: ValueError (`make_mesh`) for a mesh that does
+    not match the device count."""
     par, comm = cfg.parallelism, cfg.communication
     mesh = make_mesh(par.axes, devices)
     policy = comm.policy.resolve_backends(n_devices=mesh.devices.size,  # concrete backends, before tracing

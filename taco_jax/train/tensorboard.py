@@ -32,9 +32,7 @@ class TensorBoard(Hook):
     """Writes each step's record (and the run's wire bytes per step by mesh axis) to `directory`.
 
     start: the step the run starts after (a resumed run: its checkpoint's step). Events of later
-    steps already in `directory` (an earlier run's steps past the checkpoint resumed from, e.g. one
-    that fell back from a corrupt checkpoint) are purged: TensorBoard shows each step once, as
-    metrics.jsonl holds it (tensorboardX `purge_step`).
+    steps already in `directory` are purged (tensorboardX `purge_step`), as metrics.jsonl.
     """
 
     def __init__(self, directory, wire_bytes: dict[str, int], *, start: int = 0):

@@ -22,8 +22,8 @@ Steps.
      of train.bin, val.bin, tokenizer.json; meta.json holds absolute paths and is left out) and the
      token counts.
 
-    python -m experiments.prepare_corpus --out runs/corpus/cpython-stdlib
-    python -m experiments.prepare_corpus --out /tmp/c --max-files 40      # a small subset, seconds
+    python -m experiments.fidelity.prepare_corpus --out runs/corpus/cpython-stdlib
+    python -m experiments.fidelity.prepare_corpus --out /tmp/c --max-files 40      # a small subset, seconds
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import hashlib
 import json
 import pathlib
 import platform
-import sys
 import sysconfig
 import time
+
+from experiments.common import run_record
 
 #: Folders below the stdlib that hold software installed into it, not the standard library.
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
@@ -107,11 +108,12 @@ def write_documents(root, files, path) -> tuple[list[dict], list[dict]]:
 
 
 def prepare_corpus(out, *, root=None, max_files: int = 0, vocab_size: int = DEFAULT_VOCAB,
-                   val_fraction: float = 0.05, progress: bool = True, command: str = "") -> dict:
+                   val_fraction: float = 0.05, progress: bool = True, run: dict | None = None) -> dict:
     """Prepares the CPython-stdlib corpus into `out` (module docstring) and returns `corpus.json`'s dict.
 
     `root`: the source folder (default: `stdlib_root()`); `max_files`: only the first N files (0: all);
-    `vocab_size`, `val_fraction`: as `taco-jax prepare-data`'s; `command`: the command line recorded.
+    `vocab_size`, `val_fraction`: as `taco-jax prepare-data`'s; `run`: the run record kept under "run"
+    (`experiments.common.run_record`; None: not recorded).
     Raises ValueError naming a bad folder, count or fraction (from `corpus_files` / `prepare_data`).
     """
     from taco_jax.data import prepare_data
@@ -142,7 +144,7 @@ def prepare_corpus(out, *, root=None, max_files: int = 0, vocab_size: int = DEFA
         "bytes_per_token": n_bytes / tokens,
         "outputs": outputs, "output_sha256": list_hash(outputs.items()),
         "prepare_s": time.perf_counter() - t0,
-        "command": command,
+        "run": run,
         "used": used,
     }
     (out / "corpus.json").write_text(json.dumps(corpus, indent=2) + "\n")
@@ -160,8 +162,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     c = prepare_corpus(args.out, root=args.source or None, max_files=args.max_files, vocab_size=args.vocab_size,
                        val_fraction=args.val_fraction, progress=not args.no_progress,
-                       command=" ".join(["python -m experiments.prepare_corpus",
-                                         *(sys.argv[1:] if argv is None else argv)]))
+                       run=run_record(__spec__.name, argv))
     print(json.dumps({k: v for k, v in c.items() if k not in ("used", "skipped")}
                      | {"skipped": len(c["skipped"])}, indent=2))
     return c

@@ -1,4 +1,4 @@
-"""One JSON report of the GPU path, for a lent GPU (run by experiments/gpu_check.sh; <= 6 min on an H200).
+"""One JSON report of the GPU path, for a lent GPU (run by experiments/gpu/gpu_check.sh; <= 6 min on an H200).
 
 Sections (each runs even if an earlier one failed; a failure is recorded as {"error": ...} and named
 in "errors"; a section left out by --sections is {"skipped": ...}, not an error):
@@ -13,8 +13,8 @@ in "errors"; a section left out by --sections is {"skipped": ...}, not an error)
                the visible devices (skipped, with the reason, on one device), time and relative error;
   training     a short compressed training run (gpt2-tiny, synthetic learnable tokens): losses, s/step.
 
-    python -m experiments.gpu_check --out runs/gpu_check            # on the GPU
-    python -m experiments.gpu_check --out runs/gpu_dry --dry-run    # CPU: tiny sizes, checks the format
+    python -m experiments.gpu.gpu_check --out runs/gpu_check            # on the GPU
+    python -m experiments.gpu.gpu_check --out runs/gpu_dry --dry-run    # CPU: tiny sizes, checks the format
 
 `validate(report)` checks the format (raises ValueError naming the bad field); --dry-run runs it.
 """
@@ -29,7 +29,7 @@ import time
 import traceback
 from pathlib import Path
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "--dry-run" in sys.argv:
     cpu_devices(8)
@@ -162,7 +162,7 @@ def speed_table(rows: list[dict], env: dict) -> dict:
                 cur[f"{r['op']}_mb"] = r["size_mb"]
                 g = r["gbps"]  # one decimal; 3 significant digits below 0.1 GB/s (a slow CPU): never 0
                 cur[f"{r['op']}_GBps"] = round(g, 1) if g >= 0.1 else float(f"{g:.3g}")
-    src = f"measured by experiments/gpu_check.py on {env['device_kind']} (jax {env['jax']}), float32, E4M3, G=128"
+    src = f"measured by experiments/gpu/gpu_check.py on {env['device_kind']} (jax {env['jax']}), float32, E4M3, G=128"
     return {"source": src, "backends": {
         b: {"encode_GBps": v["encode_GBps"], "decode_GBps": v["decode_GBps"], "measured": True,
             "source": f"{src}, {v['encode_mb']:.0f} MB"} for b, v in best.items() if "encode_GBps" in v}}
@@ -265,7 +265,7 @@ def validate(report: dict) -> None:
     """Checks the report's format. Raises ValueError naming the first bad field."""
     if report.get("schema") != SCHEMA:
         raise ValueError(f"schema must be {SCHEMA!r}, got {report.get('schema')!r}")
-    for key in ("environment", "errors", "seconds", *SECTIONS):
+    for key in ("run", "environment", "errors", "seconds", *SECTIONS):
         if key not in report:
             raise ValueError(f"report lacks {key!r}")
     if not isinstance(report["errors"], list):
@@ -310,7 +310,8 @@ def main(argv=None) -> int:
     if bad := [s for s in wanted if s not in SECTIONS]:
         raise ValueError(f"--sections {bad} not in {SECTIONS}")
     t_all = time.perf_counter()
-    report = dict(schema=SCHEMA, dry_run=args.dry_run, environment=environment(), errors=[])
+    report = dict(schema=SCHEMA, run=run_record(__spec__.name, argv), dry_run=args.dry_run, environment=environment(),
+                  errors=[])
     sizes = tuple(float(v) for v in args.sizes.split(","))
     fns = (conformance, lambda dry: throughput(dry, sizes), collectives, lambda dry: training(dry, args.train_steps))
     for name, fn in zip(SECTIONS, fns):

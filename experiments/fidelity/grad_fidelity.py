@@ -15,10 +15,10 @@ plus the relative difference of the compressed forward's loss. Sites: `ar_fwd` a
 (Megatron "g" forward and "f" backward all-reduces, without sequence parallelism), `all_gather`
 and `reduce_scatter` (with `--sequence-parallel`), and "all" (every site, each setting).
 
-    python -m experiments.grad_fidelity --out runs/grad_fidelity --models gpt2-tiny qwen3-tiny
+    python -m experiments.fidelity.grad_fidelity --out runs/grad_fidelity --models gpt2-tiny qwen3-tiny
 
 Writes `<out>/grad_fidelity.json` (strict JSON) and `<out>/grad_fidelity.md`. The best codec of the
-family for `experiments/fidelity_runs.py` is chosen from it by `best_codec` (rule in its docstring).
+family for `experiments/fidelity/fidelity_runs.py` is chosen from it by `best_codec` (rule in its docstring).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import re
 import sys
 import time
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "jax" not in sys.modules:
     cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
-from experiments.fidelity_runs import SeedRunner, base_config  # noqa: E402
+from experiments.fidelity.fidelity_runs import SeedRunner, base_config  # noqa: E402
 
 #: (regex on the parameter path, group), first match wins; GPT-2 and Qwen names.
 GROUP_RULES = (
@@ -279,6 +279,7 @@ def main(argv=None) -> dict:
     p.add_argument("--backend", default="ffi")
     p.add_argument("--floor", action="store_true", help=f"add the rounding floor row {FLOOR!r} (float32 compute)")
     args = p.parse_args(argv)
+    run = run_record(__spec__.name, argv)
     args.eval_batches = 1
     import jax
 
@@ -315,10 +316,10 @@ def main(argv=None) -> dict:
     best = best_codec(rows) if any(r["sites"] == "all (no SP)" for r in rows) else None
     meta = {**{k: getattr(args, k) for k in ("models", "checkpoints", "batch_size", "seq_len", "steps", "lr", "dtype",
                                              "mesh", "backend")},
-            "command": "python -m experiments.grad_fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": run["command"],
             "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0, "cpu_count": os.cpu_count(),
             "best_codec": best, "best_rule": " ".join(best_codec.__doc__.split("\n\n")[1].split()[:-6])}
-    jsonio.write(out / "grad_fidelity.json", {"meta": meta, "rows": rows})
+    jsonio.write(out / "grad_fidelity.json", {"run": run, "meta": meta, "rows": rows})
     md = markdown(rows) + (f"\nBest codec of the family (rule: {meta['best_rule']}): **{best}**\n" if best else "")
     (out / "grad_fidelity.md").write_text(md)
     print(md)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of taco_jax for a lent H200 (sm_90), <= 6 minutes: builds the CUDA FFI library, then
-# experiments/gpu_check.py writes ONE JSON report, $OUT/gpu_check.json: each GPU backend's
+# experiments/gpu/gpu_check.py writes ONE JSON report, $OUT/gpu_check.json: each GPU backend's
 # conformance to `reference`, codec throughput vs a device memcpy of the same bytes (1-256 MB),
 # compressed vs exact collectives on the visible GPUs, and a short compressed training run.
 # Also: $OUT/gpu_check.log (everything printed), $OUT/build.log, $OUT/nvidia_smi.txt,
@@ -13,8 +13,8 @@
 #   .venv/bin/python -m pip download --no-deps --only-binary=:all: -d .whl jax-triton==0.3.1
 # and name `.whl` in the device tool's `carry`). Without it the triton backend is not listed.
 #
-# Usage:  bash experiments/gpu_check.sh             # on the GPU (device tool; OUT=$OUT there)
-#         bash experiments/gpu_check.sh --dry-run   # on CPU: tiny sizes, validates the report format
+# Usage:  bash experiments/gpu/gpu_check.sh             # on the GPU (device tool; OUT=$OUT there)
+#         bash experiments/gpu/gpu_check.sh --dry-run   # on CPU: tiny sizes, validates the report format
 #   env: OUT (results folder, default runs/gpu_check), PYTHON (default python3, or .venv's),
 #        CUDA_ARCH (default sm_90), LIMIT_S (default 240: the report step's time limit),
 #        PYTEST_GPU (1: run `pytest -m gpu` first, into $OUT/pytest_gpu.log), AOT (1: triton_aot.py; off by default: the same on CPU),
@@ -23,7 +23,7 @@
 
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
@@ -41,7 +41,7 @@ date
 $PYTHON --version
 if [ "$DRY" = 1 ]; then
   echo "gpu_check: dry run on $(uname -m) CPU"
-  exec timeout 900 $PYTHON -m experiments.gpu_check --out "$OUT" --dry-run
+  exec timeout 900 $PYTHON -m experiments.gpu.gpu_check --out "$OUT" --dry-run
 fi
 
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
@@ -68,12 +68,12 @@ fi
 
 # 4. Triton kernels compiled ahead of time for this GPU: registers, spills, SASS counts (~2 min); AOT=1 runs it
 if [ "${AOT:-0}" = 1 ]; then
-  timeout 120 $PYTHON -m experiments.triton_aot --out "$OUT/triton_aot.json" --arch "${CUDA_ARCH#sm_}" \
+  timeout 120 $PYTHON -m experiments.gpu.triton_aot --out "$OUT/triton_aot.json" --arch "${CUDA_ARCH#sm_}" \
     || echo "gpu_check: triton_aot failed"
 fi
 
 # 5. the report (SECTIONS: a comma-separated subset; SIZES: throughput sizes in MB; TRAIN_STEPS)
-timeout "$LIMIT_S" $PYTHON -m experiments.gpu_check --out "$OUT" \
+timeout "$LIMIT_S" $PYTHON -m experiments.gpu.gpu_check --out "$OUT" \
   --sections "${SECTIONS:-conformance,throughput,collectives,training}" --sizes "${SIZES:-4,16,64,256}" \
   --train-steps "${TRAIN_STEPS:-30}" ${UPDATE_SPEEDS:+--update-speeds}
 rc=$?

@@ -15,9 +15,9 @@ difference, i.e. how much Δ_s would move for another validation set of the same
 One process per invocation: each variant's train step is compiled once and reused for every seed
 (the seed only changes the initial parameters and the data stream, not the program).
 
-    python -m experiments.fidelity_runs --out runs/fidelity_runs --models gpt2-tiny qwen3-tiny \
+    python -m experiments.fidelity.fidelity_runs --out runs/fidelity_runs --models gpt2-tiny qwen3-tiny \
         --variants none taco int8 --seeds 8 --steps 100
-    python -m experiments.fidelity_runs --quick --out /tmp/fr     # format check, seconds
+    python -m experiments.fidelity.fidelity_runs --quick --out /tmp/fr     # format check, seconds
 
 Writes `<out>/runs.jsonl` (one line per finished (model, variant, seed): resumable; a line
 already there is not rerun), `<out>/report.json` (strict JSON), `<out>/report.md` and
@@ -36,7 +36,7 @@ import pathlib
 import sys
 import time
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "jax" not in sys.modules:  # simulated CPU devices for the mesh (a few idle extra ones cost nothing)
     cpu_devices(8)
@@ -92,7 +92,7 @@ class SeedRunner:
     parameters and data order and returns the validation losses per batch at the end.
 
     `keep_at`: steps after which a host copy of the parameters is kept (`run(...)["params"]`;
-    step 0 = the initial parameters), for `experiments/grad_fidelity.py`.
+    step 0 = the initial parameters), for `experiments/fidelity/grad_fidelity.py`.
     """
 
     def __init__(self, cfg, ds, devices):
@@ -271,6 +271,7 @@ def main(argv=None) -> dict:
     p.add_argument("--backend", default="ffi", help="taco group math backend (ffi: the C++ CPU codec)")
     p.add_argument("--quick", action="store_true", help="format check: 2 seeds, 3 steps, tiny batches")
     args = p.parse_args(argv)
+    run = run_record(__spec__.name, argv)
     if args.quick:
         args.seeds, args.steps, args.batch_size, args.seq_len, args.eval_batches = 2, 3, 2, 32, 2
     if args.eval_batches < 1:  # the study measures validation losses
@@ -314,11 +315,11 @@ def main(argv=None) -> dict:
     summary = summarize(records, variants, args.models)
     meta = {k: getattr(args, k) for k in ("models", "variants", "seeds", "steps", "batch_size", "seq_len",
                                           "eval_batches", "lr", "dtype", "mesh", "backend")}
-    meta.update(command="python -m experiments.fidelity_runs " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta.update(command=run["command"],
                 this_invocation_cpu_s=time.process_time() - cpu0, this_invocation_wall_s=time.perf_counter() - t0,
                 this_invocation_compile_s=compile_s, cpu_count=os.cpu_count(),
                 run_wall_s_total=float(sum(r["wall_s"] for r in records)))
-    report = {"meta": meta, "summary": summary}
+    report = {"run": run, "meta": meta, "summary": summary}
     jsonio.write(out / "report.json", report)
     (out / "report.md").write_text(markdown(summary, meta))
     plot(summary, out / "paired_delta.png")

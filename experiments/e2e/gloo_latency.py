@@ -1,12 +1,12 @@
 """What one gloo collective costs between two processes of an emulated cluster beyond its bytes:
 a 2-process `jax.distributed` run (gloo, one CPU device each) timing psum (all-reduce) and ppermute
 (a swap: one message each way) of one f32 message, on shaped links or loopback (JSON + table).
-`--shaping` replaces the emulator's qdiscs by a variant of experiments/link_latency.py.
+`--shaping` replaces the emulator's qdiscs by a variant of experiments/e2e/link_latency.py.
 
 Run as root from the repository root (the cluster's namespaces are always removed again):
 
-    python -m experiments.gloo_latency --link 1gbit --out runs/gloo_latency
-    python -m experiments.gloo_latency --link none --out runs/gloo_latency_lo     # 127.0.0.1
+    python -m experiments.e2e.gloo_latency --link 1gbit --out runs/gloo_latency
+    python -m experiments.e2e.gloo_latency --link none --out runs/gloo_latency_lo     # 127.0.0.1
 
 The launcher (its link test) and each worker run SCHED_FIFO (`--rt-prio`, 0: off; set before JAX
 starts, so its threads inherit it). Each worker warms each function up, then times `--reps` calls
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from experiments.common import run_record
 from taco_jax import emulate
 from taco_jax.util.procs import child_env
 
@@ -77,7 +78,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--gap", type=float, default=0.005)
     p.add_argument("--rt-prio", type=int, default=50)
-    p.add_argument("--shaping", default="base", help="a variant of experiments.link_latency (default: the emulator's)")
+    p.add_argument("--shaping", default="base",
+                   help="a variant of experiments.e2e.link_latency (default: the emulator's)")
     p.add_argument("--out", default="runs/gloo_latency")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -90,12 +92,13 @@ def main(argv=None):
     if args.rt_prio:  # the link test's threads too (a starved receiver reads a low rate)
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.rt_prio))
     env = child_env({**os.environ, "JAX_PLATFORMS": "cpu"})
+    run = run_record(__spec__.name, argv)
     load0 = os.getloadavg()
     bulk = None
     cl = emulate.Cluster(2, emulate.LinkSpec.parse(args.link)) if args.link != "none" else None
     try:
         if cl is not None:
-            from experiments.link_latency import apply_variant
+            from experiments.e2e.link_latency import apply_variant
 
             apply_variant(cl, args.shaping, cl.spec.inter)
             bulk = emulate.measure(cl.names[0], cl.names[1], cl.addrs[1], cl.spec.inter, seconds=0.3)
@@ -107,7 +110,7 @@ def main(argv=None):
             port = s.getsockname()[1]
         procs = []
         for i in range(2):
-            cmd = [sys.executable, "-m", "experiments.gloo_latency", "--worker", "--process-id", str(i),
+            cmd = [sys.executable, "-m", __spec__.name, "--worker", "--process-id", str(i),
                    "--coordinator", f"{host}:{port}", "--sizes", args.sizes, "--reps", str(args.reps),
                    "--gap", str(args.gap), "--rt-prio", str(args.rt_prio), "--out", str(out)]
             procs.append(subprocess.Popen((cl.exec_prefix(i) if cl else []) + cmd, env=env))
@@ -135,7 +138,8 @@ def main(argv=None):
         my = sum(y for _, y in pts) / len(pts)
         slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
         fits[name] = {"alpha_ms": my - slope * mx, "r_eff_mbit": 8 / slope / 1e3}
-    doc = {"schema": "taco_jax.gloo_latency/1", "link": args.link, "shaping": args.shaping, "bulk_bit_per_s": bulk,
+    doc = {"schema": "taco_jax.gloo_latency/1", "run": run, "link": args.link, "shaping": args.shaping,
+           "bulk_bit_per_s": bulk,
            "load_before": load0, "load_after": os.getloadavg(), "uname": " ".join(os.uname()),
            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gap_s": args.gap, "rows": rows, "fits": fits}
     (out / "gloo_latency.json").write_text(json.dumps(doc, indent=1))

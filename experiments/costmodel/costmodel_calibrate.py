@@ -1,8 +1,8 @@
 """Fits the cost model's gloo-loopback link and codec speeds to real-transport rows, writes the
 calibration file `min_bytes="auto"` reads on CPU, and prints predicted vs measured times.
 
-    python -m experiments.costmodel_measure --out runs/costmodel/measure.json      # or bench_collectives' JSON
-    python -m experiments.costmodel_calibrate runs/costmodel/measure.json \
+    python -m experiments.costmodel.costmodel_measure --out runs/costmodel/measure.json  # or bench_collectives' JSON
+    python -m experiments.costmodel.costmodel_calibrate runs/costmodel/measure.json \
         --write taco_jax/perf/calibration_cpu_gloo.json
 
 `--stat time_s_min` fits and compares the fastest round instead of the median (steadier on a
@@ -35,7 +35,7 @@ def main(argv=None):
         rows = [{**r, "time_s_median": r.get("time_s_min", r.get("time_s_median")),
                  "encode_s": r.get("encode_s_min", r.get("encode_s")),
                  "decode_s": r.get("decode_s_min", r.get("decode_s"))} for r in rows]
-    cmd = "python -m experiments.costmodel_calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m experiments.costmodel.costmodel_calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
     cal = perf.fit_calibration(rows, codec_from=a.codec_from, command=cmd,
                          machine=f"{platform.node()} {platform.machine()} ({a.stat})")
     print(f"link: alpha = {cal.link.alpha_s * 1e6:.1f} us, beta = {cal.link.beta_s_per_byte * 1e9:.3f} ns/B "

@@ -4,8 +4,8 @@
 # bytes = (tx bytes of a run of STEPS_B steps - those of a run of STEPS_A steps) / (STEPS_B - STEPS_A),
 # so compilation, initialization and the final evaluation cancel out. Needs root (ip netns).
 #
-#   experiments/veth_bytes.sh OUT.json TRAIN_FLAGS...
-#   e.g. experiments/veth_bytes.sh /tmp/exact_bf16.json --model gpt2-tiny --mesh data=1,tensor=2 --comm none --dtype bfloat16
+#   experiments/e2e/veth_bytes.sh OUT.json TRAIN_FLAGS...
+#   e.g. experiments/e2e/veth_bytes.sh /tmp/exact_bf16.json --model gpt2-tiny --mesh data=1,tensor=2 --comm none --dtype bfloat16
 #
 # Namespaces $NS_PREFIX-0 / -1 (default tacoA; 198.18.0.1 / 198.18.0.2, RFC 2544 benchmarking range)
 # and their /etc/netns hosts files are removed at exit.

@@ -8,10 +8,10 @@ Exact commands behind docs/fidelity.md (2-core CPU, simulated data=2 × tensor=4
     taco-jax calibrate --captures runs/fidelity/capture_sp/captures --out runs/fidelity/policy_sp.json
     taco-jax calibrate --captures runs/fidelity/capture/captures --out runs/fidelity/policy_fp8.json \
         --kinds fp8_tensor fp8_group taco
-    python -m experiments.fidelity table \
+    python -m experiments.fidelity.fidelity table \
         --captures runs/fidelity/capture/captures runs/fidelity/capture_sp/captures \
         --policies runs/fidelity/policy.json runs/fidelity/policy_sp.json --out runs/fidelity/table
-    python -m experiments.fidelity ablation --policy runs/fidelity/policy.json \
+    python -m experiments.fidelity.fidelity ablation --policy runs/fidelity/policy.json \
         --policy-fp8 runs/fidelity/policy_fp8.json --out runs/fidelity/ablation \
         --variants none fp8_tensor fp8_group int8 taco taco_folded calibrated calibrated_fp8 tah
 

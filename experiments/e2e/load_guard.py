@@ -1,4 +1,4 @@
-"""A guard against timing the emulated-cluster studies on a busy machine (experiments/bench_e2e.py, e2e_study.py).
+"""A guard against timing the emulated-cluster studies on a busy machine (experiments/e2e/bench_e2e.py, e2e_study.py).
 
 Three measurements, each judged against a limit of `Limits`:
 
@@ -42,6 +42,8 @@ import sys
 import time
 
 import numpy as np
+
+from experiments.common import host
 
 #: The probe's fixed work: PROBE_MATMULS products of PROBE_SIZE × PROBE_SIZE float64 matrices.
 PROBE_SIZE = 512
@@ -93,13 +95,8 @@ def refuse(message: str):
 
 def machine() -> dict:
     """The machine a probe time belongs to: node name, CPU model, CPU count, numpy version."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"node": platform.node(), "cpu": model, "cpus": os.cpu_count(), "numpy": np.__version__}
+    cpu = host()
+    return {"node": platform.node(), "cpu": cpu["cpu"], "cpus": cpu["cores"], "numpy": np.__version__}
 
 
 def _same_machine(a: dict, b: dict) -> bool:
@@ -387,7 +384,7 @@ class Guard:
 
 
 def main(argv=None) -> dict:
-    """`python -m experiments.load_guard`: one check of the machine now (exit status 3 when busier
+    """`python -m experiments.e2e.load_guard`: one check of the machine now (exit status 3 when busier
     than a 2-process study allows), or `--calibrate-probe`."""
     import argparse
 

@@ -8,12 +8,12 @@ variant, the median step time and tokens/s, and the median over rounds of the pe
 to the first variant (`step_ratio`: > 1 is slower than the first).
 
 Single process (simulated mesh):
-  python -m experiments.step_time --mesh data=2,tensor=4 --steps 30
+  python -m experiments.step.step_time --mesh data=2,tensor=4 --steps 30
 Several processes over the real transport (jax.distributed + gloo on 127.0.0.1), started by this
 script (with the allocator setting of `taco-jax launch`, `--malloc keep` by default):
-  python -m experiments.step_time --mesh data=1,tensor=2 --processes 2 ...
+  python -m experiments.step.step_time --mesh data=1,tensor=2 --processes 2 ...
 or one per shell:
-  python -m experiments.step_time --mesh data=1,tensor=2 --coordinator 127.0.0.1:PORT \
+  python -m experiments.step.step_time --mesh data=1,tensor=2 --coordinator 127.0.0.1:PORT \
       --num-processes 2 --process-id I ...
 Comm fraction of the exact step over the real transport: the same flags with one process holding
 both devices (in-process collectives are memory copies) gives the step without the transport.
@@ -28,6 +28,8 @@ import os
 import statistics
 import sys
 import time
+
+from experiments.common import run_record
 
 
 def main(argv=None) -> dict:
@@ -75,6 +77,8 @@ def main(argv=None) -> dict:
 
     from taco_jax.parallel.mesh import parse_mesh  # noqa: PLC0415
 
+    run = run_record(__spec__.name, argv)
+    run["command"] = os.environ.get(_COMMAND_ENV) or run["command"]  # a spawned process: what the user ran
     n = 1
     for v in parse_mesh(args.mesh).values():
         n *= v
@@ -133,6 +137,7 @@ def main(argv=None) -> dict:
     base = variants[0]
     tokens = args.batch_size * args.seq_len
     result = {
+        "run": run,
         "command": os.environ.get(_COMMAND_ENV) or " ".join(sys.argv),
         "mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "dtype": args.dtype, "sequence_parallel": args.sequence_parallel,
@@ -187,10 +192,10 @@ def _spawn(args, argv: list[str]) -> dict:
             json_path = f.name
         rest += ["--json", json_path]
     env = malloc_env(child_env(), args.malloc)
-    env[_COMMAND_ENV] = " ".join(["python -m experiments.step_time", *argv])  # what the user ran, for the result
+    env[_COMMAND_ENV] = " ".join(["python -m experiments.step.step_time", *argv])  # what the user ran, for the result
     coord = f"127.0.0.1:{free_port()}"
     try:
-        run_local([module_command("experiments.step_time", *rest, "--coordinator", coord,
+        run_local([module_command("experiments.step.step_time", *rest, "--coordinator", coord,
                                   "--num-processes", str(args.processes), "--process-id", str(i))
                    for i in range(args.processes)],
                   env=env, timeout_s=args.timeout, quiet_after_first=True)

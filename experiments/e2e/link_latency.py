@@ -3,8 +3,8 @@
 
 Run as root from the repository root (a 2-process cluster is made and always removed again):
 
-    python -m experiments.link_latency --rate 1gbit --out runs/link_latency
-    python -m experiments.link_latency --rate 1gbit --variants base,ackbypass --sizes 256K \\
+    python -m experiments.e2e.link_latency --rate 1gbit --out runs/link_latency
+    python -m experiments.e2e.link_latency --rate 1gbit --variants base,ackbypass --sizes 256K \\
         --gaps 0,0.001,0.02,0.2 --modes bidir --out runs/link_latency_gap
 
 What is timed: one persistent TCP connection (TCP_NODELAY, as gloo's pairs) between process 0 and
@@ -56,6 +56,7 @@ import subprocess
 import threading
 import time
 
+from experiments.common import run_record
 from taco_jax import emulate
 
 VARIANTS = ("base", "base32k", "tbf", "tbf5ms", "tbfburst", "rxburst", "rx1ms", "nogso", "ackbypass", "sendonly",
@@ -252,6 +253,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     samples: dict = {}
     rates: dict = {}
+    run = run_record(__spec__.name, argv)
     env = {"uname": " ".join(os.uname()), "cpus": os.cpu_count(), "load_before": os.getloadavg(),
            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": argv or __import__("sys").argv[1:]}
     with emulate.Cluster(2, emulate.LinkSpec.parse(args.rate)) as cl:
@@ -291,7 +293,7 @@ def main(argv=None):
         alpha, reff = _fit(pts)
         fits.append({"variant": key[0], "sockopt": key[1], "mode": key[2], "gap_s": key[3],
                      "alpha_ms": alpha * 1e3, "r_eff_mbit": reff * 8 / 1e6})
-    doc = {"schema": "taco_jax.link_latency/1", "env": env, "rate_bit_per_s": rate,
+    doc = {"schema": "taco_jax.link_latency/1", "run": run, "env": env, "rate_bit_per_s": rate,
            "bulk_bit_per_s": rates, "rows": rows, "fits": fits}
     (out / "link_latency.json").write_text(json.dumps(doc, indent=1))
     md = [f"rate {args.rate}; load {env['load_before'][0]:.1f} -> {env['load_after'][0]:.1f} (1-min avg); "

@@ -1,5 +1,5 @@
 """Minimal real-transport measurement for calibrating `taco_jax.perf` (stand-in until
-experiments/bench_collectives.py's JSON exists): 2 processes x 1 CPU device, jax.distributed + gloo
+experiments/collectives/bench_collectives.py's JSON exists): 2 processes x 1 CPU device, jax.distributed + gloo
 over 127.0.0.1; per size the exact `lax.psum` and the two-shot compressed psum (TACO, per backend),
 median (and min) of `--reps` interleaved rounds after a warm-up; and, per backend, the local encode / decode time of a
 whole message (both processes run it at once, as in a collective). Then the same psums in one
@@ -8,7 +8,7 @@ difference is the local work of the compressed collective (codec, sums, splits).
 
 Run (from the repository root; writes rows in the `taco_jax.bench_collectives/1` shape, subset of keys):
 
-    python -m experiments.costmodel_measure --out runs/costmodel/measure.json --sizes-mb 0.25,1,4,16,64
+    python -m experiments.costmodel.costmodel_measure --out runs/costmodel/measure.json --sizes-mb 0.25,1,4,16,64
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.common import child_env, module_command
+from experiments.common import child_env, module_command, run_record
 
 SIM = 99  # --pid of the one-process child on a simulated 2-device mesh (transport "sim")
 
@@ -99,7 +99,7 @@ def _child(args) -> None:
     if args.pid == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"schema": "taco_jax.bench_collectives/1", "source":
-                                              "experiments.costmodel_measure", "rows": rows}, indent=1))
+                                              "experiments.costmodel.costmodel_measure", "rows": rows}, indent=1))
     jax.distributed.shutdown()
 
 
@@ -126,7 +126,8 @@ def main(argv=None):
     env.pop("XLA_FLAGS", None)
     from taco_jax.launch import run_local
 
-    cmd = module_command("experiments.costmodel_measure", *(argv or sys.argv[1:]))
+    run = run_record(__spec__.name, argv)
+    cmd = module_command(__spec__.name, *(argv or sys.argv[1:]))
     try:  # one child failing (or 1800 s passing) stops the other
         run_local([[*cmd, "--pid", str(i)] for i in range(2)],
                   env=env, timeout_s=1800)
@@ -135,6 +136,7 @@ def main(argv=None):
     sim_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     if subprocess.run([*cmd, "--pid", str(SIM)], env=sim_env).returncode:
         raise SystemExit("the simulated-mesh child failed")
+    Path(a.out).write_text(json.dumps({"run": run, **json.loads(Path(a.out).read_text())}, indent=1))
     print(Path(a.out).read_text()[:2000])
 
 

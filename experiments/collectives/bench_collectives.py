@@ -2,11 +2,11 @@
 
 Run from the repository root (the workers import this checkout's `taco_jax`):
 
-    .venv/bin/python -m experiments.bench_collectives --out runs/bench_collectives             # everything
-    .venv/bin/python -m experiments.bench_collectives --out runs/bc --quick                    # 64 KB, 1 MB
-    .venv/bin/python -m experiments.bench_collectives --out runs/bc --transports gloo --ranks 2 \\
+    .venv/bin/python -m experiments.collectives.bench_collectives --out runs/bench_collectives             # everything
+    .venv/bin/python -m experiments.collectives.bench_collectives --out runs/bc --quick                    # 64 KB, 1 MB
+    .venv/bin/python -m experiments.collectives.bench_collectives --out runs/bc --transports gloo --ranks 2 \\
         --codecs none,taco --backends ffi --sizes 64K,256K,1M,4M,16M,64M --dtypes float32,bfloat16
-    .venv/bin/python -m experiments.bench_collectives --out runs/bc --collectives psum \\
+    .venv/bin/python -m experiments.collectives.bench_collectives --out runs/bc --collectives psum \\
         --variants 'two_shot,one_shot,k4:algorithm=two_shot:chunks=4'        # a new psum option
 
 What is measured: every collective of `taco_jax.collectives.compressed` (psum as each of
@@ -22,7 +22,7 @@ get backend "reference") × dtype × message size (`--sizes`, bytes per rank) ×
         (`taco_jax.train.distributed.initialize`): a real transport.
 
 P is `--ranks` (a list: "2,4" runs both). The script starts its own worker processes (one for
-sim, P for gloo; each `python -m experiments.bench_collectives --worker ...`) and merges their
+sim, P for gloo; each `python -m experiments.collectives.bench_collectives --worker ...`) and merges their
 results; it never starts a JAX backend itself.
 
 Each case is one jitted `jax.shard_map` over a 1-D mesh of the P devices (axis "x"); rank r holds a
@@ -130,7 +130,7 @@ import time
 
 import numpy as np
 
-from experiments.common import ROOT, child_env, git_commit, module_command
+from experiments.common import ROOT, child_env, module_command, run_record
 from taco_jax.util import jsonio
 
 SCHEMA = "taco_jax.bench_collectives/1"
@@ -484,7 +484,7 @@ def run_transport(cfg: dict, transport: str, p: int, timeout: float) -> list[dic
         procs, logs = [], []
         for i in range(nproc):
             log = open(pathlib.Path(tmp) / f"log{i}.txt", "w+")  # noqa: SIM115 — closed below
-            cmd = module_command("experiments.bench_collectives", "--worker", str(cfg_path), "--process-id", str(i))
+            cmd = module_command(__spec__.name, "--worker", str(cfg_path), "--process-id", str(i))
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                           stderr=None if i == 0 else log, start_new_session=True,
                                           preexec_fn=_die_with_parent))
@@ -675,6 +675,7 @@ def main(argv=None) -> dict:
     cfg = build_config(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    run = run_record(__spec__.name, argv)
     load0 = os.getloadavg()
     t0 = time.time()
     rows, workers = [], []
@@ -686,13 +687,13 @@ def main(argv=None) -> dict:
             rows.extend(merge(res, transport, p))
     env = dict(python=platform.python_version(), machine=platform.machine(), system=platform.platform(),
                cpu_count=os.cpu_count(), loadavg_before=list(load0), loadavg_after=list(os.getloadavg()),
-               git_commit=git_commit(), command=module_command("experiments.bench_collectives",
-                                                         *(sys.argv[1:] if argv is None else argv)),
+               git_commit=run["commit"],
+               command=module_command(__spec__.name, *(sys.argv[1:] if argv is None else argv)),
                utc_start=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), seconds=time.time() - t0,
                jax=workers[0]["jax"] if workers else None, jaxlib=workers[0]["jaxlib"] if workers else None,
                workers=workers,
                note="CPU timings on the machine as it was (see loadavg_*): other processes may share the cores")
-    result = dict(schema=SCHEMA, env=env, config={k: v for k, v in cfg.items()}, rows=rows,
+    result = dict(schema=SCHEMA, run=run, env=env, config={k: v for k, v in cfg.items()}, rows=rows,
                   summary=dict(break_even=break_even(rows)))
     path = jsonio.write(out / "bench_collectives.json", result)
     _log(f"wrote {path}")

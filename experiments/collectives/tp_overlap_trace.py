@@ -2,7 +2,7 @@
 SP layer pair (ColumnParallel -> GELU -> RowParallel, tensor = 4 simulated CPU devices), read per
 device from the thunk events of the perfetto trace.
 
-    python -m experiments.tp_overlap_trace --overlap collective-matmul --comm taco --sizes 4 512 512 2048
+    python -m experiments.collectives.tp_overlap_trace --overlap collective-matmul --comm taco --sizes 4 512 512 2048
 
 Prints, over 3 traced calls: the collective thunks' time, how much of it a matmul thunk (`ynn_fusion`)
 of the same device ran concurrently, the (collective, matmul) pairs seen concurrent, and how many
@@ -15,7 +15,7 @@ emulated link (`taco-jax launch --link 250mbit -- train ... --profile-steps 4:5`
 names what counts as concurrent work (thunk name prefixes: `ffi_call` = the codec, `fusion`,
 `all-to-all` = the other collectives, ...):
 
-    python -m experiments.tp_overlap_trace --from-trace runs/c2/profile/process0 --other ffi_call fusion all
+    python -m experiments.collectives.tp_overlap_trace --from-trace runs/c2/profile/process0 --other ffi_call fusion all
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from experiments.tp_overlap_fidelity import _column, _ctx, _row  # noqa: E402
+from experiments.collectives.tp_overlap_fidelity import column_parallel, row_parallel, sp_context  # noqa: E402
 from taco_jax.collectives import CommPolicy  # noqa: E402
 
 COLLECTIVES = ("ppermute", "all_gather", "all-gather", "all-to-all", "all_to_all", "reduce_scatter",
@@ -99,9 +99,10 @@ def main(argv=None) -> int:
     p = 4
     mesh = Mesh(np.asarray(jax.devices()[:p]), ("tensor",))
     policy = CommPolicy.none() if args.comm == "none" else CommPolicy.taco().resolve_backends(n_devices=p)
-    ctx = _ctx(policy, args.overlap)
+    ctx = sp_context(policy, args.overlap)
     seq = P(None, "tensor")
-    fn = jax.jit(jax.shard_map(lambda x, wc, wr: _row(ctx)(jax.nn.gelu(_column(ctx)(x, wc)), wr), mesh=mesh,
+    col, row = column_parallel(ctx), row_parallel(ctx)
+    fn = jax.jit(jax.shard_map(lambda x, wc, wr: row(jax.nn.gelu(col(x, wc)), wr), mesh=mesh,
                                in_specs=(seq, seq, P("tensor")), out_specs=seq))
     x, wc, wr = jnp.ones((b, t, d)), jnp.ones((d, f)) / d, jnp.ones((f, d)) / f
     if args.hlo:

@@ -1,9 +1,9 @@
 """Ahead-of-time compile of the Triton codec kernels (`taco_jax.kernels.triton_codec`) for a CUDA
 target, on any host (no GPU needed): resources, SASS counts and a bandwidth bound per kernel variant.
 
-    python -m experiments.triton_aot --out runs/triton_aot.json                 # sm_90, all variants
-    python -m experiments.triton_aot --out x.json --variants encode-bf16-e4m3-128,decode-f32-128-a
-    python -m experiments.triton_aot --out x.json --markdown docs_table.md      # also the table
+    python -m experiments.gpu.triton_aot --out runs/triton_aot.json                 # sm_90, all variants
+    python -m experiments.gpu.triton_aot --out x.json --variants encode-bf16-e4m3-128,decode-f32-128-a
+    python -m experiments.gpu.triton_aot --out x.json --markdown docs_table.md      # also the table
 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` runs Triton's whole pipeline
 (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the ptxas Triton ships), with the constexprs and launch
@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from experiments.common import run_record
 
 N_ROWS = 4096  # groups per launch (a constexpr of the kernels: rows are masked against it)
 P_RANKS = 4  # decode_sum: ranks summed
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise ValueError("TRITON_INTERPRET=1 is set: the interpreter replaces triton.jit; unset it")
-    rows = []
+    run, rows = run_record(__spec__.name, argv), []
     for v in args.variants.split(","):
         rows.append(compile_variant(v, args.arch))
         r = rows[-1]
@@ -208,8 +210,8 @@ def main(argv=None) -> int:
     import triton  # noqa: PLC0415
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(triton=triton.__version__, n_rows=N_ROWS, p_ranks=P_RANKS, h200=H200,
-                                              kernels=rows), indent=1))
+    Path(args.out).write_text(json.dumps(dict(run=run, triton=triton.__version__, n_rows=N_ROWS, p_ranks=P_RANKS,
+                                              h200=H200, kernels=rows), indent=1))
     if args.markdown:
         Path(args.markdown).write_text(markdown(rows))
     return 0

@@ -1,6 +1,6 @@
 """Where compression pays: exact vs TACO end to end on emulated links, and the cost model against it.
 
-Runs `experiments/bench_e2e.py` for each configuration of `CONFIGS` (models, TP 2/4, SP on/off,
+Runs `experiments/e2e/bench_e2e.py` for each configuration of `CONFIGS` (models, TP 2/4, SP on/off,
 bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP×TP cluster) into
 `<out>/<name>/`, skipping a configuration whose `bench_e2e.json` exists (`--force` reruns it), then:
 
@@ -30,18 +30,18 @@ bf16/f32, a link sweep, chunked all-reduce, the collective matmul, a two-tier DP
 3. Writes `<out>/study.json`, `<out>/study.md` (the tables, each with its command) and
    `<out>/speedup_vs_link.png` (measured, byte bound, model).
 
-  python -m experiments.e2e_study --out runs/e2e_study              # everything (> 70 min on 2 cores)
-  python -m experiments.e2e_study --out runs/e2e_study --only gpt2_tp2_sp_bf16
-  python -m experiments.e2e_study --out runs/e2e_study --analyze    # tables and plot only
+  python -m experiments.e2e.e2e_study --out runs/e2e_study              # everything (> 70 min on 2 cores)
+  python -m experiments.e2e.e2e_study --out runs/e2e_study --only gpt2_tp2_sp_bf16
+  python -m experiments.e2e.e2e_study --out runs/e2e_study --analyze    # tables and plot only
 
 Needs root (network namespaces; docs/distributed.md "Emulated links"). Run on a quiet machine:
-timings of a loaded machine are not results. The load guard (experiments/load_guard.py) checks the
+timings of a loaded machine are not results. The load guard (experiments/e2e/load_guard.py) checks the
 machine before the study and during every configuration: busier than allowed before the start, the
 study does not start; during a configuration, its result goes to `bench_e2e.loaded.json` (never read
 here) and the study stops with exit status 3, keeping the configurations finished before it.
 `--allow-loaded` runs on and labels loaded configurations in study.json, study.md and the terminal;
 `--wait-quiet SECONDS` waits out a busy machine instead and runs a round it was busy during again
-(experiments/load_guard.py); `--calibrate-probe` times the guard's probe on a quiet machine.
+(experiments/e2e/load_guard.py); `--calibrate-probe` times the guard's probe on a quiet machine.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ import sys
 
 import numpy as np
 
-from experiments import bench_e2e, load_guard
+from experiments.common import ROOT, run_record
+from experiments.e2e import bench_e2e, load_guard
 from taco_jax.util import jsonio
 
 MAIN_LINKS = ["50mbit", "250mbit", "500mbit", "1gbit", "2gbit", "4gbit", "none"]
@@ -104,7 +105,7 @@ def pinned(args: list[str]) -> list[str]:
 
 #: The configurations whose exact rows on shaped links fit the emulated link's (α, κ0, κ1).
 FIT_CONFIGS = ("gpt2_tp2_sp_bf16", "gpt2_tp2_sp_f32")
-CALIBRATION = pathlib.Path(__file__).resolve().parents[1] / "taco_jax/perf/calibration_cpu_gloo.json"
+CALIBRATION = ROOT / "taco_jax/perf/calibration_cpu_gloo.json"
 
 
 def _rates(row: dict) -> dict:
@@ -196,7 +197,11 @@ def _machine(studies: dict) -> str:
             f"{os.cpu_count()} CPUs, Linux {platform.release()})")
 
 
-def analyze(out: pathlib.Path) -> dict:
+def analyze(out: pathlib.Path, run: dict | None = None) -> dict:
+    """The study's tables from the configurations' results under `out`: writes out/study.json (with
+    `run`, the run record, by default that of `--out OUT --analyze`), study.md and speedup_vs_link.png;
+    returns study.json's content. Raises ValueError with fewer than 3 exact rows on shaped links of
+    `FIT_CONFIGS` (the cost model's fit)."""
     cal = json.loads(CALIBRATION.read_text())["link"]
     loopback = (cal["alpha_s"], cal["beta_s_per_byte"])
     studies = {n: _load(out / n / "bench_e2e.json") for n in CONFIGS if (out / n / "bench_e2e.json").exists()}
@@ -242,7 +247,9 @@ def analyze(out: pathlib.Path) -> dict:
     held = [r for r in shaped if not r["model_fitted"]]
     n_held = {k: sum(f"{k}_error" in r for r in held) for k in ("model", "loop_model")}
     gpu = gpu_predictions(rows, link)
-    result = {"format": "taco_jax.e2e_study/1", "alpha_s": link[0], "kappa0": link[1], "kappa1_per_mb": link[2],
+    run = run or run_record(__spec__.name, ["--out", str(out), "--analyze"])
+    result = {"format": "taco_jax.e2e_study/1", "run": run,
+              "alpha_s": link[0], "kappa0": link[1], "kappa1_per_mb": link[2],
               "loopback_model": None if loop_link is None else
               {"alpha_s": loop_link[0], "kappa0": loop_link[1], "kappa1_per_mb": loop_link[2]},
               "model_error": {"fitted": _span(fit_rows, "model_error"), "held_out": _span(held, "model_error"),
@@ -466,6 +473,7 @@ def main(argv=None) -> dict:
                         "--pin-cpus`), as each rank owns its GPU; the one-process steps are unchanged")
     load_guard.add_arguments(p)
     a = p.parse_args(argv)
+    run = run_record(__spec__.name, argv)
     if a.calibrate_probe:
         return bench_e2e.main(["--calibrate-probe"])
     if a.rounds is not None and a.rounds < 1:
@@ -486,14 +494,14 @@ def main(argv=None) -> dict:
         for name in todo:
             args = CONFIGS[name] + (["--rounds", str(a.rounds)] if a.rounds is not None else [])
             args = pinned(args) if a.pin_cpus else args
-            print(f"[e2e_study] {name}: python -m experiments.bench_e2e {shlex.join(args)}", flush=True)
+            print(f"[e2e_study] {name}: python -m experiments.e2e.bench_e2e {shlex.join(args)}", flush=True)
             try:
                 bench_e2e.main([*args, "--out", str(out / name)], guard=guard)
             except load_guard.Loaded:
                 load_guard.refuse(f"[e2e_study] stopped: {name} ran on a busy machine and was not added to the study "
                                   f"in {out}; rerun on a quiet machine (finished configurations are kept and skipped)")
     try:
-        return analyze(out)
+        return analyze(out, run)
     except ValueError as e:
         p.error(str(e))
 

@@ -1,7 +1,7 @@
 """Fidelity of `--tp-overlap collective-matmul` with TACO: the ring's requantization against the
 non-overlapped (two-shot) sequence-parallel collectives, both against exact.
 
-    python -m experiments.tp_overlap_fidelity --out runs/tp_overlap_fidelity
+    python -m experiments.collectives.tp_overlap_fidelity --out runs/tp_overlap_fidelity
 
 1. One SP layer pair on standard-normal inputs (x [B, T, D], weights N(0, 1/fan-in)), tensor = P
    simulated CPU devices, float32 and bfloat16; SQNR (dB, float64 on the host) against the exact
@@ -24,7 +24,7 @@ import json
 import pathlib
 import sys
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "jax" not in sys.modules:
     cpu_devices(8)
@@ -42,11 +42,15 @@ from taco_jax.parallel.context import ParallelContext  # noqa: E402
 VARIANTS = {"two_shot": "none", "ring": "collective-matmul"}
 
 
-def _ctx(policy, overlap):
+def sp_context(policy, overlap: str) -> ParallelContext:
+    """The sequence-parallel `ParallelContext` of mesh axis "tensor" with `policy` (a `CommPolicy`) and
+    `--tp-overlap` mode `overlap` ("none": two-shot collectives, "collective-matmul": the ring)."""
     return ParallelContext("tensor", policy, True, tp_overlap=overlap)
 
 
-def _column(ctx):
+def column_parallel(ctx: ParallelContext):
+    """ColumnParallel under `ctx`, per device inside a shard_map: f(x [B, T/P, D], w [D, F/P]) ->
+    [B, T, F/P] (all-gather of x along T, then the matmul; the ring overlaps the two)."""
     def f(x, w):
         h = ctx.enter(x)
         mm = (lambda b: jnp.tensordot(b, w, axes=1))
@@ -54,7 +58,9 @@ def _column(ctx):
     return f
 
 
-def _row(ctx):
+def row_parallel(ctx: ParallelContext):
+    """RowParallel under `ctx`, per device inside a shard_map: f(h [B, T, F/P], w [F/P, D]) ->
+    [B, T/P, D] (the matmul, then reduce-scatter along T; the ring overlaps the two)."""
     return lambda h, w: ctx.exit_matmul(lambda b: jnp.tensordot(b, w, axes=1), h)
 
 
@@ -72,9 +78,9 @@ def layer_sqnr(p: int, dtype: str, b: int, t: int, d: int, f: int) -> dict:
     seq, col_out = P(None, "tensor"), P(None, None, "tensor")
 
     def run(policy, overlap):
-        ctx = _ctx(policy, overlap)
-        col = jax.shard_map(_column(ctx), mesh=mesh, in_specs=(seq, seq), out_specs=col_out)
-        row = jax.shard_map(_row(ctx), mesh=mesh, in_specs=(col_out, P("tensor")), out_specs=seq)
+        ctx = sp_context(policy, overlap)
+        col = jax.shard_map(column_parallel(ctx), mesh=mesh, in_specs=(seq, seq), out_specs=col_out)
+        row = jax.shard_map(row_parallel(ctx), mesh=mesh, in_specs=(col_out, P("tensor")), out_specs=seq)
         y_col, vjp_col = jax.vjp(lambda x_: col(x_, wc), x)
         y_row, vjp_row = jax.vjp(lambda h_: row(h_, wr), h)
         return {"gather fwd": y_col, "gather bwd": vjp_col(ct_col)[0],
@@ -134,7 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor", type=int, nargs="+", default=(2, 4, 8))
     ap.add_argument("--model", default="gpt2-tiny")
     args = ap.parse_args(argv)
-    res = {"sizes": dict(zip("BTDF", args.sizes)), "model": args.model, "layers": []}
+    res = {"run": run_record(__spec__.name, argv), "sizes": dict(zip("BTDF", args.sizes)), "model": args.model,
+           "layers": []}
     for p in args.tensor:
         for dtype in ("float32", "bfloat16"):
             res["layers"].append({"p": p, "dtype": dtype, **layer_sqnr(p, dtype, *args.sizes)})

@@ -7,8 +7,8 @@ the durations of the executed ops whose op name carries the codec's named scopes
 `taco_decode`: the FFI calls and any convert or reshape XLA runs inside them). The step difference is
 printed beside it.
 
-    python -m experiments.codec_time --out runs/codec_time                        # this checkout
-    python -m experiments.codec_time --out runs/codec_time --trees OLD .          # before / after
+    python -m experiments.codec.codec_time --out runs/codec_time                        # this checkout
+    python -m experiments.codec.codec_time --out runs/codec_time --trees OLD .          # before / after
 
 Each `--trees` entry is a checkout of taco_jax with its C++ library built (`make ffi` there; an old
 commit: `git worktree add OLD COMMIT && make -C OLD/custom_calls PYTHON=$PWD/.venv/bin/python`); a tree
@@ -25,7 +25,7 @@ Prints per tree: codec ms per device and step, median [min, max] over rounds; th
 collective; the TACO − exact step time per round (from metrics.jsonl); a line per run goes to stderr.
 Writes `codec_time.json` to `--out`. Times are wall clock under the profiler (which adds to every op
 alike), on whatever machine runs it: the load probe's time over its calibrated time
-(experiments/load_guard.py) before and after is printed and recorded, with a warning above the
+(experiments/e2e/load_guard.py) before and after is printed and recorded, with a warning above the
 guard's `Limits.probe_slowdown`.
 """
 
@@ -41,7 +41,7 @@ import statistics
 import subprocess
 import sys
 
-from experiments.common import ROOT
+from experiments.common import ROOT, run_record
 
 #: The one-process step of the GPU-codec issue (docs/results.md, "The codec's time in a training step").
 TRAIN_ARGS = ["--model", "gpt2-narrow", "--mesh", "data=1,tensor=2", "--batch-size", "256", "--seq-len", "32",
@@ -112,7 +112,7 @@ def summarize(xplane, metrics, skip: int, devices: int) -> dict:
 
 
 def _probe_ratio() -> float | None:
-    from experiments import load_guard
+    from experiments.e2e import load_guard
 
     calibrated = load_guard.load_calibration()[0]
     return None if calibrated is None else statistics.median(load_guard.probe() / calibrated for _ in range(5))
@@ -142,7 +142,8 @@ def main(argv=None) -> dict:
     out = pathlib.Path(args.out)
     if earlier := sorted(out.glob("tree*_*_*")):
         p.error(f"--out {str(out)!r} holds runs of an earlier call ({earlier[0].name}, ...): give a new folder")
-    result = {"trees": [str(t) for t in trees], "train_args": TRAIN_ARGS + args.train_args, "skip": args.skip,
+    result = {"run": run_record(__spec__.name, argv), "trees": [str(t) for t in trees],
+              "train_args": TRAIN_ARGS + args.train_args, "skip": args.skip,
               "probe_before": _probe_ratio(), "runs": []}
     for r in range(args.rounds):
         for i, tree in enumerate(trees):
@@ -175,9 +176,9 @@ def main(argv=None) -> dict:
             print(f"    FFI call {k}: median {v:.0f} us")
     ratios = [result["probe_before"], result["probe_after"]]
     if None in ratios:
-        print("load probe: not calibrated on this machine (python -m experiments.load_guard --calibrate-probe)")
+        print("load probe: not calibrated on this machine (python -m experiments.e2e.load_guard --calibrate-probe)")
     else:
-        from experiments.load_guard import Limits
+        from experiments.e2e.load_guard import Limits
 
         print(f"load probe / calibrated time: {ratios[0]:.2f} before, {ratios[1]:.2f} after")
         if max(ratios) > Limits.probe_slowdown:

@@ -3,7 +3,7 @@
 For checking that a refactor leaves the compiled program and its numbers bit-identical: run it
 in two checkouts with the same `taco-jax train` flags and diff the outputs.
 
-  python -m experiments.hlo_dump OUT_DIR -- --model gpt2-tiny --mesh data=2,tensor=2 --comm taco
+  python -m experiments.step.hlo_dump OUT_DIR -- --model gpt2-tiny --mesh data=2,tensor=2 --comm taco
 
 Writes OUT_DIR/step.hlo (the optimized HLO of `jit(train_step).lower(...).compile().as_text()`
 with `metadata={...}` attributes removed) and OUT_DIR/numbers.json (the two steps' losses and

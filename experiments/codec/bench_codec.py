@@ -2,10 +2,10 @@
 
 Run (CPU; build the FFI library first with `make -C custom_calls`):
 
-    .venv/bin/python -m experiments.bench_codec --out runs/bench_codec            # 1 MB .. 256 MB
-    .venv/bin/python -m experiments.bench_codec --out runs/bench_codec --quick    # 1 and 16 MB
-    .venv/bin/python -m experiments.bench_codec --out runs/x --sizes 4,64 --backends ffi
-    .venv/bin/python -m experiments.bench_codec --out runs/x --sizes 16,64 --backends ffi --dtype bfloat16
+    .venv/bin/python -m experiments.codec.bench_codec --out runs/bench_codec            # 1 MB .. 256 MB
+    .venv/bin/python -m experiments.codec.bench_codec --out runs/bench_codec --quick    # 1 and 16 MB
+    .venv/bin/python -m experiments.codec.bench_codec --out runs/x --sizes 4,64 --backends ffi
+    .venv/bin/python -m experiments.codec.bench_codec --out runs/x --sizes 16,64 --backends ffi --dtype bfloat16
 
 Throughput is the message's bytes (encode: its input, decode: its output) per second, the
 message in `--dtype` (float32 by default; bfloat16 as training sends it), and each case is
@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.common import run_record
 from taco_jax import kernels
 from taco_jax.codec.backends import get_backend, get_native
 from taco_jax.codec.config import CodecConfig
@@ -341,7 +342,8 @@ def main(argv=None):
             kernels.resolve(b)  # clear error for an unavailable backend
     else:
         wanted = [b for b in ("reference", "ffi", "triton", "pallas") if b in avail]
-    result = dict(config=dict(fmt=args.fmt, group_size=args.group_size, rounds=rounds, dtype=args.dtype),
+    result = dict(run=run_record(__spec__.name, argv),
+                  config=dict(fmt=args.fmt, group_size=args.group_size, rounds=rounds, dtype=args.dtype),
                   environment=environment(), sizes=[])
     # Per-call floor: the same cases on an 8-group (4 KiB) message, where the time is almost all
     # dispatch (Python -> jit -> XLA runtime -> handler). It bounds the ratio of small messages.

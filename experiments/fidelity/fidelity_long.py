@@ -35,10 +35,10 @@ Report (`--analyze`: from the saved runs only, nothing trained; complete pairs o
   Plots: `gap.png` (the gap's mean and 95 % band against steps, train and validation per model) and
   `sqnr.png` (SQNR per site against steps, mean over seeds and the seeds' range).
 
-    python -m experiments.prepare_corpus --out runs/corpus/cpython-stdlib
-    python -m experiments.fidelity_long --corpus runs/corpus/cpython-stdlib --out runs/fidelity_long
-    python -m experiments.fidelity_long --out runs/fidelity_long --analyze        # tables and plots again
-    python -m experiments.fidelity_long --corpus runs/corpus/cpython-stdlib --probe gpt2-tiny qwen3-tiny
+    python -m experiments.fidelity.prepare_corpus --out runs/corpus/cpython-stdlib
+    python -m experiments.fidelity.fidelity_long --corpus runs/corpus/cpython-stdlib --out runs/fidelity_long
+    python -m experiments.fidelity.fidelity_long --out runs/fidelity_long --analyze        # tables and plots again
+    python -m experiments.fidelity.fidelity_long --corpus runs/corpus/cpython-stdlib --probe gpt2-tiny qwen3-tiny
 
 `--probe MODEL...`: times a few train steps of each model at this study's settings (both variants,
 the monitor and one validation batch), and the study's estimated hours; nothing is written.
@@ -53,14 +53,14 @@ import shutil
 import sys
 import time
 
-from experiments.common import cpu_devices
+from experiments.common import cpu_devices, run_record
 
 if "jax" not in sys.modules:  # simulated CPU devices for the mesh
     cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
-from experiments.fidelity_runs import paired_ci, variant_policy  # noqa: E402
+from experiments.fidelity.fidelity_runs import paired_ci, variant_policy  # noqa: E402
 
 #: The compared variants: exact and TACO on every tensor-parallel site.
 VARIANTS = ("none", "taco")
@@ -395,11 +395,13 @@ def _save(fig, path) -> pathlib.Path:
     return path
 
 
-def write_report(out, study: dict, milestones=MILESTONES, window: int = 50) -> dict:
-    """`analyze`, then `<out>/report.json` (strict JSON), `report.md`, `gap.png` and `sqnr.png`."""
+def write_report(out, study: dict, milestones=MILESTONES, window: int = 50, run: dict | None = None) -> dict:
+    """`analyze`, then `<out>/report.json` (strict JSON; under "run" the run record `run`, by default
+    that of `--out OUT --analyze`), `report.md`, `gap.png` and `sqnr.png`."""
     from taco_jax.util import jsonio
 
-    report = analyze(out, study, milestones, window)
+    run = run or run_record(__spec__.name, ["--out", str(out), "--analyze"])
+    report = {"run": run, **analyze(out, study, milestones, window)}
     out = pathlib.Path(out)
     jsonio.write(out / "report.json", report)
     (out / "report.md").write_text(markdown(report))
@@ -423,7 +425,7 @@ def probe(study: dict, models, steps: int = 4) -> list[dict]:
     study's settings; and the study's estimated hours per model on this machine as it is now."""
     import jax
 
-    from experiments.fidelity_runs import SeedRunner
+    from experiments.fidelity.fidelity_runs import SeedRunner
     from taco_jax.data import TokenStream, load_prepared
     from taco_jax.parallel.mesh import parse_mesh
     from taco_jax.train.monitor import Monitor
@@ -525,6 +527,7 @@ def main(argv=None) -> dict | list:
     p.add_argument("--probe", nargs="+", metavar="MODEL", help="time a few steps of these models; write nothing")
     p.add_argument("--probe-steps", type=int, default=4)
     args = p.parse_args(argv)
+    run = run_record(__spec__.name, argv)
     from taco_jax.util import jsonio
 
     out = pathlib.Path(args.out)
@@ -534,7 +537,7 @@ def main(argv=None) -> dict | list:
         path = out / "study.json"
         if not path.is_file():
             raise SystemExit(f"--analyze: {path} does not exist (no study in --out {str(out)!r})")
-        report = write_report(out, json.loads(path.read_text()), args.milestones, args.train_window)
+        report = write_report(out, json.loads(path.read_text()), args.milestones, args.train_window, run)
         print((out / "report.md").read_text())
         return report
     study = study_settings(args)
@@ -544,7 +547,7 @@ def main(argv=None) -> dict | list:
         return rows
     study = check_study(out, study)
     run_study(study, out, keep_checkpoints=args.keep_checkpoints)
-    report = write_report(out, study, args.milestones, args.train_window)
+    report = write_report(out, study, args.milestones, args.train_window, run)
     print((out / "report.md").read_text())
     return report
 

@@ -1,0 +1,1 @@
+"""Studies of experiments/collectives/: the compressed collectives (index: `experiments`)."""

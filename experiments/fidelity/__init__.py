@@ -1,0 +1,1 @@
+"""Studies of experiments/fidelity/: does compression change training (index: `experiments`)."""

@@ -1,0 +1,1 @@
+"""Studies of experiments/gpu/: the GPU path (index: `experiments`)."""

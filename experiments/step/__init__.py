@@ -1,0 +1,1 @@
+"""Studies of experiments/step/: one training step (index: `experiments`)."""
