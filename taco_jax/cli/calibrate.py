@@ -1,5 +1,4 @@
-"""`taco-jax calibrate`: a codec per tensor-parallel site from the messages `train --capture N`
-recorded (taco_jax/train/calibrate.py)."""
+"""`taco-jax calibrate`: a codec per TP site from captured messages (train/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def add_parser(sub, explicit: bool = False) -> None:
 
 
 def run(args, ctx) -> int:
-    """`taco-jax calibrate` with parsed `args` (one host device; no mesh); prints the policy as JSON
-    and returns the exit status."""
+    """Prints the chosen policy as JSON; returns the exit status."""
     from taco_jax.train.calibrate import main_args
     from taco_jax.util import jsonio
 

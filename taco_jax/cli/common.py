@@ -1,5 +1,4 @@
-"""What every `taco-jax` command shares: the exit statuses, the parser class (one-line usage errors,
-no abbreviations, the closest flag), the help formatter, stderr lines and the simulated CPU mesh."""
+"""What every `taco-jax` command shares: exit statuses, parser, help format, stderr lines, CPU mesh."""
 
 from __future__ import annotations
 
@@ -122,13 +121,9 @@ show_warning.shown = set()
 
 @dataclasses.dataclass
 class Context:
-    """What a command's `run(args, ctx)` may need besides its flags: the whole `parser` (its
-    `flag_parsers`: the `train` / `compare` / `plan` / `predict` subparsers), the command line `argv`
-    (None: the process's), `own_process` (the command is the whole process: `cli.main`),
-    `file_policy` (the `--config` file's policy table where it applies, else None), `note` (the
-    `--config` file's deprecation line, printed once the run is accepted; "" for none), `parser_of`
-    (builds the parser; `explicit=True`: flags without defaults) and `config_of` (the `TrainConfig`
-    of a `train` / `compare` command line: `cli.config_from_argv`)."""
+    """What `run(args, ctx)` may need besides its flags: the `parser`, `argv` (None: the process's),
+    `own_process` (`cli.main`), `parser_of` / `config_of` (`cli._parser`, `cli.config_from_argv`),
+    the `--config` file's policy table (`file_policy`) and deprecation line (`note`)."""
 
     parser: argparse.ArgumentParser
     argv: list[str] | None

@@ -1,6 +1,4 @@
-"""The settings of `taco_jax.train.config` as flags: each `setting` declaration becomes its
-argparse option (`add_flag`), `--config FILE` values are checked as their flag checks its text
-(`config_values`), and parsed flags become the run's `TrainConfig` (`train_config`)."""
+"""The settings of `taco_jax.train.config` as flags, `--config FILE` values, and the `TrainConfig`."""
 
 from __future__ import annotations
 
@@ -12,9 +10,8 @@ from taco_jax.cli.common import say
 
 
 def add_flag(sp, flag, explicit: bool = False, hidden: bool = False) -> None:
-    """Adds `flag` (a `config.Flag`: one `setting` declaration) to `sp` (a parser or an argument
-    group); `explicit`: no default (the namespace then holds only given flags); `hidden`: accepted
-    but not listed by --help."""
+    """Adds `flag` (a `config.Flag`) to `sp`; `explicit`: no default (only given flags are set);
+    `hidden`: accepted, not listed by --help."""
     names = (*flag.aliases, "--" + flag.name.replace("_", "-"))
     kw = {"default": argparse.SUPPRESS if explicit else ([] if flag.append else flag.field.default),
           "help": argparse.SUPPRESS if hidden else flag.text.replace("%", "%%")}  # argparse %-formats help
@@ -98,12 +95,9 @@ def typed(action: argparse.Action, value, where: str):
 
 
 def with_config(parser, args, argv, parser_of) -> tuple[argparse.Namespace, dict | None, str]:
-    """`args` re-parsed with `--config FILE`'s values as the defaults (the command line wins), the
-    file's policy table when it applies (when neither the file nor the command line gives a
-    communication flag (`COMM_FLAGS`); given on the command line, they replace the file's policy),
-    and the file's deprecation line ("" for none: `config.flat_note`), for the command to print
-    once it has accepted the run (an error stays one line). `parser_of`: builds the parser
-    (`explicit=True`: flags without defaults). Raises ValueError naming the file and the key."""
+    """`args` re-parsed with `--config FILE`'s values as defaults (the command line wins), the file's
+    policy table unless a communication flag replaces it, and its deprecation line (printed once the
+    run is accepted). Raises ValueError naming the file and the key."""
     if not args.config:
         return args, None, ""
     from taco_jax.train.config import COMM_FLAGS, flat_note
@@ -125,7 +119,7 @@ def with_config(parser, args, argv, parser_of) -> tuple[argparse.Namespace, dict
 
 
 def deprecated(note: str) -> None:
-    """Gives `note` (a deprecation line; "" for none) as a FlagWarning: "[taco-jax] warning: ..."."""
+    """`note` (a deprecation line; "" for none) as a FlagWarning."""
     if note:
         import warnings
 

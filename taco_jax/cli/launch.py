@@ -1,5 +1,4 @@
-"""`taco-jax launch`: N local processes of one multi-process run, optionally each in its own network
-namespace behind an emulated link (docs/distributed.md)."""
+"""`taco-jax launch`: N local processes of one run, optionally behind emulated links."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def add_parser(sub, explicit: bool = False) -> None:
 
 
 def run(args, ctx) -> int:
-    """`taco-jax launch` with parsed `args` (`ctx`: `common.Context`; its parser knows the commands a
-    launched process may run); returns the exit status."""
+    """Runs the processes (or `--cleanup`); returns the exit status."""
     from taco_jax import emulate
     from taco_jax.launch import launch
 

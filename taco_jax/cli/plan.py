@@ -1,6 +1,4 @@
-"""`taco-jax plan` (compile a run on a simulated mesh: memory, bytes, predicted speedup) and
-`taco-jax predict` (the cost model alone): train's flags that shape the program, plus the hardware
-and the output (docs/plan.md)."""
+"""`taco-jax plan` (compile on a simulated mesh) and `taco-jax predict` (the cost model alone)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`taco-jax prepare-data`: your text / JSONL corpus as token files (train.bin, val.bin, meta.json)
-for `train --data` (docs/training.md, "Continue pre-training")."""
+"""`taco-jax prepare-data`: a text / JSONL corpus as token files for `train --data`."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def add_parser(sub, explicit: bool = False) -> None:
 
 
 def run(args, ctx) -> int:
-    """`taco-jax prepare-data` with parsed `args` (one host device; no mesh); prints meta.json's
-    summary and returns the exit status."""
+    """Prints meta.json's summary; returns the exit status."""
     import json
 
     from taco_jax.data import prepare_data

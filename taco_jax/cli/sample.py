@@ -23,8 +23,7 @@ def add_parser(sub, explicit: bool = False) -> None:
 
 
 def run(args, ctx) -> int:
-    """`taco-jax sample` with parsed `args` (one host device; no mesh); prints the text and returns
-    the exit status."""
+    """Prints the text; returns the exit status."""
     from taco_jax.train.sample import sample
 
     try:

@@ -1,5 +1,4 @@
-"""`taco-jax train` (one run) and `taco-jax compare` (exact vs compressed, same seed and data): one
-set of flags (every `setting` of `taco_jax.train.config`), one runner."""
+"""`taco-jax train` and `taco-jax compare` (exact vs compressed): one set of flags, one runner."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ def _interrupted(cfg) -> str:
 
 
 def run(args, ctx) -> int:
-    """`taco-jax train` / `compare` with parsed `args` (and `ctx`: `common.Context`; `--config`'s policy table in it);
-    returns the exit status."""
+    """Trains (`compare`: exact, then with the policy) and prints the summary; returns the exit status."""
     from taco_jax.train import distributed
 
     try:

@@ -1,13 +1,8 @@
 """Typed training configuration: `TrainConfig` (one run, in sections: model, data, training,
 parallelism, communication, checkpoint, logging; `communication.policy` holds every codec setting),
 `CommFlags` (the command line's communication flags, mapped to that policy in one place) and
-`read_config_file` (`--config FILE`: TOML tables mirror the sections).
-
-Each setting is declared once, as a `setting(...)` field (flag, help, place in `--help`, the
-commands it applies to, parser); `flags()`, `FLAGS`, `PLAN_UNUSED`, `PATH_FLAGS` and the CLI
-(`taco_jax.cli.flags`) derive from the declarations. A bad value raises `ConfigError(field, flag,
-message)`. Building a `TrainConfig` reads no file; `resolve(cfg)` reads `--data`'s meta.json and
-`--init-from`'s config.json."""
+`read_config_file` (`--config FILE`: TOML tables mirror the sections). Each setting is declared
+once (`setting`); `resolve(cfg)` is the one step that reads files."""
 
 from __future__ import annotations
 
@@ -48,34 +43,26 @@ class FlagWarning(UserWarning):
 
 
 class ConfigError(ValueError):
-    """A bad setting: `field` (its dataclass field, e.g. "vocab_size"), `flag` (its command-line flag
-    without dashes, e.g. "vocab_size"; "" where none applies) and the message (`str(err)`), which
-    names the value and ends "; set by --FLAG or [SECTION] FIELD" where the setting has a flag. A
-    ValueError, so `except ValueError` takes it."""
+    """A bad setting (a ValueError): its dataclass `field`, its `flag` (underscores) and a message
+    naming the value, ending "; set by --FLAG or [SECTION] FIELD"."""
 
     def __init__(self, field: str, flag: str, message: str):
         super().__init__(message)
         self.field, self.flag = field, flag
 
 
-#: Where a setting applies (`setting(applies=...)`): the commands whose `--help` lists its flag. Every
-#: setting is a flag of train and compare; plan and predict accept the others too (a train `--config`
-#: file works as it is) without listing them (`PLAN_UNUSED`).
+#: `setting(applies=...)` -> the commands whose `--help` lists the flag (the others accept it: `PLAN_UNUSED`).
 APPLIES = {"both": ("train", "plan", "predict"), "train": ("train",), "train,plan": ("train", "plan")}
-#: The listings a setting's help may name in braces, built from the registries when the parser is.
+#: Placeholders of a setting's help -> the registry listing that replaces them.
 LISTINGS = {"{kinds}": lambda: " | ".join(codec_kinds()[1:]), "{presets}": lambda: ", ".join(sorted(PRESETS))}
 
 
 def setting(default, help: str, *, order: int, flag: str = "", applies: str = "both", parse=None, metavar=None,
             choices=None, aliases: tuple[str, ...] = (), append: bool = False, path: bool = False):
-    """A dataclass field that is a command-line setting, declared once: its default, `help` (its
-    `--help` line; "{kinds}" / "{presets}" become the registries' lists, `LISTINGS`), `order` (its
-    place in `--help`, ascending), `flag` (its name where it differs from the field's), `applies`
-    (a key of `APPLIES`), `parse` (a function returning the argparse type; default the default's
-    type), `metavar`, `choices` (a function returning them), `aliases` (more option strings),
-    `append` (repeatable: a list of values), `path` (a folder, recorded absolute: `PATH_FLAGS`).
-    The CLI (`cli.flags`), `FLAGS`, `PLAN_UNUSED`, `--config` tables and config.json derive from
-    these declarations."""
+    """A dataclass field that is a command-line setting: `help` (with `LISTINGS`), `order` in
+    `--help`, `flag` (where not the field's name), `applies` (`APPLIES`), `parse` / `choices`
+    (functions returning the argparse type / choices), `metavar`, `aliases`, `append` (repeatable),
+    `path` (recorded absolute). `flags()` and the CLI derive everything else from it."""
     if applies not in APPLIES:
         raise ValueError(f"applies={applies!r} must be one of {sorted(APPLIES)}")
     return dataclasses.field(default=default, metadata={
@@ -85,16 +72,15 @@ def setting(default, help: str, *, order: int, flag: str = "", applies: str = "b
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
-    """One command-line setting, as `setting` declared it: `name` (underscores; `--name-with-dashes`),
-    `section` (its `--config` table), `field` (the dataclass field), `owner` (the section's class, or
-    `CommFlags` for the flags mapped into `communication.policy`)."""
+    """One `setting` declaration: flag `name`, `section` (its `--config` table), `field`, `owner` (its
+    class); the declaration's keywords read as attributes."""
 
     name: str
     section: str
     field: dataclasses.Field
     owner: type
 
-    def __getattr__(self, key):  # the declaration's metadata: help, order, applies, parse, ...
+    def __getattr__(self, key):
         try:
             return self.field.metadata[key]
         except KeyError:
@@ -120,8 +106,7 @@ def _declared(cls, section: str) -> list[Flag]:
 
 
 def flags() -> list[Flag]:
-    """Every flag of `taco-jax train` / `compare`, in the order of `--help` (each `setting`'s
-    `order`): the sections' (stored by `TrainConfig`), then `CommFlags`'."""
+    """Every flag of `train` / `compare` in `--help` order: the sections', then `CommFlags`'."""
     if not _FLAGS:
         stored = sorted((fl for s, cls in SECTIONS.items() for fl in _declared(cls, s)), key=lambda fl: fl.order)
         _FLAGS.extend(stored + sorted(_declared(CommFlags, "communication"), key=lambda fl: fl.order))
@@ -137,8 +122,7 @@ def int_or_auto(name: str, low: int):
 
 
 def rule_error(name: str, shown: str, rule: str):
-    """The argparse.ArgumentTypeError of a bad flag value: "{name}={shown} {rule}", with `rule` kept
-    as its attribute `rule` (a `--config` value's error names the value its own way)."""
+    """argparse.ArgumentTypeError "{name}={shown} {rule}", `rule` kept as an attribute."""
     import argparse
 
     err = argparse.ArgumentTypeError(f"{name}={shown} {rule}")
@@ -237,7 +221,7 @@ class CommFlags:
 
     def policy(self) -> CommPolicy:
         """The run's policy (see the class docstring). Raises ValueError naming the bad flag or value;
-        a FlagWarning for `codec_kind` (deprecated: `comm` names the kind)."""
+        a FlagWarning for the deprecated `codec_kind`."""
         tensor = self.tensor_codec()
         policy = CommPolicy(**dict.fromkeys(TENSOR_SITES, tensor), dp_grads=self.axis_codec(self.dp_comm, "dp_comm"),
                             pp_send=self.axis_codec(self.pp_comm, "pp_comm"),
@@ -364,18 +348,15 @@ def _invalid(section: str, field: str, value, rule: str) -> ConfigError:
 
 
 def flag_error(flag: str, message: str) -> ConfigError:
-    """The `ConfigError` of flag `flag` (a `FLAGS` or `CommFlags` name): `message` with "; set by
-    --FLAG or [SECTION] FIELD" appended (once)."""
+    """The `ConfigError` of `flag`: `message` ending "; set by --FLAG or [SECTION] FIELD"."""
     section, field = FLAGS[flag] if flag in FLAGS else ("communication", flag)
     suffix = f"; set by --{flag.replace('_', '-')} or [{section}] {field}"
     return ConfigError(field, flag, message if message.endswith(suffix) else message + suffix)
 
 
 def _blame(err: ValueError, flag: str = "") -> ValueError:
-    """`err` as the `ConfigError` of flag `flag`; by default of the setting the message of a lower
-    layer names first: their errors (codec, collectives, parallel, models) start "FIELD=VALUE ..."
-    by contract ("fmt='e3m4' is not supported; ..."). `err` itself when it is a `ConfigError`
-    already or names no flag."""
+    """`err` as the `ConfigError` of `flag`, by default the one a lower layer's message starts with
+    (they start "FIELD=VALUE ..."); `err` itself when it already is one or names no flag."""
     if isinstance(err, ConfigError) or "; set by --" in str(err):
         return err
     if not flag:
@@ -652,17 +633,13 @@ SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSect
             "parallelism": ParallelismSection, "communication": CommunicationSection,
             "checkpoint": CheckpointSection, "logging": LoggingSection}
 
-#: Every flag of `taco-jax train` stored in `TrainConfig` -> (section, field), in the order of
-#: `--help` (derived from the sections' `setting` declarations). A field's name is its flag's except
-#: `--model` (`model.name`) and `--data` (`data.path`). `CommFlags`' flags are not stored: they build
-#: `communication.policy`.
+#: Every flag stored in `TrainConfig` -> (section, field), in `--help` order.
 FLAGS = {fl.name: (fl.section, fl.field.name) for fl in flags() if fl.stored}
-#: The flags of `CommFlags` (in `[communication]`), mapped to the policy by `TrainConfig.from_flags`.
+#: The flags of `CommFlags` (`[communication]`): they build `communication.policy`.
 COMM_FLAGS = tuple(fl.name for fl in flags() if not fl.stored)
 #: (section, field) -> its flag; `policy` is `communication.policy`.
 FIELD_FLAGS = {**{v: k for k, v in FLAGS.items()}, ("communication", "policy"): "policy"}
-#: `train` flags that `plan` / `predict` accept (a train --config file works as it is) but do not use
-#: (steps, optimization, evaluation, checkpoints, logging, monitoring): not listed by their --help.
+#: `train` flags that `plan` / `predict` accept (a train --config works as it is) but do not list.
 PLAN_UNUSED = frozenset(fl.name for fl in flags() if "plan" not in fl.applies)
 #: Flags naming folders, recorded absolute (against the current folder) by `TrainConfig.to_dict`: a
 #: run's config.json names the same folders wherever it is read from (`taco-jax sample --from`, `--config`).
@@ -706,8 +683,7 @@ class TrainConfig:
     of `taco-jax train` (`FLAGS`); the communication flags are `CommFlags`'s, mapped into the
     policy once. Build one from flag values with `TrainConfig.from_flags(steps=20, comm="int8")`,
     change flags with `cfg.replace(out=...)`, read `cfg.training.steps`, `cfg.model.name`, ...
-    Construction reads no file: a config with `data` or `init_from` is completed by `resolve`
-    (which `from_flags`, `from_dict` and `replace` call).
+    Construction reads no file: `resolve` completes a config with `data` or `init_from`.
 
     Raises: ValueError naming the bad value (and its flag) of any section, or of a rule joining
     sections (batch vs data axis, pipeline layout, seq_len vs the model's block_size, ...).
@@ -730,16 +706,12 @@ class TrainConfig:
 
     @property
     def reads(self) -> bool:
-        """Whether `resolve` has files to read for this config: `data`'s meta.json (the vocabulary)
-        or `init_from`'s config.json (the model)."""
+        """Whether `resolve` reads a file for this config (`data`'s meta.json, `init_from`'s config.json)."""
         return bool(self.data.path or self.model.init_from)
 
     def _settle(self, full: bool, warn: bool) -> None:
-        """The rules joining sections, in order. `full`: also the model's name and vocabulary as the
-        run records them and the rules that need the model (pipeline depth, block size, tensor
-        split), reading the files `reads` names; without it, a config that `reads` checks only
-        what needs no file (`resolve` does the rest). `warn`: give the FlagWarning of a schedule
-        without a pipeline (once per config: construction gives it, `resolve` does not again)."""
+        """The rules joining sections; `full`: also the model's name and vocabulary and the rules that
+        need the model (reading what `reads` names). `warn`: the schedule's FlagWarning."""
         if full:
             model = dataclasses.replace(self.model, name=self._resolve_model())  # what the run records as its model
             object.__setattr__(self, "model", dataclasses.replace(model, vocab_size=self._resolve_vocab(model.name)))
@@ -973,16 +945,10 @@ class TrainConfig:
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` ready to run: the one step that reads files. With `data`, its meta.json gives the
-    vocabulary; with `init_from`, its config.json gives the model (`model.name` becomes the
-    checkpoint's architecture label). Then the rules that need the model: the pipeline's depth,
-    seq_len within the block size, the tensor split of heads and vocabulary. A config that reads
-    nothing (`cfg.reads` False) was resolved on construction and comes back as it is.
-    `TrainConfig.from_flags`, `from_dict` and `replace` resolve; `TrainConfig(...)` does not.
-
-    Raises: ConfigError / ValueError naming the bad value, as the constructor; ValueError naming
-    a `data` folder without meta.json or an unreadable checkpoint.
-    """
+    """`cfg` ready to run, reading `data`'s meta.json (the vocabulary) and `init_from`'s config.json
+    (the model), then checking what needs the model (pipeline depth, block size, tensor split); a
+    config that `reads` nothing comes back as it is. `from_flags`, `from_dict` and `replace` call it.
+    Raises ConfigError naming the bad value or unreadable file."""
     if not cfg.reads or getattr(cfg, "_resolved", False):
         return cfg
     out = copy.copy(cfg)  # no second construction: its checks passed, its warning was given
@@ -1003,8 +969,7 @@ def flag_values(values: dict, where: str = "config", flat: list | None = None) -
     "policy" table is `communication.policy`. Keys may use dashes. Top-level keys that are neither
     a section nor a flag come back unchanged (the caller names them).
 
-    `flat`: a list that receives the flat keys that are settings (`flat_note` says how to write
-    them in tables).
+    `flat`: receives the flat keys that are settings.
 
     Raises ValueError naming `where` and the key: a table that is no section (with the closest
     section's name), a key that is not in its table (naming the table it belongs to), a flag given
@@ -1044,8 +1009,7 @@ def flag_values(values: dict, where: str = "config", flat: list | None = None) -
 
 
 def flat_note(flat: list[str], where: str) -> str:
-    """The deprecation line of a `--config` file `where` with `flat` keys (`flag_values`): each
-    belongs in its table; "" for none."""
+    """The deprecation line of `flat` keys in the `--config` file `where`; "" for none."""
     if not flat:
         return ""
     home = {**FLAGS, "policy": ("communication", "policy"), **{k: ("communication", k) for k in COMM_FLAGS}}
@@ -1062,8 +1026,7 @@ def read_config_file(path, flat: list | None = None) -> dict:
     too and mapped to their section (`flag_values`). "policy" (`[communication.policy]`, or a flat
     "policy" table) is a `CommPolicy.to_dict()`, as config.json holds it.
 
-    Flat keys that are settings are deprecated: listed in `flat` when given (the command line
-    prints their line once the run is accepted), else a FlagWarning (`flat_note`).
+    Flat keys are deprecated: listed in `flat` when given, else a FlagWarning (`flat_note`).
 
     Raises ValueError naming the file when it cannot be read or parsed, is not a table / object,
     or has a key outside its table (`flag_values`).
