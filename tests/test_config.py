@@ -310,6 +310,6 @@ def test_codec_config_docstring_lists_every_built_in_kind():
     from taco_jax.codec.kinds import registered
 
     kinds = [k.name for k in registered() if k.encode.__module__.startswith("taco_jax.")]
-    block = CodecConfig.__doc__.split("built in:\n", 1)[1].split("\n      fmt:", 1)[0]  # the `kind` entry
-    listed = re.findall(r'^ {8}"(\w+)" ', block, flags=re.M)
-    assert listed == ["none", *kinds], listed
+    block = CodecConfig.__doc__.split("\n      kind:", 1)[1].split("\n      fmt:", 1)[0]  # the `kind` entry
+    listed = [k for k in re.findall(r'^ {8}"(\w+)" ', block, flags=re.M) if k != "none"]
+    assert listed == kinds, listed
