@@ -28,7 +28,6 @@ process; the next start removes those of any launcher that is gone).
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
 import re
@@ -40,6 +39,7 @@ import threading
 import time
 
 from taco_jax import emulate
+from taco_jax.util.links import EmulatedLink
 from taco_jax.util.procs import child_env, cli_command
 
 
@@ -225,13 +225,13 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
             early.where = "measuring the links"
             print(f"[launch] emulated cluster: namespaces {cluster.names[0]} .. {cluster.names[-1]}; measuring "
                   f"the links ...", file=out, flush=True)
-            description = cluster.measure_links()
-            for tier, t in description["tiers"].items():
+            link = EmulatedLink.from_dict(cluster.measure_links())
+            for tier, t in link.tiers.items():
                 name = "link" if tier == "link" else f"{tier} link"
                 print(f"[launch] {name}: requested {t['requested_bit_per_s'] / 1e6:g} Mbit/s, measured "
                       f"{t['measured_bit_per_s'] / 1e6:.1f} Mbit/s (TCP payload, median of "
-                      f"{sum(x['tier'] == tier for x in description['links'])} links)", file=out, flush=True)
-            argv = [*argv, "--emulated-link", json.dumps(description)]  # a config field: in config.json
+                      f"{sum(x['tier'] == tier for x in link.record['links'])} links)", file=out, flush=True)
+            argv = [*argv, "--emulated-link", link.to_json()]  # a config field: in config.json
             return start(cluster.addrs[0], cluster.exec_prefix)
     print(f"[launch] stopped by {early.signal} while {early.stopped_while}: no process ran"
           + ("; the namespaces are removed" if spec is not None else ""), file=out, flush=True)

@@ -575,6 +575,9 @@ def test_processes_read_the_link_and_min_bytes_auto_uses_it(monkeypatch):
     assert cfg.to_dict()["communication"]["emulated_link"] == json.dumps(link)  # recorded in config.json
     link_ = distributed.emulated_link(cfg.communication.emulated_link)
     assert distributed.tensor_link_bytes_per_s(link_) == 1e8  # intra, B/s
+    # one typed value, parsed once: every reader gets the same one; summary.json records the description
+    assert distributed.emulated_link(cfg.communication.emulated_link) is link_ and link_.tensor_tier == "intra"
+    assert link_.as_dict() == link and json.loads(link_.to_json()) == link
     policy = CommPolicy.taco().resolve_backends(n_devices=2)
     policy = dataclasses.replace(policy, min_bytes="auto")
     loopback = perf.resolve_min_bytes(policy, "cpu").min_bytes

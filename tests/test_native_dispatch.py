@@ -94,7 +94,7 @@ def test_decode_sum_runs_the_fused_kernel_and_matches_decode_then_sum():
 
 
 def test_auto_on_gpu_ranks_the_backends_present_by_the_declared_speed_table(monkeypatch):
-    """`auto` on CUDA takes the fastest backend present by `gpu_speeds.json`; an unmeasured (bound)
+    """`auto` on CUDA takes the fastest backend present by the hardware table's h200 codec speeds; a bound
     entry counts at UNMEASURED_FRACTION of its value."""
     import warnings
 

@@ -238,7 +238,7 @@ def test_break_even_codec_speed_is_where_speedup_crosses_one_and_target_beats_to
     _, cfg, lay, _, _ = paper.settings()[0]
     pol = paper.policies()["taco_tp"]
     for label, hw, link in paper.TP_LINKS:
-        hw2 = paper._with_codec(hw, model.H200_CODEC, link, lay.tp)
+        hw2 = paper._with_codec(hw, perf.H200_CODEC, link, lay.tp)
         be = paper.break_even_codec_GBps(cfg, lay, hw2, pol)
         if be is None:
             continue

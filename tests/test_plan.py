@@ -395,8 +395,9 @@ def test_plan_says_what_it_compiles_and_how_long_it_took(tmp_path, capsys):
 def test_shipped_model_errors_are_the_study_s():
     """model_errors.json is `errors_from_study` of the committed e2e study, and the emulated error
     span covers the per-configuration errors docs/emulated.md reports (up to +21 % and down to −35 % step time)."""
-    study = json.loads((ROOT / uncertainty.STUDY).read_text())
-    assert json.loads(uncertainty.ERRORS_FILE.read_text()) == uncertainty.errors_from_study(study)
+    shipped = json.loads(uncertainty.ERRORS_FILE.read_text())
+    study = json.loads((ROOT / shipped["study"]).read_text())  # the repository's copy; the package reads none
+    assert shipped == uncertainty.errors_from_study(study, shipped["study"])
     s = uncertainty.summary()
     assert s["emulated"]["step_error"][1] == pytest.approx(max(
         r["taco_step_error"] for r in uncertainty.emulated_errors()))
@@ -441,3 +442,77 @@ def test_plan_cli_writes_json_and_markdown_without_compiling(tmp_path, capsys):
     conf.write_text(f'[model]\nname = "gpt2-tiny"\n[checkpoint]\nout = "{tmp_path / "trainrun"}"\n')
     assert main(["plan", "--config", str(conf), "--no-compile", "--out", str(tmp_path / "p2")]) == 0
     assert (tmp_path / "p2" / "plan.json").exists() and not (tmp_path / "trainrun").exists()
+
+
+def test_package_code_reads_no_docs_path():
+    """Data the package needs ships inside it (`perf/model_errors.json`, `perf/hardware.toml`, ...):
+    no string in taco_jax/ code, docstrings aside, names a docs/ path or the docs folder."""
+    import ast
+
+    bad = []
+    for path in sorted((ROOT / "taco_jax").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                ast.AsyncFunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+        bad += [f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+                and (n.value.strip("/") == "docs" or "docs/bench" in n.value)]
+    assert not bad, bad
+
+
+def test_a_run_and_its_plan_resolve_min_bytes_auto_through_one_function_on_the_same_hardware():
+    """`--min-bytes auto` on a GPU: the run (`perf.resolve_min_bytes`, as `make_trainer` calls it) and
+    `plan` / `predict` (`plan.resolve_policy`, the threshold of its site table) choose the same threshold
+    for the same hardware; a run names no hardware and gets the shipped default (the H200), whose
+    threshold is the one it chose before the resolvers were one (pinned)."""
+    import dataclasses
+
+    from taco_jax import perf
+    from taco_jax.perf import hardware, model
+
+    policy = dataclasses.replace(CommPolicy.taco().resolve_backends(n_devices=2), min_bytes="auto")
+    for key, spec in hardware.shipped().items():
+        for tp in (2, 4, 8, 16):
+            for sp in (False, True):
+                for item in (2, 4):
+                    run = perf.resolve_min_bytes(policy, "cuda", tensor_size=tp, itemsize=item, sequence_parallel=sp,
+                                                 hardware=spec.hardware).min_bytes
+                    lay = model.Layout(tp=tp, sequence_parallel=sp, act_bytes=item)
+                    assert planner.resolve_policy(policy, lay, spec.hardware).min_bytes == run, (key, tp, sp, item)
+    cfg = TrainConfig.from_flags(model="qwen3-8b", mesh="data=2,stage=4,tensor=4", comm="taco", min_bytes="auto",
+                                 microbatches=8, batch_size=16)
+    got = planner.predict(cfg, get_hardware("h100"))
+    lay = planner.layout_of(cfg)
+    run = perf.resolve_min_bytes(policy, "cuda", tensor_size=lay.tp, itemsize=lay.act_bytes,
+                                 sequence_parallel=lay.sequence_parallel, hardware=get_hardware("h100").hardware)
+    assert got["policy_min_bytes"] == run.min_bytes
+    default = perf.resolve_min_bytes(policy, "cuda", tensor_size=4, itemsize=2, sequence_parallel=False).min_bytes
+    assert default == 1003729285 == perf.resolve_min_bytes(
+        policy, "cuda", tensor_size=4, itemsize=2, sequence_parallel=False,
+        hardware=hardware.shipped()[hardware.DEFAULT_GPU].hardware).min_bytes
+
+
+def test_gpu_codec_speeds_live_in_the_hardware_table_only(tmp_path):
+    """The speeds codec backend `auto` ranks GPU backends by are the shipped h200 entry's (`[h200.codec]`,
+    backend ffi, and `[h200.codec.backends.*]`), the cost model's H200 codec is the same row, and
+    `update_codec_speeds` (`experiments.gpu_check --update-speeds`) rewrites them in place, nothing else."""
+    from taco_jax import kernels
+    from taco_jax.perf import hardware
+
+    spec = hardware.shipped()["h200"]
+    table = kernels.gpu_speed_table()
+    assert {k: (r["encode_GBps"], r["decode_GBps"], r["measured"]) for k, r in table.items()} == {
+        k: (r["encode_GBps"], r["decode_GBps"], r["status"] == "measured") for k, r in spec.codec_backends.items()}
+    assert sorted(table, key=kernels.gpu_rank) == ["ffi", "triton", "reference", "pallas"]
+    ffi, codec = spec.codec_backends["ffi"], hardware.H200_CODEC
+    assert (codec.encode_GBps, codec.decode_GBps) == (ffi["encode_GBps"], ffi["decode_GBps"])
+    path = tmp_path / "hardware.toml"
+    path.write_text(hardware.HARDWARE_FILE.read_text())
+    row = {"encode_GBps": 1500.5, "decode_GBps": 2100.25, "measured": True, "source": "a GPU run"}
+    hardware.update_codec_speeds({"backends": {"ffi": row, "triton": {**row, "measured": False}}}, path=path)
+    got, before = hardware.load_hardware(path), hardware.shipped()
+    speed = got["h200"].hardware.codec["default"]
+    assert (speed.encode_GBps, speed.decode_GBps, speed.overhead_s) == (1500.5, 2100.25, 8e-6)
+    assert got["h200"].codec_backends["triton"]["status"] == "bound"
+    assert got["h200"].codec_backends["reference"] == spec.codec_backends["reference"]
+    assert all(got[k].describe() | {"file": ""} == before[k].describe() | {"file": ""} for k in before if k != "h200")

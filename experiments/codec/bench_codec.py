@@ -61,10 +61,12 @@ from taco_jax import kernels
 from taco_jax.codec.backends import get_backend, get_native
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.dispatch import clip_to_dtype
+from taco_jax.perf.hardware import shipped
 
 MB = 1 << 20
 DEFAULT_SIZES = (1, 4, 16, 64, 256)
-HBM_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0}  # vendor peak, for the GPU report
+#: HBM peak GB/s by device name, for the GPU report: the hardware table's `[KEY.target]` memory bandwidth.
+HBM_PEAK_GBS = {k.upper(): s.target["memory_bandwidth_GBps"] for k, s in shipped().items() if s.target}
 
 
 def parse_args(argv=None):

@@ -287,7 +287,7 @@ def gpu_predictions(rows: list[dict], link: tuple[float, float, float]) -> list[
     for the smallest and largest e = measured / model speedup − 1, `perf.uncertainty.errors_from_study`),
     and a setting on its own hardware with a published speedup of COCCL's gets `published_error` =
     published / model − 1 (TACO on TP + DP + PP, as COCCL compresses every axis)."""
-    from taco_jax.perf import model, paper, uncertainty
+    from taco_jax.perf import hardware, model, paper, uncertainty
 
     try:
         errs = [r["speedup_error"] for r in uncertainty.errors_from_study({"rows": rows})["rows"]]
@@ -295,10 +295,10 @@ def gpu_predictions(rows: list[dict], link: tuple[float, float, float]) -> list[
     except ValueError:  # no TACO row on a shaped link with a model prediction
         span = None
 
-    tp_links = [("H100/H200 NVLink 4 (450 GB/s)", model.H200, model.NVLINK4),
-                ("H800 NVLink (200 GB/s)", model.H800, model.NVLINK_H800),
-                ("PCIe Gen5 x16 (64 GB/s)", model.H200, model.PCIE_GEN5),
-                ("InfiniBand NDR (50 GB/s per GPU)", model.H200, model.IB_NDR)]
+    tp_links = [("H100/H200 NVLink 4 (450 GB/s)", hardware.H200, hardware.NVLINK4),
+                ("H800 NVLink (200 GB/s)", hardware.H800, hardware.NVLINK_H800),
+                ("PCIe Gen5 x16 (64 GB/s)", hardware.H200, hardware.PCIE_GEN5),
+                ("InfiniBand NDR (50 GB/s per GPU)", hardware.H200, hardware.IB_NDR)]
     ref = next((r for r in rows if r["config"] == "gpt2_tp2_sp_bf16" and r["variant"] == "exact"
                 and r["local_s_per_step"] is not None and r["measured_bit_per_s"]), None)
     out = []

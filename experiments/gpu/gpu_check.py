@@ -7,8 +7,8 @@ in "errors"; a section left out by --sections is {"skipped": ...}, not an error)
                E4M3 / E5M2, G 32/128/512;
   throughput   encode / decode / decode-sum GB/s per backend x {bf16, f32} x --sizes MB (4,16,64,256)
                beside an XLA device copy of the same bytes (back-to-back calls, two inputs rotated,
-               median of 3 passes); also $OUT/gpu_speeds.json, the speed table `auto` ranks GPU
-               backends by (--update-speeds writes it into the package);
+               median of 3 passes); also $OUT/gpu_speeds.json, the speeds `auto` ranks GPU
+               backends by (--update-speeds writes them into the hardware table's [h200.codec]);
   collectives  compressed (taco) vs exact all-reduce and all-gather of bf16 and f32 messages over
                the visible devices (skipped, with the reason, on one device), time and relative error;
   training     a short compressed training run (gpt2-tiny, synthetic learnable tokens): losses, s/step.
@@ -152,7 +152,7 @@ def throughput(dry: bool, sizes_mb=SIZES_MB, dtypes=DTYPES) -> list[dict]:
 
 
 def speed_table(rows: list[dict], env: dict) -> dict:
-    """The declared speed table of `taco_jax.kernels` (`gpu_speeds.json` format) from throughput
+    """The speed table `taco_jax.kernels` ranks by (`gpu_speed_table`'s format) from throughput
     rows: per backend, float32 encode / decode GB/s at the largest size measured."""
     best = {}
     for r in rows:
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     p.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="throughput: message sizes in MB")
     p.add_argument("--update-speeds", action="store_true",
-                   help="write the measured speeds into taco_jax/kernels/gpu_speeds.json (GPU only; "
+                   help="write the measured speeds into taco_jax/perf/hardware.toml's [h200.codec] (GPU only; "
                         "$OUT/gpu_speeds.json is always written)")
     p.add_argument("--train-steps", type=int, default=30, help="training: steps (2 in a dry run)")
     args = p.parse_args(argv)
@@ -337,9 +337,9 @@ def main(argv=None) -> int:
         if args.update_speeds:
             if args.dry_run or report["environment"]["platform"] == "cpu":
                 raise ValueError("--update-speeds needs a GPU run (not --dry-run / CPU)")
-            from taco_jax import kernels  # noqa: PLC0415
+            from taco_jax.perf import hardware  # noqa: PLC0415
 
-            kernels.GPU_SPEEDS.write_text(table)
+            hardware.update_codec_speeds(json.loads(table))
     failed = [r for r in report["conformance"] if isinstance(r, dict) and not r.get("ok")] \
         if isinstance(report["conformance"], list) else []
     print(f"gpu_check: wrote {out / 'gpu_check.json'}; errors={report['errors']}; non-conforming={len(failed)}")

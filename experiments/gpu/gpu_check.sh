@@ -4,7 +4,7 @@
 # conformance to `reference`, codec throughput vs a device memcpy of the same bytes (1-256 MB),
 # compressed vs exact collectives on the visible GPUs, and a short compressed training run.
 # Also: $OUT/gpu_check.log (everything printed), $OUT/build.log, $OUT/nvidia_smi.txt,
-# $OUT/gpu_speeds.json (the measured speed table of `auto`; UPDATE_SPEEDS=1 writes it into the package),
+# $OUT/gpu_speeds.json (the measured speed table of `auto`; UPDATE_SPEEDS=1 writes it into perf/hardware.toml),
 # $OUT/triton_aot.json with AOT=1 (resources and SASS counts of the Triton kernels, compiled for sm_90).
 #
 # Target machine: Python 3.12, jax 0.11.2 (CUDA 13), triton 3.6, nvcc 13, no network, no

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.resources
 import json
 import math
 import os
@@ -38,6 +39,9 @@ import time
 from pathlib import Path
 
 from experiments.common import run_record
+from taco_jax.util.jsonio import read_table
+
+HARDWARE_FILE = importlib.resources.files("taco_jax") / "perf" / "hardware.toml"
 
 N_ROWS = 4096  # groups per launch (a constexpr of the kernels: rows are masked against it)
 P_RANKS = 4  # decode_sum: ranks summed
@@ -48,8 +52,12 @@ VARIANTS = (
     + [f"decode-{d}-{g}-{a}" for d in DTYPES for g in GROUPS for a in ("a", "noa")]
     + [f"decode_sum-{d}-{g}-a" for d in DTYPES for g in GROUPS]
 )
-#: H200 SXM figures of `bound` (NVIDIA datasheet / Hopper tuning guide).
-H200 = dict(sms=132, clock_hz=1.98e9, issue_per_sm_clk=4, smem_bytes_per_sm_clk=128, hbm_bytes_per_s=4.8e12)
+#: H200 SXM figures of `bound`: SMs, clock and HBM bandwidth from the hardware table's `[h200.target]`
+#: (taco_jax/perf/hardware.toml); warp instructions issued and shared-memory bytes per clock per SM
+#: from the Hopper tuning guide.
+_T = read_table(HARDWARE_FILE, "hardware file")["h200"]["target"]
+H200 = dict(sms=_T["sm_count"], clock_hz=_T["clock_ghz"] * 1e9, issue_per_sm_clk=4, smem_bytes_per_sm_clk=128,
+            hbm_bytes_per_s=_T["memory_bandwidth_GBps"] * 1e9)
 
 
 def _tool(name: str) -> str | None:

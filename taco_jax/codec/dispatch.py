@@ -30,7 +30,7 @@ from taco_jax.codec.backends import (
 from taco_jax.codec.config import TRANSPORTS, CodecConfig
 from taco_jax.codec.kinds import codec_kinds, get_kind
 from taco_jax.codec.nonfinite import check_finite
-from taco_jax.codec.reference import decode_groups, encode_groups, reduce_groups
+from taco_jax.codec.reference import decode_groups, encode_groups, reduce_groups, sum_fp32
 
 
 @jax.tree_util.register_dataclass
@@ -256,11 +256,7 @@ def decode_sum(enc: Encoded, cfg: CodecConfig, dtype=None) -> jax.Array:
     fused = (fused_fn is not None and cfg.nonfinite != "zero" and enc.codes.size
              and (dtype == jnp.float32 or _native(cfg, dtype)))
     if not fused:
-        y = decode(enc, cfg, jnp.float32)
-        acc = y[0]
-        for i in range(1, y.shape[0]):
-            acc = acc + y[i]
-        return acc.astype(dtype)
+        return sum_fp32(decode(enc, cfg, jnp.float32), dtype)
     with jax.named_scope("taco_decode"):
         xg = fused_fn(enc.codes, enc.scale, enc.prescale, dtype=dtype)
         rows = xg.reshape(*xg.shape[:-2], -1)[..., : math.prod(enc.shape)]

@@ -18,6 +18,17 @@ from taco_jax.codec import constants as C
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.hadamard import wht
 
+
+def sum_fp32(x: jax.Array, dtype, acc_dtype=jnp.float32) -> jax.Array:
+    """Sum over the leading (rank) axis in rank order (acc = x[0]; acc = acc + x[1]; ...), accumulated
+    in `acc_dtype` (FP32 unless given), then cast to `dtype`: the one rank-order sum of the codec and
+    the collectives (`reduce_groups`, `dispatch.decode_sum`, the exact and decoded all-reduce sums)."""
+    acc = x[0].astype(acc_dtype)
+    for i in range(1, x.shape[0]):
+        acc = acc + x[i].astype(acc_dtype)
+    return acc.astype(dtype)
+
+
 # --- Group math: [..., n_groups, G] float32 <-> codes + scales. Kernel backends implement these two.
 
 
@@ -72,10 +83,7 @@ def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: Code
     Returns: (codes' [..., n_groups, G], s' float32 [..., n_groups]); s' = NaN for a non-finite sum.
     """
     k = s if a is None else s / jnp.maximum(a, C.EPS)
-    z = codes.astype(jnp.float32) * k[..., None]
-    acc = z[0]
-    for r in range(1, z.shape[0]):
-        acc = acc + z[r]
+    acc = sum_fp32(codes.astype(jnp.float32) * k[..., None], jnp.float32)
     r = np.float32(cfg.target_range)
     s2 = jnp.clip(jnp.maximum(jnp.max(jnp.abs(acc), axis=-1), C.EPS) / r, C.EPS, C.SCALE_MAX)
     s2 = jnp.where(jnp.all(jnp.isfinite(acc), axis=-1), s2, np.float32(np.nan))

@@ -17,6 +17,7 @@ from jax import lax
 from taco_jax.codec.backends import WireCodec, get_wire, register_wire
 from taco_jax.codec.config import CodecConfig
 from taco_jax.codec.dispatch import Encoded, decode, decode_sum, encode, reduce_encoded, resolve_codec, wire_layout
+from taco_jax.codec.reference import sum_fp32  # noqa: F401  (the rank-order sum, `codec.wire.sum_fp32`)
 
 
 def pack_rows(enc: Encoded, batch_dims: int) -> jax.Array:
@@ -47,15 +48,6 @@ def block_messages(x: jax.Array, dim: int, p: int) -> jax.Array:
     """x [*pre, P*s, *post] -> [P, *pre, s, *post]: message r is x's block r along `dim`."""
     pre, post = x.shape[:dim], x.shape[dim + 1:]
     return jnp.moveaxis(x.reshape(*pre, p, x.shape[dim] // p, *post), dim, 0)
-
-
-def sum_fp32(x: jax.Array, dtype) -> jax.Array:
-    """Sum over the leading (rank) axis in FP32, in rank order (acc = x[0]; acc = acc + x[1]; ...),
-    then cast to `dtype`."""
-    acc = x[0].astype(jnp.float32)
-    for i in range(1, x.shape[0]):
-        acc = acc + x[i].astype(jnp.float32)
-    return acc.astype(dtype)
 
 
 def encode_rows(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, blocks=None, per_rank: bool = False):

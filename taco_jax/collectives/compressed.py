@@ -87,10 +87,7 @@ def _exact_psum_scatter(x, axis_name, dim, tiled, own_bytes: bool = False):
     a2a = functools.partial(lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0)
     got = _move_bits(a2a, xs) if own_bytes else a2a(xs)  # got[q]: rank q's block for this rank
     acc_t = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32 else x.dtype
-    acc = got[0].astype(acc_t)
-    for q in range(1, p):
-        acc = acc + got[q].astype(acc_t)
-    return acc.astype(x.dtype).reshape(shape)
+    return sum_fp32(got, x.dtype, acc_t).reshape(shape)
 
 
 def _a2a_all_gather(x, axis_name, axis, tiled):

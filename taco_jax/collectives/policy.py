@@ -11,6 +11,7 @@ import numpy as np
 from taco_jax import kernels  # noqa: F401  (registers the kernel backends and wire codecs the policy resolves to)
 from taco_jax.codec import NONE, TACO, CodecConfig
 from taco_jax.codec.dispatch import resolve_codec
+from taco_jax.collectives.compressed import ALGORITHMS, REDUCE_DOMAINS  # `psum`'s algorithm and reduce_domain
 
 #: Tensor-axis sites (TACO spec §1): RowParallel output all-reduce ("g" forward), ColumnParallel
 #: input all-reduce ("f" backward), sequence-parallel all-gather and reduce-scatter.
@@ -18,9 +19,6 @@ TENSOR_SITES = ("ar_fwd", "ar_bwd", "all_gather", "reduce_scatter")
 #: Other axes (paper §4): data-parallel gradient synchronisation and pipeline send/recv.
 OTHER_SITES = ("dp_grads", "pp_send")
 SITES = TENSOR_SITES + OTHER_SITES
-ALL_REDUCE_ALGORITHMS = ("two_shot", "one_shot")
-#: Where the two-shot all-reduce sums (`taco_jax.collectives.compressed.psum`'s `reduce_domain`).
-REDUCE_DOMAINS = ("signal", "hadamard")
 #: Version tag of policy files (`CommPolicy.to_json` / `from_json`).
 POLICY_FORMAT = "taco_jax.policy/1"
 
@@ -61,10 +59,10 @@ class CommPolicy:
         if self.chunks != "auto" and not (isinstance(self.chunks, int) and not isinstance(self.chunks, bool)
                                           and self.chunks >= 1):
             raise ValueError(f"chunks={self.chunks!r} must be 'auto' or an integer >= 1")
-        if self.all_reduce_algorithm not in ALL_REDUCE_ALGORITHMS:
+        if self.all_reduce_algorithm not in ALGORITHMS:
             raise ValueError(
                 f"all_reduce_algorithm={self.all_reduce_algorithm!r} is not supported; "
-                f"choose one of {ALL_REDUCE_ALGORITHMS}"
+                f"choose one of {ALGORITHMS}"
             )
         if self.min_bytes != "auto" and not (isinstance(self.min_bytes, int) and self.min_bytes >= 0):
             raise ValueError(f"min_bytes={self.min_bytes!r} must be an integer >= 0 or 'auto'")

@@ -11,7 +11,7 @@ contract in `taco_jax.codec.backends`), the "ffi" wire codec (`ffi_wire`, CPU) a
   ffi        XLA FFI custom calls (`ffi_codec`): C++ on CPU, CUDA on GPU; needs `make -C custom_calls`
              (`... cuda` for GPU).
   auto       CPU: ffi if built, else reference (warning once). GPU: the fastest present by the
-             declared speed table (`gpu_speed_table`).
+             declared speed table (`gpu_speed_table`: the hardware table's h200 codec speeds).
 pallas and triton read and write float32, bfloat16 and float16 as they are and have a fused decode-sum.
 
 Conformance rule (tests/test_kernels.py, against `reference` on the same inputs), finite groups:
@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import json
 import warnings
 from pathlib import Path
 
@@ -50,22 +49,29 @@ from taco_jax.codec.backends import (
 )
 from taco_jax.codec.config import BACKENDS
 from taco_jax.codec.dispatch import resolve_codec
+from taco_jax.util.jsonio import read_table
 
 #: Backends whose implementation lives in this package: name -> module.
 _MODULES = {"pallas": "pallas_codec", "triton": "triton_codec", "ffi": "ffi_codec"}
-#: The declared GPU speed of each backend (JSON, format in `gpu_speed_table`).
-GPU_SPEEDS = Path(__file__).with_name("gpu_speeds.json")
+#: The declared GPU speed of each backend: the hardware table's `[GPU_SPEEDS_KEY.codec]` (its
+#: `backend`) and `[GPU_SPEEDS_KEY.codec.backends.NAME]` (read as data; the one place GPU numbers live).
+GPU_SPEEDS = Path(__file__).parents[1] / "perf" / "hardware.toml"
+GPU_SPEEDS_KEY = "h200"
 
 
 @functools.cache
 def gpu_speed_table() -> dict[str, dict]:
     """{backend: {"encode_GBps", "decode_GBps", "measured", "source"}} from `GPU_SPEEDS`: GB/s (1e9 B/s)
-    of uncompressed message; "measured" False marks a bound, counted at `UNMEASURED_FRACTION`.
-    Raises ValueError naming a malformed entry."""
-    table = json.loads(GPU_SPEEDS.read_text())["backends"]
+    of uncompressed message; "measured" False marks a bound (status "bound"), counted at
+    `UNMEASURED_FRACTION`. Raises ValueError naming a malformed entry."""
+    codec = read_table(GPU_SPEEDS, "hardware file")[GPU_SPEEDS_KEY]["codec"]
+    rows = {codec["backend"]: codec, **codec.get("backends", {})}
+    table = {name: {"encode_GBps": row.get("encode_GBps"), "decode_GBps": row.get("decode_GBps"),
+                    "measured": row.get("status") == "measured", "source": row.get("source")}
+             for name, row in rows.items()}
     for name, row in table.items():
         ok = all(isinstance(row.get(k), (int, float)) and row[k] > 0 for k in ("encode_GBps", "decode_GBps"))
-        if name not in BACKENDS or not ok or not isinstance(row.get("measured"), bool):
+        if name not in BACKENDS or not ok:
             raise ValueError(f"{GPU_SPEEDS}: bad entry {name!r}: {row!r}")
     return table
 

@@ -28,7 +28,7 @@ from taco_jax.codec.vma import pvary, vma_of
 #: Message dtypes the kernels read and write as they are (no convert around the custom call).
 NATIVE_DTYPES = ("float32", "bfloat16", "float16")
 #: Elements per program (groups per program = ELEMENTS // G): 16 f32 values per thread at 4 warps
-#: (register counts: `python -m experiments.triton_aot`).
+#: (register counts: `python -m experiments.gpu.triton_aot`).
 ELEMENTS = 2048
 NUM_WARPS = 4
 #: The spec constants, passed to the kernels as `tl.constexpr` arguments (a @triton.jit function

@@ -2,9 +2,10 @@
 and an MFU give predicted collective and training-step times, the break-even message size
 (`min_bytes="auto"`) and an `auto_policy` that compresses only the sites predicted to gain.
 
-Floor: with `train` (imports codec, collectives and models configs; `train` may import it).
-Modules: `model` (equations, declared hardware, step time), `calibration` (fits to benchmark rows,
-the shipped CPU/gloo calibration, `resolve_min_bytes`), `paper` (the paper's setting).
+Floor: above models, below testing and train (imports codec, collectives and models configs; `train`
+imports it). Modules: `model` (equations, step time), `hardware` (the declared GPUs of `hardware.toml`:
+the one place GPU numbers live), `calibration` (fits to benchmark rows, the shipped CPU/gloo
+calibration, `resolve_min_bytes`), `paper` (the paper's setting).
 """
 
 from taco_jax.perf.calibration import (
@@ -20,13 +21,9 @@ from taco_jax.perf.calibration import (
            site_break_even,
            validate,
 )
+from taco_jax.perf.hardware import H200, H200_CODEC, H800, IB_NDR, NVLINK4, NVLINK_H800, PCIE_GEN5
 from taco_jax.perf.model import (
-           H200,
-           H800,
-           IB_NDR,
            NEVER,
-           NVLINK4,
-           NVLINK_H800,
            CodecSpeed,
            Hardware,
            Layout,
@@ -43,7 +40,8 @@ from taco_jax.perf.model import (
            wire_ratio,
 )
 
-__all__ = ["CPU_CALIBRATION", "H200", "H800", "IB_NDR", "NEVER", "NVLINK4", "NVLINK_H800", "Calibration", "CodecSpeed",
+__all__ = ["CPU_CALIBRATION", "H200", "H200_CODEC", "H800", "IB_NDR", "NEVER", "NVLINK4", "NVLINK_H800", "PCIE_GEN5",
+           "Calibration", "CodecSpeed",
            "Hardware", "Layout", "Link", "auto_policy", "break_even_bytes", "collective_time", "comm_time",
            "fit_calibration", "fit_codec", "fit_codec_sim", "fit_link", "flops", "load_rows", "param_count",
            "resolve_min_bytes", "sim_times", "site_break_even", "site_messages", "speedup", "step_time", "validate",

@@ -1,8 +1,8 @@
 """Fitting the cost model to measurements, and the `min_bytes="auto"` break-even threshold.
 
-Rows are dicts in the shape of `experiments/bench_collectives.py`'s JSON (schema
+Rows are dicts in the shape of `experiments/collectives/bench_collectives.py`'s JSON (schema
 "taco_jax.bench_collectives/1": collective, algorithm, codec, backend, dtype, transport, processes,
-size_bytes (per-rank message), time_s_median, ...) or of `experiments/costmodel_measure.py`'s (the
+size_bytes (per-rank message), time_s_median, ...) or of `experiments/costmodel/costmodel_measure.py`'s (the
 same keys, plus rows with collective "codec" holding encode_s / decode_s of a whole message).
 
 Calibration file (`CALIBRATION_FORMAT`, e.g. `calibration_cpu_gloo.json` beside this module): the
@@ -20,6 +20,7 @@ import numpy as np
 
 from taco_jax.codec import CodecConfig
 from taco_jax.collectives.policy import TENSOR_SITES, CommPolicy
+from taco_jax.perf import hardware as declared
 from taco_jax.perf import model
 from taco_jax.perf.model import CodecSpeed, Link
 
@@ -292,17 +293,30 @@ def site_break_even(policy: CommPolicy, link: Link, speeds: dict, p: int, *, ite
     return out
 
 
+def auto_threshold(policy: CommPolicy, hw: model.Hardware, tensor_size: int, *, itemsize: int = 4,
+                   sequence_parallel: bool | None = None) -> int:
+    """The `--min-bytes auto` threshold (bytes) of `policy` on GPU hardware `hw`: `site_break_even` over
+    max(tensor_size, 2) ranks on the link the tensor axis crosses (`model.links`: intra-node while
+    `tensor_size` ranks fit in a node, else inter-node) with `hw`'s codec speeds. The one resolver of
+    a GPU run (`resolve_min_bytes`) and of `taco-jax plan` / `predict` (`train.plan.resolve_policy`).
+    Raises: ValueError when a compressed site's backend has no speed on `hw`."""
+    link = hw.intra if tensor_size <= hw.gpus_per_node else hw.inter
+    return site_break_even(policy, link, hw.codec, max(int(tensor_size), 2), itemsize=itemsize,
+                           sequence_parallel=sequence_parallel)
+
+
 def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2, itemsize: int = 4,
                       sequence_parallel: bool | None = None, calibration=None,
-                      link_bytes_per_s: float | None = None) -> CommPolicy:
+                      link_bytes_per_s: float | None = None, hardware: model.Hardware | None = None) -> CommPolicy:
     """`policy` with min_bytes "auto" replaced by the predicted break-even size (others: unchanged).
 
     CPU: the shipped gloo calibration (`CPU_CALIBRATION`, or `calibration`, a `Calibration` or
     path); backends "reference" / "ffi" as measured there. A one-process run on the simulated mesh
     gets the same threshold as over gloo (its "collectives" are in-process copies, where compression
     never saves time; the threshold it gets is the one a real transport would, so that the
-    numerics do not depend on the process count). GPU ("cuda"/"gpu"/"rocm"): NVLink 4 and
-    the declared H200 codec speed (`model.H200`). `tensor_size` ranks on the tensor axis (< 2 -> 2).
+    numerics do not depend on the process count). GPU ("cuda"/"gpu"/"rocm"): `auto_threshold` on
+    `hardware` (default: the shipped `hardware.DEFAULT_GPU` entry, the H200: NVLink 4 and its measured
+    codec speed), as `taco-jax plan --hardware` resolves it. `tensor_size` ranks on the tensor axis (< 2 -> 2).
     `link_bytes_per_s` (CPU): the tensor axis's link rate measured by `taco-jax launch --link`; the
     link is then the calibration's latency with per byte the slower of the calibration's β and
     1 / link_bytes_per_s (gloo's own speed on loopback bounds it too).
@@ -313,17 +327,18 @@ def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2
     """
     if policy.min_bytes != "auto":
         return policy
-    p = max(int(tensor_size), 2)
-    if platform == "cpu":
-        cal = calibration if isinstance(calibration, Calibration) else Calibration.from_json(
-            calibration or CPU_CALIBRATION)
-        link, speeds = cal.link, cal.codec
-        if link_bytes_per_s:
-            link = Link(f"emulated {link_bytes_per_s * 8 / 1e6:.0f} Mbit/s", link.alpha_s,
-                        max(link.beta_s_per_byte, 1.0 / link_bytes_per_s), "measured by taco-jax launch --link")
-    elif platform in ("cuda", "gpu", "rocm"):
-        link, speeds = model.H200.intra, model.H200.codec
-    else:
+    if platform in ("cuda", "gpu", "rocm"):
+        hw = hardware or declared.shipped()[declared.DEFAULT_GPU].hardware
+        return dataclasses.replace(policy, min_bytes=auto_threshold(policy, hw, tensor_size, itemsize=itemsize,
+                                                                    sequence_parallel=sequence_parallel))
+    if platform != "cpu":
         raise ValueError(f"platform={platform!r}: min_bytes='auto' knows 'cpu' and 'cuda'")
-    return dataclasses.replace(policy, min_bytes=site_break_even(policy, link, speeds, p, itemsize=itemsize,
-                                                                        sequence_parallel=sequence_parallel))
+    cal = calibration if isinstance(calibration, Calibration) else Calibration.from_json(
+        calibration or CPU_CALIBRATION)
+    link, speeds = cal.link, cal.codec
+    if link_bytes_per_s:
+        link = Link(f"emulated {link_bytes_per_s * 8 / 1e6:.0f} Mbit/s", link.alpha_s,
+                    max(link.beta_s_per_byte, 1.0 / link_bytes_per_s), "measured by taco-jax launch --link")
+    return dataclasses.replace(policy, min_bytes=site_break_even(policy, link, speeds, max(int(tensor_size), 2),
+                                                                 itemsize=itemsize,
+                                                                 sequence_parallel=sequence_parallel))

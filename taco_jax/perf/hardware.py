@@ -1,5 +1,7 @@
 """Declared GPU hardware as data: `hardware.toml` beside this module (H100 SXM, H200, H800, A100 80GB,
 B200, L40S), or a user's own file of the same schema (`taco-jax plan --hardware-file FILE`).
+The shipped table is the one place GPU numbers live (FLOP rates, links, codec speeds): `H200`, `H800`,
+`H200_CODEC`, `NVLINK4`, `NVLINK_H800`, `IB_NDR` and `PCIE_GEN5` below are read from it.
 
 Each entry becomes a cost-model `model.Hardware` (peak FLOP/s, MFU, GPUs per node, intra- and
 inter-node `Link`, codec speed) plus what the numbers rest on (`HardwareSpec`): the source of each,
@@ -10,10 +12,14 @@ and whether the codec speed was measured or is assumed. Schema: the comment at t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import pathlib
+import tomllib
 
 from taco_jax.perf import model
+from taco_jax.util.jsonio import read_table
 
 #: The shipped hardware table.
 HARDWARE_FILE = pathlib.Path(__file__).with_name("hardware.toml")
@@ -24,6 +30,14 @@ _TARGET = {"gpu_name": str, "compute_capability": str, "sm_count": int, "fpus_pe
            "memory_bandwidth_GBps": float, "clock_ghz": float, "l2_cache_bytes": int, "shared_memory_per_sm": int,
            "shared_memory_per_block_optin": int, "runtime_version": str, "dnn_version": str, "source": str}
 CODEC_STATUS = ("measured", "assumed")
+#: `[KEY.codec.backends.NAME]`: another codec backend's speed on the same GPU (`auto`'s ranking).
+_BACKEND = {"encode_GBps": float, "decode_GBps": float, "status": str, "source": str}
+BACKEND_STATUS = ("measured", "assumed", "bound")
+#: The hardware a GPU run resolves `--min-bytes auto` on (`calibration.resolve_min_bytes`), and the
+#: `--hardware` of `plan` / `predict` when none is given.
+DEFAULT_GPU = "h200"
+#: The top-level table of named links (`declared_link`); every other top-level table is a hardware.
+LINKS = "links"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +53,9 @@ class HardwareSpec:
       where: the file it was read from.
       target: the `[KEY.target]` table (`_TARGET`'s fields: the GPU for XLA:GPU's deviceless
         compiler, `target_config`), or None when the entry has none.
+      codec_backends: {backend: {"encode_GBps", "decode_GBps", "status", "source"}}: `[KEY.codec]`
+        under its `backend` (when named) and each `[KEY.codec.backends.NAME]`; what codec backend
+        `auto` ranks GPU backends by (`taco_jax.kernels.gpu_speed_table` reads the shipped h200's).
     """
 
     key: str
@@ -47,6 +64,7 @@ class HardwareSpec:
     sources: dict
     where: str
     target: dict | None = None
+    codec_backends: dict = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict:
         """JSON-ready summary: name, links (GB/s per direction achieved, α µs), codec speed and status."""
@@ -92,8 +110,33 @@ def _link(table, where: str) -> tuple[model.Link, str]:
     f = _fields(table, _LINK, where)
     if f["efficiency"] > 1:
         raise ValueError(f"{where}.efficiency={f['efficiency']!r} must be in (0, 1] (achieved / datasheet bandwidth)")
-    return model.Link.from_bandwidth(f["name"], f["alpha_us"] * 1e-6, f["efficiency"] * f["bandwidth_GBps"] * 1e9,
+    return model.Link.from_bandwidth(f["name"], f["alpha_us"] / 1e6, f["efficiency"] * f["bandwidth_GBps"] * 1e9,
                                      f["source"]), f["source"]
+
+
+def _codec(table, where: str) -> tuple[dict, dict]:
+    """`[KEY.codec]` checked: (its `_CODEC` fields, {backend: speed row} of its optional `backend` and
+    `[KEY.codec.backends.NAME]` tables). Raises ValueError naming `where` and the bad key."""
+    table = dict(table) if isinstance(table, dict) else table
+    backend = table.pop("backend", None) if isinstance(table, dict) else None
+    others = table.pop("backends", {}) if isinstance(table, dict) else {}
+    c = _fields(table, _CODEC, where)
+    if c["status"] not in CODEC_STATUS:
+        raise ValueError(f"{where}.status={c['status']!r} must be one of {CODEC_STATUS}")
+    rows = {}
+    if backend is not None:
+        if not isinstance(backend, str) or not backend:
+            raise ValueError(f"{where}.backend={backend!r} must be a backend name")
+        rows[backend] = {"encode_GBps": c["encode_GBps"], "decode_GBps": c["decode_GBps"], "status": c["status"],
+                         "source": c["source"]}
+    if not isinstance(others, dict):
+        raise ValueError(f"{where}.backends must be a table of [{where}.backends.NAME] tables")
+    for name, row in others.items():
+        r = _fields(row, _BACKEND, f"{where}.backends.{name}")
+        if r["status"] not in BACKEND_STATUS:
+            raise ValueError(f"{where}.backends.{name}.status={r['status']!r} must be one of {BACKEND_STATUS}")
+        rows[name] = r
+    return c, rows
 
 
 def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
@@ -103,6 +146,7 @@ def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{where}: holds no hardware table ([name] with peak_tflops, mfu, gpus_per_node, "
                          "[name.intra], [name.inter], [name.codec]; see taco_jax/perf/hardware.toml)")
+    data = {k: v for k, v in data.items() if k != LINKS}
     same = {}
     for key in data:  # the key is case-insensitive (`--hardware H100`): two spellings of one name would merge
         if key.lower() in same:
@@ -120,15 +164,13 @@ def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
                 raise ValueError(f"{at}: missing table [{key}.{part}]")
         intra, intra_src = _link(table["intra"], f"{at}.intra")
         inter, inter_src = _link(table["inter"], f"{at}.inter")
-        c = _fields(table["codec"], _CODEC, f"{at}.codec")
-        if c["status"] not in CODEC_STATUS:
-            raise ValueError(f"{at}.codec.status={c['status']!r} must be one of {CODEC_STATUS}")
-        speed = model.CodecSpeed(c["encode_GBps"], c["decode_GBps"], c["overhead_us"] * 1e-6, c["source"])
+        c, backends = _codec(table["codec"], f"{at}.codec")
+        speed = model.CodecSpeed(c["encode_GBps"], c["decode_GBps"], c["overhead_us"] / 1e6, c["source"])
         hw = model.Hardware(top["name"], top["peak_tflops"] * 1e12, top["mfu"], top["gpus_per_node"], intra, inter,
                             {"default": speed})
         target = _target(table["target"], f"{at}.target") if "target" in table else None
         out[key.lower()] = HardwareSpec(key.lower(), hw, c["status"], {"hardware": top["source"], "intra": intra_src,
-                                        "inter": inter_src, "codec": c["source"]}, where, target)
+                                        "inter": inter_src, "codec": c["source"]}, where, target, backends)
     return out
 
 
@@ -182,8 +224,6 @@ def load_hardware(path=None) -> dict[str, HardwareSpec]:
     """The hardware of a TOML (or ".json") file, default the shipped `hardware.toml`.
     Raises ValueError naming the file (a given one as `--hardware-file`) when it cannot be read or
     parsed, or holds a bad entry."""
-    from taco_jax.util.jsonio import read_table  # same floor; jsonio imports nothing of taco_jax
-
     what = "--hardware-file" if path else "hardware file"
     path = pathlib.Path(path or HARDWARE_FILE)
     data = read_table(path, what)
@@ -202,7 +242,7 @@ def get_hardware(name: str = "", path=None) -> HardwareSpec:
                 raise ValueError(f"hardware file {str(path)!r} holds {sorted(own)}; choose one with --hardware")
             return next(iter(own.values()))
         known.update(own)
-    key = (name or "h200").lower()
+    key = (name or DEFAULT_GPU).lower()
     if key not in known:
         raise ValueError(f"hardware={name!r} is not declared; choose one of {sorted(known)} or give --hardware-file")
     return known[key]
@@ -245,3 +285,79 @@ def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None, gpus: i
                          f"{hw.gpus_per_node} GPUs ({hw.name}), which {per_node} does not divide: the next group "
                          "would cross a node boundary; give K with tp / K dividing the node's GPUs")
     return dataclasses.replace(hw, gpus_per_node=per_node)
+
+
+@functools.cache
+def shipped() -> dict[str, HardwareSpec]:
+    """{key: HardwareSpec} of the shipped `hardware.toml` (read once)."""
+    return load_hardware()
+
+
+def declared_link(name: str) -> model.Link:
+    """The shipped table's `[links.NAME]` link. Raises ValueError naming an unknown name."""
+    table = read_table(HARDWARE_FILE, "hardware file").get(LINKS, {})
+    if name not in table:
+        raise ValueError(f"link {name!r} is not declared in {HARDWARE_FILE}; known: {sorted(table)}")
+    return _link(table[name], f"hardware file {str(HARDWARE_FILE)!r}: [{LINKS}.{name}]")[0]
+
+
+#: The shipped entries the paper's predictions use (`perf.paper`, `plan.paper_table`), read from
+#: `hardware.toml`. The paper's predictions assume the measured H200 codec on every GPU, so its `H800`
+#: is the table's h800 with `H200_CODEC` (the table's own h800 codec speed is assumed, scaled by HBM).
+H200 = shipped()["h200"].hardware
+#: The TACO codec measured on an H200 (CUDA FFI, 256 MB f32; 8 µs per call assumed): `[h200.codec]`.
+H200_CODEC = H200.codec["default"]
+H800 = dataclasses.replace(shipped()["h800"].hardware, codec={"default": H200_CODEC})
+NVLINK4, NVLINK_H800, IB_NDR = H200.intra, H800.intra, H200.inter
+PCIE_GEN5 = declared_link("pcie-gen5")
+
+
+
+def _toml_value(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v) if isinstance(v, str) else repr(v)
+
+
+def _set_table(lines: list[str], header: str, values: dict, after: str) -> None:
+    """Sets the keys of TOML table `[header]` in `lines` to `values` (other keys and comments kept); a
+    missing table is added after the last table whose header starts with `[after`."""
+    head = f"[{header}]"
+    if head not in lines:
+        last = max(i for i, x in enumerate(lines) if x.startswith(f"[{after}"))
+        end = next((i for i in range(last + 1, len(lines)) if lines[i].startswith("[")), len(lines))
+        while end > last + 1 and (not lines[end - 1].strip() or lines[end - 1].startswith("#")):
+            end -= 1  # before the blank lines and comments that open the next table
+        lines[end:end] = ["", head]
+    start = lines.index(head) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+    keys = {x.split("=")[0].strip(): i for i, x in enumerate(lines[start:end], start) if "=" in x}
+    for k, v in values.items():
+        if k in keys:
+            lines[keys[k]] = f"{k} = {_toml_value(v)}"
+    last = max(keys.values(), default=start - 1)
+    lines[last + 1:last + 1] = [f"{k} = {_toml_value(v)}" for k, v in values.items() if k not in keys]
+
+
+def update_codec_speeds(speeds: dict, key: str = DEFAULT_GPU, path=None) -> pathlib.Path:
+    """Writes measured codec speeds into the hardware table (default: the shipped `hardware.toml`)
+    under `[key.codec]`: `speeds` as `experiments/gpu/gpu_check.py`'s speed table ({"backends": {backend:
+    {"encode_GBps", "decode_GBps", "measured", "source"}}}); the backend `[key.codec]` names gets its
+    encode / decode speed and source there (its per-call overhead stays), every other backend its
+    `[key.codec.backends.NAME]` table (status "measured", or "bound" where not measured). The result
+    is parsed back before it is written. Raises ValueError for an entry without a codec `backend`."""
+    path = pathlib.Path(path or HARDWARE_FILE)
+    main = read_table(path, "hardware file")[key]["codec"].get("backend")
+    if not main:
+        raise ValueError(f"[{key}.codec] in {path} names no backend; add backend = \"NAME\"")
+    lines = path.read_text().splitlines()
+    for name, row in speeds["backends"].items():
+        values = {"encode_GBps": row["encode_GBps"], "decode_GBps": row["decode_GBps"]}
+        if name == main:
+            _set_table(lines, f"{key}.codec", {**values, "status": "measured",
+                                               "source": f"{row['source']}; overhead_us assumed"}, key)
+        else:
+            _set_table(lines, f"{key}.codec.backends.{name}", {**values, "status": "measured" if row["measured"]
+                                                               else "bound", "source": row["source"]}, f"{key}.codec")
+    text = "\n".join(lines) + "\n"
+    parse_hardware(tomllib.loads(text), f"the updated {path}")
+    path.write_text(text)
+    return path

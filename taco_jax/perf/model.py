@@ -114,29 +114,6 @@ class CodecSpeed:
         return calls * self.overhead_s + nbytes / (self.decode_GBps * 1e9)
 
 
-# ---------------------------------------------------------------------------------------------
-# Declared hardware (parameters; every number names its source or says it is an assumption)
-# ---------------------------------------------------------------------------------------------
-#: NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU = 450 GB/s per direction (NVIDIA
-#: H100/H200 datasheets); 80 % achieved (assumption, near nccl-tests all-reduce bus bandwidth on
-#: 8×H100); α = 3 µs per step (assumption, NCCL LL/Simple latency order).
-NVLINK4 = Link.from_bandwidth("nvlink4", 3e-6, 0.8 * 450e9, "H100/H200 datasheet 900 GB/s bidir, 80% achieved")
-#: H800 NVLink: 400 GB/s bidirectional (NVIDIA H800 datasheet) = 200 per direction, 80 % achieved.
-NVLINK_H800 = Link.from_bandwidth("nvlink-h800", 3e-6, 0.8 * 200e9, "H800 datasheet 400 GB/s bidir, 80% achieved")
-#: InfiniBand NDR, one 400 Gb/s ConnectX-7 per GPU (DGX H100/H200 reference design) = 50 GB/s per
-#: direction; 80 % achieved; α = 10 µs per step (assumption).
-IB_NDR = Link.from_bandwidth("ib-ndr400", 10e-6, 0.8 * 50e9, "ConnectX-7 400 Gb/s per GPU, 80% achieved")
-#: PCIe Gen5 x16: 64 GB/s per direction (PCI-SIG 5.0 spec, 32 GT/s × 16 lanes), 80 % achieved; α = 5 µs
-#: per step (assumption). TP over PCIe: GPUs without NVLink in one node (docs/emulated.md).
-PCIE_GEN5 = Link.from_bandwidth("pcie-gen5-x16", 5e-6, 0.8 * 64e9, "PCIe Gen5 x16 64 GB/s per direction, 80% achieved")
-#: TACO codec on an H200, MEASURED (CUDA FFI backend, E4M3, G = 128, f32 input, 256 MB message:
-#: encode 1,386 GB/s = 0.78x and decode 1,962 GB/s = 1.10x a device copy of the same message;
-#: docs/gpu/h200_gpu_check_2026-11-30.json, docs/results.md "GPU path"). Per-call overhead inside a compiled
-#: step: 8 µs (assumption: kernel launch + the group pass; the 34-39 µs fitted from back-to-back
-#: jitted calls at 16-256 MB include Python dispatch, which a train step does not pay).
-H200_CODEC = CodecSpeed(1386.0, 1962.0, 8e-6, "measured on an H200 (CUDA FFI, 256 MB f32); 8 us/call assumed")
-
-
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """One kind of GPU (or CPU device) and its links.
@@ -174,13 +151,6 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r} declares no codec speed for backend={codec.backend!r} "
                              f"(known: {sorted(self.codec)})")
         return speed
-
-
-#: H200 SXM: 989 TFLOP/s dense BF16 (NVIDIA datasheet), MFU 0.40 (assumption; Megatron-LM reports
-#: 0.4–0.5 on H100 for GPT sizes), 8 GPUs per node over NVLink 4, NDR InfiniBand between nodes.
-H200 = Hardware("H200", 989e12, 0.40, 8, NVLINK4, IB_NDR, {"default": H200_CODEC})
-#: H800 (COCCL's cluster): 989 TFLOP/s dense BF16, NVLink 400 GB/s bidirectional, NDR InfiniBand.
-H800 = Hardware("H800", 989e12, 0.40, 8, NVLINK_H800, IB_NDR, {"default": H200_CODEC})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ over InfiniBand.
 
 Assumptions (all parameters of `model`, stated in each row): BF16 activations on the TP/PP wire,
 FP32 gradients on the DP wire; no overlap of TP communication with compute; DP all-reduce exposed;
-MFU 0.40 of 989 TFLOP/s; codec at the measured H200 speed (`model.H200_CODEC`: CUDA FFI, 256 MB) for every kind;
+MFU 0.40 of 989 TFLOP/s; codec at the measured H200 speed (`hardware.H200_CODEC`: CUDA FFI, 256 MB) for every kind;
 Megatron placement (TP inside a node, then DP, then PP); b = 1, T = 2048, 1F1B with m = 32
 microbatches. Run: `python -m taco_jax.perf.paper`; the codec outlook (break-even codec speed per
 TP link, today's codec beside a target one): `python -m taco_jax.perf.paper --codec`.
@@ -19,6 +19,7 @@ from taco_jax.codec import TACO, CodecConfig
 from taco_jax.collectives.policy import CommPolicy
 from taco_jax.models import GPTConfig, get_config
 from taco_jax.perf import model
+from taco_jax.perf.hardware import H200, H200_CODEC, H800, IB_NDR, NVLINK4, NVLINK_H800, PCIE_GEN5, shipped
 from taco_jax.perf.model import Layout
 
 #: GPT-3 family sizes (Brown et al. 2020, Table 2.1) with the GPT-2 vocabulary; T = 2048.
@@ -41,16 +42,16 @@ def settings() -> list[tuple[str, object, Layout, model.Hardware, str]]:
     """(label, model config, layout, hardware, published reference) of each predicted setting."""
     lay = dict(micro_batch=1, seq_len=2048, n_micro=32, act_bytes=2, grad_bytes=4)
     return [
-        ("GPT-6.7B tp8 pp4 (32 H800)", GPT_6_7B, Layout(tp=8, pp=4, dp=1, **lay), model.H800, "COCCL 1.10x"),
-        ("GPT-13B tp8 pp4 (32 H800)", GPT_13B, Layout(tp=8, pp=4, dp=1, **lay), model.H800, "COCCL 1.24x"),
-        ("Qwen2.5-7B tp4 pp2 dp4 (32 H800)", get_config("qwen2.5-7b"), Layout(tp=4, pp=2, dp=4, **lay), model.H800,
+        ("GPT-6.7B tp8 pp4 (32 H800)", GPT_6_7B, Layout(tp=8, pp=4, dp=1, **lay), H800, "COCCL 1.10x"),
+        ("GPT-13B tp8 pp4 (32 H800)", GPT_13B, Layout(tp=8, pp=4, dp=1, **lay), H800, "COCCL 1.24x"),
+        ("Qwen2.5-7B tp4 pp2 dp4 (32 H800)", get_config("qwen2.5-7b"), Layout(tp=4, pp=2, dp=4, **lay), H800,
          "COCCL 1.05x"),
-        ("GPT-13B tp8 pp2 dp2 (32 H800)", GPT_13B, Layout(tp=8, pp=2, dp=2, **lay), model.H800, "COCCL 1.24x"),
-        ("GPT-13B tp16 (TP over IB) pp2 (32 H800)", GPT_13B, Layout(tp=16, pp=2, dp=1, **lay), model.H800,
+        ("GPT-13B tp8 pp2 dp2 (32 H800)", GPT_13B, Layout(tp=8, pp=2, dp=2, **lay), H800, "COCCL 1.24x"),
+        ("GPT-13B tp16 (TP over IB) pp2 (32 H800)", GPT_13B, Layout(tp=16, pp=2, dp=1, **lay), H800,
          "TACO up to 1.87x"),
         ("GPT-13B tp16 (TP over IB) pp2, FP32 wire", GPT_13B, Layout(tp=16, pp=2, dp=1, **{**lay, "act_bytes": 4}),
-         model.H800, "TACO up to 1.87x"),
-        ("Qwen2.5-7B tp8 pp4 (32 H200)", get_config("qwen2.5-7b"), Layout(tp=8, pp=4, dp=1, **lay), model.H200,
+         H800, "TACO up to 1.87x"),
+        ("Qwen2.5-7B tp8 pp4 (32 H200)", get_config("qwen2.5-7b"), Layout(tp=8, pp=4, dp=1, **lay), H200,
          "TACO up to 1.87x"),
     ]
 
@@ -84,12 +85,12 @@ def main() -> None:
 # Codec speed: break-even and target (the GPU TP links of docs/emulated.md)
 # ---------------------------------------------------------------------------------------------
 #: The TP links the codec outlook sweeps: (label, hardware, link).
-TP_LINKS = (("NVLink 4 (450 GB/s)", model.H200, model.NVLINK4),
-            ("H800 NVLink (200 GB/s)", model.H800, model.NVLINK_H800),
-            ("PCIe Gen5 x16 (64 GB/s)", model.H200, model.PCIE_GEN5),
-            ("InfiniBand NDR (50 GB/s)", model.H200, model.IB_NDR))
-#: H200 HBM3e peak, bytes/s (NVIDIA datasheet: 4.8 TB/s).
-H200_HBM_BPS = 4.8e12
+TP_LINKS = (("NVLink 4 (450 GB/s)", H200, NVLINK4),
+            ("H800 NVLink (200 GB/s)", H800, NVLINK_H800),
+            ("PCIe Gen5 x16 (64 GB/s)", H200, PCIE_GEN5),
+            ("InfiniBand NDR (50 GB/s)", H200, IB_NDR))
+#: H200 HBM3e peak, bytes/s (`[h200.target]` memory_bandwidth_GBps of the hardware table: 4.8 TB/s).
+H200_HBM_BPS = shipped()["h200"].target["memory_bandwidth_GBps"] * 1e9
 
 
 def target_codec(fraction: float = 0.8, itemsize: int = 2, hbm_Bps: float = H200_HBM_BPS) -> model.CodecSpeed:
@@ -99,7 +100,7 @@ def target_codec(fraction: float = 0.8, itemsize: int = 2, hbm_Bps: float = H200
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction!r} must be in (0, 1]")
     gbps = fraction * hbm_Bps / (1 + TACO.wire_bytes_per_element() / itemsize) / 1e9
-    return model.CodecSpeed(gbps, gbps, model.H200_CODEC.overhead_s,
+    return model.CodecSpeed(gbps, gbps, H200_CODEC.overhead_s,
                             f"{fraction:g} x the HBM bound ({hbm_Bps / 1e12:g} TB/s), itemsize {itemsize}")
 
 
@@ -108,7 +109,7 @@ def _with_codec(hw: model.Hardware, speed: model.CodecSpeed, tp_link: model.Link
 
 
 def break_even_codec_GBps(cfg, lay: Layout, hw: model.Hardware, policy: CommPolicy, *,
-                          overhead_s: float = model.H200_CODEC.overhead_s) -> float | None:
+                          overhead_s: float = H200_CODEC.overhead_s) -> float | None:
     """Codec throughput (GB/s, encode = decode) at which `policy` is predicted exactly as fast as the
     exact step on `hw` (speedup 1), by bisection on a log scale over 1 GB/s .. 1 PB/s; None when
     even a codec at 1 PB/s does not pay (the saved bytes do not cover the per-call overhead), 1.0
@@ -131,7 +132,7 @@ def break_even_codec_GBps(cfg, lay: Layout, hw: model.Hardware, policy: CommPoli
 def codec_outlook(target: model.CodecSpeed | None = None) -> list[dict]:
     """For each BF16 setting of `settings()` and each TP link of `TP_LINKS`: the break-even codec
     speed of TACO on the TP sites (GB/s), and the predicted speedup with today's measured codec
-    (`model.H200_CODEC`) beside a codec at `target` (default `target_codec()`: 0.8 of the HBM bound)."""
+    (`H200_CODEC`) beside a codec at `target` (default `target_codec()`: 0.8 of the HBM bound)."""
     target = target or target_codec()
     pol = policies()["taco_tp"]
     out = []
@@ -139,10 +140,10 @@ def codec_outlook(target: model.CodecSpeed | None = None) -> list[dict]:
         if lay.act_bytes != 2 or "IB)" in label:
             continue
         for link_name, hw, link in TP_LINKS:
-            today = _with_codec(hw, model.H200_CODEC, link, lay.tp)
+            today = _with_codec(hw, H200_CODEC, link, lay.tp)
             out.append({"setting": label, "tp_link": link_name,
                         "break_even_GBps": break_even_codec_GBps(cfg, lay, today, pol),
-                        "today_GBps": (model.H200_CODEC.encode_GBps, model.H200_CODEC.decode_GBps),
+                        "today_GBps": (H200_CODEC.encode_GBps, H200_CODEC.decode_GBps),
                         "speedup_today": model.speedup(cfg, lay, today, pol),
                         "target_GBps": target.encode_GBps,
                         "speedup_target": model.speedup(cfg, lay, _with_codec(hw, target, link, lay.tp), pol)})
@@ -153,7 +154,7 @@ def print_codec_outlook() -> None:
     """`codec_outlook()` as a table (`python -m taco_jax.perf.paper --codec`)."""
     rows = codec_outlook()
     print(f"target codec: {target_codec().source}: {rows[0]['target_GBps']:,.0f} GB/s; today: "
-          f"{model.H200_CODEC.source}")
+          f"{H200_CODEC.source}")
     print(f"{'setting':34s} {'TP link':26s} {'break-even':>11s} {'today':>7s} {'target':>7s}")
     for r in rows:
         be = "never" if r["break_even_GBps"] is None else f"{r['break_even_GBps']:,.0f}"

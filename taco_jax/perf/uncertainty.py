@@ -1,10 +1,10 @@
 """Error bars of the cost model's predictions, from where it was checked against measurements.
 
 Two sources:
-- **emulated**: the end-to-end study on an emulated cluster (docs/emulated.md; rows of
-  docs/bench/e2e_study_2026-12-03b/study.json, the rerun with the emulator's 4 KB send bucket;
-  shipped as `model_errors.json` beside this module,
-  `errors_from_study`): per configuration and shaped link, the measured TACO speedup over exact
+- **emulated**: the end-to-end study on an emulated cluster (docs/emulated.md), shipped inside the
+  package as `model_errors.json` beside this module (`errors_from_study` of the study; its "study"
+  field names the repository file it was derived from; package code reads only the shipped copy):
+  per configuration and shaped link, the measured TACO speedup over exact
   against the model's, and the model's step-time error for exact and TACO. Loopback rows (the
   transfer is CPU work on the same cores, which an α-β link does not describe) and chunked
   all-reduces (K > 1, which the model gets backwards; docs/emulated.md) are left out.
@@ -26,15 +26,13 @@ import re
 #: The shipped per-configuration errors on the emulated cluster (`errors_from_study`).
 ERRORS_FILE = pathlib.Path(__file__).with_name("model_errors.json")
 ERRORS_FORMAT = "taco_jax.perf.model_errors/1"
-#: The study `model_errors.json` was derived from (in the repository).
-STUDY = "docs/bench/e2e_study_2026-12-03b/study.json"
 
 
-def errors_from_study(study: dict) -> dict:
-    """The emulated-cluster errors of an e2e study (`experiments/e2e_study.py`'s study.json):
-    {"format", "study", "rows": [{"config", "link", "measured_speedup", "model_speedup",
-    "speedup_error" (measured / model - 1), "exact_step_error", "taco_step_error" (model / measured
-    - 1)}]}, one row per TACO variant "taco" (one chunk) on a shaped link.
+def errors_from_study(study: dict, source: str = "") -> dict:
+    """The emulated-cluster errors of an e2e study (`experiments/e2e/e2e_study.py`'s study.json; `source`:
+    where it lies, recorded as "study"): {"format", "study", "rows": [{"config", "link",
+    "measured_speedup", "model_speedup", "speedup_error" (measured / model - 1), "exact_step_error",
+    "taco_step_error" (model / measured - 1)}]}, one row per TACO variant "taco" (one chunk) on a shaped link.
     Raises ValueError when the study has no such row."""
     rows = study.get("rows", [])
     exact = {(r["config"], r["link"]): r for r in rows if r.get("variant") == "exact"}
@@ -50,7 +48,7 @@ def errors_from_study(study: dict) -> dict:
                     "taco_step_error": round(r["model_error"], 4)})
     if not out:
         raise ValueError("the study has no TACO row on a shaped link with a model prediction")
-    return {"format": ERRORS_FORMAT, "study": STUDY, "rows": out}
+    return {"format": ERRORS_FORMAT, "study": source, "rows": out}
 
 
 def emulated_errors() -> list[dict]:

@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import difflib
 import functools
-import json
 import math
 import os
 import pathlib
@@ -25,6 +24,7 @@ from taco_jax.parallel.context import check_tp_overlap
 from taco_jax.parallel.layers import check_compute
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
 from taco_jax.parallel.pipeline import check_pipeline, pipelined_layout
+from taco_jax.util.links import EmulatedLink
 
 #: The model of a run without `--model` and `--init-from`.
 DEFAULT_MODEL = "gpt2-tiny"
@@ -514,12 +514,10 @@ class CommunicationSection:
             raise _invalid("communication", "step_timeout", self.step_timeout, "must be >= 0 or 'auto'")
         if self.emulated_link:
             try:
-                ok = isinstance(json.loads(self.emulated_link), dict)
-            except json.JSONDecodeError:
-                ok = False
-            if not ok:
+                EmulatedLink.parse(self.emulated_link)
+            except ValueError:
                 raise flag_error("emulated_link", f"emulated_link={self.emulated_link[:80]!r} must be a JSON object "
-                                 "(the link description `taco-jax launch --link` passes), or empty")
+                                 "(the link description `taco-jax launch --link` passes), or empty") from None
         if self.transport not in TRANSPORTS:
             raise _invalid("communication", "transport", self.transport, f"must be one of {TRANSPORTS}")
 

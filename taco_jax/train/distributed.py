@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import threading
 import time
@@ -18,6 +17,7 @@ import numpy as np
 
 from taco_jax.testing import faults
 from taco_jax.util.console import write_line
+from taco_jax.util.links import EmulatedLink
 
 #: Environment variables read when the flags are not given (JAX reads JAX_COORDINATOR_ADDRESS itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
@@ -191,7 +191,7 @@ class StepWatchdog:
     """
 
     def __init__(self, timeout_s: float | str, *, exit_status: int = 1, first_factor: float = 10.0,
-                 wire_bytes: float = 0.0, link: dict | None = None):
+                 wire_bytes: float = 0.0, link: EmulatedLink | None = None):
         import jax
 
         self.auto = timeout_s == "auto"
@@ -350,20 +350,13 @@ class StepWatchdog:
 # --- emulated links (`taco-jax launch --link`, taco_jax/emulate.py)
 
 
-def emulated_link(text: str) -> dict | None:
+def emulated_link(text: str) -> EmulatedLink | None:
     """The link description in `text`, a run's `TrainConfig.emulated_link` (JSON set by `taco-jax launch
-    --link`; it goes into summary.json as "emulated_link"), None for "". Raises ValueError naming the
-    field for malformed JSON."""
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"emulated_link is not JSON: {e}") from None
+    --link`; it goes into summary.json as "emulated_link"), None for "": `EmulatedLink.parse` (parsed
+    once per text). Raises ValueError naming the field for malformed JSON."""
+    return EmulatedLink.parse(text)
 
 
-def tensor_link_bytes_per_s(link: dict | None) -> float | None:
+def tensor_link_bytes_per_s(link: EmulatedLink | None) -> float | None:
     """Measured payload bytes/s of the emulated link the tensor axis runs over (`tensor_tier`), or None."""
-    if not link or not link.get("tensor_tier"):
-        return None
-    return link["tiers"][link["tensor_tier"]]["measured_bit_per_s"] / 8
+    return link.tensor_bytes_per_s if link else None

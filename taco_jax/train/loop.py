@@ -349,7 +349,7 @@ def summarize(run: Run, acct: Accounting, state: hooks.RunState, wall: float, en
     if "step_timeout_auto" in ends:  # --step-timeout auto: the watchdog's limit at the end of the run
         summary["step_timeout_auto"] = ends.pop("step_timeout_auto")
     if link := dist.emulated_link(cfg.communication.emulated_link):  # `launch --link`: requested and measured rates
-        summary["emulated_link"] = link
+        summary["emulated_link"] = link.as_dict()
     if start:
         summary["resumed_from_step"] = start
         if state.resume_notes:  # config.json is this run's config: what the steps up to `start` ran with differs

@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from taco_jax.collectives.policy import SITES, CommPolicy
+from taco_jax.perf import hardware as hwt
 from taco_jax.perf import model, uncertainty
 from taco_jax.perf.hardware import HardwareSpec, with_tp_span
 from taco_jax.train import deviceless
@@ -78,16 +79,16 @@ def _site_rows(cfg, layout: model.Layout, hw: model.Hardware, policy: CommPolicy
     """Per running site: its collective, message (as `CommPolicy.codec_for` measures it), link,
     break-even size on that link (for the site's codec; TACO where the site is declared exact) and
     what `--min-bytes auto` does there: one threshold, the largest break-even of the running
-    compressed tensor sites (`perf.calibration.site_break_even`), applied to every site. Returns
-    (rows, threshold bytes; None: compression never pays)."""
+    compressed tensor sites (`perf.calibration.auto_threshold`, as a run resolves it), applied to every
+    site. Returns (rows, threshold bytes; None: compression never pays)."""
     from taco_jax.codec import TACO
-    from taco_jax.perf.calibration import site_break_even
+    from taco_jax.perf.calibration import auto_threshold
 
     lk = model.links(layout, hw)
     link_of = {"data": lk["dp"], "stage": lk["pp"], "tensor": lk["tp"]}
     msgs = model.site_messages(cfg, layout)
-    threshold = site_break_even(policy, lk["tp"], hw.codec, max(layout.tp, 2), itemsize=layout.act_bytes,
-                                sequence_parallel=layout.sequence_parallel)
+    threshold = auto_threshold(policy, hw, layout.tp, itemsize=layout.act_bytes,
+                               sequence_parallel=layout.sequence_parallel)
     rows = []
     for site in SITES:
         if site not in msgs:
@@ -166,16 +167,12 @@ def memory_estimate(cfg: TrainConfig) -> dict:
 
 
 def resolve_policy(policy: CommPolicy, layout: model.Layout, hw: model.Hardware) -> CommPolicy:
-    """`policy` with min_bytes "auto" replaced by the break-even size on `hw`'s tensor link
-    (`perf.calibration.site_break_even`, as `--min-bytes auto` resolves it on a GPU)."""
-    if policy.min_bytes != "auto":
-        return policy
-    from taco_jax.perf.calibration import site_break_even
+    """`policy` with min_bytes "auto" replaced by the break-even size on `hw`: the resolver of a GPU run
+    (`perf.resolve_min_bytes` on platform "cuda" with `hardware=hw`, `perf.calibration.auto_threshold`)."""
+    from taco_jax.perf.calibration import resolve_min_bytes
 
-    lk = model.links(layout, hw)
-    return dataclasses.replace(policy, min_bytes=site_break_even(policy, lk["tp"], hw.codec, max(layout.tp, 2),
-                                                                 itemsize=layout.act_bytes,
-                                                                 sequence_parallel=layout.sequence_parallel))
+    return resolve_min_bytes(policy, "cuda", tensor_size=layout.tp, itemsize=layout.act_bytes,
+                             sequence_parallel=layout.sequence_parallel, hardware=hw)
 
 
 def best_exact_layout(cfg: TrainConfig, spec: HardwareSpec) -> dict | None:
@@ -570,10 +567,10 @@ def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = No
 # ------------------------------------------------------------------------------------------------
 #: The TP links of docs/emulated.md's GPU table: (label, hardware, link).
 def _paper_links():
-    return [("H100/H200 NVLink 4 (450 GB/s)", model.H200, model.NVLINK4),
-            ("H800 NVLink (200 GB/s)", model.H800, model.NVLINK_H800),
-            ("PCIe Gen5 x16 (64 GB/s)", model.H200, model.PCIE_GEN5),
-            ("InfiniBand NDR (50 GB/s per GPU)", model.H200, model.IB_NDR)]
+    return [("H100/H200 NVLink 4 (450 GB/s)", hwt.H200, hwt.NVLINK4),
+            ("H800 NVLink (200 GB/s)", hwt.H800, hwt.NVLINK_H800),
+            ("PCIe Gen5 x16 (64 GB/s)", hwt.H200, hwt.PCIE_GEN5),
+            ("InfiniBand NDR (50 GB/s per GPU)", hwt.H200, hwt.IB_NDR)]
 
 
 def paper_table() -> list[dict]:
