@@ -409,12 +409,12 @@ def test_a_schedule_without_a_pipeline_is_a_warning():
 def test_the_command_line_prints_each_flag_warning_once(capsys):
     """A config checked again where a command derives one from it (compare, plan) warns again; the command
     line prints each warning once."""
-    from taco_jax import cli
+    from taco_jax.cli.common import show_warning
     from taco_jax.train.config import FlagWarning
 
     text = "test-only flag warning printed once"
     for _ in range(3):
-        cli._show_warning(text, FlagWarning, "x.py", 1)
+        show_warning(text, FlagWarning, "x.py", 1)
     assert capsys.readouterr().err.count(text) == 1
 
 

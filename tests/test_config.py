@@ -254,3 +254,64 @@ def test_overwrite_export_is_not_handed_on_by_config_json_and_a_bom_is_read(tmp_
     bom.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 7\n")
     assert read_table(bom, "--config") == {"training": {"steps": 7}}
     assert json.loads(json.dumps(cfg.to_dict()))["checkpoint"]["export_hf"] == str(tmp_path / "x")
+
+
+def test_errors_are_structured_naming_field_and_flag():
+    """A bad setting raises `ConfigError(field, flag, message)` (a ValueError): a section's own check,
+    a rule joining sections, and a lower layer's check (the codec's, the model's) alike."""
+    from taco_jax.train.config import ConfigError
+
+    for flags, field, flag, table in ((dict(lr=-1.0), "lr", "lr", "[training] lr"),
+                                      (dict(batch_size=3), "batch_size", "batch_size", "[data] batch_size"),
+                                      (dict(fmt="e3m4"), "fmt", "fmt", "[communication] fmt"),
+                                      (dict(dtype="float8"), "dtype", "dtype", "[model] dtype"),
+                                      (dict(comm="int3"), "comm", "comm", "[communication] comm")):
+        with pytest.raises(ConfigError) as e:
+            TrainConfig.from_flags(**flags)
+        assert (e.value.field, e.value.flag) == (field, flag), flags
+        assert str(e.value).endswith(f"; set by --{flag.replace('_', '-')} or {table}"), str(e.value)
+
+
+def test_construction_reads_no_file_and_resolve_does(tmp_path):
+    """`TrainConfig(...)` is pure: a `data` folder is not read until `resolve` (which `from_flags`
+    calls), and its error names the flag."""
+    from taco_jax.train.config import ConfigError, resolve
+
+    cfg = TrainConfig(data=DataSection(path=str(tmp_path / "none")))
+    assert cfg.reads and cfg.model.vocab_size == 0
+    for build in (lambda: resolve(cfg), lambda: TrainConfig.from_flags(data=str(tmp_path / "none"))):
+        with pytest.raises(ConfigError, match=r"no meta.json.*; set by --data or \[data\] path$") as e:
+            build()
+        assert (e.value.field, e.value.flag) == ("path", "data")
+    plain = TrainConfig()  # nothing to read: resolved on construction
+    assert not plain.reads and resolve(plain) is plain and (plain.model.name, plain.model.vocab_size) == \
+        ("gpt2-tiny", 2048)
+
+
+def test_flag_help_lists_the_registries():
+    """--comm, --dp-comm, --pp-comm and --codec-kind list the codec kinds' registry; plan's --hardware
+    the hardware table; --model the presets."""
+    from taco_jax.cli import _parser
+    from taco_jax.codec import codec_kinds
+    from taco_jax.models import PRESETS
+    from taco_jax.perf.hardware import load_hardware
+    from taco_jax.train.config import flags
+
+    texts = {fl.name: fl.text for fl in flags()}
+    for name in ("comm", "dp_comm", "pp_comm", "codec_kind"):
+        assert texts[name].endswith(" | ".join(codec_kinds()[1:])), texts[name]
+    assert texts["model"].endswith(", ".join(sorted(PRESETS)))
+    hardware = next(a for a in _parser().flag_parsers["plan"]._actions if "--hardware" in a.option_strings)
+    assert f"hardware.toml: {', '.join(load_hardware())};" in hardware.help
+
+
+def test_codec_config_docstring_lists_every_built_in_kind():
+    """The `CodecConfig` docstring describes each kind of the registry (built in: registered by
+    taco_jax itself), in the registry's order."""
+    from taco_jax.codec import CodecConfig
+    from taco_jax.codec.kinds import registered
+
+    kinds = [k.name for k in registered() if k.encode.__module__.startswith("taco_jax.")]
+    block = CodecConfig.__doc__.split("\n      kind:", 1)[1].split("\n      fmt:", 1)[0]  # the `kind` entry
+    listed = [k for k in re.findall(r'^ {8}"(\w+)" ', block, flags=re.M) if k != "none"]
+    assert listed == kinds, listed

@@ -119,9 +119,9 @@ def test_min_bytes_auto_resolution():
 
 
 def test_cli_min_bytes_accepts_auto_and_integers():
-    from taco_jax.cli import _int_or_auto
+    from taco_jax.train.config import int_or_auto
 
-    parse = _int_or_auto("min_bytes", 0)
+    parse = int_or_auto("min_bytes", 0)
     assert parse("auto") == "auto" and parse("65536") == 65536
     p = argparse.ArgumentParser()
     p.add_argument("--min-bytes", type=parse)

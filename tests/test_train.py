@@ -221,15 +221,14 @@ def test_pallas_backend_refused_for_multi_device_cpu_training():
 
 
 def test_every_train_flag_has_help():
-    from taco_jax.cli import _field_help, _flag_fields
+    from taco_jax.train.config import FIELD_FLAGS, SECTIONS, flags
 
-    helps = {cls: _field_help(cls) for _, cls, _ in _flag_fields()}
-    missing = [flag for flag, cls, f in _flag_fields() if not helps[cls].get(f.name)]
+    missing = [fl.name for fl in flags() if not fl.text.strip()]
     assert not missing, missing
-    from taco_jax.train.config import FIELD_FLAGS, SECTIONS
-
     stored = {FIELD_FLAGS[s, f.name] for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-    assert stored - {flag for flag, _, _ in _flag_fields()} == {"policy"}  # the one field that is no flag
+    assert stored - {fl.name for fl in flags()} == {"policy"}  # the one field that is no flag
+    orders = [fl.order for fl in flags() if fl.stored]
+    assert len(set(orders)) == len(orders), "two settings share an `order` (their place in --help)"
 
 
 

@@ -133,8 +133,8 @@ def main(argv=None) -> dict:
                 f"--steps {args.steps})")
     trees = [pathlib.Path(t).resolve() for t in args.trees]
     for t in trees:
-        if not (t / "taco_jax" / "cli.py").exists():
-            p.error(f"--trees {str(t)!r} is not a taco_jax checkout (no taco_jax/cli.py)")
+        if not any((t / "taco_jax" / cli).exists() for cli in ("cli.py", "cli/__init__.py")):  # older, newer trees
+            p.error(f"--trees {str(t)!r} is not a taco_jax checkout (no taco_jax/cli)")
         if not (t / "taco_jax" / "kernels" / "_lib" / "libtaco_codec_cpu.so").exists():
             p.error(f"--trees {str(t)!r} has no C++ codec library (taco_jax/kernels/_lib/libtaco_codec_cpu.so): "
                     f"build it (make -C {t}/custom_calls PYTHON={sys.executable}), or the run measures the jnp "

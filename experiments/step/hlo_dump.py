@@ -44,19 +44,20 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
     from taco_jax import cli
+    from taco_jax.cli.common import force_cpu_devices
+    from taco_jax.cli.flags import train_config
 
     args = cli._parser().parse_args(["train", *argv[2:]])
-    cli._force_cpu_devices(args.mesh)
+    force_cpu_devices(args.mesh)
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from taco_jax.collectives.hlo import collective_bytes
-    from taco_jax.train.config import TrainConfig
     from taco_jax.train.step import make_trainer
 
-    cfg = TrainConfig.from_flags(**{flag: getattr(args, flag) for flag, _, _ in cli._flag_fields()})
+    cfg = train_config(args, None)  # the flags' TrainConfig, as `taco-jax train` builds it
     trainer = make_trainer(cfg)
     params, opt_state = trainer.init()
     axes = tuple(a for a in ("data",) if a in trainer.mesh.axis_names)

@@ -1,24 +1,25 @@
 """Typed training configuration: `TrainConfig` (one run, in sections: model, data, training,
 parallelism, communication, checkpoint, logging; `communication.policy` holds every codec setting),
 `CommFlags` (the command line's communication flags, mapped to that policy in one place) and
-`read_config_file` (`--config FILE`: TOML tables mirror the sections)."""
+`read_config_file` (`--config FILE`: TOML tables mirror the sections). Each setting is declared
+once (`setting`); `resolve(cfg)` is the one step that reads files."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
 import math
 import os
 import pathlib
-import re
 import warnings
 
 from taco_jax.codec import NONE, CodecConfig, codec_kinds, get_kind
 from taco_jax.codec.config import TRANSPORTS
 from taco_jax.codec.kinds import registered as registered_kinds
 from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
-from taco_jax.models import GPTConfig, get_config
+from taco_jax.models import PRESETS, GPTConfig, get_config
 from taco_jax.parallel.context import check_tp_overlap
 from taco_jax.parallel.layers import check_compute
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
@@ -37,8 +38,119 @@ AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
 
 
 class FlagWarning(UserWarning):
-    """A flag that has no effect on this run (`CommFlags._check_effect`); `taco-jax` prints it as
-    "[taco-jax] warning: ..."."""
+    """A flag that has no effect on this run (`CommFlags._check_effect`), or a deprecated spelling
+    (`--codec-kind`, a flat `--config` key); `taco-jax` prints it as "[taco-jax] warning: ..."."""
+
+
+class ConfigError(ValueError):
+    """A bad setting (a ValueError): its dataclass `field`, its `flag` (underscores) and a message
+    naming the value, ending "; set by --FLAG or [SECTION] FIELD"."""
+
+    def __init__(self, field: str, flag: str, message: str):
+        super().__init__(message)
+        self.field, self.flag = field, flag
+
+
+#: `setting(applies=...)` -> the commands whose `--help` lists the flag (the others accept it: `PLAN_UNUSED`).
+APPLIES = {"both": ("train", "plan", "predict"), "train": ("train",), "train,plan": ("train", "plan")}
+#: Placeholders of a setting's help -> the registry listing that replaces them.
+LISTINGS = {"{kinds}": lambda: " | ".join(codec_kinds()[1:]), "{presets}": lambda: ", ".join(sorted(PRESETS))}
+
+
+def setting(default, help: str, *, order: int, flag: str = "", applies: str = "both", parse=None, metavar=None,
+            choices=None, aliases: tuple[str, ...] = (), append: bool = False, path: bool = False):
+    """A dataclass field that is a command-line setting: `help` (with `LISTINGS`), `order` in
+    `--help`, `flag` (where not the field's name), `applies` (`APPLIES`), `parse` / `choices`
+    (functions returning the argparse type / choices), `metavar`, `aliases`, `append` (repeatable),
+    `path` (recorded absolute). `flags()` and the CLI derive everything else from it."""
+    if applies not in APPLIES:
+        raise ValueError(f"applies={applies!r} must be one of {sorted(APPLIES)}")
+    return dataclasses.field(default=default, metadata={
+        "flag": flag, "help": help, "order": order, "applies": APPLIES[applies], "parse": parse,
+        "metavar": metavar, "choices": choices, "aliases": aliases, "append": append, "path": path})
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One `setting` declaration: flag `name`, `section` (its `--config` table), `field`, `owner` (its
+    class); the declaration's keywords read as attributes."""
+
+    name: str
+    section: str
+    field: dataclasses.Field
+    owner: type
+
+    def __getattr__(self, key):
+        try:
+            return self.field.metadata[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @property
+    def stored(self) -> bool:
+        """Whether `TrainConfig` stores the value (False: a `CommFlags` flag, mapped to the policy)."""
+        return self.owner is not CommFlags
+
+    @property
+    def text(self) -> str:
+        """The help line, with the registries' listings filled in (`LISTINGS`)."""
+        out = self.help
+        for key, listing in LISTINGS.items():
+            if key in out:
+                out = out.replace(key, listing())
+        return out
+
+
+def _declared(cls, section: str) -> list[Flag]:
+    return [Flag(f.metadata["flag"] or f.name, section, f, cls) for f in dataclasses.fields(cls) if f.metadata]
+
+
+def flags() -> list[Flag]:
+    """Every flag of `train` / `compare` in `--help` order: the sections', then `CommFlags`'."""
+    if not _FLAGS:
+        stored = sorted((fl for s, cls in SECTIONS.items() for fl in _declared(cls, s)), key=lambda fl: fl.order)
+        _FLAGS.extend(stored + sorted(_declared(CommFlags, "communication"), key=lambda fl: fl.order))
+    return list(_FLAGS)
+
+
+_FLAGS: list[Flag] = []
+
+
+def int_or_auto(name: str, low: int):
+    """argparse type of a flag that takes "auto" or an integer >= `low`."""
+    return _or_auto(name, int, lambda v: v >= low, f"an integer >= {low}", show=str)
+
+
+def rule_error(name: str, shown: str, rule: str):
+    """argparse.ArgumentTypeError "{name}={shown} {rule}", `rule` kept as an attribute."""
+    import argparse
+
+    err = argparse.ArgumentTypeError(f"{name}={shown} {rule}")
+    err.rule = rule
+    return err
+
+
+def _or_auto(name: str, convert, ok, need: str, show=repr):
+    """argparse type of a flag that takes "auto" or a number `convert(text)` with `ok(number)`; a bad
+    value is reported by argparse (exit 2) naming it: "{name}={value} must be {need} or 'auto'"."""
+    rule = f"must be {need} or 'auto'"
+
+    def parse(text: str):
+        if text == "auto":
+            return text
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise rule_error(name, repr(text) if value is None or not show else show(value), rule)
+        return value
+
+    return parse
+
+
+#: argparse type of --step-timeout: "auto" or seconds >= 0 (finite).
+seconds_or_auto = _or_auto("step_timeout", float, lambda v: 0 <= v < float("inf"), "seconds >= 0", show=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,30 +165,44 @@ class CommFlags:
       3. `--site SITE:field=value,...` (repeatable): that site's codec with these `CodecConfig` fields.
     """
 
-    comm: str = "taco"  # tensor-axis codec (every TP site): none (exact) | taco | a codec kind (int8, ...)
-    dp_comm: str = "none"  # data-axis gradient all-reduce codec: none | a codec kind (taco, int8, int4, ...)
-    pp_comm: str = "none"  # stage-axis send/recv codec: none | a codec kind (taco, tah, int4, ...)
-    codec_kind: str = "taco"  # kind of `--comm taco` (= `--comm KIND`): taco | fp8_tensor | fp8_group | int8 | ...
-    fmt: str = "e4m3"  # FP8 format, every axis (also --dp-comm / --pp-comm): e4m3 | e5m2
-    group_size: int = 128  # G, every axis (also --dp-comm / --pp-comm): 32..512
-    scale_layout: str = "dual"  # taco on the tensor axis: dual (two FP32 scales / group) | folded (one)
-    group_axis: str = "hidden"  # tensor axis: groups along hidden (channels) | token (one channel across tokens)
-    nonfinite: str = "propagate"  # NaN/Inf in a message, every axis: propagate | zero | error (raise naming the site)
-    backend: str = "auto"  # taco group math: auto (CPU: ffi if built; GPU kernels) | reference | pallas | triton | ffi
-    algorithm: str = "two_shot"  # compressed all-reduce: two_shot | one_shot
-    min_bytes: int | str = 0  # messages below this many bytes stay uncompressed; auto: the cost model's break-even size
-    reduce_domain: str = "signal"  # two-shot taco all-reduce: signal (decode, sum, encode) | hadamard (transformed sum)
-    chunks: int | str = 1  # two-shot all-reduce: independent chunks K >= 1 (pipelining) | auto (from the message size)
-    policy_file: str = ""  # JSON policy (docs/training.md; `taco-jax calibrate`); overrides the sites it names
-    site: tuple[str, ...] = ()  # per-site codec, repeatable: SITE:field=value,... e.g. ar_bwd:fmt=e5m2,group_size=64
+    comm: str = setting("taco", "tensor-axis codec (every TP site): none (exact) | {kinds}", order=500)
+    dp_comm: str = setting("none", "data-axis gradient all-reduce codec: none | {kinds}", order=510)
+    pp_comm: str = setting("none", "stage-axis send/recv codec: none | {kinds}", order=520)
+    codec_kind: str = setting("taco", "kind of `--comm taco` (= `--comm KIND`; deprecated, write --comm KIND): "
+                              "{kinds}", order=530)
+    fmt: str = setting("e4m3", "FP8 format, every axis (also --dp-comm / --pp-comm): e4m3 | e5m2", order=540)
+    group_size: int = setting(128, "G, every axis (also --dp-comm / --pp-comm): 32..512", order=550)
+    scale_layout: str = setting("dual", "taco on the tensor axis: dual (two FP32 scales / group) | folded (one)",
+                                order=560)
+    group_axis: str = setting("hidden", "tensor axis: groups along hidden (channels) | token (one channel across "
+                              "tokens)", order=570)
+    nonfinite: str = setting("propagate", "NaN/Inf in a message, every axis: propagate | zero | error (raise naming "
+                             "the site)", order=580)
+    backend: str = setting("auto", "taco group math: auto (CPU: ffi if built; GPU kernels) | reference | pallas | "
+                           "triton | ffi", order=590)
+    algorithm: str = setting("two_shot", "compressed all-reduce: two_shot | one_shot", order=600)
+    min_bytes: int | str = setting(0, "messages below this many bytes stay uncompressed; auto: the cost model's "
+                                   "break-even size", order=610, parse=lambda: int_or_auto("min_bytes", 0),
+                                   metavar="BYTES|auto")
+    reduce_domain: str = setting("signal", "two-shot taco all-reduce: signal (decode, sum, encode) | hadamard "
+                                 "(transformed sum)", order=620)
+    chunks: int | str = setting(1, "two-shot all-reduce: independent chunks K >= 1 (pipelining) | auto (from the "
+                                "message size)", order=630, parse=lambda: int_or_auto("chunks", 1), metavar="K|auto")
+    policy_file: str = setting("", "JSON policy (docs/training.md; `taco-jax calibrate`); overrides the sites it names",
+                               order=640, aliases=("--policy",), metavar="FILE")
+    site: tuple[str, ...] = setting((), "per-site codec, repeatable: SITE:field=value,... e.g. "
+                                    "ar_bwd:fmt=e5m2,group_size=64", order=650, append=True,
+                                    metavar="SITE:FIELD=VALUE,...")
 
     def tensor_codec(self) -> CodecConfig:
         """The codec of every tensor-axis site (`--comm` and the codec flags)."""
         if self.comm not in codec_kinds():
-            raise ValueError(f"comm={self.comm!r} is not supported; choose 'none' or a codec kind {codec_kinds()[1:]}")
+            raise flag_error("comm", f"comm={self.comm!r} is not supported; choose 'none' or a codec kind "
+                             f"{codec_kinds()[1:]}")
         kind = self.codec_kind if self.comm == "taco" else self.comm
         if self.comm not in ("none", "taco") and self.codec_kind not in ("taco", self.comm):
-            raise ValueError(f"comm={self.comm!r} and codec_kind={self.codec_kind!r} disagree; give one of them")
+            raise flag_error("comm", f"comm={self.comm!r} and codec_kind={self.codec_kind!r} disagree; give one of "
+                             "them")
         if kind == "none":
             return NONE
         return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, scale_layout=self.scale_layout,
@@ -89,12 +215,13 @@ class CommFlags:
         if kind == "none":
             return NONE
         if kind not in codec_kinds():
-            raise ValueError(f"{flag}={kind!r} is not supported; choose one of {codec_kinds()}")
+            raise flag_error(flag, f"{flag}={kind!r} is not supported; choose one of {codec_kinds()}")
         return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, nonfinite=self.nonfinite,
                            backend=self.backend, hadamard=get_kind(kind).hadamard == "optional")
 
     def policy(self) -> CommPolicy:
-        """The run's policy (see the class docstring). Raises ValueError naming the bad flag or value."""
+        """The run's policy (see the class docstring). Raises ValueError naming the bad flag or value;
+        a FlagWarning for the deprecated `codec_kind`."""
         tensor = self.tensor_codec()
         policy = CommPolicy(**dict.fromkeys(TENSOR_SITES, tensor), dp_grads=self.axis_codec(self.dp_comm, "dp_comm"),
                             pp_send=self.axis_codec(self.pp_comm, "pp_comm"),
@@ -106,6 +233,10 @@ class CommFlags:
             name, fields = parse_site(spec)
             policy = policy.with_sites({name: site_codec(getattr(policy, name), fields, spec, self)})
         self._check_effect(policy)
+        if self.codec_kind != CommFlags.codec_kind:  # accepted, as before; named once the policy is built
+            warnings.warn(f"codec_kind={self.codec_kind!r} (--codec-kind) is deprecated; write --comm "
+                          f"{self.codec_kind} (kind={self.codec_kind} in a --site or --policy file)", FlagWarning,
+                          stacklevel=3)
         return policy
 
     def _check_effect(self, policy: CommPolicy) -> None:
@@ -144,14 +275,14 @@ class CommFlags:
                             ("reduce_domain", "reduce_domain"), ("chunks", "chunks")):
             if self.policy_file and getattr(self, flag) != getattr(default, flag) and \
                     getattr(policy, field) != getattr(self, flag):
-                raise _named(ValueError(
-                    f"{flag}={getattr(self, flag)!r} has no effect: the policy file {self.policy_file!r} sets "
-                    f"{field}={getattr(policy, field)!r}; drop the flag or change the file"), flag)
+                raise flag_error(flag, f"{flag}={getattr(self, flag)!r} has no effect: the policy file "
+                                 f"{self.policy_file!r} sets {field}={getattr(policy, field)!r}; drop the flag or "
+                                 "change the file")
         if self.algorithm == "one_shot":  # the one-shot all-reduce sends whole messages: no chunks, no domain
             for flag in ("chunks", "reduce_domain"):
                 if getattr(self, flag) != getattr(default, flag):
-                    raise _named(ValueError(f"{flag}={getattr(self, flag)!r} has no effect with algorithm='one_shot' "
-                                            "(it applies to the two-shot all-reduce); drop one of them"), flag)
+                    raise flag_error(flag, f"{flag}={getattr(self, flag)!r} has no effect with algorithm='one_shot' "
+                                     "(it applies to the two-shot all-reduce); drop one of them")
         for flag, (reached, needs) in applies.items():
             if getattr(self, flag) == getattr(default, flag) or reached:
                 continue
@@ -162,7 +293,7 @@ class CommFlags:
             if not codecs:
                 warnings.warn(f"{msg}; the run is exact, so it is ignored", FlagWarning, stacklevel=4)
                 continue
-            raise _named(ValueError(f"{msg}; drop the flag or choose a codec it applies to"), flag)
+            raise flag_error(flag, f"{msg}; drop the flag or choose a codec it applies to")
 
 
 def parse_site(spec: str) -> tuple[str, dict]:
@@ -210,34 +341,30 @@ def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
     return names.pop() if len(names) == 1 else "per-site"
 
 
-def _invalid(section: str, field: str, value, rule: str) -> ValueError:
-    """The ValueError of a bad field value: names the value, its flag and its `--config` table, e.g.
+def _invalid(section: str, field: str, value, rule: str) -> ConfigError:
+    """The error of a bad field value: names the value, its flag and its `--config` table, e.g.
     "lr=-1.0 must be positive and finite; set by --lr or [training] lr"."""
-    return ValueError(f"{field}={value!r} {rule}{_set_by(FIELD_FLAGS.get((section, field), field), section, field)}")
+    return flag_error(FIELD_FLAGS[section, field], f"{field}={value!r} {rule}")
 
 
-def _set_by(flag: str, section: str, field: str) -> str:
-    """The suffix naming where a value comes from: "; set by --FLAG or [SECTION] FIELD"."""
-    return f"; set by --{flag.replace('_', '-')} or [{section}] {field}"
+def flag_error(flag: str, message: str) -> ConfigError:
+    """The `ConfigError` of `flag`: `message` ending "; set by --FLAG or [SECTION] FIELD"."""
+    section, field = FLAGS[flag] if flag in FLAGS else ("communication", flag)
+    suffix = f"; set by --{flag.replace('_', '-')} or [{section}] {field}"
+    return ConfigError(field, flag, message if message.endswith(suffix) else message + suffix)
 
 
-def _named(err: ValueError, flag: str = "") -> ValueError:
-    """`err` with "; set by --FLAG or [SECTION] FIELD" appended, for the flag `flag` or, by default,
-    the flag its message starts with ("fmt='e3m4' is ..."); `err` itself when it already names its
-    flag that way or no flag is found. `CommFlags`' flags live in `[communication]`."""
-    msg = str(err)
-    if "; set by --" in msg:
+def _blame(err: ValueError, flag: str = "") -> ValueError:
+    """`err` as the `ConfigError` of `flag`, by default the one a lower layer's message starts with
+    (they start "FIELD=VALUE ..."); `err` itself when it already is one or names no flag."""
+    if isinstance(err, ConfigError) or "; set by --" in str(err):
         return err
     if not flag:
-        m = re.match(r"(\w+)=", msg)
-        flag = {"all_reduce_algorithm": "algorithm"}.get(m.group(1), m.group(1)) if m else ""
-    if flag in FLAGS:
-        section, field = FLAGS[flag]
-    elif flag in {f.name for f in dataclasses.fields(CommFlags)}:
-        section, field = "communication", flag
-    else:
+        head = str(err).partition("=")[0]
+        flag = {"all_reduce_algorithm": "algorithm"}.get(head, head)
+    if flag not in FLAGS and flag not in COMM_FLAGS:
         return err
-    return ValueError(msg + _set_by(flag, section, field))
+    return flag_error(flag, str(err))
 
 
 def _positive(section: str, obj, names) -> None:
@@ -251,12 +378,19 @@ def _positive(section: str, obj, names) -> None:
 class ModelSection:
     """`[model]`: the architecture and its numerics. `name` is the `--model` flag."""
 
-    name: str = ""  # preset name (taco_jax.models.PRESETS); default gpt2-tiny, with --init-from the checkpoint's
-    init_from: str = ""  # Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the model
-    vocab_size: int = 0  # model vocabulary (and Shakespeare's BPE); 0: --data's, a published preset's own, else 2048
-    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this × tensor size (Megatron)
-    dtype: str = "bfloat16"  # compute dtype: bfloat16 (bf16 TP messages; FP32 weights, Adam, norms, loss) | float32
-    remat: str = "none"  # rematerialise each decoder layer: none | block (keep matmul outputs) | full (keep input)
+    name: str = setting("", "preset name (taco_jax.models.PRESETS); default gpt2-tiny, with --init-from the "
+                        "checkpoint's: {presets}", flag="model", order=0, choices=lambda: sorted(PRESETS),
+                        metavar="PRESET")
+    init_from: str = setting("", "Hugging Face checkpoint dir (config.json + *.safetensors) to start from; sets the "
+                             "model", order=200, path=True)
+    vocab_size: int = setting(0, "model vocabulary (and Shakespeare's BPE); 0: --data's, a published preset's own, "
+                              "else 2048", order=90)
+    make_vocab_size_divisible_by: int = setting(128, "pad the vocabulary to a multiple of this × tensor size "
+                                                "(Megatron)", order=260)
+    dtype: str = setting("bfloat16", "compute dtype: bfloat16 (bf16 TP messages; FP32 weights, Adam, norms, loss) | "
+                         "float32", order=240)
+    remat: str = setting("none", "rematerialise each decoder layer: none | block (keep matmul outputs) | full (keep "
+                         "input)", order=250)
 
     def __post_init__(self):
         if self.vocab_size < 0:
@@ -270,9 +404,10 @@ class ModelSection:
 class DataSection:
     """`[data]`: what a step reads. `path` is the `--data` flag."""
 
-    path: str = ""  # token folder of `taco-jax prepare-data` (train.bin, val.bin, meta.json); default: Shakespeare
-    batch_size: int = 16  # global batch (sequences); divided over the data axis
-    seq_len: int = 128  # tokens per sequence
+    path: str = setting("", "token folder of `taco-jax prepare-data` (train.bin, val.bin, meta.json); default: "
+                        "Shakespeare", flag="data", order=210, path=True)
+    batch_size: int = setting(16, "global batch (sequences); divided over the data axis", order=70)
+    seq_len: int = setting(128, "tokens per sequence", order=80)
 
     def __post_init__(self):
         _positive("data", self, ("batch_size", "seq_len"))
@@ -282,16 +417,18 @@ class DataSection:
 class TrainingSection:
     """`[training]`: the optimization (AdamW, cosine schedule) and its length."""
 
-    steps: int = 300  # optimizer steps
-    lr: float = 3e-3  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = -1  # linear warmup steps; -1 = 10% of --steps
-    weight_decay: float = 0.1  # on matrices only (not biases / LayerNorm)
-    grad_clip: float = 1.0  # global-norm clipping
-    adam_b1: float = 0.9  # AdamW beta1 (first-moment decay)
-    adam_b2: float = 0.95  # AdamW beta2 (second-moment decay; nanoGPT's and Megatron's GPT recipe)
-    seed: int = 0  # init and data order (same for every --comm)
-    allow_nonfinite: bool = False  # keep training when loss or grad norm is NaN/Inf (else: stop, naming the step)
+    steps: int = setting(300, "optimizer steps", order=60, applies="train")
+    lr: float = setting(3e-3, "peak learning rate (AdamW)", order=100, applies="train")
+    min_lr_ratio: float = setting(0.1, "cosine decays to lr * min_lr_ratio", order=110, applies="train")
+    warmup_steps: int = setting(-1, "linear warmup steps; -1 = 10% of --steps", order=120, applies="train")
+    weight_decay: float = setting(0.1, "on matrices only (not biases / LayerNorm)", order=130, applies="train")
+    grad_clip: float = setting(1.0, "global-norm clipping", order=140, applies="train")
+    adam_b1: float = setting(0.9, "AdamW beta1 (first-moment decay)", order=150, applies="train")
+    adam_b2: float = setting(0.95, "AdamW beta2 (second-moment decay; nanoGPT's and Megatron's GPT recipe)",
+                             order=160, applies="train")
+    seed: int = setting(0, "init and data order (same for every --comm)", order=170, applies="train")
+    allow_nonfinite: bool = setting(False, "keep training when loss or grad norm is NaN/Inf (else: stop, naming the "
+                                    "step)", order=270, applies="train")
 
     def __post_init__(self):
         _positive("training", self, ("steps",))
@@ -325,17 +462,19 @@ class TrainingSection:
 class ParallelismSection:
     """`[parallelism]`: the device mesh and how the model is split over it."""
 
-    mesh: str = "data=2,tensor=4"  # mesh axes and sizes; product = device count
-    sequence_parallel: bool = False  # Megatron sequence parallelism on the tensor axis
-    tp_overlap: str = "none"  # with --sequence-parallel: none | collective-matmul (SP collectives as matmul rings)
-    microbatches: int = 1  # pipeline microbatches per data shard (>= stages; > 1 without stages: accumulation)
-    schedule: str = "gpipe"  # pipeline schedule: gpipe | 1f1b (parallel/pipeline.py)
+    mesh: str = setting("data=2,tensor=4", "mesh axes and sizes; product = device count", order=10)
+    sequence_parallel: bool = setting(False, "Megatron sequence parallelism on the tensor axis", order=20)
+    tp_overlap: str = setting("none", "with --sequence-parallel: none | collective-matmul (SP collectives as matmul "
+                              "rings)", order=30)
+    microbatches: int = setting(1, "pipeline microbatches per data shard (>= stages; > 1 without stages: "
+                                "accumulation)", order=40)
+    schedule: str = setting("gpipe", "pipeline schedule: gpipe | 1f1b (parallel/pipeline.py)", order=50)
 
     def __post_init__(self):
         try:
             self.axes  # noqa: B018  (ValueError naming a malformed mesh)
         except ValueError as e:
-            raise _named(e, "mesh") from None
+            raise _blame(e, "mesh") from None
         check_tp_overlap(self.tp_overlap, self.sequence_parallel)
 
     @property
@@ -354,13 +493,17 @@ class CommunicationSection:
     """`[communication]`: the codec of every communication site (`policy`, built from `CommFlags`:
     the same table takes those flags) and how the processes' collectives run."""
 
-    step_timeout: float | str = 0.0  # end the run when a step takes over S s, naming late processes (0: off; auto)
-    emulated_link: str = ""  # the emulated links as JSON, set by `taco-jax launch --link` ("": none)
+    step_timeout: float | str = setting(0.0, "end the run when a step takes over S s, naming late processes (0: "
+                                        "off; auto)", order=390, applies="train", parse=lambda: seconds_or_auto,
+                                        metavar="S|auto")
+    emulated_link: str = setting("", 'the emulated links as JSON, set by `taco-jax launch --link` ("": none)',
+                                 order=400, applies="train")
     # transport: how the exact collectives of every site whose codec says "auto" move data (CodecConfig.transport).
     # xla: XLA's own (under gloo its reduce-scatter; XLA:CPU widens bf16 to f32); gloo: reduce-scatter as
     # all-to-all + FP32 sum, narrow floats as their own bytes (in one process: the multi-process CPU program).
-    transport: str = "auto"  # exact collectives: auto (multi-process CPU: gloo, else xla) | xla | gloo | gloo_widened
-    policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags)
+    transport: str = setting("auto", "exact collectives: auto (multi-process CPU: gloo, else xla) | xla | gloo | "
+                             "gloo_widened", order=410, choices=lambda: TRANSPORTS)
+    policy: CommPolicy = CommPolicy.taco()  # codec of every communication site (built from CommFlags; no flag)
 
     def __post_init__(self):
         if not isinstance(self.policy, CommPolicy):
@@ -373,8 +516,8 @@ class CommunicationSection:
             try:
                 EmulatedLink.parse(self.emulated_link)
             except ValueError:
-                raise ValueError(f"emulated_link={self.emulated_link[:80]!r} must be a JSON object (the link "
-                                 "description `taco-jax launch --link` passes), or empty") from None
+                raise flag_error("emulated_link", f"emulated_link={self.emulated_link[:80]!r} must be a JSON object "
+                                 "(the link description `taco-jax launch --link` passes), or empty") from None
         if self.transport not in TRANSPORTS:
             raise _invalid("communication", "transport", self.transport, f"must be one of {TRANSPORTS}")
 
@@ -388,14 +531,22 @@ class CommunicationSection:
 class CheckpointSection:
     """`[checkpoint]`: the output folder, Orbax checkpoints, resuming and the Hugging Face export."""
 
-    out: str = "runs/default"  # output folder (created; must not be a file)
-    checkpoint_every: int = 0  # Orbax checkpoint to <out>/checkpoints every N steps (0: the final one, SIGTERM's)
-    final_checkpoint: bool = True  # checkpoint at the end of a run that ends normally (--no-final-checkpoint: none)
-    keep_checkpoints: int = 3  # newest complete checkpoints kept (older ones deleted once a newer one is complete)
-    resume: bool = False  # continue from the latest complete checkpoint in <out>/checkpoints (any mesh)
-    resume_fallback: bool = True  # --resume: newest checkpoint corrupt -> the newest intact one (warned); off: refuse
-    export_hf: str = ""  # after training (and on SIGTERM) write the weights as an HF checkpoint ({out}/hf: in --out)
-    overwrite_export: bool = False  # let --export-hf replace another run's export or write into another run's folder
+    out: str = setting("runs/default", "output folder (created; must not be a file)", order=330,
+                       applies="train,plan")
+    checkpoint_every: int = setting(0, "Orbax checkpoint to <out>/checkpoints every N steps (0: the final one, "
+                                    "SIGTERM's)", order=340, applies="train")
+    final_checkpoint: bool = setting(True, "checkpoint at the end of a run that ends normally (--no-final-checkpoint: "
+                                     "none)", order=350, applies="train")
+    keep_checkpoints: int = setting(3, "newest complete checkpoints kept (older ones deleted once a newer one is "
+                                    "complete)", order=360, applies="train")
+    resume: bool = setting(False, "continue from the latest complete checkpoint in <out>/checkpoints (any mesh)",
+                           order=370, applies="train")
+    resume_fallback: bool = setting(True, "--resume: newest checkpoint corrupt -> the newest intact one (warned); "
+                                    "off: refuse", order=380, applies="train")
+    export_hf: str = setting("", "after training (and on SIGTERM) write the weights as an HF checkpoint ({out}/hf: in "
+                             "--out)", order=220, applies="train", path=True)
+    overwrite_export: bool = setting(False, "let --export-hf replace another run's export or write into another "
+                                     "run's folder", order=230, applies="train")
 
     def __post_init__(self):
         if OUT_DIR in self.export_hf and not self.export_hf.startswith(OUT_DIR + "/"):
@@ -424,16 +575,26 @@ class LoggingSection:
     """`[logging]`: what a run measures and writes besides checkpoints: evaluations, progress lines,
     captures, the SQNR monitor, profiles and TensorBoard."""
 
-    eval_every: int = 50  # steps between validation evaluations (and at the last step)
-    eval_batches: int = 8  # validation batches per evaluation (fixed windows of held-out plays; 0: no evaluation)
-    log_every: int = 10  # with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: none)
-    capture: int = 0  # record the TP messages of N steps to <out>/captures; data × tensor meshes only
-    monitor_every: int = 0  # log per-site SQNR of compressed vs exact TP collectives on steps k % N == 0 and the last
-    monitor_warn_sqnr: float = 15.0  # monitor: warn on stderr when a site's worst call is below this SQNR (dB)
-    monitor_min_sqnr: float = float("-inf")  # monitor: stop the run (exit 1) when a site's worst call is below this dB
-    profile_steps: str = ""  # trace steps A:B (first:last, e.g. 3:5) with jax.profiler into --profile-dir
-    profile_dir: str = ""  # folder of the --profile-steps trace (default <out>/profile)
-    tensorboard: bool = False  # also write the metrics as TensorBoard event files to <out>/tensorboard
+    eval_every: int = setting(50, "steps between validation evaluations (and at the last step)", order=180,
+                              applies="train")
+    eval_batches: int = setting(8, "validation batches per evaluation (fixed windows of held-out plays; 0: no "
+                                "evaluation)", order=190, applies="train")
+    log_every: int = setting(10, "with stderr not a terminal (e.g. `2> log`): a progress line every N steps (0: "
+                             "none)", order=280, applies="train")
+    capture: int = setting(0, "record the TP messages of N steps to <out>/captures; data × tensor meshes only",
+                           order=290, applies="train")
+    monitor_every: int = setting(0, "log per-site SQNR of compressed vs exact TP collectives on steps k % N == 0 and "
+                                 "the last", order=300, applies="train")
+    monitor_warn_sqnr: float = setting(15.0, "monitor: warn on stderr when a site's worst call is below this SQNR "
+                                       "(dB)", order=310, applies="train")
+    monitor_min_sqnr: float = setting(float("-inf"), "monitor: stop the run (exit 1) when a site's worst call is "
+                                      "below this dB", order=320, applies="train")
+    profile_steps: str = setting("", "trace steps A:B (first:last, e.g. 3:5) with jax.profiler into --profile-dir",
+                                 order=420, applies="train")
+    profile_dir: str = setting("", "folder of the --profile-steps trace (default <out>/profile)", order=430,
+                               applies="train")
+    tensorboard: bool = setting(False, "also write the metrics as TensorBoard event files to <out>/tensorboard",
+                                order=440, applies="train")
 
     def __post_init__(self):
         _positive("logging", self, ("eval_every",))
@@ -470,39 +631,18 @@ SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSect
             "parallelism": ParallelismSection, "communication": CommunicationSection,
             "checkpoint": CheckpointSection, "logging": LoggingSection}
 
-#: Every flag of `taco-jax train` stored in `TrainConfig` -> (section, field), in the order of
-#: `--help`. A field's name is its flag's (underscores -> dashes) except `--model` (`model.name`)
-#: and `--data` (`data.path`). `CommFlags`' flags are not stored: they build `communication.policy`.
-FLAGS = {
-    "model": ("model", "name"), "mesh": ("parallelism", "mesh"),
-    "sequence_parallel": ("parallelism", "sequence_parallel"), "tp_overlap": ("parallelism", "tp_overlap"),
-    "microbatches": ("parallelism", "microbatches"), "schedule": ("parallelism", "schedule"),
-    "steps": ("training", "steps"), "batch_size": ("data", "batch_size"), "seq_len": ("data", "seq_len"),
-    "vocab_size": ("model", "vocab_size"), "lr": ("training", "lr"), "min_lr_ratio": ("training", "min_lr_ratio"),
-    "warmup_steps": ("training", "warmup_steps"), "weight_decay": ("training", "weight_decay"),
-    "grad_clip": ("training", "grad_clip"), "adam_b1": ("training", "adam_b1"),
-    "adam_b2": ("training", "adam_b2"), "seed": ("training", "seed"), "eval_every": ("logging", "eval_every"),
-    "eval_batches": ("logging", "eval_batches"), "init_from": ("model", "init_from"), "data": ("data", "path"),
-    "export_hf": ("checkpoint", "export_hf"), "overwrite_export": ("checkpoint", "overwrite_export"),
-    "dtype": ("model", "dtype"), "remat": ("model", "remat"),
-    "make_vocab_size_divisible_by": ("model", "make_vocab_size_divisible_by"),
-    "allow_nonfinite": ("training", "allow_nonfinite"), "log_every": ("logging", "log_every"),
-    "capture": ("logging", "capture"), "monitor_every": ("logging", "monitor_every"),
-    "monitor_warn_sqnr": ("logging", "monitor_warn_sqnr"), "monitor_min_sqnr": ("logging", "monitor_min_sqnr"),
-    "out": ("checkpoint", "out"), "checkpoint_every": ("checkpoint", "checkpoint_every"),
-    "final_checkpoint": ("checkpoint", "final_checkpoint"), "keep_checkpoints": ("checkpoint", "keep_checkpoints"),
-    "resume": ("checkpoint", "resume"), "resume_fallback": ("checkpoint", "resume_fallback"),
-    "step_timeout": ("communication", "step_timeout"), "emulated_link": ("communication", "emulated_link"),
-    "transport": ("communication", "transport"),
-    "profile_steps": ("logging", "profile_steps"), "profile_dir": ("logging", "profile_dir"),
-    "tensorboard": ("logging", "tensorboard"),
-}
+#: Every flag stored in `TrainConfig` -> (section, field), in `--help` order.
+FLAGS = {fl.name: (fl.section, fl.field.name) for fl in flags() if fl.stored}
+#: The flags of `CommFlags` (`[communication]`): they build `communication.policy`.
+COMM_FLAGS = tuple(fl.name for fl in flags() if not fl.stored)
 #: (section, field) -> its flag; `policy` is `communication.policy`.
 FIELD_FLAGS = {**{v: k for k, v in FLAGS.items()}, ("communication", "policy"): "policy"}
+#: `train` flags that `plan` / `predict` accept (a train --config works as it is) but do not list.
+PLAN_UNUSED = frozenset(fl.name for fl in flags() if "plan" not in fl.applies)
 #: Flags naming folders, recorded absolute (against the current folder) by `TrainConfig.to_dict`: a
 #: run's config.json names the same folders wherever it is read from (`taco-jax sample --from`, `--config`).
 #: An `export_hf` inside the run's `out` is recorded relative to it (`recorded_export`).
-PATH_FLAGS = ("init_from", "data", "export_hf")
+PATH_FLAGS = tuple(fl.name for fl in flags() if fl.path)
 #: The run's `out` folder at the start of `export_hf` ("{out}/hf"): `CheckpointSection.export_dir`.
 OUT_DIR = "{out}"
 
@@ -541,6 +681,7 @@ class TrainConfig:
     of `taco-jax train` (`FLAGS`); the communication flags are `CommFlags`'s, mapped into the
     policy once. Build one from flag values with `TrainConfig.from_flags(steps=20, comm="int8")`,
     change flags with `cfg.replace(out=...)`, read `cfg.training.steps`, `cfg.model.name`, ...
+    Construction reads no file: `resolve` completes a config with `data` or `init_from`.
 
     Raises: ValueError naming the bad value (and its flag) of any section, or of a rule joining
     sections (batch vs data axis, pipeline layout, seq_len vs the model's block_size, ...).
@@ -559,40 +700,58 @@ class TrainConfig:
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"TrainConfig.{name} must be a {cls.__name__}, not {getattr(self, name)!r} "
                                 "(flag values: TrainConfig.from_flags)")
-        model = dataclasses.replace(self.model, name=self._resolve_model())  # what the run records as its model
-        object.__setattr__(self, "model", dataclasses.replace(model, vocab_size=self._resolve_vocab(model.name)))
+        self._settle(full=not self.reads, warn=True)
+
+    @property
+    def reads(self) -> bool:
+        """Whether `resolve` reads a file for this config (`data`'s meta.json, `init_from`'s config.json)."""
+        return bool(self.data.path or self.model.init_from)
+
+    def _settle(self, full: bool, warn: bool) -> None:
+        """The rules joining sections; `full`: also the model's name and vocabulary and the rules that
+        need the model (reading what `reads` names). `warn`: the schedule's FlagWarning."""
+        if full:
+            model = dataclasses.replace(self.model, name=self._resolve_model())  # what the run records as its model
+            object.__setattr__(self, "model", dataclasses.replace(model, vocab_size=self._resolve_vocab(model.name)))
         steps = self.training.steps
         self.logging.profile_range(steps)  # ValueError naming A:B beyond the run's steps
         axes, microbatches = self.parallelism.axes, self.parallelism.microbatches
         data, batch = axes.get(DATA, 1), self.data.batch_size
         mesh = f"--mesh {self.parallelism.mesh}"
         if batch % data:
-            raise ValueError(f"batch_size={batch} is not divisible by data={data} ({mesh}); change either")
-        try:
-            check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), microbatches, self.parallelism.schedule)
-        except ValueError as e:
-            raise ValueError(f"{e} ({mesh}, --microbatches {microbatches}, model {self.model.name})") from None
-        if self.parallelism.schedule != ParallelismSection.schedule and not self.parallelism.pipelined:
+            raise flag_error("batch_size", f"batch_size={batch} is not divisible by data={data} ({mesh}); change "
+                             "either")
+        if full:
+            try:
+                check_pipeline(self.model_config.n_layers, axes.get(STAGE, 1), microbatches,
+                               self.parallelism.schedule)
+            except ValueError as e:
+                raise _blame(ValueError(f"{e} ({mesh}, --microbatches {microbatches}, model {self.model.name})")) \
+                    from None
+        if warn and self.parallelism.schedule != ParallelismSection.schedule and not self.parallelism.pipelined:
             warnings.warn(f"schedule={self.parallelism.schedule!r} has no effect: this run has no pipeline ({mesh}, "
                           f"--microbatches {microbatches}; a schedule orders stage > 1 or microbatches > 1), so it "
-                          "is ignored", FlagWarning, stacklevel=3)
+                          "is ignored", FlagWarning, stacklevel=4)
         if self.logging.capture and self.parallelism.pipelined:
-            raise ValueError(f"capture={self.logging.capture} needs the unpipelined layout (stage=1, microbatches=1); "
-                             "capture on pipelined meshes is not supported")
+            raise flag_error("capture", f"capture={self.logging.capture} needs the unpipelined layout (stage=1, "
+                             "microbatches=1); capture on pipelined meshes is not supported")
         if self.logging.monitor_every and self.parallelism.pipelined:
-            raise ValueError(f"monitor_every={self.logging.monitor_every} needs the unpipelined layout (stage=1, "
-                             "microbatches=1); the monitor on pipelined meshes is not supported")
+            raise flag_error("monitor_every", f"monitor_every={self.logging.monitor_every} needs the unpipelined "
+                             "layout (stage=1, microbatches=1); the monitor on pipelined meshes is not supported")
         if batch % (data * microbatches):
-            raise ValueError(f"batch_size={batch} is not divisible by data × microbatches = {data} × {microbatches} "
-                             f"({mesh}, --microbatches {microbatches})")
+            raise flag_error("batch_size", f"batch_size={batch} is not divisible by data × microbatches = {data} × "
+                             f"{microbatches} ({mesh}, --microbatches {microbatches})")
+        if not full:
+            return
         if self.data.seq_len > self.model_config.block_size:
-            raise ValueError(f"seq_len={self.data.seq_len} exceeds the model's block_size="
+            raise flag_error("seq_len", f"seq_len={self.data.seq_len} exceeds the model's block_size="
                              f"{self.model_config.block_size} (model {self.model.name})")
         try:
             self.model_config.check_tensor_parallel(axes.get(TENSOR, 1), seq_len=self.data.seq_len,
                                                     sequence_parallel=self.parallelism.sequence_parallel)
         except ValueError as e:
-            raise ValueError(f"{e} ({mesh}, model {self.model.name}): choose a tensor size that divides it") from None
+            raise _blame(ValueError(f"{e} ({mesh}, model {self.model.name}): choose a tensor size that divides it")) \
+                from None
 
     def _resolve_model(self) -> str:
         """`model.name` as recorded: the preset (default gpt2-tiny); with `init_from` the checkpoint's
@@ -607,7 +766,7 @@ class TrainConfig:
         try:
             ckpt = self.model_config
         except ValueError as e:
-            raise _named(ValueError(f"init_from={init_from!r}: {e}")) from None
+            raise flag_error("init_from", f"init_from={init_from!r}: {e}") from None
         label = architecture_label(ckpt)
         if name in ("", label):
             return label
@@ -615,7 +774,7 @@ class TrainConfig:
             same = {f: getattr(ckpt, f) for f in ("vocab_size", "vocab_multiple", "dtype", "remat", "init_std")}
             if get_config(name, **same) == ckpt:
                 return label
-        raise ValueError(f"model={name!r} disagrees with init_from={init_from!r}, a {label}; "
+        raise flag_error("model", f"model={name!r} disagrees with init_from={init_from!r}, a {label}; "
                          "leave --model out (the checkpoint sets the model)")
 
     def _resolve_vocab(self, name: str) -> int:
@@ -641,7 +800,7 @@ class TrainConfig:
             own = PRESETS[name].vocab_size
             theirs = int(read_meta(data)["vocab_size"]) if data else 0
             if theirs > own:
-                raise ValueError(f"data={data!r} has a vocabulary of {theirs:,} ids (meta.json) and {name} "
+                raise flag_error("data", f"data={data!r} has a vocabulary of {theirs:,} ids (meta.json) and {name} "
                                  f"(a published model) has {own:,}; prepare the data with the model's tokenizer, "
                                  f"or give --vocab-size {theirs} (then the model is not the published one)")
             return own
@@ -705,7 +864,7 @@ class TrainConfig:
         Raises: ValueError naming a bad value; TypeError for a name that is no flag, or for `policy`
         given together with communication flags.
         """
-        comm_names = {f.name for f in dataclasses.fields(CommFlags)}
+        comm_names = set(COMM_FLAGS)
         comm = {k: flags.pop(k) for k in list(flags) if k in comm_names}
         if comm and "policy" in flags:
             raise TypeError(f"give policy= or the communication flags {sorted(comm)}, not both")
@@ -715,9 +874,9 @@ class TrainConfig:
             if "policy" not in flags:
                 flags["policy"] = CommFlags(**comm).policy()
             groups = _grouped(flags, "TrainConfig.from_flags")
-            return cls(**{name: sec(**groups.get(name, {})) for name, sec in SECTIONS.items()})
+            return resolve(cls(**{name: sec(**groups.get(name, {})) for name, sec in SECTIONS.items()}))
         except ValueError as e:
-            raise _named(e) from None
+            raise _blame(e) from None
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "config") -> TrainConfig:
@@ -737,10 +896,10 @@ class TrainConfig:
         again. Raises TypeError for a name that is no such flag; ValueError as the constructor."""
         groups = _grouped(flags, "TrainConfig.replace")
         try:
-            return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **kw)
-                                                for s, kw in groups.items()})
+            return resolve(dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **kw)
+                                                        for s, kw in groups.items()}))
         except ValueError as e:
-            raise _named(e) from None
+            raise _blame(e) from None
 
     def to_dict(self) -> dict:
         """JSON-ready sections {section: {field: value}} (`communication.policy` as
@@ -783,7 +942,24 @@ class TrainConfig:
         return get_config(m.name, vocab_size=m.vocab_size, vocab_multiple=multiple, dtype=m.dtype, remat=m.remat)
 
 
-def flag_values(values: dict, where: str = "config") -> dict:
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` ready to run, reading `data`'s meta.json (the vocabulary) and `init_from`'s config.json
+    (the model), then checking what needs the model (pipeline depth, block size, tensor split); a
+    config that `reads` nothing comes back as it is. `from_flags`, `from_dict` and `replace` call it.
+    Raises ConfigError naming the bad value or unreadable file."""
+    if not cfg.reads or getattr(cfg, "_resolved", False):
+        return cfg
+    out = copy.copy(cfg)  # no second construction: its checks passed, its warning was given
+    out.__dict__.pop("model_config", None)  # cached before the vocabulary was known
+    try:
+        out._settle(full=True, warn=False)
+    except ValueError as e:
+        raise _blame(e) from None
+    object.__setattr__(out, "_resolved", True)
+    return out
+
+
+def flag_values(values: dict, where: str = "config", flat: list | None = None) -> dict:
     """{flag: value} of a config mapping: sectioned (`TrainConfig.to_dict()`, a TOML file with
     tables `[model]`, `[data]`, ...: each table's keys are its section's fields, plus `CommFlags`'
     names in `[communication]`) or flat (flag names at the top level, as config files and run
@@ -791,12 +967,14 @@ def flag_values(values: dict, where: str = "config") -> dict:
     "policy" table is `communication.policy`. Keys may use dashes. Top-level keys that are neither
     a section nor a flag come back unchanged (the caller names them).
 
+    `flat`: receives the flat keys that are settings.
+
     Raises ValueError naming `where` and the key: a table that is no section (with the closest
     section's name), a key that is not in its table (naming the table it belongs to), a flag given
     both flat and in its table.
     """
-    comm = {f.name for f in dataclasses.fields(CommFlags)}
-    out = {}
+    comm = set(COMM_FLAGS)
+    out, flat = {}, [] if flat is None else flat
 
     def put(flag, value, key):
         if flag in out:
@@ -823,10 +1001,22 @@ def flag_values(values: dict, where: str = "config") -> dict:
                              (f"; did you mean [{close[0]}]?" if close else f"; the tables are {list(SECTIONS)}"))
         else:
             put(key, value, key)
+            if key in FLAGS or key in comm or key == "policy":
+                flat.append(key)
     return out
 
 
-def read_config_file(path) -> dict:
+def flat_note(flat: list[str], where: str) -> str:
+    """The deprecation line of `flat` keys in the `--config` file `where`; "" for none."""
+    if not flat:
+        return ""
+    home = {**FLAGS, "policy": ("communication", "policy"), **{k: ("communication", k) for k in COMM_FLAGS}}
+    tables = ", ".join(f"{k} as [{home[k][0]}] {home[k][1]}" for k in flat[:3])
+    more = f" and {len(flat) - 3} more" if len(flat) > 3 else ""
+    return f"{where}: flat keys at the top level are deprecated; write each in its table ({tables}{more})"
+
+
+def read_config_file(path, flat: list | None = None) -> dict:
     """The flag values {flag: value} of a `--config FILE`: a TOML file (as torchtitan's), or a JSON
     object (".json", e.g. the `config.json` a run wrote). Tables mirror `TrainConfig`'s sections
     (`[model]`, `[data]`, `[training]`, `[parallelism]`, `[communication]`, `[checkpoint]`,
@@ -834,9 +1024,15 @@ def read_config_file(path) -> dict:
     too and mapped to their section (`flag_values`). "policy" (`[communication.policy]`, or a flat
     "policy" table) is a `CommPolicy.to_dict()`, as config.json holds it.
 
+    Flat keys are deprecated: listed in `flat` when given, else a FlagWarning (`flat_note`).
+
     Raises ValueError naming the file when it cannot be read or parsed, is not a table / object,
     or has a key outside its table (`flag_values`).
     """
     from taco_jax.util.jsonio import read_table
 
-    return flag_values(read_table(path, "--config"), f"--config {str(path)!r}")
+    where, keys = f"--config {str(path)!r}", [] if flat is None else flat
+    values = flag_values(read_table(path, "--config"), where, keys)
+    if flat is None and keys:
+        warnings.warn(flat_note(keys, where), FlagWarning, stacklevel=2)
+    return values
