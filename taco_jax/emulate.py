@@ -13,10 +13,9 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
     IPv4 only (`IPV6_DEFAULT`): no traffic of their own.
   - Every interface is shaped on egress on both sides (a process neither sends nor receives faster
     than its link): `tbf rate R burst B limit L`, L = B + max(100 ms of the rate, 64 KB).
-    Send side: B = max(4 KB, R × 250 µs), small so that a step's messages are shaped too (a bucket
-    passes its bytes at once after an idle gap, which favours small messages; docs/emulated.md,
-    "The bucket"). Receive side (the switch port): B_rx = max(32 KB, R × 1 ms), so that the sender's
-    late timer on busy cores does not cost the link its rate.
+    Send side: B = max(4 KB, R × 250 µs), small so that a step's messages are shaped too (a bucket passes its bytes at
+    once after an idle gap, which favours small messages; docs/emulated.md, "The bucket"). Receive side (the switch
+    port): B_rx = max(32 KB, R × 1 ms), so that the sender's late timer on busy cores does not cost the link its rate.
 Two tiers (`--link intra=8gbit,inter=1gbit --nodes K`): processes 0..N/K-1 are node 0, the next
 N/K node 1, ... . Devices of process i are global devices i·d .. (i+1)·d-1 and a mesh spec
 takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nodes of 2
@@ -321,12 +320,11 @@ def wire_bit_per_s(payload_bit_per_s: float, mss: int) -> float:
 
 def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds: float = 0.5,
             max_bytes: int = 256 << 20, info: dict | None = None, burst: int | None = None) -> float:
-    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`,
-    timed by the receiver's kernel (`_recv_stamped`) from the end of the burst to the last byte;
-    bounded by 4 × the timed bytes' time at `rate_bps` + 5 s. `burst`: bytes the link's bucket passes
-    at once (default `_burst(rate_bps)`). `info`, if given, receives the connection's "mss".
-    Raises EmulationUnavailable naming what arrived (or the socket error) when too little did, or when
-    the link passed more than `burst` bytes unshaped (or read above `UNSHAPED_ABOVE` × its rate)."""
+    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`, timed by the
+    receiver's kernel (`_recv_stamped`) from the end of the burst to the last byte; bounded by 4 × the timed bytes' time
+    at `rate_bps` + 5 s. `burst`: bytes the link's bucket passes at once (default `_burst(rate_bps)`). `info`, if given,
+    receives the connection's "mss". Raises EmulationUnavailable naming what arrived (or the socket error) when too
+    little did, or when the link passed more than `burst` bytes unshaped (or read above `UNSHAPED_ABOVE` × its rate)."""
     default_burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
     burst = default_burst if burst is None else int(burst)
     limit = 4 * timed * 8 / rate_bps + 5
@@ -465,9 +463,8 @@ class Cluster:
         return ["ip", "netns", "exec", self.names[i]]
 
     def peers(self) -> list[tuple[str, int, int]]:
-        """(tier, from, to) of each measured link: per process, one peer per tier (the next process
-        of its node on "intra"; on "inter"/"link" the first process of the next node, or the next
-        process with one tier)."""
+        """(tier, from, to) of each measured link: per process, one peer per tier (the next process of its node on
+        "intra"; on "inter"/"link" the first process of the next node, or the next process with one tier)."""
         out = []
         n, nodes = self.processes, self.node_of
         for i in range(n):

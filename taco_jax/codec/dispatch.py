@@ -84,9 +84,8 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, overflow: boo
     """Encodes each message of `x` with the codec `cfg.kind` (inside `jax.named_scope("taco_encode")`).
 
     Args:
-      x: float array [*batch, *shape]; each message is flattened (channels first for group_axis
-        "token") and cut into groups of `cfg.group_size`, the last zero-padded (fp8_tensor: one
-        group). Zero-size `x` gives zero-size buffers.
+      x: float array [*batch, *shape]; each message is flattened (channels first for group_axis "token") and cut into
+        groups of `cfg.group_size`, the last zero-padded (fp8_tensor: one group). Zero-size `x` gives zero-size buffers.
       cfg: a codec of a compressing kind; an "auto" backend is resolved here for the platform.
       batch_dims: number of leading message axes.
       overflow: `x` is a two-shot partial sum: a group holding ±Inf and no NaN is sent as an
@@ -142,8 +141,7 @@ INF_CODE = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7C}
 
 
 def _overflow_codes(cfg: CodecConfig) -> bool:
-    """Whether overflow groups exist for `cfg`: its kind takes them (`CodecKind.overflow`), nonfinite
-    not "zero"."""
+    """Whether overflow groups exist for `cfg`: its kind takes them (`CodecKind.overflow`), nonfinite not "zero"."""
     return cfg.kind != "none" and get_kind(cfg.kind).overflow and cfg.nonfinite != "zero"
 
 
@@ -152,10 +150,9 @@ def overflow_groups(xg: jax.Array, codes: jax.Array, scale: jax.Array, prescale,
 
     Why: a two-shot partial sum of finite values may overflow the message dtype (float16 at 65520),
     ±Inf in that element only, where a NaN scale would poison the whole group. Format, no transform:
-    scale = -s (the sign marks the group), s = max(max|x_finite|, EPS) * (1 / R), codes =
-    fp8(clip(x * (1 / s), -R, R)) (float32 reciprocals, RNE), `INF_CODE` (| 0x80 for -Inf) for the
-    infinite elements; prescale = 1. Decoded by `decode(..., overflow=True)`: fp8(code) * |scale|.
-    The C++ reducer (`taco_reduce_packed`) writes the same bytes.
+    scale = -s (the sign marks the group), s = max(max|x_finite|, EPS) * (1 / R), codes = fp8(clip(x * (1 / s), -R,
+    R)) (float32 reciprocals, RNE), `INF_CODE` (| 0x80 for -Inf) for the infinite elements; prescale = 1. Decoded by
+    `decode(..., overflow=True)`: fp8(code) * |scale|. The C++ reducer (`taco_reduce_packed`) writes the same bytes.
 
     Args:
       xg: [..., n_groups, G] the groups as encoded (float32 or a native message dtype).
@@ -181,9 +178,8 @@ def overflow_groups(xg: jax.Array, codes: jax.Array, scale: jax.Array, prescale,
 
 
 def _decode_overflow(rows: jax.Array, enc: Encoded, dtype, n: int) -> jax.Array:
-    """`rows` (decoded messages [*batch, n] in `dtype`) with the overflow groups of `enc` (scale < 0,
-    `overflow_groups`) decoded as such: fp8(code) * |scale| clipped to `dtype`'s finite range, ±Inf
-    for an `INF_CODE`."""
+    """`rows` (decoded messages [*batch, n] in `dtype`) with the overflow groups of `enc` (scale < 0, `overflow_groups`)
+    decoded as such: fp8(code) * |scale| clipped to `dtype`'s finite range, ±Inf for an `INF_CODE`."""
     over = enc.scale < 0
     v = enc.codes.astype(jnp.float32)
     neg = lax.bitcast_convert_type(enc.codes, jnp.uint8) >= 0x80

@@ -77,10 +77,9 @@ class CodecKind:
       name: the kind's name ("taco", "int8", ...); `--comm NAME`, `kind=NAME` in policy files.
       code_bits: bits per code on the wire (8; 4: two codes per byte, packed by the encoder).
       code_dtype: numpy dtype of the code buffer; None: FP8 in the codec's `fmt` (E4M3 / E5M2).
-      encode: `encode(xg, cfg, *, last_count) -> (codes, scale, prescale)`: float32 groups
-        [..., n_groups, G] (the last zero-padded past `last_count`) -> codes [..., n_groups,
-        G * code_bits / 8], scale [..., n_groups], prescale like scale or None. A group holding
-        NaN/±Inf must decode to NaN.
+      encode: `encode(xg, cfg, *, last_count) -> (codes, scale, prescale)`: float32 groups [..., n_groups, G] (the
+        last zero-padded past `last_count`) -> codes [..., n_groups, G * code_bits / 8], scale [..., n_groups],
+        prescale like scale or None. A group holding NaN/±Inf must decode to NaN.
       decode: `decode(codes, scale, prescale, cfg) -> float32 groups [..., n_groups, G]`.
       scale_dtype: numpy dtype of the scale (and prescale) buffers (default float32).
       prescale: whether a second per-group buffer travels (a bool, or a function of the codec).

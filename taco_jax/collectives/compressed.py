@@ -12,17 +12,15 @@ Algorithms (P = size of the named axis; FP8 codes only move as data, every sum i
 Overflow: a finite sum beyond the dtype's range (float16: 65520) is ±Inf in that element only, as
 in the exact collective; a two-shot group holding ±Inf travels as an overflow group
 (`codec.dispatch.overflow_groups`). Every decode clips to the dtype's range (float16: ±65504).
-Wire format: one uint8 row per message, made and read by the codec's wire codec
-(`taco_jax.codec.wire_for`, contract in `taco_jax.codec.backends`).
-Every function runs inside `shard_map` over a manual mesh axis `axis_name` (size P). Kind "none"
-(forward and backward) is the `lax` collective bit for bit, derivatives included. An axis of size 1
+Wire format: one uint8 row per message, made and read by the codec's wire codec (`taco_jax.codec.wire_for`, contract
+in `taco_jax.codec.backends`). Every function runs inside `shard_map` over a manual mesh axis `axis_name` (size P).
+Kind "none" (forward and backward) is the `lax` collective bit for bit, derivatives included. An axis of size 1
 returns the input; a zero-size message returns the empty result without communication.
 
-Derivatives: each collective's is its exact counterpart's transpose under `shard_map(check_vma=True)`
-(each function's "Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire, itself a
-compressed collective (grad of grad works). Forward mode raises jax's `TypeError` for a compressing
-codec and for a narrow float moved as its own bytes under transport "gloo" (custom_vjp). An input
-not varying over the axis is first made varying, as `lax` does.
+Derivatives: each collective's is its exact counterpart's transpose under `shard_map(check_vma=True)` (each function's
+"Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire, itself a compressed collective (grad of grad
+works). Forward mode raises jax's `TypeError` for a compressing codec and for a narrow float moved as its own bytes
+under transport "gloo" (custom_vjp). An input not varying over the axis is first made varying, as `lax` does.
 Layout: two-shot chunks along the leading axis when it divides by P, else the flattened message
 zero-padded to a multiple of P. Reduce-scatter along d of x [*pre, P*s, *post]: rank r receives from
 every rank the block x viewed as [outer, P, inner] at [:, r, :] (flattened row-major) and returns
@@ -259,8 +257,7 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
         (fewer for a small message; 1 for a "token"-grouped codec); "auto": `auto_chunks`.
     Returns: array of x's shape and dtype, equal on every rank.
     Derivative: `lax.psum`'s (the cotangent made varying, no communication, no backward codec).
-    Raises: ValueError for an unknown algorithm or reduce_domain, or chunks not "auto" nor an
-      integer >= 1.
+    Raises: ValueError for an unknown algorithm or reduce_domain, or chunks not "auto" nor an integer >= 1.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not supported; choose 'two_shot' or 'one_shot'")

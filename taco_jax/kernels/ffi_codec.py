@@ -1,10 +1,9 @@
 """XLA FFI codec backend: the fused C++ (CPU) and CUDA (GPU) handlers of `custom_calls/`.
 
-The libraries in `taco_jax/kernels/_lib/` (`make -C custom_calls`, `... cuda`) are loaded on first
-use and registered under the same target names per platform. Leading axes are flattened (also
-under `vmap`: `vmap_method="broadcast_all"`). `NATIVE_DTYPES` are read and written as they are,
-bit-identical to converting through float32; other floating dtypes are cast to float32. Each
-handler call raises RuntimeError when the platform's library is not built (`_ensure_loaded`).
+The libraries in `taco_jax/kernels/_lib/` (`make -C custom_calls`, `... cuda`) are loaded on first use and registered
+under the same target names per platform. Leading axes are flattened (also under `vmap`: `vmap_method="broadcast_all"`).
+`NATIVE_DTYPES` are read and written as they are, bit-identical to converting through float32; other floating dtypes are
+cast to float32. Each handler call raises RuntimeError when the platform's library is not built (`_ensure_loaded`).
 """
 
 from __future__ import annotations
@@ -195,10 +194,9 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
 @functools.partial(jax.jit, inline=True, static_argnames=("impl", "dtype"))
 def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: int = IMPL_AUTO,
                   dtype=None) -> jax.Array:
-    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`; with `dtype`
-    (bfloat16 or float16) the values are written in that dtype, bit-identical to
-    `clip_to_dtype(decode_groups(...), dtype).astype(dtype)` (`taco_jax.codec.dispatch`).
-    Raises ValueError for another dtype."""
+    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`; with `dtype` (bfloat16 or float16)
+    the values are written in that dtype, bit-identical to `clip_to_dtype(decode_groups(...), dtype).astype(dtype)`
+    (`taco_jax.codec.dispatch`). Raises ValueError for another dtype."""
     _ensure_loaded()
     out_dtype = _out_dtype(dtype)
     *lead, n_groups, g = codes.shape
@@ -305,9 +303,8 @@ def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interl
       cfg: codec of kind "taco" ("folded" rows hold s / a computed in float32).
       split: x is [..., P, m] and each message along axis -2 gets its own result buffer (no
         slicing copies before an all-to-all).
-    Returns: uint8 [..., packed_row_bytes(m, cfg)], byte for byte
-      `codec.wire.pack_rows(encode(x, cfg, batch_dims=x.ndim - 1), x.ndim - 1)`; with split, a
-      tuple of P such arrays (interleaved without split: [..., P, row_bytes]).
+    Returns: uint8 [..., packed_row_bytes(m, cfg)], byte for byte `codec.wire.pack_rows(encode(x, cfg, batch_dims=x.ndim
+      - 1), x.ndim - 1)`; with split, a tuple of P such arrays (interleaved without split: [..., P, row_bytes]).
     Raises: ValueError for a non-floating x, another codec kind, m == 0, split with x of rank < 2, or
       interleaved with x of rank < 3 or x.shape[-1] not a multiple of G.
     """
@@ -403,9 +400,8 @@ def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, 
     """Decodes P packed rows and sums them in float32 in rank order (acc = d_0; acc = acc + d_1; ...)
     in one pass (C++ `taco_decode_sum_packed`, CPU): `codec.wire.sum_fp32(decode(...), dtype)` fused.
 
-    Args: rows: uint8 [..., P, row_bytes], or a sequence of P [..., row_bytes] arrays (rank order);
-      cfg; m: elements per message; dtype: float32 (None), bfloat16 or float16 (the sum rounded
-      once, not clipped).
+    Args: rows: uint8 [..., P, row_bytes], or a sequence of P [..., row_bytes] arrays (rank order); cfg; m: elements
+      per message; dtype: float32 (None), bfloat16 or float16 (the sum rounded once, not clipped).
     Returns: dtype [..., m].
     Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or another dtype.
     """

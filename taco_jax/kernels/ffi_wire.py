@@ -26,9 +26,8 @@ def _native(dtype) -> bool:
 
 
 def _decode(rows: jax.Array, cfg: CodecConfig, m: int, dtype, overflow: bool = False, **kw) -> jax.Array:
-    """Decoded values in the message dtype, as `codec.dispatch.decode` casts them: written so by the
-    kernel for a native dtype, else decoded to float32, clipped and cast (`overflow`: the ±Inf of
-    overflow groups kept)."""
+    """Decoded values in the message dtype, as `codec.dispatch.decode` casts them: written so by the kernel for a
+    native dtype, else decoded to float32, clipped and cast (`overflow`: the ±Inf of overflow groups kept)."""
     if _native(dtype):
         return ffi_codec.decode_packed(rows, cfg, m, dtype=dtype, **kw)
     y = ffi_codec.decode_packed(rows, cfg, m, **kw)

@@ -1,10 +1,9 @@
 """Pallas fused TACO codec (spec §2): one program per block of groups; Triton on GPU, interpreter on CPU.
 
-Each program reads a [block, G] tile in the message's own dtype (`NATIVE_DTYPES`) once: sum of
-squares -> a -> WHT as an in-register butterfly (`_wht`, log2(G) stages) -> absmax -> s -> FP8
-codes; decode: q s / (sqrt(G) max(a, EPS)) -> the same butterfly -> the output dtype (clipped);
-decode-sum: P ranks in float32 in rank order, rounded once. The reference's arithmetic up to the
-order of the transform's sums (conformance rule in `taco_jax.kernels`).
+Each program reads a [block, G] tile in the message's own dtype (`NATIVE_DTYPES`) once: sum of squares -> a -> WHT
+as an in-register butterfly (`_wht`, log2(G) stages) -> absmax -> s -> FP8 codes; decode: q s / (sqrt(G) max(a,
+EPS)) -> the same butterfly -> the output dtype (clipped); decode-sum: P ranks in float32 in rank order, rounded
+once. The reference's arithmetic up to the order of the transform's sums (conformance rule in `taco_jax.kernels`).
 
 The mode follows the platform lowered for (`lax.platform_dependent`), so a CUDA `jax.export` works
 on a CPU host: CPU lowers the interpreter (slow: for tests), CUDA the Triton kernel (FP8 E4M3

@@ -58,8 +58,7 @@ def _kernels():
 
 def encode_meta(cfg: CodecConfig, n: int, n_groups: int, last_count: int) -> dict:
     """`encode_kernel`'s constexpr arguments for `n` groups of `cfg.group_size` (grid:
-    cdiv(n, BLOCK)). Shared by `encode_groups` and direct launches (the Triton interpreter test,
-    AOT compiles)."""
+    cdiv(n, BLOCK)). Shared by `encode_groups` and direct launches (the Triton interpreter test, AOT compiles)."""
     g = cfg.group_size
     return dict(
         N=n,
@@ -138,9 +137,8 @@ def _jax_triton():
 
 
 def _triton_call(*args, kernel, out, grid, name, **meta):
-    """`jax_triton.triton_call` across its API change (`out_shape` in 0.3.x, later `out_type`), its
-    array operands made to vary over the same manual axes and its results given those axes (the
-    module docstring)."""
+    """`jax_triton.triton_call` across its API change (`out_shape` in 0.3.x, later `out_type`), its array operands
+    made to vary over the same manual axes and its results given those axes (the module docstring)."""
     jt = _jax_triton()
     vma = frozenset().union(*(vma_of(a) for a in args))
     args = [pvary(a, vma) for a in args]

@@ -67,9 +67,8 @@ class GPTConfig(CausalLMConfig):
         return self.mlp_ratio * self.n_embd
 
     def param_sizes(self) -> tuple[int, int, int]:
-        """Per layer: QKV D·3D + output projection D·D + MLP 2·D·F weights; two LayerNorms (scale and
-        bias) 4·D and the biases of QKV 3·D, projections 2·D and MLP F. Outside: positions T·D and the
-        final LayerNorm 2·D."""
+        """Per layer: QKV D·3D + output projection D·D + MLP 2·D·F weights; two LayerNorms (scale and bias) 4·D and
+        the biases of QKV 3·D, projections 2·D and MLP F. Outside: positions T·D and the final LayerNorm 2·D."""
         d, f = self.n_embd, self.mlp_hidden
         return 4 * d * d + 2 * d * f, 9 * d + f, self.block_size * d + 2 * d
 

@@ -1,19 +1,17 @@
 """Hugging Face `transformers` checkpoint interchange (safetensors): GPT-2, Qwen2.5, Qwen3.
 
-`load_checkpoint(dir)` reads a local checkpoint directory (`config.json` + `model.safetensors`, or shards
-listed by `model.safetensors.index.json`) into this package's model; `save_hf(dir, cfg, params)`
-writes one that `transformers.AutoModelForCausalLM.from_pretrained(dir)` loads. Nothing is
-downloaded.
+`load_checkpoint(dir)` reads a local checkpoint directory (`config.json` + `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) into this package's model; `save_hf(dir, cfg, params)` writes one that
+`transformers.AutoModelForCausalLM.from_pretrained(dir)` loads. Nothing is downloaded.
 
 Layouts (HF -> taco_jax, global shapes; D hidden, H / K query / KV heads, hd head size, F MLP):
 - GPT-2 (`GPT2LMHeadModel`, `Conv1D` stores [in, out]): `c_attn.weight` [D, 3D] -> qkv kernel
   [D, 3, H, hd] (q, k, v blocks, heads contiguous); `c_attn.bias` [3D] -> [3, H, hd];
   `attn.c_proj.weight` [D, D] -> [H, hd, D]; `mlp.c_fc` / `mlp.c_proj` as stored; LayerNorm
   weight/bias -> scale/bias; `wte` / `wpe` as stored; `lm_head` tied to `wte` (not stored).
-- Qwen2 / Qwen3 (`nn.Linear` stores [out, in]): q/k/v `weight` [N·hd, D] -> kernel [D, N, hd]
-  (transposed), bias [N·hd] -> [N, hd]; `o_proj.weight` [D, H·hd] -> [H, hd, D];
-  gate/up [F, D] -> [D, F]; down [D, F] -> [F, D]; RMSNorm (and Qwen3's q_norm / k_norm)
-  weight -> scale; `lm_head.weight` [V, D] -> kernel [D, V] when untied.
+- Qwen2 / Qwen3 (`nn.Linear` stores [out, in]): q/k/v `weight` [N·hd, D] -> kernel [D, N, hd] (transposed), bias
+  [N·hd] -> [N, hd]; `o_proj.weight` [D, H·hd] -> [H, hd, D]; gate/up [F, D] -> [D, F]; down [D, F] -> [F, D];
+  RMSNorm (and Qwen3's q_norm / k_norm) weight -> scale; `lm_head.weight` [V, D] -> kernel [D, V] when untied.
 - Vocabulary padding (`vocab_multiple`, Megatron's make_vocab_size_divisible_by × tp): padded
   rows are zeros on import and dropped on export.
 
@@ -402,9 +400,8 @@ def _to_host(a) -> np.ndarray:
 
 
 def _param(params: dict, path: tuple, stacked_key: str | None):
-    """The parameter at model-layout `path` of `params`; in the pipeline layout (`stacked_key`),
-    layer `path[1]`'s slice of the stacked leaf (`_layer`). Raises KeyError / IndexError / TypeError
-    when it is absent."""
+    """The parameter at model-layout `path` of `params`; in the pipeline layout (`stacked_key`), layer `path[1]`'s
+    slice of the stacked leaf (`_layer`). Raises KeyError / IndexError / TypeError when it is absent."""
     stacked = stacked_key is not None and path[0] == stacked_key
     node = params
     for k in (path[:1] + path[2:]) if stacked else path:
@@ -413,9 +410,8 @@ def _param(params: dict, path: tuple, stacked_key: str | None):
 
 
 def _layer(a, i: int):
-    """Layer `i` of a stacked leaf `a` [L, ...]: a numpy slice, or for an array on a mesh the slice
-    cut where it lives, sharded as `a` without its layer axis (only that one layer moves).
-    Raises IndexError for i outside [0, L)."""
+    """Layer `i` of a stacked leaf `a` [L, ...]: a numpy slice, or for an array on a mesh the slice cut where it lives,
+    sharded as `a` without its layer axis (only that one layer moves). Raises IndexError for i outside [0, L)."""
     import jax
     from jax.sharding import NamedSharding
 
@@ -472,9 +468,8 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
     params: the model's pure dict, numpy or (sharded) jax arrays, gathered one tensor at a time
       (multi-process: every process calls this, process 0 writes). stacked_key: pipeline layout.
     base_config: a source `config.json` whose non-architecture keys are kept.
-    eos_token_id: the tokenizer's end-of-text id (default: `tokenizer`'s `END_OF_TEXT`), written as
-      bos/eos where `base_config` has none, in tokenizer_config.json, and in a generation_config.json
-      unless `source` has one.
+    eos_token_id: the tokenizer's end-of-text id (default: `tokenizer`'s `END_OF_TEXT`), written as bos/eos where
+      `base_config` has none, in tokenizer_config.json, and in a generation_config.json unless `source` has one.
     record: JSON-ready facts about the weights, written last as `EXPORT_RECORD` (marking a complete
       export). Files get mode 0666 less the umask.
     Raises ValueError if a parameter is missing or has another shape than `cfg` gives.

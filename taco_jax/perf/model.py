@@ -1,9 +1,8 @@
 """An α–β cost model of (compressed) collectives and of a 3D-parallel training step.
 
-Units everywhere: seconds (s), bytes (B), FLOP, FLOP/s; bandwidths in bytes per second; a message
-size `nbytes` is the uncompressed size of the whole message as one rank holds it (all-reduce: the
-tensor each rank contributes; all-gather: the gathered tensor; reduce-scatter: the tensor before
-scattering; send: the tensor sent).
+Units everywhere: seconds (s), bytes (B), FLOP, FLOP/s; bandwidths in bytes per second; a message size `nbytes` is
+the uncompressed size of the whole message as one rank holds it (all-reduce: the tensor each rank contributes;
+all-gather: the gathered tensor; reduce-scatter: the tensor before scattering; send: the tensor sent).
 
 Collective times over `p` ranks on a `Link` (α: s per step, β: s per byte), ring / two-shot
 (Thakur, Rabenseifner & Gropp 2005; nccl-tests' bus-bandwidth convention):
@@ -13,13 +12,12 @@ Collective times over `p` ranks on a `Link` (α: s per step, β: s per byte), ri
     reduce-scatter   (p-1)·α + (p-1)/p · n·β
     send             α + n·β
 
-A compressing codec multiplies the moved bytes by its wire ratio r = wire bytes per element /
-message itemsize (TACO, G=128, dual scales: 1.0625/4 = 0.266 for FP32, 0.531 for BF16) and adds the
-codec's own time (`CodecSpeed`: a fixed cost per call plus bytes / throughput) of the work the
-algorithm does (`codec_bytes`): two-shot all-reduce encodes n(1+1/p) and decodes 2n; all-gather
-encodes n/p and decodes n; reduce-scatter encodes n and decodes n; send encodes n and decodes n.
-With `chunks` K > 1 (overlap of codec work and transfers) the model takes
-max(comm, codec) + min(comm, codec)/K, each chunk paying its α.
+A compressing codec multiplies the moved bytes by its wire ratio r = wire bytes per element / message itemsize
+(TACO, G=128, dual scales: 1.0625/4 = 0.266 for FP32, 0.531 for BF16) and adds the codec's own time (`CodecSpeed`: a
+fixed cost per call plus bytes / throughput) of the work the algorithm does (`codec_bytes`): two-shot all-reduce
+encodes n(1+1/p) and decodes 2n; all-gather encodes n/p and decodes n; reduce-scatter encodes n and decodes n; send
+encodes n and decodes n. With `chunks` K > 1 (overlap of codec work and transfers) the model takes max(comm, codec)
++ min(comm, codec)/K, each chunk paying its α.
 
 The step (Megatron-LM layout: Shoeybi et al. 2019, Narayanan et al. 2021) is `step_time`.
 """
@@ -153,9 +151,7 @@ class Hardware:
         return speed
 
 
-# ---------------------------------------------------------------------------------------------
 # Collectives
-# ---------------------------------------------------------------------------------------------
 def _check_op(op: str, p: int, nbytes) -> None:
     if op not in OPS:
         raise ValueError(f"op={op!r} is not one of {OPS}")
@@ -247,9 +243,7 @@ def break_even_bytes(op: str, p: int, link: Link, codec: CodecConfig, speed: Cod
     return max(0, math.ceil(n))
 
 
-# ---------------------------------------------------------------------------------------------
 # Models: FLOPs, parameters, messages
-# ---------------------------------------------------------------------------------------------
 def _model(cfg) -> CausalLMConfig:
     if not isinstance(cfg, CausalLMConfig):
         raise ValueError(f"cfg of type {type(cfg).__name__} is not a model config (taco_jax.models.CausalLMConfig)")
@@ -282,9 +276,7 @@ def flops(cfg, batch: int, seq_len: int, *, backward: bool = True) -> dict:
             "total": float(layer * m.n_layers + head)}
 
 
-# ---------------------------------------------------------------------------------------------
 # The training step
-# ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A 3D-parallel run (Megatron order: tensor innermost, then data, then stage).

@@ -6,12 +6,11 @@ data's statistics; its criterion is not public (TACO_SPEC.md §2). Ours, stated 
   Data: the messages of `taco-jax train --capture N` (every tensor rank, data rank 0). Captured
   steps are split alternately: steps 1st, 3rd, 5th, ... calibrate; 2nd, 4th, ... are held out
   (with a single captured step, its messages alternate instead).
-  Candidates: `candidates()`, every kind marked for calibration with every parameter it takes.
-  Per-site objective: maximise SQNR_s(c) = 10·log10(Σ‖x‖² / Σ‖x − decode(encode(x))‖²) over
-  the site's messages, subject to wire_bytes_per_element(c, n) ≤ budget (default 1.0625 B/elt,
-  the spec's TACO setting: 0.53× bf16). Ties (within 0.01 dB, or the same infinite SQNR) go to
-  fewer bytes. A message holding NaN/±Inf is left out of both splits and reported ("excluded").
-  Policy objective (to compare policies): the mean over sites of the held-out SQNR (dB).
+  Candidates: `candidates()`, every kind marked for calibration with every parameter it takes. Per-site objective:
+  maximise SQNR_s(c) = 10·log10(Σ‖x‖² / Σ‖x − decode(encode(x))‖²) over the site's messages, subject to
+  wire_bytes_per_element(c, n) ≤ budget (default 1.0625 B/elt, the spec's TACO setting: 0.53× bf16). Ties (within
+  0.01 dB, or the same infinite SQNR) go to fewer bytes. A message holding NaN/±Inf is left out of both splits and
+  reported ("excluded"). Policy objective (to compare policies): the mean over sites of the held-out SQNR (dB).
 
 The report compares the calibrated policy on the held-out messages with every fixed choice (one
 candidate on every site), including the best one picked with hindsight.

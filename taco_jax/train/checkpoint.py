@@ -8,9 +8,8 @@ Layout (`<out>/checkpoints/`, docs/distributed.md):
     <step>.orbax-checkpoint-tmp*    a save in progress (or interrupted): never read
     <step>.corrupt                  a corrupt checkpoint set aside by `Checkpoints.resume` (kept, never read)
 
-A save is asynchronous and atomic (Orbax renames its temporary folder to `<step>` once every
-process finished; older checkpoints beyond `keep` go only after that). `Checkpoints.resume` takes
-the newest checkpoint that restores.
+A save is asynchronous and atomic (Orbax renames its temporary folder to `<step>` once every process finished; older
+checkpoints beyond `keep` go only after that). `Checkpoints.resume` takes the newest checkpoint that restores.
 """
 
 from __future__ import annotations
@@ -293,10 +292,9 @@ class Checkpoints:
         Returns None when there is none, else (step, params, opt_state, meta, notes, warnings)
         (params etc. None without `arrays`; warnings name the corrupt checkpoints skipped).
 
-        With `fallback`, corrupt newer checkpoints are skipped and, once one restored, renamed to
-        `<step>.corrupt` (never deleted: this run's save of that step would collide with it); without,
-        CorruptCheckpointError names the newest intact one. Raises CorruptCheckpointError when all are
-        corrupt; CheckpointError as `check`."""
+        With `fallback`, corrupt newer checkpoints are skipped and, once one restored, renamed to `<step>.corrupt`
+        (never deleted: this run's save of that step would collide with it); without, CorruptCheckpointError names
+        the newest intact one. Raises CorruptCheckpointError when all are corrupt; CheckpointError as `check`."""
         bad = []
         for step in reversed(self.steps()):
             try:

@@ -104,10 +104,9 @@ def with_device_count(flags: str, n: int) -> tuple[str, str | None]:
 
 
 def check_coordinator_port(address: str) -> str | None:
-    """Probes the coordinator's address "HOST:PORT" (IPv6 as "[::1]:PORT") as its gRPC service will
-    bind it (SO_REUSEADDR). Returns the address to bind: `address`, or "[::]:PORT" when HOST is not an
-    address of this machine (NAT, container). Raises ValueError naming `address` when something
-    listens there or HOST does not resolve."""
+    """Probes the coordinator's address "HOST:PORT" (IPv6 as "[::1]:PORT") as its gRPC service will bind it
+    (SO_REUSEADDR). Returns the address to bind: `address`, or "[::]:PORT" when HOST is not an address of this machine
+    (NAT, container). Raises ValueError naming `address` when something listens there or HOST does not resolve."""
     import errno
     import socket
 

@@ -300,11 +300,10 @@ def kept(out) -> str:
 
 
 class StopBeforeSteps(contextlib.AbstractContextManager):
-    """SIGTERM before the first step of a one-process run: nothing to save, so the handler raises
-    `Stopped` in the main thread at once (also during an XLA compilation), naming `phase` and what the
-    run in `out` keeps. Set `phase` to None at the first step (the `Preemption` hook takes over); a
-    SIGTERM after the hooks closed is ignored. With several processes nothing is installed (JAX's
-    preemption notifier owns SIGTERM)."""
+    """SIGTERM before the first step of a one-process run: nothing to save, so the handler raises `Stopped` in the
+    main thread at once (also during an XLA compilation), naming `phase` and what the run in `out` keeps. Set
+    `phase` to None at the first step (the `Preemption` hook takes over); a SIGTERM after the hooks closed is
+    ignored. With several processes nothing is installed (JAX's preemption notifier owns SIGTERM)."""
 
     def __init__(self, out):
         self.out, self.phase, self.old = out, "start-up", None

@@ -1,10 +1,9 @@
 """Model state on a mesh, and the jitted train / eval steps (loss and gradients inside `shard_map`, AdamW outside).
 
-Inside one `shard_map` over the mesh (data, stage, tensor) each data shard differentiates its
-own loss (scaled by 1 / data size), the pipeline runs over the stage axis (`parallel/pipeline.py`),
-and the gradients are summed over the data axis in float32 (`collectives/dp.py`, codec
-`CommPolicy.dp_grads`). With `dp_grads` exact this equals differentiating the mean loss from
-outside to float rounding (~1e-7 relative; tests/test_3d.py).
+Inside one `shard_map` over the mesh (data, stage, tensor) each data shard differentiates its own loss (scaled by 1
+/ data size), the pipeline runs over the stage axis (`parallel/pipeline.py`), and the gradients are summed over the
+data axis in float32 (`collectives/dp.py`, codec `CommPolicy.dp_grads`). With `dp_grads` exact this equals
+differentiating the mean loss from outside to float rounding (~1e-7 relative; tests/test_3d.py).
 """
 
 from __future__ import annotations
@@ -119,11 +118,10 @@ def compiled_memory(compiled) -> dict | None:
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Learning rate of the update with optax step count c = 0, 1, ... (training step k = c + 1).
 
-    Linear warmup lr · k / W for k = 1..W (step 1 already moves the parameters; the peak first
-    applies at step W), then cosine decay from lr at step W to exactly lr · min_lr_ratio at the
-    last step (`cfg.training.steps`). With W = 0 the first step runs at the peak. Source: nanoGPT
-    `get_lr` / GPT-NeoX, which index the schedule by the step being taken (the off-by-one of
-    `optax.warmup_cosine_decay_schedule(0, ...)`, whose step 1 runs at lr 0).
+    Linear warmup lr · k / W for k = 1..W (step 1 already moves the parameters; the peak first applies at step W),
+    then cosine decay from lr at step W to exactly lr · min_lr_ratio at the last step (`cfg.training.steps`). With W
+    = 0 the first step runs at the peak. Source: nanoGPT `get_lr` / GPT-NeoX, which index the schedule by the step
+    being taken (the off-by-one of `optax.warmup_cosine_decay_schedule(0, ...)`, whose step 1 runs at lr 0).
     """
     t = cfg.training
     peak, floor, w, n = t.lr, t.lr * t.min_lr_ratio, t.warmup, t.steps
