@@ -11,16 +11,10 @@ binding it: the processes start again on another (`PORT_ATTEMPTS`). Output lines
 stopped and the launcher returns its status. SIGTERM / SIGINT to the launcher is forwarded to every
 process (they checkpoint and exit); those still running `stop_grace_s` later are killed.
 
-Allocator (`malloc="keep"`, the default): `GLIBC_TUNABLES` = `MALLOC_KEEP`, so glibc keeps freed
-memory for reuse instead of mapping each buffer of >= 32 MB anew and page-faulting it in on every
-step (resident memory then stays at its peak; measured speed-ups: docs/results.md). An existing
-`GLIBC_TUNABLES` is left as it is; `malloc="default"` sets nothing.
-
-Emulated cluster (`--link 1gbit` or `--link intra=8gbit,inter=1gbit --nodes K`, taco_jax/emulate.py):
-each process runs in its own network namespace, joined by tbf-shaped links, each measured first; the description
-(requested and measured rates) reaches every process as `--emulated-link JSON`, so summary.json records it and
-`--min-bytes auto` / `--step-timeout auto` use the measured rate. Namespaces are removed when the run ends, fails or
-the launcher is stopped or killed (a reaper process; the next start removes those of any launcher that is gone).
+Allocator (`malloc="keep"`, the default, `malloc_env`): glibc keeps freed memory for reuse instead of mapping each
+buffer of >= 32 MB anew and page-faulting it in on every step (resident memory stays at its peak; docs/results.md).
+Emulated cluster (`--link`, taco_jax/emulate.py): the measured link description reaches every process as
+`--emulated-link JSON`, so summary.json records it and `--min-bytes auto` / `--step-timeout auto` use the measured rate.
 """
 
 from __future__ import annotations
@@ -146,9 +140,8 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     `link`, `nodes`: an emulated cluster (None: plain local processes; "" is refused). `verbose`: gloo's connection
     lines too. `pin_cpus`: process i runs on its own share of the launcher's CPUs (`cpu_shares`, printed to `out`).
     `config_of`: argv -> the `TrainConfig` the command runs (`cli.config_from_argv`, passed in: this module sits below
-    the CLI). `stop_grace_s` (default `STOP_GRACE_S`): after a SIGTERM or SIGINT to the launcher, the processes still
-    running this long are killed and the launcher returns 128 + the signal, saying what the run keeps; before any
-    process started, the signal stops the launch at once. Raises ValueError for processes < 1, an empty command, a
+    the CLI). `stop_grace_s`: after a SIGTERM or SIGINT, the processes still running this long are killed and the
+    launcher returns 128 + the signal (before any process started: at once). Raises ValueError for processes < 1, an empty command, a
     command other than train / compare, flags the launcher sets itself, a configuration `train` would refuse, a mesh
     size not divisible by `processes`, an unknown `malloc`, a malformed `link` / `nodes` or a tensor axis spanning
     nodes; emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""

@@ -55,11 +55,10 @@ def sim_times(rows) -> dict:
 def fit_link(rows, *, name: str = "gloo-loopback", source: str = "", subtract_sim: bool = False,
              dtype: str = "float32") -> Link:
     """α (s) and β (s/byte) from exact all-reduce timings by least squares on t = 2(p-1)·α + 2(p-1)/p·n·β (n =
-    size_bytes, p = processes; gloo rows with codec "none" and collective psum / all_reduce; time_s_median), residuals
-    relative to t (weights 1/t, so that small and large messages count alike). With a single p this is a straight line
-    of t on n. `subtract_sim`: t minus the same exact collective's time on the simulated mesh (its local
-    work: output buffers, copies), so that α–β describe the transport alone; sizes without a sim row are left out. Only
-    rows of message `dtype` (gloo reduces bfloat16 far slower than float32 on CPU, so the two are different links).
+    size_bytes, p = processes; gloo rows with codec "none", collective psum / all_reduce; time_s_median), residuals
+    relative to t. `subtract_sim`: t minus the same exact collective's time on the simulated mesh, so that α–β describe
+    the transport alone (sizes without a sim row left out). Only rows of message `dtype` (gloo reduces bfloat16 far
+    slower than float32 on CPU).
 
     Raises: ValueError when fewer than two distinct sizes are given, for a bad row value, or when
       the fit gives a negative β (the rows do not grow with size). A negative α is clipped to 0.
@@ -303,17 +302,13 @@ def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2
                       link_bytes_per_s: float | None = None, hardware: model.Hardware | None = None) -> CommPolicy:
     """`policy` with min_bytes "auto" replaced by the predicted break-even size (others: unchanged).
 
-    CPU: the shipped gloo calibration (`CPU_CALIBRATION`, or `calibration`, a `Calibration` or path); backends
-    "reference" / "ffi" as measured there. A one-process run on the simulated mesh gets the same threshold as over
-    gloo (its "collectives" are in-process copies, where compression never saves time; the threshold it gets is the
-    one a real transport would, so that the numerics do not depend on the process count). GPU ("cuda"/"gpu"/"rocm"):
-    `auto_threshold` on `hardware` (default: the shipped `hardware.DEFAULT_GPU` entry, the H200: NVLink 4 and its
-    measured codec speed), as `taco-jax plan --hardware` resolves it. `tensor_size` ranks on the tensor axis (< 2 ->
-    2). `link_bytes_per_s` (CPU): the tensor axis's link rate measured by `taco-jax launch --link`; the link is then
-    the calibration's latency with per byte the slower of the calibration's β and 1 / link_bytes_per_s (gloo's own
-    speed on loopback bounds it too). `sequence_parallel`: which tensor sites run (`site_break_even`). The threshold
-    is computed for the tensor sites and, being one number, applies to every site (`CommPolicy.codec_for`). Call
-    once the policy's backends are concrete (`CommPolicy.resolve_backends`).
+    CPU: the shipped gloo calibration (`CPU_CALIBRATION`, or `calibration`, a `Calibration` or path), also for a
+    one-process run on the simulated mesh, so that the numerics do not depend on the process count. GPU
+    ("cuda"/"gpu"/"rocm"): `auto_threshold` on `hardware` (default `hardware.DEFAULT_GPU`), as `taco-jax plan` resolves
+    it. `tensor_size`: ranks on the tensor axis (< 2 -> 2). `link_bytes_per_s` (CPU): the link rate measured by
+    `taco-jax launch --link`; per byte the slower of it and the calibration's β. `sequence_parallel`: which tensor
+    sites run (`site_break_even`). The one threshold applies to every site. Call once the policy's backends are
+    concrete (`CommPolicy.resolve_backends`).
     Raises: ValueError for an unknown platform or a backend without a speed.
     """
     if policy.min_bytes != "auto":

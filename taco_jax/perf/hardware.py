@@ -41,15 +41,11 @@ LINKS = "links"
 
 @dataclasses.dataclass(frozen=True)
 class HardwareSpec:
-    """One declared hardware: its key (`--hardware KEY`), the cost model's `Hardware`, and the
-    provenance of its numbers.
+    """One declared hardware: its lower-case `key` (`--hardware KEY`), the cost model's `hardware` (codec speed as
+    "default"), and the provenance of its numbers: `codec_status` ("measured" or "assumed"), `sources` ({"hardware",
+    "intra", "inter", "codec": text}), `where` (the file it was read from).
 
     Attributes:
-      key: lower-case name (e.g. "h100").
-      hardware: `model.Hardware` (peak FLOP/s, MFU, GPUs per node, links, codec speed as "default").
-      codec_status: "measured" or "assumed".
-      sources: {"hardware", "intra", "inter", "codec": source text}.
-      where: the file it was read from.
       target: the `[KEY.target]` table (`_TARGET`'s fields: the GPU for XLA:GPU's deviceless
         compiler, `target_config`), or None when the entry has none.
       codec_backends: {backend: {"encode_GBps", "decode_GBps", "status", "source"}}: `[KEY.codec]`
@@ -248,11 +244,9 @@ def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None, gpus: i
     """`hw` with its node size set so that a tensor-parallel group of `tp` ranks spans `tp_span_nodes` nodes (the
     cost model then puts TP, and the axes outside it, on the inter-node link). None: Megatron placement (TP inside a
     node while it fits: ceil(tp / gpus_per_node) nodes). Raises ValueError when `tp_span_nodes` does not divide
-    `tp`, or leaves more ranks per node than the node has GPUs, or (K > 1) a number of ranks per node that does not
-    divide its GPUs, or (None) when a `tp` larger than a node is not a multiple of its GPUs (the group would span
-    nodes unevenly), or (None or 1) when a smaller `tp` does not divide a node's GPUs and the run (`gpus` in all,
-    when given) fills more than one node: with the tensor axis innermost, one group would then cross a node boundary
-    (nodes of 3 GPUs, tensor 2: ranks 2 and 3)."""
+    `tp`, or the ranks per node exceed or (K > 1) do not divide the node's GPUs, or (None) a `tp` larger than a node
+    is not a multiple of its GPUs, or (None or 1) a smaller `tp` does not divide a node's GPUs and the run (`gpus`)
+    fills more than one node (a tensor group would cross a node boundary)."""
     if tp_span_nodes is None and tp > hw.gpus_per_node and tp % hw.gpus_per_node:
         raise ValueError(f"the tensor axis ({tp} ranks) does not fit nodes of {hw.gpus_per_node} GPUs ({hw.name}) "
                          f"evenly; give a tensor size of at most {hw.gpus_per_node} or a multiple of it, or "

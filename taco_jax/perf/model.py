@@ -48,13 +48,8 @@ def _check_pos(name: str, value, *, zero_ok: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One α–β link: a transfer of n bytes in one step costs alpha_s + n · beta_s_per_byte.
-
-    Attributes:
-      name: label.
-      alpha_s: latency per algorithm step, seconds.
-      beta_s_per_byte: inverse of the achieved bandwidth per direction, seconds per byte.
-      source: where the numbers come from (datasheet, fit, ...).
+    """One α–β link: a transfer of n bytes in one step costs alpha_s (s, latency per algorithm step) + n ·
+    beta_s_per_byte (s/B, inverse of the achieved bandwidth per direction); `source`: where the numbers come from.
     Raises: ValueError naming a negative or non-finite value.
     """
 
@@ -83,14 +78,9 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class CodecSpeed:
-    """Time of one codec call on n uncompressed bytes: overhead_s + n / (GBps · 1e9).
-
-    Attributes:
-      encode_GBps: encode throughput, GB/s (1e9 B/s) of uncompressed input.
-      decode_GBps: decode throughput, GB/s of uncompressed output.
-      overhead_s: fixed cost per call (kernel launch / dispatch), seconds.
-      source: where the numbers come from.
-    Raises: ValueError naming a non-positive throughput or a negative overhead.
+    """Time of one codec call on n uncompressed bytes: overhead_s (s, kernel launch / dispatch) + n / (GBps · 1e9), with
+    encode_GBps / decode_GBps the throughput in GB/s (1e9 B/s) of uncompressed input / output; `source`: where the
+    numbers come from. Raises: ValueError naming a non-positive throughput or a negative overhead.
     """
 
     encode_GBps: float
@@ -114,16 +104,9 @@ class CodecSpeed:
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One kind of GPU (or CPU device) and its links.
-
-    Attributes:
-      name: label.
-      peak_flops: dense matmul peak of one device in the training dtype, FLOP/s.
-      mfu: model FLOPs utilisation the compute runs at (0 < mfu <= 1).
-      gpus_per_node: devices sharing the intra-node link.
-      intra: link between devices of one node; inter: link between nodes.
-      codec: codec speed per backend name ("reference", "ffi", "pallas", "triton", ...); a codec
-        whose backend is missing uses the "default" entry.
+    """One kind of GPU (or CPU device) and its links: `peak_flops` (dense matmul peak of one device in the training
+    dtype, FLOP/s), `mfu` (model FLOPs utilisation, 0 < mfu <= 1), `gpus_per_node` (devices sharing the `intra` link;
+    `inter`: between nodes), `codec` ({backend name: `CodecSpeed`}; a missing backend uses "default").
     Raises: ValueError naming a bad value.
     """
 
@@ -195,17 +178,10 @@ def comm_time(op: str, nbytes: float, p: int, link: Link, ratio: float = 1.0) ->
 
 def collective_time(op: str, nbytes: float, p: int, link: Link, codec: CodecConfig = NONE,
                     speed: CodecSpeed | None = None, *, itemsize: int = 4, chunks: int = 1) -> float:
-    """Predicted seconds of one (compressed) collective.
-
-    Args:
-      op: "all_reduce" (two-shot when compressed), "all_gather", "reduce_scatter" or "send".
-      nbytes: uncompressed message bytes (module docstring).
-      p: ranks on the axis (send: ignored but must be >= 1).
-      link: the α–β link.
-      codec: NONE gives the exact collective; otherwise needs `speed`.
-      speed: codec speed of `codec`'s backend.
-      itemsize: bytes per message element (4: FP32, 2: BF16).
-      chunks: K pipelined chunks (codec work overlapping transfers); 1 = sequential.
+    """Predicted seconds of one (compressed) collective `op` (one of `OPS`; all-reduce two-shot when compressed) of an
+    `nbytes` message (module docstring) over `p` ranks (send: must be >= 1) on `link`. `codec` NONE: the exact
+    collective; otherwise `speed` (of `codec`'s backend) is needed. `itemsize`: bytes per message element (4: FP32, 2:
+    BF16). `chunks`: K pipelined chunks (codec work overlapping transfers; 1: sequential).
     Raises: ValueError naming a bad value.
     """
     if not (isinstance(chunks, int) and chunks >= 1):
@@ -279,17 +255,11 @@ def flops(cfg, batch: int, seq_len: int, *, backward: bool = True) -> dict:
 # The training step
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A 3D-parallel run (Megatron order: tensor innermost, then data, then stage).
-
-    Attributes:
-      tp, dp, pp: tensor, data and pipeline sizes (GPUs = tp·dp·pp).
-      micro_batch: sequences per microbatch b.
-      seq_len: tokens per sequence T.
-      n_micro: microbatches per step m (per data rank); 1F1B bubble (pp-1)/m.
-      sequence_parallel: TP sites are all-gather + reduce-scatter (else all-reduce).
-      act_bytes: bytes per activation element on the TP/PP wire (2: BF16, 4: FP32).
-      grad_bytes: bytes per gradient element of the DP all-reduce (4: FP32 main grads).
-      dp_overlap: fraction of the DP all-reduce hidden behind backward compute (0..1).
+    """A 3D-parallel run (Megatron order: tensor innermost, then data, then stage): `tp`, `dp`, `pp` sizes (GPUs =
+    tp·dp·pp); `micro_batch` b sequences of `seq_len` T tokens; `n_micro` m microbatches per step per data rank (1F1B
+    bubble (pp-1)/m); `sequence_parallel`: TP sites are all-gather + reduce-scatter (else all-reduce); `act_bytes` per
+    activation element on the TP/PP wire and `grad_bytes` per gradient element of the DP all-reduce (2: BF16, 4: FP32);
+    `dp_overlap`: fraction (0..1) of the DP all-reduce hidden behind backward compute.
     Raises: ValueError naming a bad value.
     """
 

@@ -98,8 +98,7 @@ class CorruptCheckpointError(CheckpointError):
 
 def _why(e: Exception) -> str:
     """A short line of a restore error: the array TensorStore names and the innermost reason of its
-    chain (e.g. 'params.h.1.mlp.fc.bias: Requested byte range [0, 85422) is not valid for value of
-    size 42711'); JSON specs, status codes, file paths and the driver chain dropped."""
+    chain; JSON specs, status codes, file paths and the driver chain dropped."""
     text = " ".join(str(e).split())
     text = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text)
     while re.search(r"<[^<>]*>", text):  # reprs of Python objects (a bound method, a pybind11 function), nested

@@ -11,11 +11,6 @@ the plugin to jax's version).
 
 What such a compile does not know: no GEMM autotuning (no device to time: untuned Triton tiles or
 cuBLAS), no allocator fragmentation, nothing allocated outside XLA's buffers (`RESERVE`).
-
-  plugin_error()     why the CUDA plugin cannot be used here (None when it can)
-  gpu_devices        the abstract devices of `n` GPUs of a hardware entry, as its nodes hold them
-  memory_verdict     XLA:GPU's peak per device against the GPU's memory less `RESERVE`
-  schedule_estimate  XLA:GPU's own step-time estimate (its latency-hiding scheduler's statistics)
 """
 
 from __future__ import annotations

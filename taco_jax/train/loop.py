@@ -2,9 +2,6 @@
 
 Everything beside the step itself (watchdog, capture, monitor, evaluation, metrics log, progress,
 preemption, checkpoints, profile, TensorBoard) is a per-step hook (`train/hooks.py`).
-Run from the shell:
-    taco-jax train --comm taco --out runs/taco          # one run
-    taco-jax compare --out runs/compare                 # same seed/data, --comm none then taco (train/compare.py)
 """
 
 from __future__ import annotations

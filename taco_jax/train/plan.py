@@ -138,11 +138,8 @@ def activation_estimate(cfg: TrainConfig) -> dict:
             "activations": int(per * layers * in_flight), "remat": mc.remat}
 
 
-#: XLA:GPU's peak per device over `memory_estimate`, the lowest and highest on the configurations of docs/plan.md
-#: "How far the estimate is from the compiler" (12 compiles for an H100, bf16: gpt2-tiny, gpt2-124m and qwen3-0.6b
-#: shallow copies, qwen3-8b at 2, 4, 8 and 36 layers; with and without --remat full and a pipeline). Not a bound
-#: either way: the transients of one layer (attention scores, the LM head's FP32 logits) and what XLA:GPU's schedule
-#: keeps are not in it, and the embedding's share is approximated.
+#: XLA:GPU's peak per device over `memory_estimate`, lowest and highest on the compiles of docs/plan.md "How far the
+#: estimate is from the compiler". Not a bound either way (one layer's transients and XLA:GPU's schedule are not in it).
 ESTIMATE_RATIO = (0.9, 7.8)
 
 
@@ -168,14 +165,11 @@ def resolve_policy(policy: CommPolicy, layout: model.Layout, hw: model.Hardware)
 
 
 def best_exact_layout(cfg: TrainConfig, spec: HardwareSpec) -> dict | None:
-    """The fastest exact layout of the run's GPUs in the cost model (`model.step_time`, no policy):
-    tensor × data × stage = the run's GPU count with the tensor axis inside a node (Megatron placement,
-    `with_tp_span`), tensor × stage at least the run's (no device holds more of the layers' parameters than in the
-    run's layout: memory is not otherwise checked), and every microbatch count the batch and the pipeline allow; the
-    run's model, global batch, sequence length and sequence parallelism, each split checked as a run checks it
-    (`check_tensor_parallel` with the vocabulary padded for that tensor size, `check_pipeline`). A few hundred model
-    evaluations at most. Returns {"mesh", "microbatches", "step_s", "tokens_per_s", "min_split" (tensor × stage of
-    the run)}, or None when the run has one GPU or no layout qualifies."""
+    """The fastest exact layout of the run's GPUs in the cost model (`model.step_time`, no policy): tensor × data ×
+    stage = the run's GPU count, tensor inside a node (`with_tp_span`), tensor × stage at least the run's (memory is not
+    otherwise checked), every microbatch count the batch and pipeline allow, each split checked as a run checks it
+    (`check_tensor_parallel`, `check_pipeline`). Returns {"mesh", "microbatches", "step_s", "tokens_per_s", "min_split"
+    (tensor × stage of the run)}, or None when the run has one GPU or no layout qualifies."""
     from taco_jax.parallel.schedule_math import check_pipeline
 
     layout = layout_of(cfg)
@@ -211,16 +205,13 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     """The cost model's prediction of one training step of `cfg` on `spec`'s hardware.
 
     TP ranks sit in one node while they fit (Megatron placement), or span `tp_span_nodes` nodes
-    (`perf.hardware.with_tp_span`). Returns a JSON-ready dict: "hardware", "layout", "links" (the
-    link each axis crosses), "exact" and "policy" step times {"step_s", "compute_s", "tensor_s",
-    "stage_s", "data_s", "tokens_per_s"} (per-axis times: whole step, exposed), "speedup" with its
-    "range" per error source (`perf.uncertainty.speedup_range`; None when the policy's step is the
-    exact one: no site of the mesh compressed, by the policy's codecs or its `--min-bytes`), "compressed_sites" (those
-    the model compresses, `model.compressed_sites`), "step_range_s", "errors" (the sources), "sites" (per-site messages,
-    break-even sizes, the choice of `--min-bytes auto`), "auto_threshold_bytes" (None, as "range", when the policy
-    declares no codec for a site of the mesh), "auto_speedup" (the policy with only the sites the model predicts to
-    gain, `model.auto_policy`) and "best_exact" (`best_exact_layout`: the fastest exact layout of the same GPUs, to set
-    the speedup beside). Raises ValueError for a layout the model cannot take (e.g. tp_span_nodes not dividing tp).
+    (`perf.hardware.with_tp_span`). Returns a JSON-ready dict: "hardware", "layout", "links" (per axis), "exact" and
+    "policy" step times {"step_s", "compute_s", "tensor_s", "stage_s", "data_s", "tokens_per_s"} (per-axis times
+    exposed), "speedup" with its "range" per error source (`perf.uncertainty.speedup_range`; None when no site of the
+    mesh is compressed), "compressed_sites" (`model.compressed_sites`), "step_range_s", "errors", "sites"
+    (`_site_rows`), "auto_threshold_bytes" (None when the policy declares no codec for a site of the mesh),
+    "auto_speedup" (`model.auto_policy`) and "best_exact" (`best_exact_layout`). Raises ValueError for a layout the
+    model cannot take (e.g. tp_span_nodes not dividing tp).
     """
     layout = layout_of(cfg)
     hw = with_tp_span(spec.hardware, layout.tp, tp_span_nodes, gpus=layout.gpus)
@@ -348,10 +339,8 @@ def compiled_report(hlo_text: str, mesh, policy: CommPolicy) -> dict:
             "mismatches": _declared_check(policy, rows), "overlap": overlap_by_site(async_overlap(hlo_text, mesh))}
 
 
-#: `compile_step`'s progress lines: one every `STILL_COMPILING_S` seconds of the whole compile, and one `XLA_ALARM_S` +
-#: 1 s into `.compile()` saying what XLA's slow-compile alarm is. XLA logs that alarm when its own compile of the module
-#: passes 2 minutes (xla/service/slow_operation_alarm.cc), a part of `.compile()`: of two plans of one step here (232 s
-#: and 164 s of tracing, lowering and compiling), the first logged it and the second did not.
+#: `compile_step`'s progress lines: one every `STILL_COMPILING_S` s, and one `XLA_ALARM_S` + 1 s into `.compile()`
+#: explaining the alarm XLA logs when its compile passes 2 minutes (xla/service/slow_operation_alarm.cc).
 STILL_COMPILING_S = 300.0
 XLA_ALARM_S = 120.0
 XLA_ALARM_NOTE = ("plan: XLA's compile of the step has run {minutes:.1f} min; if XLA's own compile of the module "
@@ -506,8 +495,7 @@ def extrapolate_peak(peaks: dict[int, int], depth: int) -> int:
     """The peak per device at `depth` layers from the peaks of two shallow compiles ({layers: bytes}),
     linear in the depth (parameters, gradients, optimizer state and saved layer inputs grow by the same
     amount per layer). A lower bound, not an estimate: XLA:GPU's peak grows faster than linearly with the
-    layers of a stage (qwen3-8b, 4 stages, 8 microbatches, --remat full on H100: 12.28, 14.80 and
-    61.71 GiB at 1, 2 and 9 layers per stage; the line through the first two gives 32.4 GiB at 9)."""
+    layers of a stage (docs/results.md)."""
     (l1, p1), (l2, p2) = sorted(peaks.items())
     return int(round(p2 + (p2 - p1) / (l2 - l1) * (depth - l2)))
 
