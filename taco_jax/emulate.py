@@ -20,9 +20,8 @@ N/K node 1, ... . Devices of process i are global devices i·d .. (i+1)·d-1 and
 takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nodes of 2
 one-device processes puts each tensor pair inside a node (`check_tensor_in_node`).
 
-Each link is measured before the run by a bulk TCP transfer (`measure`). Cleanup: `Cluster.close()`, a reaper process when the launcher dies by any signal, and
-`cleanup_stale()` at the next start or `taco-jax launch --cleanup`.
-"""
+Each link is measured before the run by a bulk TCP transfer (`measure`). Cleanup: `Cluster.close()`, a reaper
+process when the launcher dies by any signal, and `cleanup_stale()` at the next start or `taco-jax launch --cleanup`."""
 
 from __future__ import annotations
 

@@ -141,10 +141,10 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     lines too. `pin_cpus`: process i runs on its own share of the launcher's CPUs (`cpu_shares`, printed to `out`).
     `config_of`: argv -> the `TrainConfig` the command runs (`cli.config_from_argv`, passed in: this module sits below
     the CLI). `stop_grace_s`: after a SIGTERM or SIGINT, the processes still running this long are killed and the
-    launcher returns 128 + the signal (before any process started: at once). Raises ValueError for processes < 1, an empty command, a
-    command other than train / compare, flags the launcher sets itself, a configuration `train` would refuse, a mesh
-    size not divisible by `processes`, an unknown `malloc`, a malformed `link` / `nodes` or a tensor axis spanning
-    nodes; emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
+    launcher returns 128 + the signal (before any process started: at once). Raises ValueError for processes < 1, an
+    empty command, a command other than train / compare, flags the launcher sets itself, a configuration `train` would
+    refuse, a mesh size not divisible by `processes`, an unknown `malloc`, a malformed `link` / `nodes` or a tensor
+    axis spanning nodes; emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
     if malloc not in MALLOC_MODES:
         raise ValueError(f"malloc={malloc!r} must be one of {MALLOC_MODES}")
     if processes < 1:

@@ -1,8 +1,7 @@
 """The codec kinds: one registry entry per kind, from which every per-kind rule of the package derives
 (validation, wire layout, byte counts, calibration candidates, plots).
 
-Adding a kind: `register_kind(CodecKind(...))` (docs/architecture.md, "Adding a codec kind").
-"""
+Adding a kind: `register_kind(CodecKind(...))` (docs/architecture.md, "Adding a codec kind")."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class Rounding:
       rms_prescale: x is multiplied by a = clip(fmax / sqrt(mean(x²) + lam), 1e-3, 1e3) before the
         transform and the decode divides by a (taco, TACO_SPEC.md §2).
       source: where the rounding is defined.
-    Raises: ValueError naming a bad field.
-    """
+    Raises: ValueError naming a bad field."""
 
     grid: str
     levels: int = 0
@@ -97,8 +95,7 @@ class CodecKind:
         codec tests refuse the kind).
       color: how plots draw the kind (a matplotlib colour).
       summary: one line for listings.
-    Raises: ValueError naming a bad field.
-    """
+    Raises: ValueError naming a bad field."""
 
     name: str
     code_bits: int

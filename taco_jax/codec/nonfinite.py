@@ -28,8 +28,7 @@ def check_finite(rows: jax.Array, site: str) -> None:
 
     A `lax.cond` around an operand-free `jax.debug.callback` (works in `jit`, `shard_map` and custom_vjp rules). Not
     raising inside the callback: the failing rank would leave its peers waiting in the next collective. Not
-    `checkify`: it would wrap the whole step. Values follow "propagate".
-    """
+    `checkify`: it would wrap the whole step. Values follow "propagate"."""
     ok = jnp.all(jnp.isfinite(rows))
     jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(functools.partial(_report, site=site)))
 

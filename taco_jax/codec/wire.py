@@ -2,8 +2,7 @@
 
 Each message travels as ONE uint8 row (`pack_rows`: codes, s, a as little-endian bytes): one
 collective rather than one per buffer, since over gloo each collective costs a rendezvous. Contract
-in `taco_jax.codec.backends`; the generic codec serves every kind and backend.
-"""
+in `taco_jax.codec.backends`; the generic codec serves every kind and backend."""
 
 from __future__ import annotations
 

@@ -25,8 +25,7 @@ Layout: two-shot chunks along the leading axis when it divides by P, else the fl
 zero-padded to a multiple of P. Reduce-scatter along d of x [*pre, P*s, *post]: rank r receives from
 every rank the block x viewed as [outer, P, inner] at [:, r, :] (flattened row-major) and returns
 their FP32 sum as [*pre, s, *post]; a wire codec may read those blocks in place.
-A codec with a field still "auto" is resolved at trace time (`taco_jax.codec.resolve_codec`).
-"""
+A codec with a field still "auto" is resolved at trace time (`taco_jax.codec.resolve_codec`)."""
 
 from __future__ import annotations
 
@@ -257,8 +256,7 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
         (fewer for a small message; 1 for a "token"-grouped codec); "auto": `auto_chunks`.
     Returns: array of x's shape and dtype, equal on every rank.
     Derivative: `lax.psum`'s (the cotangent made varying, no communication, no backward codec).
-    Raises: ValueError for an unknown algorithm or reduce_domain, or chunks not "auto" nor an integer >= 1.
-    """
+    Raises: ValueError for an unknown algorithm or reduce_domain, or chunks not "auto" nor an integer >= 1."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not supported; choose 'two_shot' or 'one_shot'")
     if reduce_domain not in REDUCE_DOMAINS:
@@ -345,8 +343,7 @@ def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 
     Returns: x's dtype; shape x.shape with P inserted at `axis` (tiled=False) or x.shape[axis]
       multiplied by P (tiled=True).
     Derivative: `lax.all_gather`'s (`psum_scatter` of the cotangent along `axis`).
-    Raises: ValueError for `axis` out of range or a `bwd_codec` that is not a CodecConfig.
-    """
+    Raises: ValueError for `axis` out of range or a `bwd_codec` that is not a CodecConfig."""
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))
     axis = _norm_axis(axis, x.ndim + (0 if tiled else 1), "axis")
     if codec.kind == "none" and bwd.kind == "none" and not (_own_bytes(codec, x) or _own_bytes(bwd, x)):
@@ -419,8 +416,7 @@ def ppermute(x: jax.Array, axis_name: str, perm, *, codec: CodecConfig,
     perm: (source, destination) pairs, as `lax.ppermute`; a rank nobody sends to gets zeros.
     Returns: x's shape and dtype.
     Derivative: `lax.ppermute`'s (the inverse permutation).
-    Raises: ValueError for a `bwd_codec` that is not a CodecConfig (bad `perm`: `lax`'s error).
-    """
+    Raises: ValueError for a `bwd_codec` that is not a CodecConfig (bad `perm`: `lax`'s error)."""
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))
     perm = tuple((int(s), int(d)) for s, d in perm)
     if codec.kind == "none" and bwd.kind == "none" and not (_own_bytes(codec, x) or _own_bytes(bwd, x)):

@@ -11,8 +11,7 @@ tensor-model-parallel region); TACO spec §1 for which site is compressed. All f
 | gather_from_sp     | all-gather (all_gather) | reduce-scatter (reduce_scatter) |
 | scatter_to_sp      | reduce-scatter          | all-gather               |
 
-Each backward collective runs only when the operator's input is differentiated.
-"""
+Each backward collective runs only when the operator's input is differentiated."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The conformance rule of `taco_jax.kernels` as a check (a backend against `reference` on the same inputs), shared
-by the tests and the GPU check. Every check raises AssertionError naming what differs and by how much.
-"""
+by the tests and the GPU check. Every check raises AssertionError naming what differs and by how much."""
 
 from __future__ import annotations
 

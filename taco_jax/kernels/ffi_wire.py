@@ -4,8 +4,7 @@ The wire-codec contract of `taco_jax.codec.backends` on `ffi_codec`'s packed tar
 write and read the rows themselves, so XLA adds no concatenation, slice, transpose (strided blocks
 with inner extent % G == 0), convert (native dtypes) or FP32 temporary around the transfers. Bytes
 and values equal the generic wire codec's (tested byte for byte). Kind "taco", group_axis "hidden",
-nonfinite "propagate", backend "ffi" only. All-to-all rows are one buffer per rank (`per_source`).
-"""
+nonfinite "propagate", backend "ffi" only. All-to-all rows are one buffer per rank (`per_source`)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ reference's XLA ops do, so the kernels conform under the rule of `taco_jax.kerne
 `triton` and `jax_triton` are imported on first use (`pip install 'taco_jax[gpu]'`). FP8 E4M3 needs
 sm >= 89. jax-triton types its results invariant inside `shard_map`, so the wrappers restore the
 operands' varying axes (`codec.vma.pvary`). Without a GPU (a deviceless compile) the cubin is built
-for the capability of the devices lowered for (`_lowering_capability`).
-"""
+for the capability of the devices lowered for (`_lowering_capability`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 `CausalLMConfig` is the only way the rest of taco_jax (trainer, pipeline, HF conversion, cost model) reads a model
 config. `CausalLM` owns embed -> layers -> final norm -> LM head, the vocab-parallel loss and the pipeline's pieces;
-`PreNormBlock` is the shared residual block. Each family keeps its HF-like submodule names.
-"""
+`PreNormBlock` is the shared residual block. Each family keeps its HF-like submodule names."""
 
 from __future__ import annotations
 
@@ -132,8 +131,7 @@ class CausalLM(nnx.Module):
     and `final_norm` (attribute names), and `self.cfg`, `self.ctx`. `__call__(ids)`: int32 [B, T] -> this rank's
     vocab slice of the logits, [B, T, V / tp] (all of V when unsharded). `loss(ids, targets)`: mean next-token
     cross-entropy (float32 scalar) over this rank's batch, computed vocab-parallel. Raises ValueError if T exceeds
-    the config's `block_size`.
-    """
+    the config's `block_size`."""
 
     pipeline_layers: ClassVar[str]
     token_embed: ClassVar[str]

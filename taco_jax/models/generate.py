@@ -7,8 +7,7 @@
 
 `generate` is one jit-compiled loop that recomputes the whole (fixed-size) sequence at every new
 token (no KV cache: simple and exact; cost grows with prompt + new tokens squared). Greedy decoding
-(temperature 0) equals `transformers`' `generate(do_sample=False)` on the same weights (test_generate.py).
-"""
+(temperature 0) equals `transformers`' `generate(do_sample=False)` on the same weights (test_generate.py)."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temp
     `allowed`: bool [vocab_size], the ids that may be generated (e.g. those the tokenizer has); None:
     every id. Raises ValueError for an empty prompt, a negative or non-finite count / temperature / top_k, a seed
     outside [0, 2**63), ids outside the vocabulary, a total length over the model's block_size, or an `allowed` of
-    another shape or with no id.
-    """
+    another shape or with no id."""
     ids = np.asarray(prompt)
     one = ids.ndim == 1
     ids = ids[None] if one else ids

@@ -1,8 +1,7 @@
 """GPT-2 (learned positions, pre-LN, GELU MLP, tied embeddings) with Megatron tensor parallelism.
 
 Source: Radford et al. 2019 / OpenAI `gpt-2` model.py and the HF `gpt2` model card (124,439,808
-parameters for GPT-2 small); layer layout after nanoGPT `model.py`. No dropout.
-"""
+parameters for GPT-2 small); layer layout after nanoGPT `model.py`. No dropout."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ Layouts (HF -> taco_jax, global shapes; D hidden, H / K query / KV heads, hd hea
 
 Sources: `transformers` `models/gpt2/modeling_gpt2.py`, `models/qwen2/modeling_qwen2.py`,
 `models/qwen3/modeling_qwen3.py`; safetensors format (8-byte little-endian header length, JSON
-header of dtype / shape / data_offsets, raw little-endian data).
-"""
+header of dtype / shape / data_offsets, raw little-endian data)."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ def _rope_theta(hf: dict) -> float:
 def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GPTConfig | QwenConfig:
     """Model config of an HF checkpoint (a directory, or its `config.json` as a dict), its vocabulary
     padded to a multiple of `vocab_multiple`. Raises ValueError naming the config key and value of an
-    unknown architecture or a setting taco_jax does not implement.
-    """
+    unknown architecture or a setting taco_jax does not implement."""
     if not isinstance(hf, dict):
         hf = read_config(hf)
     arch = architecture(hf)
@@ -164,8 +162,7 @@ def hf_config(cfg: CausalLMConfig) -> dict:
 class Entry:
     """One parameter: HF tensor `name` of shape `hf_shape` <-> model pure-dict `path` of `shape`.
 
-    model = pad((hf.T if transpose else hf).reshape(unpadded shape)) along `vocab_axis`.
-    """
+    model = pad((hf.T if transpose else hf).reshape(unpadded shape)) along `vocab_axis`."""
 
     name: str
     hf_shape: tuple[int, ...]
@@ -338,8 +335,7 @@ def load_params(path, cfg: CausalLMConfig, *, shardings=None, stacked_key: str |
     stacked_key: return the pipeline layout (`parallel.staged.StagedModel`).
     Returns: numpy arrays (no shardings) or `jax.Array`s.
     Raises ValueError for missing or unexpected tensors, a shape mismatch (naming the tensor and
-    both shapes), an unsupported dtype, or a stored tied LM head that differs from the embedding.
-    """
+    both shapes), an unsupported dtype, or a stored tied LM head that differs from the embedding."""
     import jax
 
     tensors = _Tensors(path)
@@ -472,8 +468,7 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
       `base_config` has none, in tokenizer_config.json, and in a generation_config.json unless `source` has one.
     record: JSON-ready facts about the weights, written last as `EXPORT_RECORD` (marking a complete
       export). Files get mode 0666 less the umask.
-    Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
-    """
+    Raises ValueError if a parameter is missing or has another shape than `cfg` gives."""
     import jax
     from safetensors.numpy import save_file
 

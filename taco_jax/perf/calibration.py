@@ -6,8 +6,7 @@ size_bytes (per-rank message), time_s_median, ...) or of `experiments/costmodel/
 same keys, plus rows with collective "codec" holding encode_s / decode_s of a whole message).
 
 Calibration file (`CALIBRATION_FORMAT`, e.g. `calibration_cpu_gloo.json` beside this module): the
-fitted link and codec speeds, the rows' source and the command that produced it.
-"""
+fitted link and codec speeds, the rows' source and the command that produced it."""
 
 from __future__ import annotations
 
@@ -93,8 +92,7 @@ def fit_codec(rows, backend: str, *, source: str = "") -> CodecSpeed:
     least squares (relative residuals) of t = overhead + n / throughput for encode and decode (one shared overhead, the
     mean of the two intercepts, clipped at 0).
 
-    Raises: ValueError when fewer than two sizes of that backend are given or a slope is not positive.
-    """
+    Raises: ValueError when fewer than two sizes of that backend are given or a slope is not positive."""
     pts = [(_num(r, "size_bytes"), _num(r, "encode_s"), _num(r, "decode_s")) for r in rows
            if r.get("collective") == "codec" and r.get("backend") == backend]
     if len({n for n, _, _ in pts}) < 2:
@@ -208,8 +206,7 @@ def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None, local:
     local: "model": `model.collective_time` (α–β plus the linear codec model); "sim": the same collective's measured
       time on the simulated mesh (its local work: codec, sums, buffers) plus the α–β transfer of its wire bytes (use
       with `fit_link(subtract_sim=True)`); rows without a sim counterpart are left out.
-    Raises: ValueError for an unknown `local`.
-    """
+    Raises: ValueError for an unknown `local`."""
     if local not in ("model", "sim"):
         raise ValueError(f"local={local!r} must be 'model' or 'sim'")
     codec = codec or CodecConfig()
@@ -265,8 +262,7 @@ def site_break_even(policy: CommPolicy, link: Link, speeds: dict, p: int, *, ite
     local shard, i.e. the gathered size / p; reduce_scatter: reduce-scatter). `sequence_parallel`
     True: only all_gather / reduce_scatter run; False: only ar_fwd / ar_bwd; None: all four. Returns `model.NEVER`
     if one never pays; 0 if no site compresses. `speeds`: {backend: CodecSpeed} ("default" as the fallback).
-    Raises: ValueError when a compressed site's backend has no speed in `speeds`.
-    """
+    Raises: ValueError when a compressed site's backend has no speed in `speeds`."""
     ops = {"ar_fwd": "all_reduce", "ar_bwd": "all_reduce", "all_gather": "all_gather",
            "reduce_scatter": "reduce_scatter"}
     running = {None: TENSOR_SITES, True: ("all_gather", "reduce_scatter"), False: ("ar_fwd", "ar_bwd")}
@@ -309,8 +305,7 @@ def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2
     `taco-jax launch --link`; per byte the slower of it and the calibration's β. `sequence_parallel`: which tensor
     sites run (`site_break_even`). The one threshold applies to every site. Call once the policy's backends are
     concrete (`CommPolicy.resolve_backends`).
-    Raises: ValueError for an unknown platform or a backend without a speed.
-    """
+    Raises: ValueError for an unknown platform or a backend without a speed."""
     if policy.min_bytes != "auto":
         return policy
     if platform in ("cuda", "gpu", "rocm"):

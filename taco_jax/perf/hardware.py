@@ -5,8 +5,7 @@ The shipped table is the one place GPU numbers live (FLOP rates, links, codec sp
 
 Each entry becomes a cost-model `model.Hardware` (peak FLOP/s, MFU, GPUs per node, intra- and inter-node `Link`,
 codec speed) plus what the numbers rest on (`HardwareSpec`): the source of each, and whether the codec speed was
-measured or is assumed. Schema: the comment at the top of `hardware.toml`; docs/plan.md "Your own cluster".
-"""
+measured or is assumed. Schema: the comment at the top of `hardware.toml`; docs/plan.md "Your own cluster"."""
 
 from __future__ import annotations
 

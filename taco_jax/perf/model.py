@@ -19,8 +19,7 @@ encodes n(1+1/p) and decodes 2n; all-gather encodes n/p and decodes n; reduce-sc
 encodes n and decodes n. With `chunks` K > 1 (overlap of codec work and transfers) the model takes max(comm, codec)
 + min(comm, codec)/K, each chunk paying its α.
 
-The step (Megatron-LM layout: Shoeybi et al. 2019, Narayanan et al. 2021) is `step_time`.
-"""
+The step (Megatron-LM layout: Shoeybi et al. 2019, Narayanan et al. 2021) is `step_time`."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ def _check_pos(name: str, value, *, zero_ok: bool = False) -> None:
 class Link:
     """One α–β link: a transfer of n bytes in one step costs alpha_s (s, latency per algorithm step) + n ·
     beta_s_per_byte (s/B, inverse of the achieved bandwidth per direction); `source`: where the numbers come from.
-    Raises: ValueError naming a negative or non-finite value.
-    """
+    Raises: ValueError naming a negative or non-finite value."""
 
     name: str
     alpha_s: float
@@ -80,8 +78,7 @@ class Link:
 class CodecSpeed:
     """Time of one codec call on n uncompressed bytes: overhead_s (s, kernel launch / dispatch) + n / (GBps · 1e9), with
     encode_GBps / decode_GBps the throughput in GB/s (1e9 B/s) of uncompressed input / output; `source`: where the
-    numbers come from. Raises: ValueError naming a non-positive throughput or a negative overhead.
-    """
+    numbers come from. Raises: ValueError naming a non-positive throughput or a negative overhead."""
 
     encode_GBps: float
     decode_GBps: float
@@ -107,8 +104,7 @@ class Hardware:
     """One kind of GPU (or CPU device) and its links: `peak_flops` (dense matmul peak of one device in the training
     dtype, FLOP/s), `mfu` (model FLOPs utilisation, 0 < mfu <= 1), `gpus_per_node` (devices sharing the `intra` link;
     `inter`: between nodes), `codec` ({backend name: `CodecSpeed`}; a missing backend uses "default").
-    Raises: ValueError naming a bad value.
-    """
+    Raises: ValueError naming a bad value."""
 
     name: str
     peak_flops: float
@@ -182,8 +178,7 @@ def collective_time(op: str, nbytes: float, p: int, link: Link, codec: CodecConf
     `nbytes` message (module docstring) over `p` ranks (send: must be >= 1) on `link`. `codec` NONE: the exact
     collective; otherwise `speed` (of `codec`'s backend) is needed. `itemsize`: bytes per message element (4: FP32, 2:
     BF16). `chunks`: K pipelined chunks (codec work overlapping transfers; 1: sequential).
-    Raises: ValueError naming a bad value.
-    """
+    Raises: ValueError naming a bad value."""
     if not (isinstance(chunks, int) and chunks >= 1):
         raise ValueError(f"chunks={chunks!r} must be an integer >= 1")
     if codec.kind == "none" or (p == 1 and op != "send"):
@@ -206,8 +201,7 @@ def break_even_bytes(op: str, p: int, link: Link, codec: CodecConfig, speed: Cod
     Both times are affine in n (sequential codec, `chunks=1`): t = a + b·n; the answer is
     ceil((a_c - a_e) / (b_e - b_c)) (0 when compression is never slower), or `NEVER` (2**62) when
     the compressed slope is not smaller (compression never pays: keep the site exact).
-    Raises: ValueError naming a bad value.
-    """
+    Raises: ValueError naming a bad value."""
     if codec.kind == "none":
         return NEVER
     t = lambda n, c: collective_time(op, n, p, link, c, speed, itemsize=itemsize)  # noqa: E731
@@ -238,8 +232,7 @@ def flops(cfg, batch: int, seq_len: int, *, backward: bool = True) -> dict:
     Per token and layer, forward: 2·(matmul weights) + attention 4·T·(H·hd) (QKᵀ and AV, full
     T×T as Megatron counts it, no causal halving); LM head 2·D·V per token. Backward = 2× forward
     (no recomputation). Returns {"layer": one layer's, "layers": all layers', "head": LM head's,
-    "total": FLOP}. Raises ValueError for a non-positive batch or sequence length.
-    """
+    "total": FLOP}. Raises ValueError for a non-positive batch or sequence length."""
     for name, v in (("batch", batch), ("seq_len", seq_len)):
         if not (isinstance(v, (int, np.integer)) and v >= 1):
             raise ValueError(f"{name}={v!r} must be a positive integer")
@@ -260,8 +253,7 @@ class Layout:
     bubble (pp-1)/m); `sequence_parallel`: TP sites are all-gather + reduce-scatter (else all-reduce); `act_bytes` per
     activation element on the TP/PP wire and `grad_bytes` per gradient element of the DP all-reduce (2: BF16, 4: FP32);
     `dp_overlap`: fraction (0..1) of the DP all-reduce hidden behind backward compute.
-    Raises: ValueError naming a bad value.
-    """
+    Raises: ValueError naming a bad value."""
 
     tp: int = 1
     dp: int = 1
@@ -357,8 +349,7 @@ def step_time(cfg, layout: Layout, hw: Hardware, policy: CommPolicy | None = Non
 
     Returns: {"compute_s", "tp_s", "pp_s" (per microbatch per stage), "dp_s", "step_s",
       "tokens_per_s", "comm_fraction"}.
-    Raises: ValueError for a bad config, layout or policy (e.g. an unresolved min_bytes "auto").
-    """
+    Raises: ValueError for a bad config, layout or policy (e.g. an unresolved min_bytes "auto")."""
     policy = policy or CommPolicy()
     f = flops(cfg, layout.micro_batch, layout.seq_len)
     compute = f["total"] / (layout.tp * layout.pp) / (hw.peak_flops * hw.mfu)

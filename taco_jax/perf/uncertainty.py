@@ -12,8 +12,7 @@ Two sources:
   compares the model with the closest published end-to-end numbers, not with a measurement of this implementation.
 
 A prediction's range: the point times (1 + e) for the smallest and largest relative error e =
-measured / model - 1 of a source (`speedup_range`).
-"""
+measured / model - 1 of a source (`speedup_range`)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ Layout (`<out>/checkpoints/`, docs/distributed.md):
     <step>.corrupt                  a corrupt checkpoint set aside by `Checkpoints.resume` (kept, never read)
 
 A save is asynchronous and atomic (Orbax renames its temporary folder to `<step>` once every process finished; older
-checkpoints beyond `keep` go only after that). `Checkpoints.resume` takes the newest checkpoint that restores.
-"""
+checkpoints beyond `keep` go only after that). `Checkpoints.resume` takes the newest checkpoint that restores."""
 
 from __future__ import annotations
 
@@ -237,8 +236,7 @@ class Checkpoints:
         config, vocab: as `check`; vocabulary padding rows are trimmed (they must be zero) or zero-padded.
         Returns (params, opt_state, meta, notes): notes name what differs without preventing the resume.
         Raises CheckpointError as `check`, or naming a leaf whose trimmed rows are not zero;
-        CorruptCheckpointError for unreadable arrays or arrays that differ from their fingerprints.
-        """
+        CorruptCheckpointError for unreadable arrays or arrays that differ from their fingerprints."""
         ocp = _ocp()
         where = self.directory / str(step)
         meta = self.check(step, config, params, opt_state, vocab=vocab)

@@ -10,8 +10,7 @@ hardware entry (`perf.hardware.target_config`). Install: `pip install -e '.[gpu-
 the plugin to jax's version).
 
 What such a compile does not know: no GEMM autotuning (no device to time: untuned Triton tiles or
-cuBLAS), no allocator fragmentation, nothing allocated outside XLA's buffers (`RESERVE`).
-"""
+cuBLAS), no allocator fragmentation, nothing allocated outside XLA's buffers (`RESERVE`)."""
 
 from __future__ import annotations
 

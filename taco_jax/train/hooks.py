@@ -10,8 +10,7 @@ step's result first, the checkpoint last).
   `end(state) -> dict | None`                the loop ended (last step or preemption): finish
                                              pending work; entries for the run's summary;
   `close()`                                  always, however the loop ended (errors included).
-A hook stops the run by raising (the error reaches the caller) or by setting `state.preempted`.
-"""
+A hook stops the run by raising (the error reaches the caller) or by setting `state.preempted`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The training loop (nanoGPT-style, reads top to bottom): prepare -> compile and account -> loop -> summarize.
 
 Everything beside the step itself (watchdog, capture, monitor, evaluation, metrics log, progress,
-preemption, checkpoints, profile, TensorBoard) is a per-step hook (`train/hooks.py`).
-"""
+preemption, checkpoints, profile, TensorBoard) is a per-step hook (`train/hooks.py`)."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     anything is compiled); CheckpointError naming what differs; FloatingPointError for a non-finite loss or gradient
     norm (naming the step; unless `cfg.training.allow_nonfinite`) or, with a codec `nonfinite="error"`, a message
     holding NaN/Inf (naming the site); `hooks.Stopped` (its text the line to print) when a one-process run gets
-    SIGTERM before its first step.
-    """
+    SIGTERM before its first step."""
     with hooks.StopBeforeSteps(cfg.checkpoint.out) as stop:  # SIGTERM before the first step: stopped at once
         return _train(cfg, dataset, progress, devices, stop)
 

@@ -12,8 +12,7 @@ and its role, e.g. "exit03"), rel_err = ‖y−x‖/‖x‖ over the calls, max_
 calls; plus "monitor_s". SQNR is +∞ for an exact result (written "Infinity"), NaN when a message held NaN. Under
 `--monitor-warn-sqnr` (NaN counts as below) a warning on stderr; under `--monitor-min-sqnr` `MonitorError` naming the
 site, call and step, after the step's record is written. Tensor-axis sites on data × tensor meshes only (as
-`--capture`). Walkthrough: docs/training.md "Fidelity monitor".
-"""
+`--capture`). Walkthrough: docs/training.md "Fidelity monitor"."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ carrying the mesh shardings), and reads off the compiled program:
 - compile time. `predict(cfg, spec)` is the cost model alone (`perf.model.step_time`, < 1 s): step time exact vs the
 policy per mesh axis on the named hardware, the speedup with its error bars (`perf.uncertainty`), and the per-site
 choice of `--min-bytes auto` there. `plan` includes it. `paper_table()` is the model's GPU table of
-docs/emulated.md. Walkthrough: docs/plan.md.
-"""
+docs/emulated.md. Walkthrough: docs/plan.md."""
 
 from __future__ import annotations
 
@@ -120,8 +119,7 @@ def activation_estimate(cfg: TrainConfig) -> dict:
     recomputed, their "selective" recomputation) the same without the 5·a·s/(h·t) term; `full` (layer input kept)
     2·s·b·h (/t with sequence parallelism). Times the stage's layers and the microbatches in flight (GPipe: all m; 1F1B:
     min(m, stages)). The formula is for a GPT layer with dropout: an upper estimate for these models (no dropout; GQA
-    and SwiGLU shift the constants). Returns {"per_layer", "layers", "in_flight", "activations" (bytes), "remat"}.
-    """
+    and SwiGLU shift the constants). Returns {"per_layer", "layers", "in_flight", "activations" (bytes), "remat"}."""
     axes = cfg.parallelism.axes
     mc = cfg.model_config
     t, pp, dp, m = axes.get("tensor", 1), axes.get("stage", 1), axes.get("data", 1), cfg.parallelism.microbatches
@@ -211,8 +209,7 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     mesh is compressed), "compressed_sites" (`model.compressed_sites`), "step_range_s", "errors", "sites"
     (`_site_rows`), "auto_threshold_bytes" (None when the policy declares no codec for a site of the mesh),
     "auto_speedup" (`model.auto_policy`) and "best_exact" (`best_exact_layout`). Raises ValueError for a layout the
-    model cannot take (e.g. tp_span_nodes not dividing tp).
-    """
+    model cannot take (e.g. tp_span_nodes not dividing tp)."""
     layout = layout_of(cfg)
     hw = with_tp_span(spec.hardware, layout.tp, tp_span_nodes, gpus=layout.gpus)
     mcfg = cfg.model_config
@@ -413,8 +410,7 @@ def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
     "platform", "devices", "compile_s", "memory" (per device, bytes: XLA's "temp", "argument", "output", "alias",
     "generated_code", "peak" = argument + output - alias + temp; "params", "opt_state", "batch" from the argument
     shapes), `compiled_report`'s entries, and "wire_issued" (the uncompiled HLO's bytes by axis). Raises ValueError
-    when the mesh does not fit the devices.
-    """
+    when the mesh does not fit the devices."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding

@@ -3,8 +3,7 @@
 `taco-jax launch --link` measures the links of its network namespaces (`emulate.Cluster.measure_links`)
 and hands every process the description as the config field `--emulated-link JSON` (so config.json
 records it); the config's check, `--min-bytes auto`, the step watchdog and summary.json all read it
-through `EmulatedLink.parse`, which parses a given text once.
-"""
+through `EmulatedLink.parse`, which parses a given text once."""
 
 from __future__ import annotations
 
