@@ -23,9 +23,10 @@ Conformance rule (tests/test_kernels.py, against `reference` on the same inputs)
     of the ranks' max|x_ref| (`conformance.assert_decode_conforms`).
   A group holding NaN/±Inf: s is NaN, a the reference's formula, codes unspecified.
 Training-level rule (a backend vs `reference`, same config and seed): captured messages conform
-(`conformance.check_messages`); the first step's loss agrees within `FIRST_STEP_RTOL` (tests/test_train.py), the first
-six steps' to 1e-3; later the runs drift apart (AdamW's first update is lr * sign(gradient)), so over seeds the mean
-final validation loss lies within two standard errors of the reference's (docs/results.md)."""
+(`conformance.check_messages`); the first step's loss agrees within `FIRST_STEP_RTOL` (tests/test_train.py, from
+`conformance.step_codes`), the first six steps' to 1e-3; later the runs drift apart (AdamW's first update is lr *
+sign(gradient)), so over seeds the mean final validation loss lies within two standard errors of the reference's
+(docs/results.md)."""
 
 from __future__ import annotations
 
