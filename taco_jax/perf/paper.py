@@ -6,7 +6,8 @@ Assumptions (all parameters of `model`, stated in each row): BF16 activations on
 DP wire; no overlap of TP communication with compute; DP all-reduce exposed; MFU 0.40 of 989 TFLOP/s; codec at the
 measured H200 speed (`hardware.H200_CODEC`: CUDA FFI, 256 MB) for every kind; Megatron placement (TP inside a node, then
 DP, then PP); b = 1, T = 2048, 1F1B with m = 32 microbatches. Run: `python -m taco_jax.perf.paper`; the codec outlook
-(break-even codec speed per TP link, today's codec beside a target one): `python -m taco_jax.perf.paper --codec`."""
+(break-even codec speed per TP link, today's codec beside a target one): `python -m taco_jax.perf.paper --codec`.
+"""
 
 from __future__ import annotations
 
