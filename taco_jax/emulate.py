@@ -12,21 +12,16 @@ launcher's pid and start time, so a leftover of a dead launcher is recognised as
   - Routes are per peer (/32): a peer on the same node via `i0`, any other via `x0`. The links carry
     IPv4 only (`IPV6_DEFAULT`): no traffic of their own.
   - Every interface is shaped on egress on both sides (a process neither sends nor receives faster
-    than its link): `tbf rate R burst B limit L`, L = B + max(100 ms of the rate, 64 KB).
-    Send side: B = max(4 KB, R × 250 µs), small so that a step's messages are shaped too (a bucket
-    passes its bytes at once after an idle gap, which favours small messages; docs/emulated.md,
-    "The bucket"). Receive side (the switch port): B_rx = max(32 KB, R × 1 ms), so that the sender's
-    late timer on busy cores does not cost the link its rate.
+    than its link) by `tbf` (`_burst`, `_queue_bytes`, `_receive_burst`; docs/emulated.md, "The bucket"): a small
+    send bucket so that a step's messages are shaped too, a larger receive one so that a late timer on busy cores
+    does not cost the link its rate.
 Two tiers (`--link intra=8gbit,inter=1gbit --nodes K`): processes 0..N/K-1 are node 0, the next
 N/K node 1, ... . Devices of process i are global devices i·d .. (i+1)·d-1 and a mesh spec
 takes devices in that order, the last axis fastest: `data=2,tensor=2` over 2 nodes of 2
 one-device processes puts each tensor pair inside a node (`check_tensor_in_node`).
 
-Each link is measured before the run by a bulk TCP transfer (payload bits/s, ~95 % of the tbf
-rate): the bucket's burst, then at least `MIN_PROBE_BYTES` timed by the kernel's arrival stamps.
-Cleanup: `Cluster.close()`, a reaper process when the launcher dies by any signal, and
-`cleanup_stale()` at the next start or `taco-jax launch --cleanup`.
-"""
+Each link is measured before the run by a bulk TCP transfer (`measure`). Cleanup: `Cluster.close()`, a reaper
+process when the launcher dies by any signal, and `cleanup_stale()` at the next start or `taco-jax launch --cleanup`."""
 
 from __future__ import annotations
 
@@ -258,8 +253,7 @@ def _in_netns(ns: str, fn):
 
 
 #: The namespace's default IPv6 setting of new interfaces. `Cluster` sets it to 1 in its namespaces
-#: before making their links: otherwise each link's own IPv6 chatter (516 bytes in its first 3 s) takes
-#: turns on the shaped link, during the link test too.
+#: before making their links, so that no IPv6 chatter takes turns on a shaped link.
 IPV6_DEFAULT = pathlib.Path("/proc/sys/net/ipv6/conf/default/disable_ipv6")
 
 #: Fewest payload bytes a link test times after the bucket's burst: 16 full TCP segments, so the
@@ -275,8 +269,7 @@ MIN_RATE_BPS = 100e3
 UNSHAPED_ABOVE = 1.5
 
 #: `Cluster.measure_links` measures a link again when it reads below this fraction of its rate
-#: (TCP payload over tbf reads ~0.95 on a quiet machine; near 100 kbit/s a spurious retransmission
-#: timeout of TCP reads 0.90: docs/distributed.md, "Measured before the run").
+#: (docs/distributed.md, "Measured before the run").
 RETEST_BELOW = 0.9
 
 
@@ -321,12 +314,11 @@ def wire_bit_per_s(payload_bit_per_s: float, mss: int) -> float:
 
 def measure(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: float, *, seconds: float = 0.5,
             max_bytes: int = 256 << 20, info: dict | None = None, burst: int | None = None) -> float:
-    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`,
-    timed by the receiver's kernel (`_recv_stamped`) from the end of the burst to the last byte;
-    bounded by 4 × the timed bytes' time at `rate_bps` + 5 s. `burst`: bytes the link's bucket passes
-    at once (default `_burst(rate_bps)`). `info`, if given, receives the connection's "mss".
-    Raises EmulationUnavailable naming what arrived (or the socket error) when too little did, or when
-    the link passed more than `burst` bytes unshaped (or read above `UNSHAPED_ABOVE` × its rate)."""
+    """Payload bits/s of one TCP bulk transfer from namespace `src_ns` to `dst_addr` in `dst_ns`, timed by the
+    receiver's kernel (`_recv_stamped`) from the end of the burst to the last byte; bounded by 4 × the timed bytes' time
+    at `rate_bps` + 5 s. `burst`: bytes the link's bucket passes at once (default `_burst(rate_bps)`). `info`, if given,
+    receives the connection's "mss". Raises EmulationUnavailable naming what arrived (or the socket error) when too
+    little did, or when the link passed more than `burst` bytes unshaped (or read above `UNSHAPED_ABOVE` × its rate)."""
     default_burst, timed = probe_bytes(rate_bps, seconds, max_bytes)
     burst = default_burst if burst is None else int(burst)
     limit = 4 * timed * 8 / rate_bps + 5
@@ -465,9 +457,8 @@ class Cluster:
         return ["ip", "netns", "exec", self.names[i]]
 
     def peers(self) -> list[tuple[str, int, int]]:
-        """(tier, from, to) of each measured link: per process, one peer per tier (the next process
-        of its node on "intra"; on "inter"/"link" the first process of the next node, or the next
-        process with one tier)."""
+        """(tier, from, to) of each measured link: per process, one peer per tier (the next process of its node on
+        "intra"; on "inter"/"link" the first process of the next node, or the next process with one tier)."""
         out = []
         n, nodes = self.processes, self.node_of
         for i in range(n):

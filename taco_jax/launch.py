@@ -2,27 +2,19 @@
 and tests, in the manner of `torchrun --standalone`).
 
 Each process runs `python -P -m taco_jax.cli <command> ... --coordinator 127.0.0.1:PORT --num-processes N
---process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on
-CPU (another count in XLA_FLAGS is replaced, said in one line). `<command>` is train or compare
-(`LAUNCHED`); the command's mesh is resolved before any process starts, and one not divisible by N
-is refused. `-P` and PYTHONPATH: the processes import the
-launcher's own taco_jax whatever the working directory holds. A port taken between choosing and
+--process-id I` on a free port, with `--xla_force_host_platform_device_count` = mesh devices / N on CPU (another
+count in XLA_FLAGS is replaced, said in one line). `<command>` is train or compare (`LAUNCHED`); the command's mesh
+is resolved before any process starts, and one not divisible by N is refused. `-P` and PYTHONPATH: the processes
+import the launcher's own taco_jax whatever the working directory holds. A port taken between choosing and
 binding it: the processes start again on another (`PORT_ATTEMPTS`). Output lines are prefixed
 "[I] " (gloo's connection lines left out unless `verbose`). When one process fails the others are
 stopped and the launcher returns its status. SIGTERM / SIGINT to the launcher is forwarded to every
 process (they checkpoint and exit); those still running `stop_grace_s` later are killed.
 
-Allocator (`malloc="keep"`, the default): `GLIBC_TUNABLES` = `MALLOC_KEEP`, so glibc keeps freed
-memory for reuse instead of mapping each buffer of >= 32 MB anew and page-faulting it in on every
-step (resident memory then stays at its peak; measured speed-ups: docs/results.md). An existing
-`GLIBC_TUNABLES` is left as it is; `malloc="default"` sets nothing.
-
-Emulated cluster (`--link 1gbit` or `--link intra=8gbit,inter=1gbit --nodes K`, taco_jax/emulate.py):
-each process runs in its own network namespace, joined by tbf-shaped links, each measured first;
-the description (requested and measured rates) reaches every process as `--emulated-link JSON`, so
-summary.json records it and `--min-bytes auto` / `--step-timeout auto` use the measured rate.
-Namespaces are removed when the run ends, fails or the launcher is stopped or killed (a reaper
-process; the next start removes those of any launcher that is gone).
+Allocator (`malloc="keep"`, the default, `malloc_env`): glibc keeps freed memory for reuse instead of mapping each
+buffer of >= 32 MB anew and page-faulting it in on every step (resident memory stays at its peak; docs/results.md).
+Emulated cluster (`--link`, taco_jax/emulate.py): the measured link description reaches every process as
+`--emulated-link JSON`, so summary.json records it and `--min-bytes auto` / `--step-timeout auto` use the measured rate.
 """
 
 from __future__ import annotations
@@ -111,9 +103,8 @@ MALLOC_MODES = ("keep", "default")
 
 
 def malloc_env(env: dict, malloc: str = "keep") -> dict:
-    """A copy of `env` with the allocator setting of `malloc` ("keep": `GLIBC_TUNABLES=MALLOC_KEEP`
-    unless `env` already has a GLIBC_TUNABLES; "default": unchanged). Raises ValueError for another
-    `malloc`."""
+    """A copy of `env` with the allocator setting of `malloc` ("keep": `GLIBC_TUNABLES=MALLOC_KEEP` unless `env`
+    already has a GLIBC_TUNABLES; "default": unchanged). Raises ValueError for another `malloc`."""
     if malloc not in MALLOC_MODES:
         raise ValueError(f"malloc={malloc!r} must be one of {MALLOC_MODES}")
     env = dict(env)
@@ -144,19 +135,16 @@ def cpu_shares(processes: int, cpus: list[int] | None = None) -> list[set[int]]:
 def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0, env=None, out=None,
            malloc: str = "keep", link: str | None = None, nodes: int = 0, verbose: bool = False,
            pin_cpus: bool = False, stop_grace_s: float | None = None) -> int:
-    """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or
-    the first failure's). `out`: stream for the prefixed lines (default stdout). `malloc`: "keep" or
-    "default" (module docstring). `link`, `nodes`: an emulated cluster (None: plain local processes;
-    "" is refused). `verbose`: gloo's connection lines too. `pin_cpus`: process i runs on its own
-    share of the launcher's CPUs (`cpu_shares`, printed to `out`). `config_of`: argv -> the
-    `TrainConfig` the command runs (`cli.config_from_argv`, passed in: this module sits below the
-    CLI). `stop_grace_s` (default `STOP_GRACE_S`): after a SIGTERM or SIGINT to the launcher, the
-    processes still running this long are killed and the launcher returns 128 + the signal, saying
-    what the run keeps; before any process started, the signal stops the launch at once.
-    Raises ValueError for processes < 1, an empty command, a command other than train / compare,
-    flags the launcher sets itself, a configuration `train` would refuse, a mesh size not divisible
-    by `processes`, an unknown `malloc`, a malformed `link` / `nodes` or a tensor axis spanning
-    nodes; emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
+    """Runs `taco_jax.cli argv` as `processes` cooperating processes; returns the exit status (0, or the first
+    failure's). `out`: stream for the prefixed lines (default stdout). `malloc`: "keep" or "default" (module docstring).
+    `link`, `nodes`: an emulated cluster (None: plain local processes; "" is refused). `verbose`: gloo's connection
+    lines too. `pin_cpus`: process i runs on its own share of the launcher's CPUs (`cpu_shares`, printed to `out`).
+    `config_of`: argv -> the `TrainConfig` the command runs (`cli.config_from_argv`, passed in: this module sits below
+    the CLI). `stop_grace_s`: after a SIGTERM or SIGINT, the processes still running this long are killed and the
+    launcher returns 128 + the signal (before any process started: at once). Raises ValueError for processes < 1, an
+    empty command, a command other than train / compare, flags the launcher sets itself, a configuration `train` would
+    refuse, a mesh size not divisible by `processes`, an unknown `malloc`, a malformed `link` / `nodes` or a tensor
+    axis spanning nodes; emulate.EmulationUnavailable (a ValueError) naming what is missing to make namespaces."""
     if malloc not in MALLOC_MODES:
         raise ValueError(f"malloc={malloc!r} must be one of {MALLOC_MODES}")
     if processes < 1:
@@ -238,9 +226,8 @@ def launch(processes: int, argv: list[str], *, config_of, grace_s: float = 10.0,
     return 128 + early.signum
 
 
-#: Seconds the processes get after a SIGTERM (or SIGINT) forwarded by the launcher before it kills the
-#: ones still running (SIGKILL to each process group; `--stop-grace S`): a preempted step boundary and
-#: its checkpoint fit in it.
+#: Seconds the processes get after a SIGTERM (or SIGINT) forwarded by the launcher before it kills the ones still
+#: running (SIGKILL to each process group; `--stop-grace S`): a preempted step boundary and its checkpoint fit in it.
 STOP_GRACE_S = 30.0
 
 
@@ -330,10 +317,9 @@ def _gloo_connected_only(text: str) -> bool:
 def _run(processes: int, argv: list[str], base: dict, coordinator: str, wrap, grace_s: float, out,
          busy: threading.Event | None = None, verbose: bool = False, shares: list[set[int]] | None = None, *,
          stop_grace_s: float = STOP_GRACE_S, kept=lambda: "") -> int:
-    """Starts the processes (`wrap(i) + python -P -m taco_jax.cli ...`) and waits (see `launch`). `busy`
-    is set when process 0 reports `coordinator` in use. `shares`: process i's CPUs (set before its
-    exec, so `ip netns exec` and python inherit them), or None. Signals: as `launch`, with `kept()`
-    saying what the run keeps."""
+    """Starts the processes (`wrap(i) + python -P -m taco_jax.cli ...`) and waits (see `launch`). `busy` is set when
+    process 0 reports `coordinator` in use. `shares`: process i's CPUs (set before its exec, so `ip netns exec` and
+    python inherit them), or None. Signals: as `launch`, with `kept()` saying what the run keeps."""
     from taco_jax.train.distributed import PORT_IN_USE
 
     busy_line = f"coordinator {coordinator} {PORT_IN_USE}"

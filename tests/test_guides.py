@@ -107,10 +107,6 @@ def test_doc_share_counts_docstrings_and_comments_not_strings_or_blank_lines():
     assert doc_share(source) == (4, 7)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "measured 23.1 % (3,107 of 13,434 lines) after a second pass over codec/, collectives/, kernels/, parallel/, "
-    "models/, data/, train/ (but config.py, plan.py, deviceless.py), emulate.py and launch.py; perf/ (29.5 %), "
-    "cli.py, train/config.py, plan.py, deviceless.py and util/ are still to do"))
 def test_docstrings_and_comments_are_at_most_22_percent_of_taco_jax():
     shares = package_shares()
     doc, lines = shares["total"]

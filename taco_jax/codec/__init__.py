@@ -1,8 +1,7 @@
 """Message codecs: TACO (spec §2), per-tensor / per-group FP8, int8, int4, TAH-style tiles, and the identity.
 
 Nothing here imports `taco_jax.kernels` or anything above it; `dispatch` (`encode` / `decode` /
-`resolve_codec`) is the one interface to every kind and backend.
-"""
+`resolve_codec`) is the one interface to every kind and backend."""
 
 from taco_jax.codec.backends import GroupBackend, WireCodec, get_backend, register_backend
 from taco_jax.codec.config import NONE, TACO, CodecConfig, fp8_max

@@ -12,9 +12,8 @@ Group backend (spec §2 steps 1-5 and their inverse):
     [..., n_groups, G]; s, a float32 [..., n_groups]; a group holding NaN/±Inf gets s = NaN.
   decode_groups(codes, s, a) -> float32 [..., n_groups, G]; a=None for the folded layout.
 Optional (`register_native`; default: float32 in and out, no fused sum):
-  dtypes: message dtype names that encode_groups reads and decode_groups(..., dtype=d) writes
-    directly, bit-identical to converting through float32 (decode clipped to d's range,
-    `dispatch.clip_to_dtype`, rounded to nearest even).
+  dtypes: message dtype names that encode_groups reads and decode_groups(..., dtype=d) writes directly, bit-identical to
+    converting through float32 (decode clipped to d's range, `dispatch.clip_to_dtype`, rounded to nearest even).
   decode_sum_groups(codes, s, a, *, dtype) -> dtype [..., n_groups, G]: P ranks' groups (leading P
     axis; a=None: folded) decoded, summed in float32 in rank order, rounded once, not clipped (±Inf).
 Optional (`register_reducer`; default: the reference's):

@@ -17,8 +17,7 @@ FP8_FORMATS = {
     "e4m3": jnp.float8_e4m3fn,
     "e5m2": jnp.float8_e5m2,
 }
-#: Codec kinds: "none" and the kinds registered in `taco_jax.codec.kinds`, whose entries give every
-#: per-kind rule below.
+#: Codec kinds: "none" and the kinds registered in `taco_jax.codec.kinds`, whose entries give every per-kind rule below.
 SCALE_LAYOUTS = ("dual", "folded")
 GROUP_AXES = ("hidden", "token")
 NONFINITE_POLICIES = ("propagate", "zero", "error")
@@ -27,9 +26,8 @@ NONFINITE_POLICIES = ("propagate", "zero", "error")
 #: Implementations of the taco group math (registry `taco_jax.codec.backends`, filled by
 #: `taco_jax.kernels`); "auto" resolved by `taco_jax.codec.dispatch.resolve_codec`.
 BACKENDS = ("reference", "pallas", "triton", "ffi", "auto")
-#: Wire codecs (registry `codec.backends.register_wire`): "generic" = the group backend's
-#: encode/decode plus byte packing (`codec.wire`); "ffi" = C++ kernels that read and write the rows
-#: (CPU, `kernels.ffi_codec`).
+#: Wire codecs (registry `codec.backends.register_wire`): "generic" = the group backend's encode/decode plus byte
+#: packing (`codec.wire`); "ffi" = C++ kernels that read and write the rows (CPU, `kernels.ffi_codec`).
 WIRES = ("auto", "generic", "ffi")
 #: How exact collectives move data: "xla": as XLA lowers them. "gloo" (XLA:CPU under
 #: `jax.distributed`): (1) the reduce-scatter runs as all-to-all + rank-order sum (gloo's

@@ -2,8 +2,7 @@
 
 Messages are cut into groups and handed to the kind's group math (`taco_jax.codec.kinds`): kind
 "taco" to the group backend `cfg.backend` ("reference" registered here), the others to
-`codec.family`. `resolve_codec` is the one place where "auto" fields become concrete.
-"""
+`codec.family`. `resolve_codec` is the one place where "auto" fields become concrete."""
 
 from __future__ import annotations
 
@@ -84,13 +83,11 @@ def encode(x: jax.Array, cfg: CodecConfig, *, batch_dims: int = 0, overflow: boo
     """Encodes each message of `x` with the codec `cfg.kind` (inside `jax.named_scope("taco_encode")`).
 
     Args:
-      x: float array [*batch, *shape]; each message is flattened (channels first for group_axis
-        "token") and cut into groups of `cfg.group_size`, the last zero-padded (fp8_tensor: one
-        group). Zero-size `x` gives zero-size buffers.
-      cfg: a codec of a compressing kind; an "auto" backend is resolved here for the platform.
-      batch_dims: number of leading message axes.
-      overflow: `x` is a two-shot partial sum: a group holding ±Inf and no NaN is sent as an
-        overflow group (`overflow_groups`; kinds with `CodecKind.overflow`; not with nonfinite "zero").
+      x: float array [*batch, *shape]; each message is flattened (channels first for group_axis "token") and cut into
+        groups of `cfg.group_size`, the last zero-padded (fp8_tensor: one group). Zero-size `x` gives zero-size buffers.
+      cfg: a codec of a compressing kind ("auto" backend resolved here); batch_dims: leading message axes.
+      overflow: `x` is a two-shot partial sum: a group holding ±Inf and no NaN is sent as an overflow group
+        (`overflow_groups`).
     Returns: an `Encoded` pytree.
     Raises: ValueError if `cfg.kind` is "none", `x` is not floating point, or `cfg.backend` is not
       registered or cannot run here.
@@ -142,8 +139,7 @@ INF_CODE = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7C}
 
 
 def _overflow_codes(cfg: CodecConfig) -> bool:
-    """Whether overflow groups exist for `cfg`: its kind takes them (`CodecKind.overflow`), nonfinite
-    not "zero"."""
+    """Whether overflow groups exist for `cfg`: its kind takes them (`CodecKind.overflow`), nonfinite not "zero"."""
     return cfg.kind != "none" and get_kind(cfg.kind).overflow and cfg.nonfinite != "zero"
 
 
@@ -152,17 +148,13 @@ def overflow_groups(xg: jax.Array, codes: jax.Array, scale: jax.Array, prescale,
 
     Why: a two-shot partial sum of finite values may overflow the message dtype (float16 at 65520),
     ±Inf in that element only, where a NaN scale would poison the whole group. Format, no transform:
-    scale = -s (the sign marks the group), s = max(max|x_finite|, EPS) * (1 / R), codes =
-    fp8(clip(x * (1 / s), -R, R)) (float32 reciprocals, RNE), `INF_CODE` (| 0x80 for -Inf) for the
-    infinite elements; prescale = 1. Decoded by `decode(..., overflow=True)`: fp8(code) * |scale|.
-    The C++ reducer (`taco_reduce_packed`) writes the same bytes.
+    scale = -s (the sign marks the group), s = max(max|x_finite|, EPS) * (1 / R), codes = fp8(clip(x * (1 / s), -R,
+    R)) (float32 reciprocals, RNE), `INF_CODE` (| 0x80 for -Inf) for the infinite elements; prescale = 1. Decoded by
+    `decode(..., overflow=True)`: fp8(code) * |scale|. The C++ reducer (`taco_reduce_packed`) writes the same bytes.
 
-    Args:
-      xg: [..., n_groups, G] the groups as encoded (float32 or a native message dtype).
-      codes, scale, prescale: what the kind's encoder gave for them (scale in its layout: s/a folded).
-      cfg: the codec (a kind with `CodecKind.overflow`: FP8 codes, float32 scale).
-    Returns: (codes, scale, prescale).
-    """
+    xg: [..., n_groups, G] the groups as encoded (float32 or a native message dtype); codes, scale, prescale: what the
+    kind's encoder gave for them (scale in its layout); cfg: a kind with `CodecKind.overflow`.
+    Returns: (codes, scale, prescale)."""
     inf = jnp.isinf(xg)
     over = jnp.any(inf, axis=-1) & ~jnp.any(jnp.isnan(xg), axis=-1)
     xf = jnp.where(inf, 0, xg).astype(jnp.float32)
@@ -181,9 +173,8 @@ def overflow_groups(xg: jax.Array, codes: jax.Array, scale: jax.Array, prescale,
 
 
 def _decode_overflow(rows: jax.Array, enc: Encoded, dtype, n: int) -> jax.Array:
-    """`rows` (decoded messages [*batch, n] in `dtype`) with the overflow groups of `enc` (scale < 0,
-    `overflow_groups`) decoded as such: fp8(code) * |scale| clipped to `dtype`'s finite range, ±Inf
-    for an `INF_CODE`."""
+    """`rows` (decoded messages [*batch, n] in `dtype`) with the overflow groups of `enc` (scale < 0, `overflow_groups`)
+    decoded as such: fp8(code) * |scale| clipped to `dtype`'s finite range, ±Inf for an `INF_CODE`."""
     over = enc.scale < 0
     v = enc.codes.astype(jnp.float32)
     neg = lax.bitcast_convert_type(enc.codes, jnp.uint8) >= 0x80
@@ -222,8 +213,7 @@ def decode(enc: Encoded, cfg: CodecConfig, dtype=None, *, overflow: bool = False
 
     A group that held NaN/±Inf decodes to NaN (nonfinite "zero": every non-finite output to 0).
     Values are clipped to a dtype narrower than float32 (float32: no extra op). `overflow`: `enc`
-    may hold overflow groups (`overflow_groups`). Raises: ValueError as `encode` for the backend.
-    """
+    may hold overflow groups (`overflow_groups`). Raises: ValueError as `encode` for the backend."""
     with jax.named_scope("taco_decode"):
         dtype = jnp.dtype(dtype or enc.dtype)
         n = math.prod(enc.shape)
@@ -296,8 +286,7 @@ def reduce_encoded(enc: Encoded, cfg: CodecConfig) -> Encoded:
 
     Returns: an `Encoded` of the sum [*enc.shape] in the folded layout (prescale None): decode it
       with `dataclasses.replace(cfg, scale_layout="folded")`.
-    Raises: ValueError if the kind has no transform-domain reduction (`CodecKind.transform_reduce`).
-    """
+    Raises: ValueError if the kind has no transform-domain reduction (`CodecKind.transform_reduce`)."""
     if cfg.kind == "none" or not get_kind(cfg.kind).transform_reduce:
         raise ValueError(f"reduce_encoded (transform-domain reduction) needs kind 'taco', got kind={cfg.kind!r}")
     with jax.named_scope("taco_reduce"):
@@ -348,8 +337,7 @@ def resolve_codec(cfg: CodecConfig, platform: str | None = None, *, n_devices: i
 
     Args: platform: default `backends.default_platform()`. n_devices: devices of the program (the
       resolver refuses backends that stall a multi-device program). transport: the run's transport.
-    Raises: ValueError naming a backend or wire codec that cannot run here, or a bad transport.
-    """
+    Raises: ValueError naming a backend or wire codec that cannot run here, or a bad transport."""
     platform = platform or default_platform()
     backend = resolve_backend(cfg.backend, platform, n_devices=n_devices) if _backends(cfg) else "reference"
     wire = _resolve_wire(cfg, backend, platform)

@@ -4,10 +4,9 @@ Every function maps float32 groups `[..., n_groups, G]` (the last zero-padded) t
 `(codes, scale, prescale)` or back; `cfg` is a `CodecConfig` (not imported: config imports the
 registry, which imports this). A group holding NaN/±Inf gets a NaN scale, so it decodes to NaN.
 
-Sources: per-tensor FP8 with an absmax scale as TransformerEngine's current scaling; block-wise
-absmax int8 as EQuARX (arXiv 2506.17615) and ZeRO++ (arXiv 2306.10209); 4-bit groups with
-Hadamard smoothing as SDP4Bit (arXiv 2410.15526); Hadamard + low-bit tiles as TAH-Quant
-(arXiv 2506.01352) without its entropy-guided bit allocation and pivot swapping.
+Sources: per-tensor FP8 with an absmax scale as TransformerEngine's current scaling; block-wise absmax int8 as EQuARX
+(arXiv 2506.17615) and ZeRO++ (arXiv 2306.10209); 4-bit groups with Hadamard smoothing as SDP4Bit (arXiv 2410.15526);
+Hadamard + low-bit tiles as TAH-Quant (arXiv 2506.01352) without its entropy-guided bit allocation and pivot swapping.
 """
 
 from __future__ import annotations

@@ -14,18 +14,14 @@ import scipy.linalg
 @functools.cache
 def hadamard(g: int) -> np.ndarray:
     """Sylvester-order Hadamard matrix H_g, float32 [g, g] with entries ±1 (`scipy.linalg.hadamard`).
-
-    Raises: ValueError if `g` is not a positive power of two (from scipy).
-    """
+    Raises: ValueError if `g` is not a positive power of two (from scipy)."""
     return scipy.linalg.hadamard(g).astype(np.float32)
 
 
 @functools.partial(jax.jit, inline=True)
 def wht(x: jax.Array) -> jax.Array:
     """Orthonormal Walsh-Hadamard transform over the last axis: x @ H_G / sqrt(G) (its own inverse).
-
-    Args: x: float32 [..., G], G a power of two. Returns: float32 [..., G].
-    """
+    x: float32 [..., G], G a power of two. Returns: float32 [..., G]."""
     g = x.shape[-1]
     h = jnp.asarray(hadamard(g))
     return jnp.matmul(x, h, precision=jax.lax.Precision.HIGHEST) / np.float32(math.sqrt(g))

@@ -1,8 +1,7 @@
 """The codec kinds: one registry entry per kind, from which every per-kind rule of the package derives
 (validation, wire layout, byte counts, calibration candidates, plots).
 
-Adding a kind: `register_kind(CodecKind(...))` (docs/architecture.md, "Adding a codec kind").
-"""
+Adding a kind: `register_kind(CodecKind(...))` (docs/architecture.md, "Adding a codec kind")."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class Rounding:
       rms_prescale: x is multiplied by a = clip(fmax / sqrt(mean(x²) + lam), 1e-3, 1e3) before the
         transform and the decode divides by a (taco, TACO_SPEC.md §2).
       source: where the rounding is defined.
-    Raises: ValueError naming a bad field.
-    """
+    Raises: ValueError naming a bad field."""
 
     grid: str
     levels: int = 0
@@ -77,10 +75,9 @@ class CodecKind:
       name: the kind's name ("taco", "int8", ...); `--comm NAME`, `kind=NAME` in policy files.
       code_bits: bits per code on the wire (8; 4: two codes per byte, packed by the encoder).
       code_dtype: numpy dtype of the code buffer; None: FP8 in the codec's `fmt` (E4M3 / E5M2).
-      encode: `encode(xg, cfg, *, last_count) -> (codes, scale, prescale)`: float32 groups
-        [..., n_groups, G] (the last zero-padded past `last_count`) -> codes [..., n_groups,
-        G * code_bits / 8], scale [..., n_groups], prescale like scale or None. A group holding
-        NaN/±Inf must decode to NaN.
+      encode: `encode(xg, cfg, *, last_count) -> (codes, scale, prescale)`: float32 groups [..., n_groups, G] (the
+        last zero-padded past `last_count`) -> codes [..., n_groups, G * code_bits / 8], scale [..., n_groups],
+        prescale like scale or None. A group holding NaN/±Inf must decode to NaN.
       decode: `decode(codes, scale, prescale, cfg) -> float32 groups [..., n_groups, G]`.
       scale_dtype: numpy dtype of the scale (and prescale) buffers (default float32).
       prescale: whether a second per-group buffer travels (a bool, or a function of the codec).
@@ -98,8 +95,7 @@ class CodecKind:
         codec tests refuse the kind).
       color: how plots draw the kind (a matplotlib colour).
       summary: one line for listings.
-    Raises: ValueError naming a bad field.
-    """
+    Raises: ValueError naming a bad field."""
 
     name: str
     code_bits: int

@@ -26,11 +26,9 @@ def _report(*, site: str):
 def check_finite(rows: jax.Array, site: str) -> None:
     """The "error" policy's device-side check: reports `site` to the host if `rows` holds NaN/±Inf.
 
-    A `lax.cond` around an operand-free `jax.debug.callback` (works in `jit`, `shard_map` and
-    custom_vjp rules). Not raising inside the callback: the failing rank would leave its peers
-    waiting in the next collective. Not `checkify`: it would wrap the whole step. Values follow
-    "propagate".
-    """
+    A `lax.cond` around an operand-free `jax.debug.callback` (works in `jit`, `shard_map` and custom_vjp rules). Not
+    raising inside the callback: the failing rank would leave its peers waiting in the next collective. Not
+    `checkify`: it would wrap the whole step. Values follow "propagate"."""
     ok = jnp.all(jnp.isfinite(rows))
     jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(functools.partial(_report, site=site)))
 

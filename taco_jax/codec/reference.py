@@ -3,8 +3,7 @@
 Source: TACO (arXiv 2604.24088) §"Adaptive Scale-Hadamard Transform" and "Dual-Scale
 Quantization"; the COCCL taco plugin. Differences from the plugin are explicit options
 (`CodecConfig.nonfinite`). The group functions are `jax.jit(inline=True)`: traced in place inside
-a jitted program, one compiled program when called eagerly. Registered as the "reference" backend.
-"""
+a jitted program, one compiled program when called eagerly. Registered as the "reference" backend."""
 
 from __future__ import annotations
 
@@ -80,8 +79,7 @@ def reduce_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, cfg: Code
     `decode_groups(codes', s', None)` is the sum. Two transforms fewer per group than decode-sum-encode.
 
     Args: codes [P, ..., n_groups, G]; s, a float32 [P, ..., n_groups] (a=None: folded); cfg.
-    Returns: (codes' [..., n_groups, G], s' float32 [..., n_groups]); s' = NaN for a non-finite sum.
-    """
+    Returns: (codes' [..., n_groups, G], s' float32 [..., n_groups]); s' = NaN for a non-finite sum."""
     k = s if a is None else s / jnp.maximum(a, C.EPS)
     acc = sum_fp32(codes.astype(jnp.float32) * k[..., None], jnp.float32)
     r = np.float32(cfg.target_range)

@@ -1,8 +1,7 @@
 """Varying-manual-axes (vma) helpers for `shard_map(check_vma=True)`, on the lowest floor for every user.
 
 jax spells the type `aval.manual_axis_type` or `aval.vma` by version; both are read. Every kernel
-declares its outputs' varying axes: otherwise later collectives would take them as invariant.
-"""
+declares its outputs' varying axes: otherwise later collectives would take them as invariant."""
 
 from __future__ import annotations
 

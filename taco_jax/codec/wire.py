@@ -2,8 +2,7 @@
 
 Each message travels as ONE uint8 row (`pack_rows`: codes, s, a as little-endian bytes): one
 collective rather than one per buffer, since over gloo each collective costs a rendezvous. Contract
-in `taco_jax.codec.backends`; the generic codec serves every kind and backend.
-"""
+in `taco_jax.codec.backends`; the generic codec serves every kind and backend."""
 
 from __future__ import annotations
 
@@ -30,9 +29,8 @@ def pack_rows(enc: Encoded, batch_dims: int) -> jax.Array:
 
 
 def unpack_rows(rows: jax.Array, cfg: CodecConfig, shape: tuple[int, ...], dtype) -> Encoded:
-    """Inverse of `pack_rows`: uint8 rows [*lead, row_bytes] of messages of `shape` and `dtype`
-    encoded with `cfg` (its `scale_layout` says whether rows hold a) -> an `Encoded` with batch
-    axes `lead`."""
+    """Inverse of `pack_rows`: uint8 rows [*lead, row_bytes] of messages of `shape` and `dtype` encoded with `cfg`
+    (its `scale_layout` says whether rows hold a) -> an `Encoded` with batch axes `lead`."""
     out, start = [], 0
     for leaf_shape, leaf_dtype in wire_layout(cfg, tuple(shape)):
         n = math.prod(leaf_shape) * leaf_dtype.itemsize
@@ -73,8 +71,7 @@ def decode_sum_rows(rows, cfg: CodecConfig, shape, dtype) -> jax.Array:
 
 def reduce_rows(rows, cfg: CodecConfig, shape, dtype, domain: str) -> jax.Array:
     """The two-shot all-reduce's middle step on P ranks' rows -> this rank's row of the sum (signal
-    domain: a group in which the sum overflowed `dtype` becomes an overflow group,
-    `dispatch.overflow_groups`)."""
+    domain: a group in which the sum overflowed `dtype` becomes an overflow group, `dispatch.overflow_groups`)."""
     if domain == "hadamard":
         if isinstance(rows, (list, tuple)):
             rows = jnp.stack(rows)

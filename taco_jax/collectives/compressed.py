@@ -12,23 +12,20 @@ Algorithms (P = size of the named axis; FP8 codes only move as data, every sum i
 Overflow: a finite sum beyond the dtype's range (float16: 65520) is ±Inf in that element only, as
 in the exact collective; a two-shot group holding ±Inf travels as an overflow group
 (`codec.dispatch.overflow_groups`). Every decode clips to the dtype's range (float16: ±65504).
-Wire format: one uint8 row per message, made and read by the codec's wire codec
-(`taco_jax.codec.wire_for`, contract in `taco_jax.codec.backends`).
-Every function runs inside `shard_map` over a manual mesh axis `axis_name` (size P). Kind "none"
-(forward and backward) is the `lax` collective bit for bit, derivatives included. An axis of size 1
+Wire format: one uint8 row per message, made and read by the codec's wire codec (`taco_jax.codec.wire_for`, contract
+in `taco_jax.codec.backends`). Every function runs inside `shard_map` over a manual mesh axis `axis_name` (size P).
+Kind "none" (forward and backward) is the `lax` collective bit for bit, derivatives included. An axis of size 1
 returns the input; a zero-size message returns the empty result without communication.
 
-Derivatives: each collective's is its exact counterpart's transpose under `shard_map(check_vma=True)`
-(each function's "Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire, itself a
-compressed collective (grad of grad works). Forward mode raises jax's `TypeError` for a compressing
-codec and for a narrow float moved as its own bytes under transport "gloo" (custom_vjp). An input
-not varying over the axis is first made varying, as `lax` does.
+Derivatives: each collective's is its exact counterpart's transpose under `shard_map(check_vma=True)` (each function's
+"Derivative:"), with `bwd_codec` (default: `codec`) on the backward wire, itself a compressed collective (grad of grad
+works). Forward mode raises jax's `TypeError` for a compressing codec and for a narrow float moved as its own bytes
+under transport "gloo" (custom_vjp). An input not varying over the axis is first made varying, as `lax` does.
 Layout: two-shot chunks along the leading axis when it divides by P, else the flattened message
 zero-padded to a multiple of P. Reduce-scatter along d of x [*pre, P*s, *post]: rank r receives from
 every rank the block x viewed as [outer, P, inner] at [:, r, :] (flattened row-major) and returns
 their FP32 sum as [*pre, s, *post]; a wire codec may read those blocks in place.
-A codec with a field still "auto" is resolved at trace time (`taco_jax.codec.resolve_codec`).
-"""
+A codec with a field still "auto" is resolved at trace time (`taco_jax.codec.resolve_codec`)."""
 
 from __future__ import annotations
 
@@ -259,9 +256,7 @@ def psum(x: jax.Array, axis_name: str, *, codec: CodecConfig, algorithm: str = "
         (fewer for a small message; 1 for a "token"-grouped codec); "auto": `auto_chunks`.
     Returns: array of x's shape and dtype, equal on every rank.
     Derivative: `lax.psum`'s (the cotangent made varying, no communication, no backward codec).
-    Raises: ValueError for an unknown algorithm or reduce_domain, or chunks not "auto" nor an
-      integer >= 1.
-    """
+    Raises: ValueError for an unknown algorithm or reduce_domain, or chunks not "auto" nor an integer >= 1."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not supported; choose 'two_shot' or 'one_shot'")
     if reduce_domain not in REDUCE_DOMAINS:
@@ -348,8 +343,7 @@ def all_gather(x: jax.Array, axis_name: str, *, codec: CodecConfig, axis: int = 
     Returns: x's dtype; shape x.shape with P inserted at `axis` (tiled=False) or x.shape[axis]
       multiplied by P (tiled=True).
     Derivative: `lax.all_gather`'s (`psum_scatter` of the cotangent along `axis`).
-    Raises: ValueError for `axis` out of range or a `bwd_codec` that is not a CodecConfig.
-    """
+    Raises: ValueError for `axis` out of range or a `bwd_codec` that is not a CodecConfig."""
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))
     axis = _norm_axis(axis, x.ndim + (0 if tiled else 1), "axis")
     if codec.kind == "none" and bwd.kind == "none" and not (_own_bytes(codec, x) or _own_bytes(bwd, x)):
@@ -422,8 +416,7 @@ def ppermute(x: jax.Array, axis_name: str, perm, *, codec: CodecConfig,
     perm: (source, destination) pairs, as `lax.ppermute`; a rank nobody sends to gets zeros.
     Returns: x's shape and dtype.
     Derivative: `lax.ppermute`'s (the inverse permutation).
-    Raises: ValueError for a `bwd_codec` that is not a CodecConfig (bad `perm`: `lax`'s error).
-    """
+    Raises: ValueError for a `bwd_codec` that is not a CodecConfig (bad `perm`: `lax`'s error)."""
     codec, bwd = _resolved(codec), _resolved(_bwd_codec(codec, bwd_codec))
     perm = tuple((int(s), int(d)) for s, d in perm)
     if codec.kind == "none" and bwd.kind == "none" and not (_own_bytes(codec, x) or _own_bytes(bwd, x)):

@@ -5,8 +5,7 @@
   the two-shot compressed all-reduce (the ZeRO++ / SDP4Bit gradient path).
 A bucket never mixes varying axes, so gradients replicated over the tensor axis (norms, biases)
 get identical quantized sums on every tensor rank and cannot drift apart.
-Source: ZeRO++ (arXiv 2306.10209) §"qgZ"; SDP4Bit (arXiv 2410.15526); TACO spec §3-4.
-"""
+Source: ZeRO++ (arXiv 2306.10209) §"qgZ"; SDP4Bit (arXiv 2410.15526); TACO spec §3-4."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ def sync_gradients(grads, axis_name: str | None, policy: CommPolicy):
     """Sum of per-shard gradients over `axis_name` (the data axis; None: `grads` returned), with
     codec `policy.dp_grads` and its `min_bytes` per bucket. grads: pytree of float arrays varying
     over `axis_name`. Returns: pytree like `grads`, invariant over `axis_name`.
-    Derivative: `lax.psum`'s per leaf; forward mode is undefined when `dp_grads` compresses.
-    """
+    Derivative: `lax.psum`'s per leaf; forward mode is undefined when `dp_grads` compresses."""
     if axis_name is None:
         return grads
     with site_scope("dp_grads"):

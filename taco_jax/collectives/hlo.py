@@ -1,12 +1,10 @@
 """Wire bytes of the collectives in a compiled XLA program, per mesh axis (read from HLO text).
 
 Counts bytes *sent per device* for one execution, with the usual bandwidth-optimal algorithms:
-all-gather and all-to-all (P-1)/P of the result, reduce-scatter (P-1)/P of the operand,
-all-reduce 2(P-1)/P (ring), collective-permute the whole operand. Collectives inside loops
-(`while` bodies) are counted once. Each collective's communication site (`CommPolicy`'s
-ar_fwd, ..., pp_send) is read off the `site_scope` its op_name metadata names (`collectives`), and
-the codec's kernels and scoped work off theirs (`codec_calls`).
-"""
+all-gather and all-to-all (P-1)/P of the result, reduce-scatter (P-1)/P of the operand, all-reduce 2(P-1)/P (ring),
+collective-permute the whole operand. Collectives inside loops (`while` bodies) are counted once. Each collective's
+communication site (`CommPolicy`'s ar_fwd, ..., pp_send) is read off the `site_scope` its op_name metadata names
+(`collectives`), and the codec's kernels and scoped work off theirs (`codec_calls`)."""
 
 from __future__ import annotations
 
@@ -73,8 +71,7 @@ def _groups(line: str) -> list[tuple[int, ...]] | None:
 def mesh_axis_groups(mesh) -> dict[str, set[frozenset[int]]]:
     """For each mesh axis, the groups of logical device ids it spans; and for each set of two or more
     axes, named "a+b" in mesh order, the groups they span together. Logical ids (what replica groups
-    name) are positions in `mesh.devices` flattened, not `Device.id`s (which differ across processes).
-    """
+    name) are positions in `mesh.devices` flattened, not `Device.id`s (which differ across processes)."""
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     out = {}
     for i, name in enumerate(mesh.axis_names):
@@ -115,12 +112,10 @@ def _sites(op_name: str) -> str:
 def collectives(hlo_text: str, mesh) -> list[dict]:
     """Every collective of an HLO module, one record each (a `-start` / `-done` pair once).
 
-    Record: "axis" (mesh axis, "+"-joined for multi-axis groups, "?" when the groups match no
-    axis), "op" (HLO op), "dtype" ("+"-joined result element types), "result_bytes",
-    "message_bytes" (one rank's operand), "sent" (bytes sent per device, module docstring), "ranks"
-    (P), "site" (`site_scope` in its op_name, "" if none), "op_name". Collectives with P <= 1 are
-    left out.
-    """
+    Record: "axis" (mesh axis, "+"-joined for multi-axis groups, "?" when the groups match no axis), "op" (HLO op),
+    "dtype" ("+"-joined result element types), "result_bytes", "message_bytes" (one rank's operand), "sent" (bytes
+    sent per device, module docstring), "ranks" (P), "site" (`site_scope` in its op_name, "" if none), "op_name".
+    Collectives with P <= 1 are left out."""
     axis_groups = mesh_axis_groups(mesh)
     done_type = _done_types(hlo_text)
     out = []
@@ -245,10 +240,9 @@ def _computations(hlo_text: str) -> list[list[str]]:
 
 
 def codec_calls(hlo_text: str) -> list[dict]:
-    """The codec work of an HLO module: each "taco_..." custom-call, and each other top-level
-    instruction inside a `taco_encode` / `taco_decode` / `taco_reduce` scope (not those inside
-    fusions or reducer regions). Record: "kind" (encode, decode, reduce), "target" (the custom-call
-    target, or the HLO op), "site" (as `collectives`)."""
+    """The codec work of an HLO module: each "taco_..." custom-call, and each other top-level instruction inside a
+    `taco_encode` / `taco_decode` / `taco_reduce` scope (not those inside fusions or reducer regions). Record:
+    "kind" (encode, decode, reduce), "target" (the custom-call target, or the HLO op), "site" (as `collectives`)."""
     out, fused = [], False
     for line in hlo_text.splitlines():
         if line and not line[0].isspace():  # a computation header: fusion bodies and reducers are skipped

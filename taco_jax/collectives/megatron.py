@@ -1,9 +1,8 @@
 """Megatron's conjugate TP operators with `custom_vjp`, so forward AND backward traffic is compressed.
 
-Source: Megatron-LM `tensor_parallel/mappings.py` (copy_to / reduce_from / gather_from /
-scatter_to tensor-model-parallel region); TACO spec §1 for which site is compressed.
-All four run inside `jax.shard_map(check_vma=True)`; `axis_name` is the tensor axis and
-`policy` a `CommPolicy` (both static).
+Source: Megatron-LM `tensor_parallel/mappings.py` (copy_to / reduce_from / gather_from / scatter_to
+tensor-model-parallel region); TACO spec §1 for which site is compressed. All four run inside
+`jax.shard_map(check_vma=True)`; `axis_name` is the tensor axis and `policy` a `CommPolicy` (both static).
 
 | op                 | forward                 | backward                 |
 |--------------------|-------------------------|--------------------------|
@@ -12,8 +11,7 @@ All four run inside `jax.shard_map(check_vma=True)`; `axis_name` is the tensor a
 | gather_from_sp     | all-gather (all_gather) | reduce-scatter (reduce_scatter) |
 | scatter_to_sp      | reduce-scatter          | all-gather               |
 
-Each backward collective runs only when the operator's input is differentiated.
-"""
+Each backward collective runs only when the operator's input is differentiated."""
 
 from __future__ import annotations
 
@@ -167,9 +165,8 @@ def _in_sequence_order(steps: list[jax.Array], rank, dim: int) -> jax.Array:
 def all_gather_matmul(x: jax.Array, fn, axis_name: str, policy: CommPolicy, dim: int) -> tuple[jax.Array, jax.Array]:
     """`fn(gather_from_sp(x))` with the all-gather split into P - 1 ring steps that overlap `fn`.
 
-    The collective matmul of jax's shard_map docs ("Matrix multiplies"): step i (1 <= i < P)
-    receives the left neighbour's previous block (`compressed.ppermute`) while `fn` runs on the last
-    one. Sites as `gather_from_sp`.
+    The collective matmul of jax's shard_map docs ("Matrix multiplies"): step i (1 <= i < P) receives the left
+    neighbour's previous block (`compressed.ppermute`) while `fn` runs on the last one. Sites as `gather_from_sp`.
 
     Args:
       x: this rank's sequence block, e.g. [B, T/P, D] with `dim` = 1, varying over `axis_name` (size P).
@@ -200,8 +197,7 @@ def matmul_reduce_scatter(x: jax.Array, fn, axis_name: str, policy: CommPolicy, 
     receives the running sum from its right neighbour and adds `fn` of block r + i + 1. The sum
     travels in x's dtype (FP32 add, rounded at each hop) in ring order. Sites as `scatter_to_sp`.
 
-    Args: x: the input over the whole sequence, e.g. [B, T, F/P] with `dim` = 1; fn: as
-      `all_gather_matmul`.
+    Args: x: the input over the whole sequence, e.g. [B, T, F/P] with `dim` = 1; fn: as `all_gather_matmul`.
     Returns: this rank's block of the sum over ranks of fn(x), e.g. [B, T/P, D], varying.
     Raises: ValueError if x.shape[dim] does not divide by P.
     Fidelity: the running sum is requantized at every hop (P - 1 quantizations, vs one in

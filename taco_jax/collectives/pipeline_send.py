@@ -16,8 +16,7 @@ def send(x: jax.Array, axis_name: str, policy: CommPolicy, shift: int = 1, *,
          bwd_codec: CodecConfig | None = None) -> jax.Array:
     """Stage s -> s + shift (+1: next stage, -1: previous) over the stage axis `axis_name`, no
     wrap-around. x: any shape and float dtype. Returns: x's shape and dtype, stage s holding stage
-    s - shift's x (zeros where none is sent). bwd_codec: the gradient's (default: the forward codec).
-    """
+    s - shift's x (zeros where none is sent). bwd_codec: the gradient's (default: the forward codec)."""
     n = lax.axis_size(axis_name)
     perm = [(i, i + shift) for i in range(n) if 0 <= i + shift < n]
     with site_scope("pp_send"):

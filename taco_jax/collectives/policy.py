@@ -28,12 +28,8 @@ class CommPolicy:
     """Codec per tensor-parallel communication site, plus a size threshold.
 
     Attributes:
-      ar_fwd: codec of the forward all-reduce after RowParallel layers (Megatron "g").
-      ar_bwd: codec of the backward all-reduce before ColumnParallel layers (Megatron "f").
-      all_gather: codec of sequence-parallel all-gathers (forward of gather, backward of scatter).
-      reduce_scatter: codec of sequence-parallel reduce-scatters.
-      dp_grads: codec of the data-parallel gradient all-reduce (reduce-scatter + all-gather).
-      pp_send: codec of pipeline send/recv (activations forward, gradients backward).
+      ar_fwd, ar_bwd, all_gather, reduce_scatter, dp_grads, pp_send: the codec of each site (`TENSOR_SITES`, `SITES`;
+        all_gather: forward of gather and backward of scatter; pp_send: activations forward, gradients backward).
       all_reduce_algorithm: "two_shot" or "one_shot" (`compressed.psum`).
       min_bytes: messages below this many uncompressed bytes use the exact collective; "auto"
         until resolved before tracing (`taco_jax.perf.resolve_min_bytes`).
@@ -90,8 +86,7 @@ class CommPolicy:
                          transport: str = "auto") -> CommPolicy:
         """A copy whose codecs are concrete (`codec.dispatch.resolve_codec` on `platform`, default
         jax's); run once before tracing, after `jax.distributed` is initialized (it decides an "auto"
-        transport). Raises: ValueError naming the site whose backend, wire or transport cannot run here.
-        """
+        transport). Raises: ValueError naming the site whose backend, wire or transport cannot run here."""
         new = {}
         for site in SITES:
             try:
@@ -124,8 +119,7 @@ class CommPolicy:
     def from_dict(cls, d: dict, *, base: CommPolicy | None = None, where: str = "policy") -> CommPolicy:
         """Policy from a dict shaped like `to_dict` (only "sites" required; unknown top-level keys
         are metadata). Absent sites and settings keep `base`'s (default: exact). Format: docs/training.md.
-        Raises: ValueError naming the file (`where`) and the unknown site or bad codec field.
-        """
+        Raises: ValueError naming the file (`where`) and the unknown site or bad codec field."""
         base = base or cls()
         if not isinstance(d, dict) or not isinstance(d.get("sites"), dict):
             raise ValueError(f"{where}: expected a JSON object with a 'sites' object ({{site: codec fields}}), "

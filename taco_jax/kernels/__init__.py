@@ -23,12 +23,10 @@ Conformance rule (tests/test_kernels.py, against `reference` on the same inputs)
     of the ranks' max|x_ref| (`conformance.assert_decode_conforms`).
   A group holding NaN/±Inf: s is NaN, a the reference's formula, codes unspecified.
 Training-level rule (a backend vs `reference`, same config and seed): captured messages conform
-(`conformance.check_messages`); the first step's loss agrees within `FIRST_STEP_RTOL`
-(tests/test_train.py, from `conformance.step_codes`), the first six steps' to 1e-3; later the runs
-drift apart (AdamW's first update is lr * sign(gradient): a code flip that flips a near-zero
-gradient's sign moves that weight by 2 * lr), so over seeds the mean final validation loss lies
-within two standard errors of the reference's (docs/results.md).
-"""
+(`conformance.check_messages`); the first step's loss agrees within `FIRST_STEP_RTOL` (tests/test_train.py, from
+`conformance.step_codes`), the first six steps' to 1e-3; later the runs drift apart (AdamW's first update is lr *
+sign(gradient)), so over seeds the mean final validation loss lies within two standard errors of the reference's
+(docs/results.md)."""
 
 from __future__ import annotations
 
@@ -124,8 +122,7 @@ def resolve(name: str, platform: str | None = None, *, n_devices: int = 1) -> st
 
     Args: name: one of `BACKENDS`; platform: default jax's; n_devices: devices of the program (pallas
       on CPU is refused for n_devices > 1: its interpreter's host callbacks stall the program).
-    Raises: ValueError for an unknown or unavailable name, listing what can run instead.
-    """
+    Raises: ValueError for an unknown or unavailable name, listing what can run instead."""
     platform = platform or default_platform()
     if name not in BACKENDS:
         raise ValueError(f"unknown codec backend {name!r}; choose one of {BACKENDS}")

@@ -1,8 +1,7 @@
 """The @triton.jit kernels of `taco_jax.kernels.triton_codec` (imported on first use: needs triton).
 
 Kept in their own module so that Triton's interpreter (`TRITON_INTERPRET=1`), which resolves a
-kernel's helpers in its module's globals, runs them as the GPU does.
-"""
+kernel's helpers in its module's globals, runs them as the GPU does."""
 
 import triton
 import triton.language as tl

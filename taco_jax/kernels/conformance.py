@@ -1,7 +1,5 @@
-"""The conformance rule of `taco_jax.kernels` as a check (a backend against `reference` on the same
-inputs), shared by the tests and the GPU check. Every check raises AssertionError naming what
-differs and by how much.
-"""
+"""The conformance rule of `taco_jax.kernels` as a check (a backend against `reference` on the same inputs), shared
+by the tests and the GPU check. Every check raises AssertionError naming what differs and by how much."""
 
 from __future__ import annotations
 
@@ -70,10 +68,9 @@ def assert_conforms(got, want, g: int, r: float = 448.0, max_code_frac: float = 
 
 
 def step_codes(codes, frac: float, seed: int = 0, *, steps: int = 1):
-    """`codes` (FP8 [..., G], numpy or jax) with a fraction `frac` of them moved `steps` FP8 steps up
-    or down (clamped to the largest finite code), at positions and signs fixed by `seed`: the
-    deviation the contract allows, made on purpose. Traceable (jnp); same dtype and shape.
-    Raises ValueError for `frac` outside [0, 1]."""
+    """`codes` (FP8 [..., G], numpy or jax) with a fraction `frac` of them moved `steps` FP8 steps up or down
+    (clamped to the largest finite code), at positions and signs fixed by `seed`: the deviation the contract allows,
+    made on purpose. Traceable (jnp); same dtype and shape. Raises ValueError for `frac` outside [0, 1]."""
     if not 0.0 <= frac <= 1.0:
         raise ValueError(f"step_codes: frac={frac} must be in [0, 1]")
     import jax  # noqa: PLC0415

@@ -1,11 +1,9 @@
 """XLA FFI codec backend: the fused C++ (CPU) and CUDA (GPU) handlers of `custom_calls/`.
 
-The libraries in `taco_jax/kernels/_lib/` (`make -C custom_calls`, `... cuda`) are loaded on first
-use and registered under the same target names per platform. Leading axes are flattened (also
-under `vmap`: `vmap_method="broadcast_all"`). `NATIVE_DTYPES` are read and written as they are,
-bit-identical to converting through float32; other floating dtypes are cast to float32. Each
-handler call raises RuntimeError when the platform's library is not built (`_ensure_loaded`).
-"""
+The libraries in `taco_jax/kernels/_lib/` (`make -C custom_calls`, `... cuda`) are loaded on first use and registered
+under the same target names per platform. Leading axes are flattened (also under `vmap`: `vmap_method="broadcast_all"`).
+`NATIVE_DTYPES` are read and written as they are, bit-identical to converting through float32; other floating dtypes are
+cast to float32. Each handler call raises RuntimeError when the platform's library is not built (`_ensure_loaded`)."""
 
 from __future__ import annotations
 
@@ -195,10 +193,9 @@ def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, impl: int
 @functools.partial(jax.jit, inline=True, static_argnames=("impl", "dtype"))
 def decode_groups(codes: jax.Array, s: jax.Array, a: jax.Array | None, *, impl: int = IMPL_AUTO,
                   dtype=None) -> jax.Array:
-    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`; with `dtype`
-    (bfloat16 or float16) the values are written in that dtype, bit-identical to
-    `clip_to_dtype(decode_groups(...), dtype).astype(dtype)` (`taco_jax.codec.dispatch`).
-    Raises ValueError for another dtype."""
+    """Fused decode, same contract as `taco_jax.codec.reference.decode_groups`; with `dtype` (bfloat16 or float16)
+    the values are written in that dtype, bit-identical to `clip_to_dtype(decode_groups(...), dtype).astype(dtype)`
+    (`taco_jax.codec.dispatch`). Raises ValueError for another dtype."""
     _ensure_loaded()
     out_dtype = _out_dtype(dtype)
     *lead, n_groups, g = codes.shape
@@ -297,17 +294,13 @@ def _unpad(y: jax.Array, m: int) -> jax.Array:
 @functools.partial(jax.jit, inline=True, static_argnames=("cfg", "split", "interleaved", "impl"))
 def encode_packed(x: jax.Array, cfg: CodecConfig, *, split: bool = False, interleaved: bool = False,
                   impl: int = IMPL_AUTO):
-    """Encodes messages straight into packed wire rows (C++ `taco_encode_packed`, CPU).
-
-    Args:
-      x: float [..., m], m >= 1, one message per row. With `interleaved`: [..., outer, P, inner],
-        inner % G == 0, read in place as if x were `swapaxes(x, -3, -2).reshape(..., P, m)`.
-      cfg: codec of kind "taco" ("folded" rows hold s / a computed in float32).
-      split: x is [..., P, m] and each message along axis -2 gets its own result buffer (no
-        slicing copies before an all-to-all).
+    """Encodes messages straight into packed wire rows (C++ `taco_encode_packed`, CPU): x float [..., m], m >= 1, one
+    message per row (`interleaved`: [..., outer, P, inner], inner % G == 0, read in place as if x were
+    `swapaxes(x, -3, -2).reshape(..., P, m)`); `cfg` of kind "taco" ("folded" rows hold s / a computed in float32);
+    `split`: x is [..., P, m] and each message along axis -2 gets its own result buffer (no slicing copies).
     Returns: uint8 [..., packed_row_bytes(m, cfg)], byte for byte
-      `codec.wire.pack_rows(encode(x, cfg, batch_dims=x.ndim - 1), x.ndim - 1)`; with split, a
-      tuple of P such arrays (interleaved without split: [..., P, row_bytes]).
+    `codec.wire.pack_rows(encode(x, cfg, batch_dims=x.ndim - 1), x.ndim - 1)`; with split, a tuple of P such arrays
+    (interleaved without split: [..., P, row_bytes]).
     Raises: ValueError for a non-floating x, another codec kind, m == 0, split with x of rank < 2, or
       interleaved with x of rank < 3 or x.shape[-1] not a multiple of G.
     """
@@ -365,12 +358,10 @@ def _rank_operands(rows, m: int, cfg: CodecConfig, has_a: bool):
 @functools.partial(jax.jit, inline=True, static_argnames=("cfg", "m", "has_a", "outer", "impl", "dtype"))
 def decode_packed(rows: jax.Array, cfg: CodecConfig, m: int, *, has_a: bool | None = None,
                   outer: int | None = None, impl: int = IMPL_AUTO, dtype=None) -> jax.Array:
-    """Decodes packed wire rows (C++ `taco_decode_packed`, CPU).
+    """Decodes packed wire rows (C++ `taco_decode_packed`, CPU): rows uint8 [..., packed_row_bytes(m, cfg,
+    has_a=has_a)], one message of m elements per row; `has_a`: the rows' layout (default: cfg.scale_layout == "dual").
 
     Args:
-      rows: uint8 [..., packed_row_bytes(m, cfg, has_a=has_a)], one message of m elements per row.
-      cfg: the codec; has_a: the rows' layout (default: cfg.scale_layout == "dual").
-      m: elements per message.
       outer: an integer k >= 1 (rows [..., P, row_bytes], m % (k * G) == 0): the result is
         `jnp.moveaxis(decode_packed(rows, cfg, m).reshape(..., P, k, inner), -3, -2)`, written in place.
       dtype: float32 (None), bfloat16 or float16, as `decode_groups(..., dtype=dtype)` writes it;
@@ -403,12 +394,10 @@ def decode_sum_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, 
     """Decodes P packed rows and sums them in float32 in rank order (acc = d_0; acc = acc + d_1; ...)
     in one pass (C++ `taco_decode_sum_packed`, CPU): `codec.wire.sum_fp32(decode(...), dtype)` fused.
 
-    Args: rows: uint8 [..., P, row_bytes], or a sequence of P [..., row_bytes] arrays (rank order);
-      cfg; m: elements per message; dtype: float32 (None), bfloat16 or float16 (the sum rounded
-      once, not clipped).
+    Args: rows: uint8 [..., P, row_bytes], or a sequence of P [..., row_bytes] arrays (rank order); cfg; m: elements
+      per message; dtype: float32 (None), bfloat16 or float16 (the sum rounded once, not clipped).
     Returns: dtype [..., m].
-    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or another dtype.
-    """
+    Raises: ValueError for rows of the wrong dtype, rank, width or mismatched shapes, or another dtype."""
     _ensure_loaded()
     out_dtype = _out_dtype(dtype)
     args, lead, vma = _rank_operands(rows, m, cfg, cfg.scale_layout == "dual")
@@ -427,8 +416,7 @@ def reduce_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_AUTO, dtyp
 
     Args: rows: as `decode_sum_packed`; cfg; m: elements per message; dtype: the message dtype.
     Returns: uint8 [..., packed_row_bytes(m, cfg)].
-    Raises: ValueError as `decode_sum_packed`.
-    """
+    Raises: ValueError as `decode_sum_packed`."""
     _ensure_loaded()
     round_to = _DTYPE_CODES[_out_dtype(dtype)]
     attrs = _packed_attrs(m, cfg)
@@ -443,8 +431,7 @@ def reduce_hadamard_packed(rows, cfg: CodecConfig, m: int, *, impl: int = IMPL_A
     """Transform-domain reduction (`reduce_groups`) of P packed rows (C++
     `taco_reduce_hadamard_packed`, CPU). rows: as `decode_sum_packed`; m: elements per message.
     Returns: uint8 [..., packed_row_bytes(m, cfg, has_a=False)]: the sum, folded layout.
-    Raises: ValueError as `decode_sum_packed`.
-    """
+    Raises: ValueError as `decode_sum_packed`."""
     _ensure_loaded()
     attrs = _packed_attrs(m, cfg)
     has_a = cfg.scale_layout == "dual"

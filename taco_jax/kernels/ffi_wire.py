@@ -4,8 +4,7 @@ The wire-codec contract of `taco_jax.codec.backends` on `ffi_codec`'s packed tar
 write and read the rows themselves, so XLA adds no concatenation, slice, transpose (strided blocks
 with inner extent % G == 0), convert (native dtypes) or FP32 temporary around the transfers. Bytes
 and values equal the generic wire codec's (tested byte for byte). Kind "taco", group_axis "hidden",
-nonfinite "propagate", backend "ffi" only. All-to-all rows are one buffer per rank (`per_source`).
-"""
+nonfinite "propagate", backend "ffi" only. All-to-all rows are one buffer per rank (`per_source`)."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ def _native(dtype) -> bool:
 
 
 def _decode(rows: jax.Array, cfg: CodecConfig, m: int, dtype, overflow: bool = False, **kw) -> jax.Array:
-    """Decoded values in the message dtype, as `codec.dispatch.decode` casts them: written so by the
-    kernel for a native dtype, else decoded to float32, clipped and cast (`overflow`: the ±Inf of
-    overflow groups kept)."""
+    """Decoded values in the message dtype, as `codec.dispatch.decode` casts them: written so by the kernel for a
+    native dtype, else decoded to float32, clipped and cast (`overflow`: the ±Inf of overflow groups kept)."""
     if _native(dtype):
         return ffi_codec.decode_packed(rows, cfg, m, dtype=dtype, **kw)
     y = ffi_codec.decode_packed(rows, cfg, m, **kw)

@@ -1,15 +1,13 @@
 """Pallas fused TACO codec (spec §2): one program per block of groups; Triton on GPU, interpreter on CPU.
 
-Each program reads a [block, G] tile in the message's own dtype (`NATIVE_DTYPES`) once: sum of
-squares -> a -> WHT as an in-register butterfly (`_wht`, log2(G) stages) -> absmax -> s -> FP8
-codes; decode: q s / (sqrt(G) max(a, EPS)) -> the same butterfly -> the output dtype (clipped);
-decode-sum: P ranks in float32 in rank order, rounded once. The reference's arithmetic up to the
-order of the transform's sums (conformance rule in `taco_jax.kernels`).
+Each program reads a [block, G] tile in the message's own dtype (`NATIVE_DTYPES`) once: sum of squares -> a -> WHT
+as an in-register butterfly (`_wht`, log2(G) stages) -> absmax -> s -> FP8 codes; decode: q s / (sqrt(G) max(a,
+EPS)) -> the same butterfly -> the output dtype (clipped); decode-sum: P ranks in float32 in rank order, rounded
+once. The reference's arithmetic up to the order of the transform's sums (conformance rule in `taco_jax.kernels`).
 
 The mode follows the platform lowered for (`lax.platform_dependent`), so a CUDA `jax.export` works
 on a CPU host: CPU lowers the interpreter (slow: for tests), CUDA the Triton kernel (FP8 E4M3
-needs sm >= 89). `lowering_platform("cuda")` pins it while tracing (needed inside `shard_map`).
-"""
+needs sm >= 89). `lowering_platform("cuda")` pins it while tracing (needed inside `shard_map`)."""
 
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ def lowering_platform(platform: str, gpu_lowering: str = "triton"):
     `gpu_lowering`, Pallas' "triton" or "mosaic_gpu") instead of per lowering platform, for
     `jax.export(..., platforms=[platform])` from another host. The kernels' jit caches are cleared
     on entry and exit; jit'd callers traced inside must not run here.
-    Raises: ValueError for a platform other than "cpu", "cuda", "rocm", or an unknown gpu_lowering.
-    """
+    Raises: ValueError for a platform other than "cpu", "cuda", "rocm", or an unknown gpu_lowering."""
     if platform not in ("cpu", "cuda", "rocm"):
         raise ValueError(f"{platform=} must be 'cpu', 'cuda' or 'rocm'")
     if gpu_lowering not in _GPU_LOWERINGS:
@@ -188,8 +185,7 @@ def _check_dtype(dtype, what: str):
 def encode_groups(xg: jax.Array, cfg: CodecConfig, *, last_count: int, block: int | None = None):
     """Fused encode, the contract of `taco_jax.codec.reference.encode_groups`, reading `xg` (float32,
     bfloat16 or float16) in its own dtype. block: groups per program (a power of 2; default
-    ELEMENTS // G). Raises: ValueError for another dtype or a block that is not a power of 2.
-    """
+    ELEMENTS // G). Raises: ValueError for another dtype or a block that is not a power of 2."""
     *lead, n_groups, g = xg.shape
     _check_dtype(xg.dtype, "encode input")
     x2 = xg.reshape(-1, g)

@@ -8,8 +8,7 @@ reference's XLA ops do, so the kernels conform under the rule of `taco_jax.kerne
 `triton` and `jax_triton` are imported on first use (`pip install 'taco_jax[gpu]'`). FP8 E4M3 needs
 sm >= 89. jax-triton types its results invariant inside `shard_map`, so the wrappers restore the
 operands' varying axes (`codec.vma.pvary`). Without a GPU (a deviceless compile) the cubin is built
-for the capability of the devices lowered for (`_lowering_capability`).
-"""
+for the capability of the devices lowered for (`_lowering_capability`)."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def _kernels():
 
 def encode_meta(cfg: CodecConfig, n: int, n_groups: int, last_count: int) -> dict:
     """`encode_kernel`'s constexpr arguments for `n` groups of `cfg.group_size` (grid:
-    cdiv(n, BLOCK)). Shared by `encode_groups` and direct launches (the Triton interpreter test,
-    AOT compiles)."""
+    cdiv(n, BLOCK)). Shared by `encode_groups` and direct launches (the Triton interpreter test, AOT compiles)."""
     g = cfg.group_size
     return dict(
         N=n,
@@ -138,9 +136,8 @@ def _jax_triton():
 
 
 def _triton_call(*args, kernel, out, grid, name, **meta):
-    """`jax_triton.triton_call` across its API change (`out_shape` in 0.3.x, later `out_type`), its
-    array operands made to vary over the same manual axes and its results given those axes (the
-    module docstring)."""
+    """`jax_triton.triton_call` across its API change (`out_shape` in 0.3.x, later `out_type`), its array operands
+    made to vary over the same manual axes and its results given those axes (the module docstring)."""
     jt = _jax_triton()
     vma = frozenset().union(*(vma_of(a) for a in args))
     args = [pvary(a, vma) for a in args]

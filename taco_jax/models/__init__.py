@@ -27,8 +27,7 @@ def decays(path) -> bool:
     """Whether the parameter at `path` (a pytree key path or a tuple of names) gets weight decay, by
     its name (`DECAY_BY_NAME`), never by its rank (GPT-2's fused QKV bias [3, H, hd] is a bias); the
     same in the model's and the pipeline's layout.
-    Raises: ValueError for a parameter name with no decay rule (a new parameter must be classified).
-    """
+    Raises: ValueError for a parameter name with no decay rule (a new parameter must be classified)."""
     names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
     name = names[-1] if names else ""
     if name not in DECAY_BY_NAME:

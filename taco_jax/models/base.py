@@ -1,10 +1,8 @@
 """The causal-LM skeleton both model families share, and the config interface they expose.
 
-`CausalLMConfig` is the only way the rest of taco_jax (trainer, pipeline, HF conversion, cost
-model) reads a model config. `CausalLM` owns embed -> layers -> final norm -> LM head, the
-vocab-parallel loss and the pipeline's pieces; `PreNormBlock` is the shared residual block. Each
-family keeps its HF-like submodule names.
-"""
+`CausalLMConfig` is the only way the rest of taco_jax (trainer, pipeline, HF conversion, cost model) reads a model
+config. `CausalLM` owns embed -> layers -> final norm -> LM head, the vocab-parallel loss and the pipeline's pieces;
+`PreNormBlock` is the shared residual block. Each family keeps its HF-like submodule names."""
 
 from __future__ import annotations
 
@@ -19,10 +17,9 @@ from taco_jax.parallel.layers import check_compute, mask_vocab_padding, remat_ca
 
 
 class CausalLMConfig:
-    """The config interface of a causal-LM family: a frozen dataclass with the fields vocab_size,
-    block_size, init_std, dtype, vocab_multiple and remat; it sets `family` ("gpt2" | "qwen"),
-    `POSITIVE` and the *_FIELD names, provides `head_dim` and `tied_embeddings`, and implements
-    `param_sizes`, `_check_shape` and `_check_split`."""
+    """The config interface of a causal-LM family: a frozen dataclass with the fields vocab_size, block_size,
+    init_std, dtype, vocab_multiple and remat; it sets `family` ("gpt2" | "qwen"), `POSITIVE` and the *_FIELD names,
+    provides `head_dim` and `tied_embeddings`, and implements `param_sizes`, `_check_shape` and `_check_split`."""
 
     family: ClassVar[str]
     #: Integer fields that must be positive.
@@ -77,9 +74,8 @@ class CausalLMConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """Rows of the embedding table (and of an untied LM head): vocab_size rounded up to a multiple
-        of vocab_multiple (Megatron's make_vocab_size_divisible_by x tp); the padded rows are zeros
-        whose logits are masked out."""
+        """Rows of the embedding table (and of an untied LM head): vocab_size rounded up to a multiple of vocab_multiple
+        (Megatron's make_vocab_size_divisible_by x tp); the padded rows are zeros whose logits are masked out."""
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     def n_params(self) -> int:
@@ -131,13 +127,11 @@ class CausalLM(nnx.Module):
     """Causal language model skeleton: token embedding (+ the family's positions) -> the layers of
     `pipeline_layers` -> final norm -> LM head (the embedding transposed when tied, else `lm_head`).
 
-    A family sets `pipeline_layers` (the nnx.List of identical layers a pipeline stacks over
-    stages), `token_embed` and `final_norm` (attribute names), and `self.cfg`, `self.ctx`.
-    `__call__(ids)`: int32 [B, T] -> this rank's vocab slice of the logits, [B, T, V / tp] (all of
-    V when unsharded). `loss(ids, targets)`: mean next-token cross-entropy (float32 scalar) over
-    this rank's batch, computed vocab-parallel.
-    Raises ValueError if T exceeds the config's `block_size`.
-    """
+    A family sets `pipeline_layers` (the nnx.List of identical layers a pipeline stacks over stages), `token_embed`
+    and `final_norm` (attribute names), and `self.cfg`, `self.ctx`. `__call__(ids)`: int32 [B, T] -> this rank's
+    vocab slice of the logits, [B, T, V / tp] (all of V when unsharded). `loss(ids, targets)`: mean next-token
+    cross-entropy (float32 scalar) over this rank's batch, computed vocab-parallel. Raises ValueError if T exceeds
+    the config's `block_size`."""
 
     pipeline_layers: ClassVar[str]
     token_embed: ClassVar[str]
@@ -153,8 +147,7 @@ class CausalLM(nnx.Module):
         return self.positions(getattr(self, self.token_embed)(ids, dtype), t, dtype)
 
     def positions(self, x: jax.Array, t: int, dtype) -> jax.Array:
-        """x [B, T(/tp with SP), D] with position information added (none by default: RoPE is applied
-        in attention)."""
+        """x [B, T(/tp with SP), D] with position information added (none by default: RoPE is applied in attention)."""
         return x
 
     def logits(self, x: jax.Array) -> jax.Array:

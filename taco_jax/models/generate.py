@@ -7,8 +7,7 @@
 
 `generate` is one jit-compiled loop that recomputes the whole (fixed-size) sequence at every new
 token (no KV cache: simple and exact; cost grows with prompt + new tokens squared). Greedy decoding
-(temperature 0) equals `transformers`' `generate(do_sample=False)` on the same weights (test_generate.py).
-"""
+(temperature 0) equals `transformers`' `generate(do_sample=False)` on the same weights (test_generate.py)."""
 
 from __future__ import annotations
 
@@ -68,9 +67,8 @@ def _logits(model: InferenceModel, params, tokens):
 
 def load_hf(path, *, dtype: str = "float32") -> tuple[InferenceModel, dict]:
     """(model, params) of the Hugging Face checkpoint folder `path` (GPT-2, Qwen2.5, Qwen3;
-    `models.hf.config_from_hf`), parameters as float32 jax arrays on the default device; `dtype`
-    is the compute dtype. Raises ValueError as `models.hf.load_checkpoint` (unknown architecture, tensor
-    mismatch)."""
+    `models.hf.config_from_hf`), parameters as float32 jax arrays on the default device; `dtype` is the compute
+    dtype. Raises ValueError as `models.hf.load_checkpoint` (unknown architecture, tensor mismatch)."""
     from taco_jax.models.hf import load_checkpoint
 
     cfg, params = load_checkpoint(path, dtype=dtype)
@@ -85,11 +83,9 @@ def generate(model: InferenceModel, params, prompt, max_new_tokens: int, *, temp
     temperature 0: greedy (argmax); > 0: sample from softmax(logits / temperature), restricted to
     the `top_k` most likely tokens when top_k > 0; `seed` fixes the samples (jax.random key).
     `allowed`: bool [vocab_size], the ids that may be generated (e.g. those the tokenizer has); None:
-    every id.
-    Raises ValueError for an empty prompt, a negative or non-finite count / temperature / top_k, a
-    seed outside [0, 2**63), ids outside the vocabulary, a total length over the model's block_size,
-    or an `allowed` of another shape or with no id.
-    """
+    every id. Raises ValueError for an empty prompt, a negative or non-finite count / temperature / top_k, a seed
+    outside [0, 2**63), ids outside the vocabulary, a total length over the model's block_size, or an `allowed` of
+    another shape or with no id."""
     ids = np.asarray(prompt)
     one = ids.ndim == 1
     ids = ids[None] if one else ids

@@ -1,8 +1,7 @@
 """GPT-2 (learned positions, pre-LN, GELU MLP, tied embeddings) with Megatron tensor parallelism.
 
 Source: Radford et al. 2019 / OpenAI `gpt-2` model.py and the HF `gpt2` model card (124,439,808
-parameters for GPT-2 small); layer layout after nanoGPT `model.py`. No dropout.
-"""
+parameters for GPT-2 small); layer layout after nanoGPT `model.py`. No dropout."""
 
 from __future__ import annotations
 
@@ -67,9 +66,8 @@ class GPTConfig(CausalLMConfig):
         return self.mlp_ratio * self.n_embd
 
     def param_sizes(self) -> tuple[int, int, int]:
-        """Per layer: QKV D·3D + output projection D·D + MLP 2·D·F weights; two LayerNorms (scale and
-        bias) 4·D and the biases of QKV 3·D, projections 2·D and MLP F. Outside: positions T·D and the
-        final LayerNorm 2·D."""
+        """Per layer: QKV D·3D + output projection D·D + MLP 2·D·F weights; two LayerNorms (scale and bias) 4·D and
+        the biases of QKV 3·D, projections 2·D and MLP F. Outside: positions T·D and the final LayerNorm 2·D."""
         d, f = self.n_embd, self.mlp_hidden
         return 4 * d * d + 2 * d * f, 9 * d + f, self.block_size * d + 2 * d
 

@@ -1,26 +1,23 @@
 """Hugging Face `transformers` checkpoint interchange (safetensors): GPT-2, Qwen2.5, Qwen3.
 
-`load_checkpoint(dir)` reads a local checkpoint directory (`config.json` + `model.safetensors`, or shards
-listed by `model.safetensors.index.json`) into this package's model; `save_hf(dir, cfg, params)`
-writes one that `transformers.AutoModelForCausalLM.from_pretrained(dir)` loads. Nothing is
-downloaded.
+`load_checkpoint(dir)` reads a local checkpoint directory (`config.json` + `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) into this package's model; `save_hf(dir, cfg, params)` writes one that
+`transformers.AutoModelForCausalLM.from_pretrained(dir)` loads. Nothing is downloaded.
 
 Layouts (HF -> taco_jax, global shapes; D hidden, H / K query / KV heads, hd head size, F MLP):
 - GPT-2 (`GPT2LMHeadModel`, `Conv1D` stores [in, out]): `c_attn.weight` [D, 3D] -> qkv kernel
   [D, 3, H, hd] (q, k, v blocks, heads contiguous); `c_attn.bias` [3D] -> [3, H, hd];
   `attn.c_proj.weight` [D, D] -> [H, hd, D]; `mlp.c_fc` / `mlp.c_proj` as stored; LayerNorm
   weight/bias -> scale/bias; `wte` / `wpe` as stored; `lm_head` tied to `wte` (not stored).
-- Qwen2 / Qwen3 (`nn.Linear` stores [out, in]): q/k/v `weight` [N·hd, D] -> kernel [D, N, hd]
-  (transposed), bias [N·hd] -> [N, hd]; `o_proj.weight` [D, H·hd] -> [H, hd, D];
-  gate/up [F, D] -> [D, F]; down [D, F] -> [F, D]; RMSNorm (and Qwen3's q_norm / k_norm)
-  weight -> scale; `lm_head.weight` [V, D] -> kernel [D, V] when untied.
+- Qwen2 / Qwen3 (`nn.Linear` stores [out, in]): q/k/v `weight` [N·hd, D] -> kernel [D, N, hd] (transposed), bias
+  [N·hd] -> [N, hd]; `o_proj.weight` [D, H·hd] -> [H, hd, D]; gate/up [F, D] -> [D, F]; down [D, F] -> [F, D];
+  RMSNorm (and Qwen3's q_norm / k_norm) weight -> scale; `lm_head.weight` [V, D] -> kernel [D, V] when untied.
 - Vocabulary padding (`vocab_multiple`, Megatron's make_vocab_size_divisible_by × tp): padded
   rows are zeros on import and dropped on export.
 
 Sources: `transformers` `models/gpt2/modeling_gpt2.py`, `models/qwen2/modeling_qwen2.py`,
 `models/qwen3/modeling_qwen3.py`; safetensors format (8-byte little-endian header length, JSON
-header of dtype / shape / data_offsets, raw little-endian data).
-"""
+header of dtype / shape / data_offsets, raw little-endian data)."""
 
 from __future__ import annotations
 
@@ -90,8 +87,7 @@ def _rope_theta(hf: dict) -> float:
 def config_from_hf(hf, *, vocab_multiple: int = 1, dtype: str = "float32") -> GPTConfig | QwenConfig:
     """Model config of an HF checkpoint (a directory, or its `config.json` as a dict), its vocabulary
     padded to a multiple of `vocab_multiple`. Raises ValueError naming the config key and value of an
-    unknown architecture or a setting taco_jax does not implement.
-    """
+    unknown architecture or a setting taco_jax does not implement."""
     if not isinstance(hf, dict):
         hf = read_config(hf)
     arch = architecture(hf)
@@ -166,8 +162,7 @@ def hf_config(cfg: CausalLMConfig) -> dict:
 class Entry:
     """One parameter: HF tensor `name` of shape `hf_shape` <-> model pure-dict `path` of `shape`.
 
-    model = pad((hf.T if transpose else hf).reshape(unpadded shape)) along `vocab_axis`.
-    """
+    model = pad((hf.T if transpose else hf).reshape(unpadded shape)) along `vocab_axis`."""
 
     name: str
     hf_shape: tuple[int, ...]
@@ -340,8 +335,7 @@ def load_params(path, cfg: CausalLMConfig, *, shardings=None, stacked_key: str |
     stacked_key: return the pipeline layout (`parallel.staged.StagedModel`).
     Returns: numpy arrays (no shardings) or `jax.Array`s.
     Raises ValueError for missing or unexpected tensors, a shape mismatch (naming the tensor and
-    both shapes), an unsupported dtype, or a stored tied LM head that differs from the embedding.
-    """
+    both shapes), an unsupported dtype, or a stored tied LM head that differs from the embedding."""
     import jax
 
     tensors = _Tensors(path)
@@ -402,9 +396,8 @@ def _to_host(a) -> np.ndarray:
 
 
 def _param(params: dict, path: tuple, stacked_key: str | None):
-    """The parameter at model-layout `path` of `params`; in the pipeline layout (`stacked_key`),
-    layer `path[1]`'s slice of the stacked leaf (`_layer`). Raises KeyError / IndexError / TypeError
-    when it is absent."""
+    """The parameter at model-layout `path` of `params`; in the pipeline layout (`stacked_key`), layer `path[1]`'s
+    slice of the stacked leaf (`_layer`). Raises KeyError / IndexError / TypeError when it is absent."""
     stacked = stacked_key is not None and path[0] == stacked_key
     node = params
     for k in (path[:1] + path[2:]) if stacked else path:
@@ -413,9 +406,8 @@ def _param(params: dict, path: tuple, stacked_key: str | None):
 
 
 def _layer(a, i: int):
-    """Layer `i` of a stacked leaf `a` [L, ...]: a numpy slice, or for an array on a mesh the slice
-    cut where it lives, sharded as `a` without its layer axis (only that one layer moves).
-    Raises IndexError for i outside [0, L)."""
+    """Layer `i` of a stacked leaf `a` [L, ...]: a numpy slice, or for an array on a mesh the slice cut where it lives,
+    sharded as `a` without its layer axis (only that one layer moves). Raises IndexError for i outside [0, L)."""
     import jax
     from jax.sharding import NamedSharding
 
@@ -472,13 +464,11 @@ def save_hf(path, cfg: CausalLMConfig, params: dict, *, base_config: dict | None
     params: the model's pure dict, numpy or (sharded) jax arrays, gathered one tensor at a time
       (multi-process: every process calls this, process 0 writes). stacked_key: pipeline layout.
     base_config: a source `config.json` whose non-architecture keys are kept.
-    eos_token_id: the tokenizer's end-of-text id (default: `tokenizer`'s `END_OF_TEXT`), written as
-      bos/eos where `base_config` has none, in tokenizer_config.json, and in a generation_config.json
-      unless `source` has one.
+    eos_token_id: the tokenizer's end-of-text id (default: `tokenizer`'s `END_OF_TEXT`), written as bos/eos where
+      `base_config` has none, in tokenizer_config.json, and in a generation_config.json unless `source` has one.
     record: JSON-ready facts about the weights, written last as `EXPORT_RECORD` (marking a complete
       export). Files get mode 0666 less the umask.
-    Raises ValueError if a parameter is missing or has another shape than `cfg` gives.
-    """
+    Raises ValueError if a parameter is missing or has another shape than `cfg` gives."""
     import jax
     from safetensors.numpy import save_file
 

@@ -1,17 +1,14 @@
 """Qwen2.5 and Qwen3 (RMSNorm, SwiGLU, rotate-half RoPE, GQA) with Megatron tensor parallelism.
 
-Source: HF `transformers` `models/qwen2/modeling_qwen2.py` and `models/qwen3/modeling_qwen3.py`
-and the published `config.json` of each checkpoint; one-file layout after jax-ml/bonsai
-`models/qwen3/modeling.py`. Qwen2.5 has biases on the q/k/v projections; Qwen3 has none but
-RMS-normalises each query and key head (over `head_dim`) before RoPE, and sets `head_dim`
-explicitly. No dropout, no sliding window, no KV cache (training only).
+Source: HF `transformers` `models/qwen2/modeling_qwen2.py` and `models/qwen3/modeling_qwen3.py` and the published
+`config.json` of each checkpoint; one-file layout after jax-ml/bonsai `models/qwen3/modeling.py`. Qwen2.5 has biases
+on the q/k/v projections; Qwen3 has none but RMS-normalises each query and key head (over `head_dim`) before RoPE,
+and sets `head_dim` explicitly. No dropout, no sliding window, no KV cache (training only).
 
-Tensor parallelism (axis size tp): query heads, the MLP hidden size and the vocabulary are split.
-Key/value heads are split when `num_kv_heads % tp == 0`; with fewer KV heads than ranks
-(`tp % num_kv_heads == 0`) the K/V projections are replicated and each rank projects only the KV
-head its query heads read. RoPE is applied after `ctx.enter` gathered the whole sequence, so
-sequence parallelism needs nothing model-specific.
-"""
+Tensor parallelism (axis size tp): query heads, the MLP hidden size and the vocabulary are split. Key/value heads
+are split when `num_kv_heads % tp == 0`; with fewer KV heads than ranks (`tp % num_kv_heads == 0`) the K/V
+projections are replicated and each rank projects only the KV head its query heads read. RoPE is applied after
+`ctx.enter` gathered the whole sequence, so sequence parallelism needs nothing model-specific."""
 
 from __future__ import annotations
 
@@ -264,8 +261,7 @@ class Qwen(CausalLM):
     """Qwen2.5 / Qwen3 causal language model: the `CausalLM` skeleton with RoPE in attention and a
     tied or separate (`lm_head`) LM head. `tensor_size`: the tensor-axis size the model will run on
     (it decides whether K/V heads are split or replicated; parameter values do not depend on it).
-    Raises ValueError if the model cannot be split over `tensor_size` ranks.
-    """
+    Raises ValueError if the model cannot be split over `tensor_size` ranks."""
 
     pipeline_layers, token_embed, final_norm = "layers", "embed_tokens", "norm"
 

@@ -5,9 +5,8 @@ from taco_jax.models.base import CausalLM, CausalLMConfig
 from taco_jax.models.gpt2 import GPT
 from taco_jax.models.qwen import Qwen
 
-#: Presets that are published models (GPT-2 small / medium, Qwen2.5, Qwen3; `PRESETS`): a run keeps
-#: their own vocabulary and context (`TrainConfig.vocab_size`). The other presets are CPU-sized and
-#: take their vocabulary from the tokenizer.
+#: Presets that are published models (GPT-2 small / medium, Qwen2.5, Qwen3; `PRESETS`): a run keeps their own vocabulary
+#: and context (`TrainConfig.vocab_size`). The other presets are CPU-sized and take their vocabulary from the tokenizer.
 PUBLISHED = ("gpt2-124m", "gpt2-350m", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-1.7b",
              "qwen3-4b", "qwen3-8b")
 

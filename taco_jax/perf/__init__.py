@@ -2,11 +2,8 @@
 and an MFU give predicted collective and training-step times, the break-even message size
 (`min_bytes="auto"`) and an `auto_policy` that compresses only the sites predicted to gain.
 
-Floor: above models, below testing and train (imports codec, collectives and models configs; `train`
-imports it). Modules: `model` (equations, step time), `hardware` (the declared GPUs of `hardware.toml`:
-the one place GPU numbers live), `calibration` (fits to benchmark rows, the shipped CPU/gloo
-calibration, `resolve_min_bytes`), `paper` (the paper's setting).
-"""
+Modules: `model` (equations, step time), `hardware` (the declared GPUs of `hardware.toml`), `calibration` (fits to
+benchmark rows, `resolve_min_bytes`), `paper` (the paper's setting)."""
 
 from taco_jax.perf.calibration import (
            CPU_CALIBRATION,

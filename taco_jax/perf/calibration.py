@@ -6,8 +6,7 @@ size_bytes (per-rank message), time_s_median, ...) or of `experiments/costmodel/
 same keys, plus rows with collective "codec" holding encode_s / decode_s of a whole message).
 
 Calibration file (`CALIBRATION_FORMAT`, e.g. `calibration_cpu_gloo.json` beside this module): the
-fitted link and codec speeds, the rows' source and the command that produced it.
-"""
+fitted link and codec speeds, the rows' source and the command that produced it."""
 
 from __future__ import annotations
 
@@ -54,14 +53,11 @@ def sim_times(rows) -> dict:
 
 def fit_link(rows, *, name: str = "gloo-loopback", source: str = "", subtract_sim: bool = False,
              dtype: str = "float32") -> Link:
-    """α (s) and β (s/byte) from exact all-reduce timings by least squares on
-    t = 2(p-1)·α + 2(p-1)/p·n·β (n = size_bytes, p = processes; gloo rows with codec "none" and
-    collective psum / all_reduce; time_s_median), residuals relative to t (weights 1/t, so that
-    small and large messages count alike). With a single p this is a straight line of t on n.
-    `subtract_sim`: t minus the same exact collective's time on the simulated mesh (its local
-    work: output buffers, copies), so that α–β describe the transport alone; sizes without a sim
-    row are left out. Only rows of message `dtype` (gloo reduces bfloat16 far slower than float32
-    on CPU, so the two are different links).
+    """α (s) and β (s/byte) from exact all-reduce timings by least squares on t = 2(p-1)·α + 2(p-1)/p·n·β (n =
+    size_bytes, p = processes; gloo rows with codec "none", collective psum / all_reduce; time_s_median), residuals
+    relative to t. `subtract_sim`: t minus the same exact collective's time on the simulated mesh, so that α–β describe
+    the transport alone (sizes without a sim row left out). Only rows of message `dtype` (gloo reduces bfloat16 far
+    slower than float32 on CPU).
 
     Raises: ValueError when fewer than two distinct sizes are given, for a bad row value, or when
       the fit gives a negative β (the rows do not grow with size). A negative α is clipped to 0.
@@ -96,8 +92,7 @@ def fit_codec(rows, backend: str, *, source: str = "") -> CodecSpeed:
     least squares (relative residuals) of t = overhead + n / throughput for encode and decode (one shared overhead, the
     mean of the two intercepts, clipped at 0).
 
-    Raises: ValueError when fewer than two sizes of that backend are given or a slope is not positive.
-    """
+    Raises: ValueError when fewer than two sizes of that backend are given or a slope is not positive."""
     pts = [(_num(r, "size_bytes"), _num(r, "encode_s"), _num(r, "decode_s")) for r in rows
            if r.get("collective") == "codec" and r.get("backend") == backend]
     if len({n for n, _, _ in pts}) < 2:
@@ -203,18 +198,15 @@ def fit_calibration(rows, *, codec_from: str = "auto", command: str = "", machin
 
 def validate(cal: Calibration, rows, *, codec: CodecConfig | None = None, local: str = "model",
              dtypes=("float32",)) -> list[dict]:
-    """Predicted vs measured time of every gloo collective row of `rows` (psum two-shot,
-    all_gather, psum_scatter, ppermute; exact, and taco with a backend `cal` knows; message dtype
-    in `dtypes`): [{collective, backend, dtype, size_bytes (per rank, as the row), measured_s,
-    predicted_s, error (predicted/measured - 1)}]. A row's size_bytes is the per-rank message
-    (bench_collectives/1), so an all-gather's model size is processes × size_bytes.
+    """Predicted vs measured time of every gloo collective row of `rows` (psum two-shot, all_gather, psum_scatter,
+    ppermute; exact, and taco with a backend `cal` knows; message dtype in `dtypes`): [{collective, backend, dtype,
+    size_bytes (per rank, as the row), measured_s, predicted_s, error (predicted/measured - 1)}]. A row's size_bytes
+    is the per-rank message (bench_collectives/1), so an all-gather's model size is processes × size_bytes.
 
-    local: "model": `model.collective_time` (α–β plus the linear codec model); "sim": the same
-      collective's measured time on the simulated mesh (its local work: codec, sums, buffers) plus
-      the α–β transfer of its wire bytes (use with `fit_link(subtract_sim=True)`); rows without a
-      sim counterpart are left out.
-    Raises: ValueError for an unknown `local`.
-    """
+    local: "model": `model.collective_time` (α–β plus the linear codec model); "sim": the same collective's measured
+      time on the simulated mesh (its local work: codec, sums, buffers) plus the α–β transfer of its wire bytes (use
+      with `fit_link(subtract_sim=True)`); rows without a sim counterpart are left out.
+    Raises: ValueError for an unknown `local`."""
     if local not in ("model", "sim"):
         raise ValueError(f"local={local!r} must be 'model' or 'sim'")
     codec = codec or CodecConfig()
@@ -261,20 +253,16 @@ def load_rows(path) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
 # min_bytes = "auto"
-# ---------------------------------------------------------------------------------------------
 def site_break_even(policy: CommPolicy, link: Link, speeds: dict, p: int, *, itemsize: int = 4,
                     sequence_parallel: bool | None = None) -> int:
     """Smallest message (bytes, as `CommPolicy.codec_for` measures it) from which every compressed
     tensor site of `policy` that runs pays on `link` over `p` ranks: the largest of the sites'
     `model.break_even_bytes` (ar_fwd / ar_bwd: all-reduce; all_gather: all-gather, threshold on the
     local shard, i.e. the gathered size / p; reduce_scatter: reduce-scatter). `sequence_parallel`
-    True: only all_gather / reduce_scatter run; False: only ar_fwd / ar_bwd; None: all four.
-    Returns `model.NEVER` if one never pays; 0 if no site compresses.
-    `speeds`: {backend: CodecSpeed} ("default" as the fallback).
-    Raises: ValueError when a compressed site's backend has no speed in `speeds`.
-    """
+    True: only all_gather / reduce_scatter run; False: only ar_fwd / ar_bwd; None: all four. Returns `model.NEVER`
+    if one never pays; 0 if no site compresses. `speeds`: {backend: CodecSpeed} ("default" as the fallback).
+    Raises: ValueError when a compressed site's backend has no speed in `speeds`."""
     ops = {"ar_fwd": "all_reduce", "ar_bwd": "all_reduce", "all_gather": "all_gather",
            "reduce_scatter": "reduce_scatter"}
     running = {None: TENSOR_SITES, True: ("all_gather", "reduce_scatter"), False: ("ar_fwd", "ar_bwd")}
@@ -310,21 +298,14 @@ def resolve_min_bytes(policy: CommPolicy, platform: str, *, tensor_size: int = 2
                       link_bytes_per_s: float | None = None, hardware: model.Hardware | None = None) -> CommPolicy:
     """`policy` with min_bytes "auto" replaced by the predicted break-even size (others: unchanged).
 
-    CPU: the shipped gloo calibration (`CPU_CALIBRATION`, or `calibration`, a `Calibration` or
-    path); backends "reference" / "ffi" as measured there. A one-process run on the simulated mesh
-    gets the same threshold as over gloo (its "collectives" are in-process copies, where compression
-    never saves time; the threshold it gets is the one a real transport would, so that the
-    numerics do not depend on the process count). GPU ("cuda"/"gpu"/"rocm"): `auto_threshold` on
-    `hardware` (default: the shipped `hardware.DEFAULT_GPU` entry, the H200: NVLink 4 and its measured
-    codec speed), as `taco-jax plan --hardware` resolves it. `tensor_size` ranks on the tensor axis (< 2 -> 2).
-    `link_bytes_per_s` (CPU): the tensor axis's link rate measured by `taco-jax launch --link`; the
-    link is then the calibration's latency with per byte the slower of the calibration's β and
-    1 / link_bytes_per_s (gloo's own speed on loopback bounds it too).
-    `sequence_parallel`: which tensor sites run (`site_break_even`). The threshold is computed for
-    the tensor sites and, being one number, applies to every site (`CommPolicy.codec_for`).
-    Call once the policy's backends are concrete (`CommPolicy.resolve_backends`).
-    Raises: ValueError for an unknown platform or a backend without a speed.
-    """
+    CPU: the shipped gloo calibration (`CPU_CALIBRATION`, or `calibration`, a `Calibration` or path), also for a
+    one-process run on the simulated mesh, so that the numerics do not depend on the process count. GPU
+    ("cuda"/"gpu"/"rocm"): `auto_threshold` on `hardware` (default `hardware.DEFAULT_GPU`), as `taco-jax plan` resolves
+    it. `tensor_size`: ranks on the tensor axis (< 2 -> 2). `link_bytes_per_s` (CPU): the link rate measured by
+    `taco-jax launch --link`; per byte the slower of it and the calibration's β. `sequence_parallel`: which tensor
+    sites run (`site_break_even`). The one threshold applies to every site. Call once the policy's backends are
+    concrete (`CommPolicy.resolve_backends`).
+    Raises: ValueError for an unknown platform or a backend without a speed."""
     if policy.min_bytes != "auto":
         return policy
     if platform in ("cuda", "gpu", "rocm"):

@@ -3,11 +3,9 @@ B200, L40S), or a user's own file of the same schema (`taco-jax plan --hardware-
 The shipped table is the one place GPU numbers live (FLOP rates, links, codec speeds): `H200`, `H800`,
 `H200_CODEC`, `NVLINK4`, `NVLINK_H800`, `IB_NDR` and `PCIE_GEN5` below are read from it.
 
-Each entry becomes a cost-model `model.Hardware` (peak FLOP/s, MFU, GPUs per node, intra- and
-inter-node `Link`, codec speed) plus what the numbers rest on (`HardwareSpec`): the source of each,
-and whether the codec speed was measured or is assumed. Schema: the comment at the top of
-`hardware.toml`; docs/plan.md "Your own cluster".
-"""
+Each entry becomes a cost-model `model.Hardware` (peak FLOP/s, MFU, GPUs per node, intra- and inter-node `Link`,
+codec speed) plus what the numbers rest on (`HardwareSpec`): the source of each, and whether the codec speed was
+measured or is assumed. Schema: the comment at the top of `hardware.toml`; docs/plan.md "Your own cluster"."""
 
 from __future__ import annotations
 
@@ -42,15 +40,11 @@ LINKS = "links"
 
 @dataclasses.dataclass(frozen=True)
 class HardwareSpec:
-    """One declared hardware: its key (`--hardware KEY`), the cost model's `Hardware`, and the
-    provenance of its numbers.
+    """One declared hardware: its lower-case `key` (`--hardware KEY`), the cost model's `hardware` (codec speed as
+    "default"), and the provenance of its numbers: `codec_status` ("measured" or "assumed"), `sources` ({"hardware",
+    "intra", "inter", "codec": text}), `where` (the file it was read from).
 
     Attributes:
-      key: lower-case name (e.g. "h100").
-      hardware: `model.Hardware` (peak FLOP/s, MFU, GPUs per node, links, codec speed as "default").
-      codec_status: "measured" or "assumed".
-      sources: {"hardware", "intra", "inter", "codec": source text}.
-      where: the file it was read from.
       target: the `[KEY.target]` table (`_TARGET`'s fields: the GPU for XLA:GPU's deviceless
         compiler, `target_config`), or None when the entry has none.
       codec_backends: {backend: {"encode_GBps", "decode_GBps", "status", "source"}}: `[KEY.codec]`
@@ -140,9 +134,8 @@ def _codec(table, where: str) -> tuple[dict, dict]:
 
 
 def parse_hardware(data: dict, where: str) -> dict[str, HardwareSpec]:
-    """{key: HardwareSpec} of a parsed hardware table (`hardware.toml`'s schema).
-    Raises ValueError naming `where`, the entry and the bad key or value, or both entries whose names
-    differ only in case (keys are lower-cased)."""
+    """{key: HardwareSpec} of a parsed hardware table (`hardware.toml`'s schema). Raises ValueError naming `where`,
+    the entry and the bad key or value, or both entries whose names differ only in case (keys are lower-cased)."""
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{where}: holds no hardware table ([name] with peak_tflops, mfu, gpus_per_node, "
                          "[name.intra], [name.inter], [name.codec]; see taco_jax/perf/hardware.toml)")
@@ -221,9 +214,8 @@ def target_config(spec: HardwareSpec) -> str:
 
 
 def load_hardware(path=None) -> dict[str, HardwareSpec]:
-    """The hardware of a TOML (or ".json") file, default the shipped `hardware.toml`.
-    Raises ValueError naming the file (a given one as `--hardware-file`) when it cannot be read or
-    parsed, or holds a bad entry."""
+    """The hardware of a TOML (or ".json") file, default the shipped `hardware.toml`. Raises ValueError naming the
+    file (a given one as `--hardware-file`) when it cannot be read or parsed, or holds a bad entry."""
     what = "--hardware-file" if path else "hardware file"
     path = pathlib.Path(path or HARDWARE_FILE)
     data = read_table(path, what)
@@ -231,9 +223,8 @@ def load_hardware(path=None) -> dict[str, HardwareSpec]:
 
 
 def get_hardware(name: str = "", path=None) -> HardwareSpec:
-    """The hardware `name` among the shipped ones and those of `path` (a user's file; its entries win).
-    Without `name`: the file's entry when it holds exactly one. Raises ValueError naming an unknown
-    name with the known ones."""
+    """The hardware `name` among the shipped ones and those of `path` (a user's file; its entries win). Without `name`:
+    the file's entry when it holds exactly one. Raises ValueError naming an unknown name with the known ones."""
     known = load_hardware()
     if path:
         own = load_hardware(path)
@@ -249,15 +240,12 @@ def get_hardware(name: str = "", path=None) -> HardwareSpec:
 
 
 def with_tp_span(hw: model.Hardware, tp: int, tp_span_nodes: int | None, gpus: int | None = None) -> model.Hardware:
-    """`hw` with its node size set so that a tensor-parallel group of `tp` ranks spans
-    `tp_span_nodes` nodes (the cost model then puts TP, and the axes outside it, on the inter-node
-    link). None: Megatron placement (TP inside a node while it fits: ceil(tp / gpus_per_node) nodes).
-    Raises ValueError when `tp_span_nodes` does not divide `tp`, or leaves more ranks per node than
-    the node has GPUs, or (K > 1) a number of ranks per node that does not divide its GPUs, or
-    (None) when a `tp` larger than a node is not a multiple of its GPUs (the group would span nodes
-    unevenly), or (None or 1) when a smaller `tp` does not divide a node's GPUs and the run (`gpus` in
-    all, when given) fills more than one node: with the tensor axis innermost, one group would then
-    cross a node boundary (nodes of 3 GPUs, tensor 2: ranks 2 and 3)."""
+    """`hw` with its node size set so that a tensor-parallel group of `tp` ranks spans `tp_span_nodes` nodes (the
+    cost model then puts TP, and the axes outside it, on the inter-node link). None: Megatron placement (TP inside a
+    node while it fits: ceil(tp / gpus_per_node) nodes). Raises ValueError when `tp_span_nodes` does not divide
+    `tp`, or the ranks per node exceed or (K > 1) do not divide the node's GPUs, or (None) a `tp` larger than a node
+    is not a multiple of its GPUs, or (None or 1) a smaller `tp` does not divide a node's GPUs and the run (`gpus`)
+    fills more than one node (a tensor group would cross a node boundary)."""
     if tp_span_nodes is None and tp > hw.gpus_per_node and tp % hw.gpus_per_node:
         raise ValueError(f"the tensor axis ({tp} ranks) does not fit nodes of {hw.gpus_per_node} GPUs ({hw.name}) "
                          f"evenly; give a tensor size of at most {hw.gpus_per_node} or a multiple of it, or "

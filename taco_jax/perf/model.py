@@ -1,9 +1,8 @@
 """An α–β cost model of (compressed) collectives and of a 3D-parallel training step.
 
-Units everywhere: seconds (s), bytes (B), FLOP, FLOP/s; bandwidths in bytes per second; a message
-size `nbytes` is the uncompressed size of the whole message as one rank holds it (all-reduce: the
-tensor each rank contributes; all-gather: the gathered tensor; reduce-scatter: the tensor before
-scattering; send: the tensor sent).
+Units everywhere: seconds (s), bytes (B), FLOP, FLOP/s; bandwidths in bytes per second; a message size `nbytes` is
+the uncompressed size of the whole message as one rank holds it (all-reduce: the tensor each rank contributes;
+all-gather: the gathered tensor; reduce-scatter: the tensor before scattering; send: the tensor sent).
 
 Collective times over `p` ranks on a `Link` (α: s per step, β: s per byte), ring / two-shot
 (Thakur, Rabenseifner & Gropp 2005; nccl-tests' bus-bandwidth convention):
@@ -13,16 +12,14 @@ Collective times over `p` ranks on a `Link` (α: s per step, β: s per byte), ri
     reduce-scatter   (p-1)·α + (p-1)/p · n·β
     send             α + n·β
 
-A compressing codec multiplies the moved bytes by its wire ratio r = wire bytes per element /
-message itemsize (TACO, G=128, dual scales: 1.0625/4 = 0.266 for FP32, 0.531 for BF16) and adds the
-codec's own time (`CodecSpeed`: a fixed cost per call plus bytes / throughput) of the work the
-algorithm does (`codec_bytes`): two-shot all-reduce encodes n(1+1/p) and decodes 2n; all-gather
-encodes n/p and decodes n; reduce-scatter encodes n and decodes n; send encodes n and decodes n.
-With `chunks` K > 1 (overlap of codec work and transfers) the model takes
-max(comm, codec) + min(comm, codec)/K, each chunk paying its α.
+A compressing codec multiplies the moved bytes by its wire ratio r = wire bytes per element / message itemsize
+(TACO, G=128, dual scales: 1.0625/4 = 0.266 for FP32, 0.531 for BF16) and adds the codec's own time (`CodecSpeed`: a
+fixed cost per call plus bytes / throughput) of the work the algorithm does (`codec_bytes`): two-shot all-reduce
+encodes n(1+1/p) and decodes 2n; all-gather encodes n/p and decodes n; reduce-scatter encodes n and decodes n; send
+encodes n and decodes n. With `chunks` K > 1 (overlap of codec work and transfers) the model takes max(comm, codec)
++ min(comm, codec)/K, each chunk paying its α.
 
-The step (Megatron-LM layout: Shoeybi et al. 2019, Narayanan et al. 2021) is `step_time`.
-"""
+The step (Megatron-LM layout: Shoeybi et al. 2019, Narayanan et al. 2021) is `step_time`."""
 
 from __future__ import annotations
 
@@ -50,15 +47,9 @@ def _check_pos(name: str, value, *, zero_ok: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One α–β link: a transfer of n bytes in one step costs alpha_s + n · beta_s_per_byte.
-
-    Attributes:
-      name: label.
-      alpha_s: latency per algorithm step, seconds.
-      beta_s_per_byte: inverse of the achieved bandwidth per direction, seconds per byte.
-      source: where the numbers come from (datasheet, fit, ...).
-    Raises: ValueError naming a negative or non-finite value.
-    """
+    """One α–β link: a transfer of n bytes in one step costs alpha_s (s, latency per algorithm step) + n ·
+    beta_s_per_byte (s/B, inverse of the achieved bandwidth per direction); `source`: where the numbers come from.
+    Raises: ValueError naming a negative or non-finite value."""
 
     name: str
     alpha_s: float
@@ -85,15 +76,9 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class CodecSpeed:
-    """Time of one codec call on n uncompressed bytes: overhead_s + n / (GBps · 1e9).
-
-    Attributes:
-      encode_GBps: encode throughput, GB/s (1e9 B/s) of uncompressed input.
-      decode_GBps: decode throughput, GB/s of uncompressed output.
-      overhead_s: fixed cost per call (kernel launch / dispatch), seconds.
-      source: where the numbers come from.
-    Raises: ValueError naming a non-positive throughput or a negative overhead.
-    """
+    """Time of one codec call on n uncompressed bytes: overhead_s (s, kernel launch / dispatch) + n / (GBps · 1e9), with
+    encode_GBps / decode_GBps the throughput in GB/s (1e9 B/s) of uncompressed input / output; `source`: where the
+    numbers come from. Raises: ValueError naming a non-positive throughput or a negative overhead."""
 
     encode_GBps: float
     decode_GBps: float
@@ -116,18 +101,10 @@ class CodecSpeed:
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One kind of GPU (or CPU device) and its links.
-
-    Attributes:
-      name: label.
-      peak_flops: dense matmul peak of one device in the training dtype, FLOP/s.
-      mfu: model FLOPs utilisation the compute runs at (0 < mfu <= 1).
-      gpus_per_node: devices sharing the intra-node link.
-      intra: link between devices of one node; inter: link between nodes.
-      codec: codec speed per backend name ("reference", "ffi", "pallas", "triton", ...); a codec
-        whose backend is missing uses the "default" entry.
-    Raises: ValueError naming a bad value.
-    """
+    """One kind of GPU (or CPU device) and its links: `peak_flops` (dense matmul peak of one device in the training
+    dtype, FLOP/s), `mfu` (model FLOPs utilisation, 0 < mfu <= 1), `gpus_per_node` (devices sharing the `intra` link;
+    `inter`: between nodes), `codec` ({backend name: `CodecSpeed`}; a missing backend uses "default").
+    Raises: ValueError naming a bad value."""
 
     name: str
     peak_flops: float
@@ -153,9 +130,7 @@ class Hardware:
         return speed
 
 
-# ---------------------------------------------------------------------------------------------
 # Collectives
-# ---------------------------------------------------------------------------------------------
 def _check_op(op: str, p: int, nbytes) -> None:
     if op not in OPS:
         raise ValueError(f"op={op!r} is not one of {OPS}")
@@ -199,19 +174,11 @@ def comm_time(op: str, nbytes: float, p: int, link: Link, ratio: float = 1.0) ->
 
 def collective_time(op: str, nbytes: float, p: int, link: Link, codec: CodecConfig = NONE,
                     speed: CodecSpeed | None = None, *, itemsize: int = 4, chunks: int = 1) -> float:
-    """Predicted seconds of one (compressed) collective.
-
-    Args:
-      op: "all_reduce" (two-shot when compressed), "all_gather", "reduce_scatter" or "send".
-      nbytes: uncompressed message bytes (module docstring).
-      p: ranks on the axis (send: ignored but must be >= 1).
-      link: the α–β link.
-      codec: NONE gives the exact collective; otherwise needs `speed`.
-      speed: codec speed of `codec`'s backend.
-      itemsize: bytes per message element (4: FP32, 2: BF16).
-      chunks: K pipelined chunks (codec work overlapping transfers); 1 = sequential.
-    Raises: ValueError naming a bad value.
-    """
+    """Predicted seconds of one (compressed) collective `op` (one of `OPS`; all-reduce two-shot when compressed) of an
+    `nbytes` message (module docstring) over `p` ranks (send: must be >= 1) on `link`. `codec` NONE: the exact
+    collective; otherwise `speed` (of `codec`'s backend) is needed. `itemsize`: bytes per message element (4: FP32, 2:
+    BF16). `chunks`: K pipelined chunks (codec work overlapping transfers; 1: sequential).
+    Raises: ValueError naming a bad value."""
     if not (isinstance(chunks, int) and chunks >= 1):
         raise ValueError(f"chunks={chunks!r} must be an integer >= 1")
     if codec.kind == "none" or (p == 1 and op != "send"):
@@ -234,8 +201,7 @@ def break_even_bytes(op: str, p: int, link: Link, codec: CodecConfig, speed: Cod
     Both times are affine in n (sequential codec, `chunks=1`): t = a + b·n; the answer is
     ceil((a_c - a_e) / (b_e - b_c)) (0 when compression is never slower), or `NEVER` (2**62) when
     the compressed slope is not smaller (compression never pays: keep the site exact).
-    Raises: ValueError naming a bad value.
-    """
+    Raises: ValueError naming a bad value."""
     if codec.kind == "none":
         return NEVER
     t = lambda n, c: collective_time(op, n, p, link, c, speed, itemsize=itemsize)  # noqa: E731
@@ -247,9 +213,7 @@ def break_even_bytes(op: str, p: int, link: Link, codec: CodecConfig, speed: Cod
     return max(0, math.ceil(n))
 
 
-# ---------------------------------------------------------------------------------------------
 # Models: FLOPs, parameters, messages
-# ---------------------------------------------------------------------------------------------
 def _model(cfg) -> CausalLMConfig:
     if not isinstance(cfg, CausalLMConfig):
         raise ValueError(f"cfg of type {type(cfg).__name__} is not a model config (taco_jax.models.CausalLMConfig)")
@@ -268,8 +232,7 @@ def flops(cfg, batch: int, seq_len: int, *, backward: bool = True) -> dict:
     Per token and layer, forward: 2·(matmul weights) + attention 4·T·(H·hd) (QKᵀ and AV, full
     T×T as Megatron counts it, no causal halving); LM head 2·D·V per token. Backward = 2× forward
     (no recomputation). Returns {"layer": one layer's, "layers": all layers', "head": LM head's,
-    "total": FLOP}. Raises ValueError for a non-positive batch or sequence length.
-    """
+    "total": FLOP}. Raises ValueError for a non-positive batch or sequence length."""
     for name, v in (("batch", batch), ("seq_len", seq_len)):
         if not (isinstance(v, (int, np.integer)) and v >= 1):
             raise ValueError(f"{name}={v!r} must be a positive integer")
@@ -282,24 +245,15 @@ def flops(cfg, batch: int, seq_len: int, *, backward: bool = True) -> dict:
             "total": float(layer * m.n_layers + head)}
 
 
-# ---------------------------------------------------------------------------------------------
 # The training step
-# ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A 3D-parallel run (Megatron order: tensor innermost, then data, then stage).
-
-    Attributes:
-      tp, dp, pp: tensor, data and pipeline sizes (GPUs = tp·dp·pp).
-      micro_batch: sequences per microbatch b.
-      seq_len: tokens per sequence T.
-      n_micro: microbatches per step m (per data rank); 1F1B bubble (pp-1)/m.
-      sequence_parallel: TP sites are all-gather + reduce-scatter (else all-reduce).
-      act_bytes: bytes per activation element on the TP/PP wire (2: BF16, 4: FP32).
-      grad_bytes: bytes per gradient element of the DP all-reduce (4: FP32 main grads).
-      dp_overlap: fraction of the DP all-reduce hidden behind backward compute (0..1).
-    Raises: ValueError naming a bad value.
-    """
+    """A 3D-parallel run (Megatron order: tensor innermost, then data, then stage): `tp`, `dp`, `pp` sizes (GPUs =
+    tp·dp·pp); `micro_batch` b sequences of `seq_len` T tokens; `n_micro` m microbatches per step per data rank (1F1B
+    bubble (pp-1)/m); `sequence_parallel`: TP sites are all-gather + reduce-scatter (else all-reduce); `act_bytes` per
+    activation element on the TP/PP wire and `grad_bytes` per gradient element of the DP all-reduce (2: BF16, 4: FP32);
+    `dp_overlap`: fraction (0..1) of the DP all-reduce hidden behind backward compute.
+    Raises: ValueError naming a bad value."""
 
     tp: int = 1
     dp: int = 1
@@ -395,8 +349,7 @@ def step_time(cfg, layout: Layout, hw: Hardware, policy: CommPolicy | None = Non
 
     Returns: {"compute_s", "tp_s", "pp_s" (per microbatch per stage), "dp_s", "step_s",
       "tokens_per_s", "comm_fraction"}.
-    Raises: ValueError for a bad config, layout or policy (e.g. an unresolved min_bytes "auto").
-    """
+    Raises: ValueError for a bad config, layout or policy (e.g. an unresolved min_bytes "auto")."""
     policy = policy or CommPolicy()
     f = flops(cfg, layout.micro_batch, layout.seq_len)
     compute = f["total"] / (layout.tp * layout.pp) / (hw.peak_flops * hw.mfu)

@@ -1,14 +1,12 @@
 """The cost model's predictions for the paper's setting (docs/TACO_SPEC.md §5), beside the published
-numbers: TACO up to 1.87× end to end (3D-parallel GPT and Qwen, multi-node GPUs; cluster not
-specified in the spec) and COCCL 1.24× (GPT-13B), 1.10× (GPT-6.7B), 1.05× (Qwen2.5-7B) on 32 H800
-over InfiniBand.
+numbers: TACO up to 1.87× end to end (3D-parallel GPT and Qwen, multi-node GPUs; cluster not specified in the spec)
+and COCCL 1.24× (GPT-13B), 1.10× (GPT-6.7B), 1.05× (Qwen2.5-7B) on 32 H800 over InfiniBand.
 
-Assumptions (all parameters of `model`, stated in each row): BF16 activations on the TP/PP wire,
-FP32 gradients on the DP wire; no overlap of TP communication with compute; DP all-reduce exposed;
-MFU 0.40 of 989 TFLOP/s; codec at the measured H200 speed (`hardware.H200_CODEC`: CUDA FFI, 256 MB) for every kind;
-Megatron placement (TP inside a node, then DP, then PP); b = 1, T = 2048, 1F1B with m = 32
-microbatches. Run: `python -m taco_jax.perf.paper`; the codec outlook (break-even codec speed per
-TP link, today's codec beside a target one): `python -m taco_jax.perf.paper --codec`.
+Assumptions (all parameters of `model`, stated in each row): BF16 activations on the TP/PP wire, FP32 gradients on the
+DP wire; no overlap of TP communication with compute; DP all-reduce exposed; MFU 0.40 of 989 TFLOP/s; codec at the
+measured H200 speed (`hardware.H200_CODEC`: CUDA FFI, 256 MB) for every kind; Megatron placement (TP inside a node, then
+DP, then PP); b = 1, T = 2048, 1F1B with m = 32 microbatches. Run: `python -m taco_jax.perf.paper`; the codec outlook
+(break-even codec speed per TP link, today's codec beside a target one): `python -m taco_jax.perf.paper --codec`.
 """
 
 from __future__ import annotations
@@ -81,9 +79,7 @@ def main() -> None:
 
 
 
-# ---------------------------------------------------------------------------------------------
 # Codec speed: break-even and target (the GPU TP links of docs/emulated.md)
-# ---------------------------------------------------------------------------------------------
 #: The TP links the codec outlook sweeps: (label, hardware, link).
 TP_LINKS = (("NVLink 4 (450 GB/s)", H200, NVLINK4),
             ("H800 NVLink (200 GB/s)", H800, NVLINK_H800),
@@ -110,10 +106,9 @@ def _with_codec(hw: model.Hardware, speed: model.CodecSpeed, tp_link: model.Link
 
 def break_even_codec_GBps(cfg, lay: Layout, hw: model.Hardware, policy: CommPolicy, *,
                           overhead_s: float = H200_CODEC.overhead_s) -> float | None:
-    """Codec throughput (GB/s, encode = decode) at which `policy` is predicted exactly as fast as the
-    exact step on `hw` (speedup 1), by bisection on a log scale over 1 GB/s .. 1 PB/s; None when
-    even a codec at 1 PB/s does not pay (the saved bytes do not cover the per-call overhead), 1.0
-    when the slowest one already pays."""
+    """Codec throughput (GB/s, encode = decode) at which `policy` is predicted exactly as fast as the exact step on
+    `hw` (speedup 1), by bisection on a log scale over 1 GB/s .. 1 PB/s; None when even a codec at 1 PB/s does not
+    pay (the saved bytes do not cover the per-call overhead), 1.0 when the slowest one already pays."""
     def gain(gbps):
         hw2 = dataclasses.replace(hw, codec={"default": model.CodecSpeed(gbps, gbps, overhead_s, "sweep")})
         return model.speedup(cfg, lay, hw2, policy) - 1.0

@@ -4,18 +4,15 @@ Two sources:
 - **emulated**: the end-to-end study on an emulated cluster (docs/emulated.md), shipped inside the
   package as `model_errors.json` beside this module (`errors_from_study` of the study; its "study"
   field names the repository file it was derived from; package code reads only the shipped copy):
-  per configuration and shaped link, the measured TACO speedup over exact
-  against the model's, and the model's step-time error for exact and TACO. Loopback rows (the
-  transfer is CPU work on the same cores, which an α-β link does not describe) and chunked
-  all-reduces (K > 1, which the model gets backwards; docs/emulated.md) are left out.
-- **coccl**: the model's speedups for COCCL's published settings on 32 H800 (`perf.paper`: GPT-6.7B
-  1.10×, GPT-13B 1.24×, Qwen2.5-7B 1.05×) with TACO on the TP, DP and PP axes: COCCL compresses
-  with its own codecs per role, so this compares the model with the closest published end-to-end
-  numbers, not with a measurement of this implementation.
+  per configuration and shaped link, the measured TACO speedup over exact against the model's, and the model's
+  step-time error for exact and TACO. Loopback rows (the transfer is CPU work on the same cores, which an α-β link
+  does not describe) and chunked all-reduces (K > 1, which the model gets backwards; docs/emulated.md) are left out.
+- **coccl**: the model's speedups for COCCL's published settings on 32 H800 (`perf.paper`: GPT-6.7B 1.10×, GPT-13B
+  1.24×, Qwen2.5-7B 1.05×) with TACO on the TP, DP and PP axes: COCCL compresses with its own codecs per role, so this
+  compares the model with the closest published end-to-end numbers, not with a measurement of this implementation.
 
 A prediction's range: the point times (1 + e) for the smallest and largest relative error e =
-measured / model - 1 of a source (`speedup_range`).
-"""
+measured / model - 1 of a source (`speedup_range`)."""
 
 from __future__ import annotations
 

@@ -6,16 +6,14 @@ data's statistics; its criterion is not public (TACO_SPEC.md §2). Ours, stated 
   Data: the messages of `taco-jax train --capture N` (every tensor rank, data rank 0). Captured
   steps are split alternately: steps 1st, 3rd, 5th, ... calibrate; 2nd, 4th, ... are held out
   (with a single captured step, its messages alternate instead).
-  Candidates: `candidates()`, every kind marked for calibration with every parameter it takes.
-  Per-site objective: maximise SQNR_s(c) = 10·log10(Σ‖x‖² / Σ‖x − decode(encode(x))‖²) over
-  the site's messages, subject to wire_bytes_per_element(c, n) ≤ budget (default 1.0625 B/elt,
-  the spec's TACO setting: 0.53× bf16). Ties (within 0.01 dB, or the same infinite SQNR) go to
-  fewer bytes. A message holding NaN/±Inf is left out of both splits and reported ("excluded").
-  Policy objective (to compare policies): the mean over sites of the held-out SQNR (dB).
+  Candidates: `candidates()`, every kind marked for calibration with every parameter it takes. Per-site objective:
+  maximise SQNR_s(c) = 10·log10(Σ‖x‖² / Σ‖x − decode(encode(x))‖²) over the site's messages, subject to
+  wire_bytes_per_element(c, n) ≤ budget (default 1.0625 B/elt, the spec's TACO setting: 0.53× bf16). Ties (within
+  0.01 dB, or the same infinite SQNR) go to fewer bytes. A message holding NaN/±Inf is left out of both splits and
+  reported ("excluded"). Policy objective (to compare policies): the mean over sites of the held-out SQNR (dB).
 
 The report compares the calibrated policy on the held-out messages with every fixed choice (one
-candidate on every site), including the best one picked with hindsight.
-"""
+candidate on every site), including the best one picked with hindsight."""
 
 from __future__ import annotations
 
@@ -93,8 +91,7 @@ def evaluate(cfg: CodecConfig, msgs: list[Message]) -> dict:
     """SQNR (dB), max relative error (‖e‖∞/‖x‖∞, worst message), cosine (`taco_jax.codec.metrics`,
     float64) and wire B/elt of `cfg` on `msgs` (decoded in one jitted call per message shape).
 
-    Raises: ValueError naming the site and step of a message holding NaN/±Inf.
-    """
+    Raises: ValueError naming the site and step of a message holding NaN/±Inf."""
     for m in msgs:
         if not np.isfinite(m.x).all():
             raise ValueError(f"message {m.site} step {m.step} ({m.role}, rank {m.rank}) holds NaN/Inf")
@@ -143,15 +140,11 @@ def calibrate(captures, out, *, budget: float = DEFAULT_BUDGET, max_messages: in
               cands: list[CodecConfig] | None = None, progress: bool = True) -> dict:
     """Chooses a codec per captured tensor site; writes the policy file `out` and `<out>.report.json`/`.md`.
 
-    Args:
-      captures: the `<run>/captures` folder of `taco-jax train --capture N` (or the run folder).
-      out: policy JSON path (read by `taco-jax train --policy FILE`).
-      budget: largest wire bytes per element a chosen codec may use.
-      max_messages: messages per site in each split (memory / time bound; 0: all of them).
-      cands: the candidate codecs (default `candidates()`, the whole family).
+    `captures`: the `<run>/captures` folder of `taco-jax train --capture N` (or the run folder); `out`: policy JSON
+    path (for `taco-jax train --policy FILE`); `budget`: largest wire bytes per element a chosen codec may use;
+    `max_messages`: messages per site in each split (0: all); `cands`: the candidate codecs (default `candidates()`).
     Returns: the report dict (also written next to `out`).
-    Raises: ValueError for a folder without captures, a budget no candidate meets, or max_messages < 0.
-    """
+    Raises: ValueError for a folder without captures, a budget no candidate meets, or max_messages < 0."""
     captures = pathlib.Path(captures)
     if not (captures / "meta.json").exists() and (captures / "captures" / "meta.json").exists():
         captures = captures / "captures"

@@ -11,20 +11,16 @@ in which `ParallelContext.enter` / `exit` hand their messages to a `Tap` (the re
 | exit, SP   | x into scatter_to_sp (reduce_scatter)   | cotangent into its all-gather (all_gather) |
 | enter, SP  | x into gather_from_sp (all_gather)      | cotangent into its reduce-scatter (reduce_scatter) |
 
-Forward messages are returned as outputs; backward messages are the gradients of zero "probes"
-added after each enter / exit (h + 0), i.e. exactly the cotangents the Megatron operators
-all-reduce. The twin's loss is written next to the real step's in `meta.json` (equal to float32
-rounding). Not `jax.debug.callback` taps in the real step: on the simulated CPU mesh reading a large
-callback operand deadlocks against the running collectives.
+Forward messages are returned as outputs; backward messages are the gradients of zero "probes" added after each
+enter / exit (h + 0): the cotangents the Megatron operators all-reduce. The twin's loss is written next to the real
+step's in `meta.json`. (`jax.debug.callback` taps in the real step deadlock on the simulated CPU mesh.)
 
-Kept: every rank of the tensor axis, data-axis rank 0. Data × tensor meshes only (`TrainConfig`
-refuses pipelined runs).
+Kept: every rank of the tensor axis, data-axis rank 0. Data × tensor meshes only (`TrainConfig` refuses pipelined runs).
 
 Files: `<out>/captures/step{S:05d}.npz`, one array per message named `<site>__<role>` (role =
 `exit03` / `enter02`: the k-th call of that ctx method in the forward pass), stacked over tensor
 ranks `[P, *message]`, float32; `<out>/captures/meta.json` gives model, mesh, steps, losses and,
-for GPT, what each role is (`exit01` = "h0.attn": the all-reduce after layer 0's attention).
-"""
+for GPT, what each role is (`exit01` = "h0.attn": the all-reduce after layer 0's attention)."""
 
 from __future__ import annotations
 

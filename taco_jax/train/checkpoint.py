@@ -8,10 +8,8 @@ Layout (`<out>/checkpoints/`, docs/distributed.md):
     <step>.orbax-checkpoint-tmp*    a save in progress (or interrupted): never read
     <step>.corrupt                  a corrupt checkpoint set aside by `Checkpoints.resume` (kept, never read)
 
-A save is asynchronous and atomic (Orbax renames its temporary folder to `<step>` once every
-process finished; older checkpoints beyond `keep` go only after that). `Checkpoints.resume` takes
-the newest checkpoint that restores.
-"""
+A save is asynchronous and atomic (Orbax renames its temporary folder to `<step>` once every process finished; older
+checkpoints beyond `keep` go only after that). `Checkpoints.resume` takes the newest checkpoint that restores."""
 
 from __future__ import annotations
 
@@ -99,8 +97,7 @@ class CorruptCheckpointError(CheckpointError):
 
 def _why(e: Exception) -> str:
     """A short line of a restore error: the array TensorStore names and the innermost reason of its
-    chain (e.g. 'params.h.1.mlp.fc.bias: Requested byte range [0, 85422) is not valid for value of
-    size 42711'); JSON specs, status codes, file paths and the driver chain dropped."""
+    chain; JSON specs, status codes, file paths and the driver chain dropped."""
     text = " ".join(str(e).split())
     text = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text)
     while re.search(r"<[^<>]*>", text):  # reprs of Python objects (a bound method, a pybind11 function), nested
@@ -239,8 +236,7 @@ class Checkpoints:
         config, vocab: as `check`; vocabulary padding rows are trimmed (they must be zero) or zero-padded.
         Returns (params, opt_state, meta, notes): notes name what differs without preventing the resume.
         Raises CheckpointError as `check`, or naming a leaf whose trimmed rows are not zero;
-        CorruptCheckpointError for unreadable arrays or arrays that differ from their fingerprints.
-        """
+        CorruptCheckpointError for unreadable arrays or arrays that differ from their fingerprints."""
         ocp = _ocp()
         where = self.directory / str(step)
         meta = self.check(step, config, params, opt_state, vocab=vocab)
@@ -293,10 +289,9 @@ class Checkpoints:
         Returns None when there is none, else (step, params, opt_state, meta, notes, warnings)
         (params etc. None without `arrays`; warnings name the corrupt checkpoints skipped).
 
-        With `fallback`, corrupt newer checkpoints are skipped and, once one restored, renamed to
-        `<step>.corrupt` (never deleted: this run's save of that step would collide with it); without,
-        CorruptCheckpointError names the newest intact one. Raises CorruptCheckpointError when all are
-        corrupt; CheckpointError as `check`."""
+        With `fallback`, corrupt newer checkpoints are skipped and, once one restored, renamed to `<step>.corrupt`
+        (never deleted: this run's save of that step would collide with it); without, CorruptCheckpointError names
+        the newest intact one. Raises CorruptCheckpointError when all are corrupt; CheckpointError as `check`."""
         bad = []
         for step in reversed(self.steps()):
             try:

@@ -23,14 +23,12 @@ def compare(cfg: TrainConfig, *, progress: bool = True) -> dict:
     with `cfg.communication.policy` ("taco": `--comm` and its codec flags, `--dp-comm`, `--pp-comm`,
     `--policy`, `--site`; whatever its codecs, its folder and summary keys say "taco").
 
-    Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and
-    `<out>/summary.json`: both final validation losses, their relative difference, and each run's
-    wire bytes per step by mesh axis with the compressed / exact ratio. Multi-process: every process
-    trains both runs; process 0 writes the files.
+    Writes `<out>/none/`, `<out>/taco/` (each a `train` output), `<out>/loss.png` and `<out>/summary.json`: both
+    final validation losses, their relative difference, and each run's wire bytes per step by mesh axis with the
+    compressed / exact ratio. Multi-process: every process trains both runs; process 0 writes the files.
     Raises: as `train`; ValueError before any training when `<out>` cannot be written, the policy
     compresses no site, `--eval-batches 0`, or both runs would export into one `--export-hf` folder
-    (`{out}/hf` gives each its own) or a run's export is refused (`loop.check_export_dir`).
-    """
+    (`{out}/hf` gives each its own) or a run's export is refused (`loop.check_export_dir`)."""
     if not cfg.logging.eval_batches:
         raise ValueError("eval_batches=0 evaluates nothing, and compare compares the two runs' validation losses: "
                          "give 1 or more; set by --eval-batches or [logging] eval_batches")

@@ -2,22 +2,15 @@
 
 XLA compiles for CUDA without a device when the CUDA PJRT plugin (`jax-cuda12-plugin` /
 `jax-cuda12-pjrt`, the same version as jaxlib) and ptxas (`nvidia-cuda-nvcc-cu12`) are installed:
-`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=TEXT,
-topology="NODESx1xGPUS")` gives abstract devices, a mesh over them takes the step's
-`ShapeDtypeStruct`s, and `lower(...).compile()` runs XLA:GPU's whole pipeline (fusion, the
-latency-hiding scheduler, buffer assignment) and gives its `memory_analysis()` and scheduled HLO.
-Upstream tests it since jax 0.9 (jax-ml/jax PR #33542); TEXT is the `[KEY.target]` table of the
-hardware entry (`perf.hardware.target_config`). Install: `pip install -e '.[gpu-compile]'`
-(`jax[cuda12-local]` pins the plugin to jax's version).
+`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=TEXT, topology="NODESx1xGPUS")` gives
+abstract devices, a mesh over them takes the step's `ShapeDtypeStruct`s, and `lower(...).compile()` runs XLA:GPU's
+whole pipeline (fusion, the latency-hiding scheduler, buffer assignment) and gives its `memory_analysis()` and
+scheduled HLO. Upstream tests it since jax 0.9 (jax-ml/jax PR #33542); TEXT is the `[KEY.target]` table of the
+hardware entry (`perf.hardware.target_config`). Install: `pip install -e '.[gpu-compile]'` (`jax[cuda12-local]` pins
+the plugin to jax's version).
 
 What such a compile does not know: no GEMM autotuning (no device to time: untuned Triton tiles or
-cuBLAS), no allocator fragmentation, nothing allocated outside XLA's buffers (`RESERVE`).
-
-  plugin_error()     why the CUDA plugin cannot be used here (None when it can)
-  gpu_devices        the abstract devices of `n` GPUs of a hardware entry, as its nodes hold them
-  memory_verdict     XLA:GPU's peak per device against the GPU's memory less `RESERVE`
-  schedule_estimate  XLA:GPU's own step-time estimate (its latency-hiding scheduler's statistics)
-"""
+cuBLAS), no allocator fragmentation, nothing allocated outside XLA's buffers (`RESERVE`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 data, outputs written once, and the step watchdog.
 
 Collectives between processes run over NCCL on GPU and gloo (TCP) on CPU. Launch on a cluster:
-docs/distributed.md; locally: `taco-jax launch --processes N -- train ...`.
-"""
+docs/distributed.md; locally: `taco-jax launch --processes N -- train ...`."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class DistConfig:
 
     coordinator: "HOST:PORT" of the coordinator service (process 0 starts it, all connect);
       "" = auto-detect (SLURM, Open MPI, ... as `jax.distributed.initialize` does).
-    num_processes, process_id: 0 / -1 = from the environment or auto-detected.
-    """
+    num_processes, process_id: 0 / -1 = from the environment or auto-detected."""
 
     coordinator: str = ""
     num_processes: int = 0
@@ -53,8 +51,7 @@ class DistConfig:
 
         Returns None for a single-process run (nothing given and `auto` False); with `auto`
         (`--distributed`) unset values are left to JAX's cluster auto-detection.
-        Raises ValueError naming a malformed value (HOST:PORT, a count < 1, an id outside [0, N)).
-        """
+        Raises ValueError naming a malformed value (HOST:PORT, a count < 1, an id outside [0, N))."""
         env = os.environ
         coordinator = coordinator or env.get(ENV_COORDINATOR, "")
         try:
@@ -104,10 +101,9 @@ def with_device_count(flags: str, n: int) -> tuple[str, str | None]:
 
 
 def check_coordinator_port(address: str) -> str | None:
-    """Probes the coordinator's address "HOST:PORT" (IPv6 as "[::1]:PORT") as its gRPC service will
-    bind it (SO_REUSEADDR). Returns the address to bind: `address`, or "[::]:PORT" when HOST is not an
-    address of this machine (NAT, container). Raises ValueError naming `address` when something
-    listens there or HOST does not resolve."""
+    """Probes the coordinator's address "HOST:PORT" (IPv6 as "[::1]:PORT") as its gRPC service will bind it
+    (SO_REUSEADDR). Returns the address to bind: `address`, or "[::]:PORT" when HOST is not an address of this machine
+    (NAT, container). Raises ValueError naming `address` when something listens there or HOST does not resolve."""
     import errno
     import socket
 
@@ -187,8 +183,7 @@ class StepWatchdog:
     timeout_s: seconds per step (<= 0: disabled); a process's first step gets `first_factor` ×
     timeout_s (it opens the collectives' connections). "auto": from the steps measured so far
     (`AUTO_FACTOR`, `AUTO_FLOOR_S`, `AUTO_FIRST_S`), the first step's limit lengthened by
-    `wire_bytes` at the rate of `link` (the run's emulated links, None on real links).
-    """
+    `wire_bytes` at the rate of `link` (the run's emulated links, None on real links)."""
 
     def __init__(self, timeout_s: float | str, *, exit_status: int = 1, first_factor: float = 10.0,
                  wire_bytes: float = 0.0, link: EmulatedLink | None = None):

@@ -10,8 +10,7 @@ step's result first, the checkpoint last).
   `end(state) -> dict | None`                the loop ended (last step or preemption): finish
                                              pending work; entries for the run's summary;
   `close()`                                  always, however the loop ended (errors included).
-A hook stops the run by raising (the error reaches the caller) or by setting `state.preempted`.
-"""
+A hook stops the run by raising (the error reaches the caller) or by setting `state.preempted`."""
 
 from __future__ import annotations
 
@@ -300,11 +299,10 @@ def kept(out) -> str:
 
 
 class StopBeforeSteps(contextlib.AbstractContextManager):
-    """SIGTERM before the first step of a one-process run: nothing to save, so the handler raises
-    `Stopped` in the main thread at once (also during an XLA compilation), naming `phase` and what the
-    run in `out` keeps. Set `phase` to None at the first step (the `Preemption` hook takes over); a
-    SIGTERM after the hooks closed is ignored. With several processes nothing is installed (JAX's
-    preemption notifier owns SIGTERM)."""
+    """SIGTERM before the first step of a one-process run: nothing to save, so the handler raises `Stopped` in the
+    main thread at once (also during an XLA compilation), naming `phase` and what the run in `out` keeps. Set
+    `phase` to None at the first step (the `Preemption` hook takes over); a SIGTERM after the hooks closed is
+    ignored. With several processes nothing is installed (JAX's preemption notifier owns SIGTERM)."""
 
     def __init__(self, out):
         self.out, self.phase, self.old = out, "start-up", None

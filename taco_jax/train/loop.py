@@ -1,11 +1,7 @@
 """The training loop (nanoGPT-style, reads top to bottom): prepare -> compile and account -> loop -> summarize.
 
 Everything beside the step itself (watchdog, capture, monitor, evaluation, metrics log, progress,
-preemption, checkpoints, profile, TensorBoard) is a per-step hook (`train/hooks.py`).
-Run from the shell:
-    taco-jax train --comm taco --out runs/taco          # one run
-    taco-jax compare --out runs/compare                 # same seed/data, --comm none then taco (train/compare.py)
-"""
+preemption, checkpoints, profile, TensorBoard) is a per-step hook (`train/hooks.py`)."""
 
 from __future__ import annotations
 
@@ -46,22 +42,19 @@ def train(cfg: TrainConfig, *, dataset=None, progress: bool = True, devices=None
     """Trains `cfg.model.name` on Shakespeare or `cfg.data.path`; writes `config.json`, `metrics.jsonl`,
     `summary.json` and `loss.png` to `cfg.checkpoint.out` (strict JSON, `util/jsonio.py`).
 
-    Returns the summary: final losses, tokens/s, the policy that ran (backends resolved) and the
-    compiled step's wire bytes per step by mesh axis (`collectives.hlo.collective_bytes`).
-    `progress`: a progress bar on a terminal, else a line every `cfg.logging.log_every` steps.
-    `devices`: the mesh's devices (default all). `dataset`: e.g. a `TextDataset` of the caller's
-    own token arrays (`tokenizer_path=""`: no tokenizer.json in the run folder).
-    Multi-process: every process runs this and builds only its rows of the batches; process 0
-    writes the files. A run that ends normally leaves a checkpoint at its last step (unless
-    `final_checkpoint` is off); SIGTERM ends it at the next step boundary with a checkpoint and a
-    summary holding "preempted_at_step" (`train/hooks.py`, `train/checkpoint.py`).
-    Raises: ValueError for a configuration that cannot run or an output folder that cannot be
-    written (before anything is compiled); CheckpointError naming what differs;
-    FloatingPointError for a non-finite loss or gradient norm (naming the step; unless
-    `cfg.training.allow_nonfinite`) or, with a codec `nonfinite="error"`, a message holding
-    NaN/Inf (naming the site); `hooks.Stopped` (its text the line to print) when a one-process run
-    gets SIGTERM before its first step.
-    """
+    Returns the summary: final losses, tokens/s, the policy that ran (backends resolved) and the compiled step's
+    wire bytes per step by mesh axis (`collectives.hlo.collective_bytes`). `progress`: a progress bar on a terminal,
+    else a line every `cfg.logging.log_every` steps. `devices`: the mesh's devices (default all). `dataset`: e.g. a
+    `TextDataset` of the caller's own token arrays (`tokenizer_path=""`: no tokenizer.json in the run folder).
+    Multi-process: every process runs this and builds only its rows of the batches; process 0 writes the files. A
+    run that ends normally leaves a checkpoint at its last step (unless `final_checkpoint` is off); SIGTERM ends it
+    at the next step boundary with a checkpoint and a summary holding "preempted_at_step" (`train/hooks.py`,
+    `train/checkpoint.py`).
+    Raises: ValueError for a configuration that cannot run or an output folder that cannot be written (before
+    anything is compiled); CheckpointError naming what differs; FloatingPointError for a non-finite loss or gradient
+    norm (naming the step; unless `cfg.training.allow_nonfinite`) or, with a codec `nonfinite="error"`, a message
+    holding NaN/Inf (naming the site); `hooks.Stopped` (its text the line to print) when a one-process run gets
+    SIGTERM before its first step."""
     with hooks.StopBeforeSteps(cfg.checkpoint.out) as stop:  # SIGTERM before the first step: stopped at once
         return _train(cfg, dataset, progress, devices, stop)
 
@@ -101,9 +94,8 @@ def _train(cfg: TrainConfig, dataset, progress: bool, devices, stop: hooks.StopB
 
 
 def write_export(run: Run, state: hooks.RunState, guard) -> None:
-    """The HF export of the run's weights (`save_hf`; every process calls it) to
-    `cfg.checkpoint.export_dir`, recording the step and the run (`models.hf.EXPORT_RECORD`).
-    `guard`: `StepWatchdog.guard`."""
+    """The HF export of the run's weights (`save_hf`; every process calls it) to `cfg.checkpoint.export_dir`,
+    recording the step and the run (`models.hf.EXPORT_RECORD`). `guard`: `StepWatchdog.guard`."""
     cfg = run.cfg
     folder = cfg.checkpoint.export_dir
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
@@ -400,11 +392,10 @@ def previous_outputs(out) -> list[str]:
 
 
 def check_export_dir(cfg: TrainConfig) -> None:
-    """Raises ValueError, before anything runs, when `--export-hf` cannot receive the export: an
-    existing file, the run's own `--out`, or a folder that cannot be created and written
-    (`check_out_dir`, which creates it); unless `--overwrite-export`, also a folder inside another
-    run's folder (`run_folder`) or holding an HF checkpoint that is not this run's export (its
-    `EXPORT_RECORD` names another `--out`)."""
+    """Raises ValueError, before anything runs, when `--export-hf` cannot receive the export: an existing file, the
+    run's own `--out`, or a folder that cannot be created and written (`check_out_dir`, which creates it); unless
+    `--overwrite-export`, also a folder inside another run's folder (`run_folder`) or holding an HF checkpoint that
+    is not this run's export (its `EXPORT_RECORD` names another `--out`)."""
     export = cfg.checkpoint.export_dir
     if not export:
         return
@@ -462,9 +453,8 @@ def check_out_dir(out) -> pathlib.Path:
 
 
 def describe_policy(policy: CommPolicy, axes: dict[str, int] | None = None) -> str:
-    """One line per mesh axis: its sites' codecs (taco with its backend), for the start of a run.
-    With `axes` (mesh axis sizes), a compressing axis that is absent or of size 1 says that it
-    sends nothing."""
+    """One line per mesh axis: its sites' codecs (taco with its backend), for the start of a run. With `axes` (mesh
+    axis sizes), a compressing axis that is absent or of size 1 says that it sends nothing."""
     def codec(c):
         return f"{c.name}[{c.backend}]" if c.kind == "taco" else c.name
 

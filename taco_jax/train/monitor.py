@@ -1,36 +1,18 @@
 """Online fidelity monitor (`taco-jax train --monitor-every N`): per-site SQNR of the compressed
 tensor-parallel collectives against the exact ones, measured on the run's own messages.
 
-When. Step k is monitored when k % N == 0 or k is the run's last step (`monitor_due`, as
-`--eval-every`). The train step's compiled program is the same with or without the monitor.
-
-How. Before a monitored step trains, `Monitor.measure(step, params, inputs, targets)` runs one
-jitted function on that step's parameters and batch: the capture twin (`capture.make_message_fn`)
-yields every TP message m; for each m of a compressed tensor site the site's collective
-(`collectives.megatron.site_collective`) runs with the run's codec (y) and exact (x). Four float32
-numbers per message (Σx², Σ(y−x)², max|y−x|, max|x|, reduced over all devices) leave the accelerator.
-
-What is logged (per compressed site, in the step's `metrics.jsonl` record under "monitor"; the
-"calls" of a site are its messages in one step, e.g. one per layer and direction, over all devices):
-
-| key          | definition (Σx²: sum over the message's elements on all devices)               |
-|--------------|--------------------------------------------------------------------------------|
-| sqnr_db      | 10·log10(Σ_calls Σx² / Σ_calls Σ(y−x)²): energy-weighted over the site's calls  |
-| min_sqnr_db  | the worst call's 10·log10(Σx² / Σ(y−x)²)                                        |
-| worst_call   | that call's role ("exit03", "enter02": the k-th ctx exit / enter of the forward) |
-| rel_err      | sqrt(Σ_calls Σ(y−x)² / Σ_calls Σx²) = ‖y−x‖/‖x‖ (so sqnr_db = −20·log10 rel_err) |
-| max_rel_err  | max over calls of max|y−x| / max|x|  (`codec.metrics.max_rel_error`'s measure)   |
-| calls        | number of messages                                                              |
-
-plus "monitor_s", the wall time of the measurement (the train step's own time stays in "step_s").
-SQNR is +∞ for an exact result (e.g. messages below `--min-bytes`; written "Infinity"), NaN when a
-message held NaN. Thresholds on `min_sqnr_db` (NaN counts as below): under `--monitor-warn-sqnr` a
-warning on stderr; under `--monitor-min-sqnr` `MonitorError` naming the site, call and step (the
-step's record is written first; the CLI exits with status 1, as for a non-finite loss).
-
-Limits: tensor-axis sites only; data × tensor meshes (as `--capture`). A monitored step costs about
-one more step plus the collectives twice.
-"""
+Step k is monitored when k % N == 0 or k is the run's last step (`monitor_due`); the train step's compiled program
+is the same with or without the monitor. Before a monitored step trains, `Monitor.measure` runs one jitted function on
+its parameters and batch: the capture twin (`capture.make_message_fn`) yields every TP message, and each message x of
+a compressed tensor site goes through the site's collective (`collectives.megatron.site_collective`) with the run's
+codec (y) and exact; four float32 numbers per message (Σx², Σ(y−x)², max|y−x|, max|x|, over all devices) leave the
+accelerator. Per compressed site the step's `metrics.jsonl` record gets under "monitor" (a site's "calls": its
+messages in one step): sqnr_db = 10·log10(Σ_calls Σx² / Σ_calls Σ(y−x)²), min_sqnr_db and worst_call (the worst call
+and its role, e.g. "exit03"), rel_err = ‖y−x‖/‖x‖ over the calls, max_rel_err = max over calls of max|y−x| / max|x|,
+calls; plus "monitor_s". SQNR is +∞ for an exact result (written "Infinity"), NaN when a message held NaN. Under
+`--monitor-warn-sqnr` (NaN counts as below) a warning on stderr; under `--monitor-min-sqnr` `MonitorError` naming the
+site, call and step, after the step's record is written. Tensor-axis sites on data × tensor meshes only (as
+`--capture`). Walkthrough: docs/training.md "Fidelity monitor"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,18 @@
 """`taco-jax plan` and `taco-jax predict`: what a training run will need and gain, before any GPU is booked.
 
-`plan(cfg, spec)` builds the run's trainer, takes the parameter and optimizer-state shapes from
-`jax.eval_shape` of its init (nothing is allocated), lowers and compiles the real train step on
-abstract inputs (`jax.ShapeDtypeStruct`s carrying the mesh shardings), and reads off the compiled
-program:
+`plan(cfg, spec)` builds the run's trainer, takes the parameter and optimizer-state shapes from `jax.eval_shape` of
+its init (nothing is allocated), lowers and compiles the real train step on abstract inputs (`jax.ShapeDtypeStruct`s
+carrying the mesh shardings), and reads off the compiled program:
 - per-device memory (XLA's `memory_analysis()`: arguments, outputs, temporaries; the arguments split
   into parameters, optimizer state and batch from their shapes and shardings);
 - wire bytes per step by mesh axis (`collectives.hlo.collective_bytes`, as a run's summary.json)
   and by communication site (`collectives.hlo.collectives`: the `site_scope` in each op_name);
-- the codec kernels and compressed collectives per site, and every collective whose wire dtype is
-  not the one the policy declares (a compressing site must move 1-byte codes; an exact one its
-  float messages);
-- compile time.
-`predict(cfg, spec)` is the cost model alone (`perf.model.step_time`, < 1 s): step time exact vs
-the policy per mesh axis on the named hardware, the speedup with its error bars
-(`perf.uncertainty`), and the per-site choice of `--min-bytes auto` there. `plan` includes it.
-`paper_table()` is the model's GPU table of docs/emulated.md. Walkthrough: docs/plan.md.
-"""
+- the codec kernels and compressed collectives per site, and every collective whose wire dtype is not the one the
+  policy declares (a compressing site must move 1-byte codes; an exact one its float messages);
+- compile time. `predict(cfg, spec)` is the cost model alone (`perf.model.step_time`, < 1 s): step time exact vs the
+policy per mesh axis on the named hardware, the speedup with its error bars (`perf.uncertainty`), and the per-site
+choice of `--min-bytes auto` there. `plan` includes it. `paper_table()` is the model's GPU table of
+docs/emulated.md. Walkthrough: docs/plan.md."""
 
 from __future__ import annotations
 
@@ -61,10 +57,9 @@ def with_layers(cfg: TrainConfig, layers: int | None) -> TrainConfig:
 
 
 def layout_of(cfg: TrainConfig, axes: dict | None = None, microbatches: int | None = None) -> model.Layout:
-    """The cost model's `Layout` of a run: tensor / data / stage sizes of its mesh (or of `axes`),
-    microbatch size batch / (data · microbatches) (the run's count, or `microbatches`), its sequence
-    length, microbatch count, sequence parallelism, and the compute dtype's bytes on the TP / PP wire
-    (FP32 gradients on the DP wire)."""
+    """The cost model's `Layout` of a run: tensor / data / stage sizes of its mesh (or of `axes`), microbatch size
+    batch / (data · microbatches) (the run's count, or `microbatches`), its sequence length, microbatch count,
+    sequence parallelism, and the compute dtype's bytes on the TP / PP wire (FP32 gradients on the DP wire)."""
     import numpy as np
 
     axes = cfg.parallelism.axes if axes is None else axes
@@ -76,11 +71,10 @@ def layout_of(cfg: TrainConfig, axes: dict | None = None, microbatches: int | No
 
 
 def _site_rows(cfg, layout: model.Layout, hw: model.Hardware, policy: CommPolicy) -> tuple[list[dict], int | None]:
-    """Per running site: its collective, message (as `CommPolicy.codec_for` measures it), link,
-    break-even size on that link (for the site's codec; TACO where the site is declared exact) and
-    what `--min-bytes auto` does there: one threshold, the largest break-even of the running
-    compressed tensor sites (`perf.calibration.auto_threshold`, as a run resolves it), applied to every
-    site. Returns (rows, threshold bytes; None: compression never pays)."""
+    """Per running site: its collective, message (as `CommPolicy.codec_for` measures it), link, break-even size on
+    that link (for the site's codec; TACO where the site is declared exact) and what `--min-bytes auto` does there:
+    one threshold, the largest break-even of the running compressed tensor sites (`perf.calibration.auto_threshold`,
+    as a run resolves it), applied to every site. Returns (rows, threshold bytes; None: compression never pays)."""
     from taco_jax.codec import TACO
     from taco_jax.perf.calibration import auto_threshold
 
@@ -119,16 +113,13 @@ def activation_estimate(cfg: TrainConfig) -> dict:
     """Bytes of activations one device keeps for the backward pass, estimated as on a GPU (what
     XLA:CPU's temporaries do not show: they hardly change with `--remat`; docs/plan.md).
 
-    Per layer and microbatch, 16-bit activations (Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", Table 2; s tokens, b sequences, h hidden, a heads, t
-    tensor ranks): `--remat none` s·b·h·(10 + 24/t + 5·a·s/(h·t)), with sequence parallelism
-    s·b·h·(34/t + 5·a·s/(h·t)); `block` (matmul outputs kept, attention recomputed, their "selective"
-    recomputation) the same without the 5·a·s/(h·t) term; `full` (layer input kept) 2·s·b·h (/t with
-    sequence parallelism). Times the stage's layers and the microbatches in flight (GPipe: all m;
-    1F1B: min(m, stages)). The formula is for a GPT layer with dropout: an upper estimate for these
-    models (no dropout; GQA and SwiGLU shift the constants). Returns {"per_layer", "layers",
-    "in_flight", "activations" (bytes), "remat"}.
-    """
+    Per layer and microbatch, 16-bit activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", Table 2; s tokens, b sequences, h hidden, a heads, t tensor ranks): `--remat none` s·b·h·(10 +
+    24/t + 5·a·s/(h·t)), with sequence parallelism s·b·h·(34/t + 5·a·s/(h·t)); `block` (matmul outputs kept, attention
+    recomputed, their "selective" recomputation) the same without the 5·a·s/(h·t) term; `full` (layer input kept)
+    2·s·b·h (/t with sequence parallelism). Times the stage's layers and the microbatches in flight (GPipe: all m; 1F1B:
+    min(m, stages)). The formula is for a GPT layer with dropout: an upper estimate for these models (no dropout; GQA
+    and SwiGLU shift the constants). Returns {"per_layer", "layers", "in_flight", "activations" (bytes), "remat"}."""
     axes = cfg.parallelism.axes
     mc = cfg.model_config
     t, pp, dp, m = axes.get("tensor", 1), axes.get("stage", 1), axes.get("data", 1), cfg.parallelism.microbatches
@@ -145,12 +136,8 @@ def activation_estimate(cfg: TrainConfig) -> dict:
             "activations": int(per * layers * in_flight), "remat": mc.remat}
 
 
-#: XLA:GPU's peak per device over `memory_estimate`, the lowest and highest on the configurations of
-#: docs/plan.md "How far the estimate is from the compiler" (12 compiles for an H100, bf16: gpt2-tiny,
-#: gpt2-124m and qwen3-0.6b shallow copies, qwen3-8b at 2, 4, 8 and 36 layers; with and without --remat
-#: full and a pipeline). Not a bound either way: the transients of one layer (attention scores, the LM
-#: head's FP32 logits) and what XLA:GPU's schedule keeps are not in it, and the embedding's share is
-#: approximated.
+#: XLA:GPU's peak per device over `memory_estimate`, lowest and highest on the compiles of docs/plan.md "How far the
+#: estimate is from the compiler". Not a bound either way (one layer's transients and XLA:GPU's schedule are not in it).
 ESTIMATE_RATIO = (0.9, 7.8)
 
 
@@ -176,14 +163,10 @@ def resolve_policy(policy: CommPolicy, layout: model.Layout, hw: model.Hardware)
 
 
 def best_exact_layout(cfg: TrainConfig, spec: HardwareSpec) -> dict | None:
-    """The fastest exact layout of the run's GPUs in the cost model (`model.step_time`, no policy):
-    tensor × data × stage = the run's GPU count with the tensor axis inside a node (Megatron
-    placement, `with_tp_span`), tensor × stage at least the run's (no device holds more of the
-    layers' parameters than in the run's layout: memory is not otherwise checked), and every
-    microbatch count the batch and the pipeline allow; the run's model, global batch, sequence
-    length and sequence parallelism, each split checked as a run checks it (`check_tensor_parallel`
-    with the vocabulary padded for that tensor size, `check_pipeline`). A few hundred model
-    evaluations at most. Returns {"mesh", "microbatches", "step_s", "tokens_per_s", "min_split"
+    """The fastest exact layout of the run's GPUs in the cost model (`model.step_time`, no policy): tensor × data ×
+    stage = the run's GPU count, tensor inside a node (`with_tp_span`), tensor × stage at least the run's (memory is not
+    otherwise checked), every microbatch count the batch and pipeline allow, each split checked as a run checks it
+    (`check_tensor_parallel`, `check_pipeline`). Returns {"mesh", "microbatches", "step_s", "tokens_per_s", "min_split"
     (tensor × stage of the run)}, or None when the run has one GPU or no layout qualifies."""
     from taco_jax.parallel.schedule_math import check_pipeline
 
@@ -220,19 +203,13 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     """The cost model's prediction of one training step of `cfg` on `spec`'s hardware.
 
     TP ranks sit in one node while they fit (Megatron placement), or span `tp_span_nodes` nodes
-    (`perf.hardware.with_tp_span`). Returns a JSON-ready dict: "hardware", "layout", "links" (the
-    link each axis crosses), "exact" and "policy" step times {"step_s", "compute_s", "tensor_s",
-    "stage_s", "data_s", "tokens_per_s"} (per-axis times: whole step, exposed), "speedup" with its
-    "range" per error source (`perf.uncertainty.speedup_range`; None when the policy's step is the
-    exact one: no site of the mesh compressed, by the policy's codecs or its `--min-bytes`),
-    "compressed_sites" (those the model compresses, `model.compressed_sites`), "step_range_s",
-    "errors" (the sources), "sites" (per-site messages, break-even sizes, the choice of `--min-bytes
-    auto`), "auto_threshold_bytes" (None, as "range", when the policy declares no codec for a site of
-    the mesh), "auto_speedup" (the policy with only the sites the model predicts to gain,
-    `model.auto_policy`) and "best_exact" (`best_exact_layout`: the fastest exact layout of the same
-    GPUs, to set the speedup beside).
-    Raises ValueError for a layout the model cannot take (e.g. tp_span_nodes not dividing tp).
-    """
+    (`perf.hardware.with_tp_span`). Returns a JSON-ready dict: "hardware", "layout", "links" (per axis), "exact" and
+    "policy" step times {"step_s", "compute_s", "tensor_s", "stage_s", "data_s", "tokens_per_s"} (per-axis times
+    exposed), "speedup" with its "range" per error source (`perf.uncertainty.speedup_range`; None when no site of the
+    mesh is compressed), "compressed_sites" (`model.compressed_sites`), "step_range_s", "errors", "sites"
+    (`_site_rows`), "auto_threshold_bytes" (None when the policy declares no codec for a site of the mesh),
+    "auto_speedup" (`model.auto_policy`) and "best_exact" (`best_exact_layout`). Raises ValueError for a layout the
+    model cannot take (e.g. tp_span_nodes not dividing tp)."""
     layout = layout_of(cfg)
     hw = with_tp_span(spec.hardware, layout.tp, tp_span_nodes, gpus=layout.gpus)
     mcfg = cfg.model_config
@@ -279,9 +256,7 @@ def predict(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None =
     return result
 
 
-# ------------------------------------------------------------------------------------------------
 # The compiled step
-# ------------------------------------------------------------------------------------------------
 def abstract_state(trainer):
     """(params, opt_state) of `trainer.init()` as `jax.ShapeDtypeStruct`s with the mesh shardings
     the step runs with (the optimizer's per-parameter leaves take their parameter's sharding, its
@@ -337,9 +312,8 @@ def _declared_check(policy: CommPolicy, rows: list[dict]) -> list[dict]:
 def compiled_report(hlo_text: str, mesh, policy: CommPolicy) -> dict:
     """What a compiled program's HLO says about its communication: {"wire": `collective_bytes`,
     "by_site": [{"axis", "site", "collectives", "compressed", "bytes", "dtypes"}], "codec": {site:
-    {"kernel_calls": {kind: n}, "scoped_ops": {kind: n}}}, "mismatches": `_declared_check`}. Site ""
-    holds collectives under no site scope (the model's own: vocabulary-parallel loss, embedding;
-    and any XLA inserts)."""
+    {"kernel_calls": {kind: n}, "scoped_ops": {kind: n}}}, "mismatches": `_declared_check`}. Site "" holds
+    collectives under no site scope (the model's own: vocabulary-parallel loss, embedding; and any XLA inserts)."""
     from taco_jax.collectives.hlo import async_overlap, codec_calls, collective_bytes, collectives, overlap_by_site
 
     rows = collectives(hlo_text, mesh)
@@ -362,11 +336,8 @@ def compiled_report(hlo_text: str, mesh, policy: CommPolicy) -> dict:
             "mismatches": _declared_check(policy, rows), "overlap": overlap_by_site(async_overlap(hlo_text, mesh))}
 
 
-#: `compile_step`'s progress lines: one every `STILL_COMPILING_S` seconds of the whole compile, and
-#: one `XLA_ALARM_S` + 1 s into `.compile()` saying what XLA's slow-compile alarm is. XLA logs that
-#: alarm when its own compile of the module passes 2 minutes (xla/service/slow_operation_alarm.cc), a
-#: part of `.compile()`: of two plans of one step here (232 s and 164 s of tracing, lowering and
-#: compiling), the first logged it and the second did not.
+#: `compile_step`'s progress lines: one every `STILL_COMPILING_S` s, and one `XLA_ALARM_S` + 1 s into `.compile()`
+#: explaining the alarm XLA logs when its compile passes 2 minutes (xla/service/slow_operation_alarm.cc).
 STILL_COMPILING_S = 300.0
 XLA_ALARM_S = 120.0
 XLA_ALARM_NOTE = ("plan: XLA's compile of the step has run {minutes:.1f} min; if XLA's own compile of the module "
@@ -377,9 +348,8 @@ XLA_ALARM_NOTE = ("plan: XLA's compile of the step has run {minutes:.1f} min; if
 
 @contextlib.contextmanager
 def progress_lines(say, text: str, first_s: float, every_s: float | None = None):
-    """While the block runs, `say(text.format(minutes=...))` (the minutes since entering it) `first_s`
-    seconds after entering it, then every `every_s` seconds (None: once), from a daemon thread;
-    none after the block ends."""
+    """While the block runs, `say(text.format(minutes=...))` (the minutes since entering it) `first_s` seconds after
+    entering it, then every `every_s` seconds (None: once), from a daemon thread; none after the block ends."""
     import threading
 
     done, t0 = threading.Event(), time.perf_counter()
@@ -402,8 +372,7 @@ def progress_lines(say, text: str, first_s: float, every_s: float | None = None)
 
 
 def _compiling_line(cfg: TrainConfig, n: int, platform: str) -> str:
-    """`compile_step`'s start line: what it compiles (model, depth, size, mesh, devices) and how long
-    that may take."""
+    """`compile_step`'s start line: what it compiles (model, depth, size, mesh, devices) and how long that may take."""
     mc = cfg.model_config
     n_params = mc.n_params()
     size = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
@@ -438,12 +407,10 @@ def compile_step(cfg: TrainConfig, devices=None, say=None) -> dict:
     devices; the mesh size must fit). say: a line printer for progress (`taco-jax plan`: stderr):
     a start line (`_compiling_line`), a line every `STILL_COMPILING_S`, `XLA_ALARM_NOTE` just after
     XLA's slow-compile alarm, and the wall time when done; None: silent. Returns a JSON-ready dict:
-    "platform", "devices", "compile_s", "memory" (per device, bytes: XLA's "temp", "argument",
-    "output", "alias", "generated_code", "peak" = argument + output - alias + temp; "params",
-    "opt_state", "batch" from the argument shapes), `compiled_report`'s entries, and "wire_issued"
-    (the uncompiled HLO's bytes by axis).
-    Raises ValueError when the mesh does not fit the devices.
-    """
+    "platform", "devices", "compile_s", "memory" (per device, bytes: XLA's "temp", "argument", "output", "alias",
+    "generated_code", "peak" = argument + output - alias + temp; "params", "opt_state", "batch" from the argument
+    shapes), `compiled_report`'s entries, and "wire_issued" (the uncompiled HLO's bytes by axis). Raises ValueError
+    when the mesh does not fit the devices."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -524,8 +491,7 @@ def extrapolate_peak(peaks: dict[int, int], depth: int) -> int:
     """The peak per device at `depth` layers from the peaks of two shallow compiles ({layers: bytes}),
     linear in the depth (parameters, gradients, optimizer state and saved layer inputs grow by the same
     amount per layer). A lower bound, not an estimate: XLA:GPU's peak grows faster than linearly with the
-    layers of a stage (qwen3-8b, 4 stages, 8 microbatches, --remat full on H100: 12.28, 14.80 and
-    61.71 GiB at 1, 2 and 9 layers per stage; the line through the first two gives 32.4 GiB at 9)."""
+    layers of a stage (docs/results.md)."""
     (l1, p1), (l2, p2) = sorted(peaks.items())
     return int(round(p2 + (p2 - p1) / (l2 - l1) * (depth - l2)))
 
@@ -562,9 +528,7 @@ def plan(cfg: TrainConfig, spec: HardwareSpec, *, tp_span_nodes: int | None = No
     return out
 
 
-# ------------------------------------------------------------------------------------------------
 # The paper's GPU table (docs/emulated.md)
-# ------------------------------------------------------------------------------------------------
 #: The TP links of docs/emulated.md's GPU table: (label, hardware, link).
 def _paper_links():
     return [("H100/H200 NVLink 4 (450 GB/s)", hwt.H200, hwt.NVLINK4),
@@ -597,9 +561,7 @@ def paper_table() -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
 # Output
-# ------------------------------------------------------------------------------------------------
 def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
@@ -624,9 +586,8 @@ _PAPER_COLUMNS = (("TP share", 8, lambda r: f"{r['tp_comm_fraction']:.2f}"),
 
 
 def paper_lines(rows: list[dict]) -> list[str]:
-    """`paper_table()`'s rows as a text table: a header naming each column, then one aligned line per
-    row (setting, TP link, TP share of the exact step, TACO TP speedup with its range, TACO TP+DP+PP
-    speedup, the published figure)."""
+    """`paper_table()`'s rows as a text table: a header naming each column, then one aligned line per row (setting, TP
+    link, TP share of the exact step, TACO TP speedup with its range, TACO TP+DP+PP speedup, the published figure)."""
     ws = max(len(r["setting"]) for r in rows), max(len(r["tp_link"]) for r in rows)
     head = [f"{'setting':{ws[0]}s}", f"{'TP link':{ws[1]}s}", *(f"{h:>{w}s}" for h, w, _ in _PAPER_COLUMNS),
             "published"]

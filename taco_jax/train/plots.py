@@ -52,8 +52,7 @@ def plot_losses(path, runs: dict, title: str) -> pathlib.Path:
     """Train (thin) and validation (markers) loss of each run -> `path` (PNG; `title` and the run
     labels also stored as its "Title" / "Description" text).
 
-    runs: {legend label: path of the run's metrics.jsonl}.
-    """
+    runs: {legend label: path of the run's metrics.jsonl}."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,11 +1,9 @@
 """`taco-jax train --profile-steps A:B`: a `jax.profiler` trace of steps A..B (a loop hook).
 
-The trace goes to `--profile-dir` (default `<out>/profile`; process i: `<dir>/process<i>`) in the
-layout TensorBoard's profile plugin and XProf read (`plugins/profile/<time>/<host>.xplane.pb`),
-plus `perfetto_trace.json.gz`. Each traced step is a `StepTraceAnnotation` ("train_step", its
-number); op names carry the compressed collectives' named scopes (`taco_encode`, `taco_psum`, ...),
-which `op_events` reads back from the trace.
-"""
+The trace goes to `--profile-dir` (default `<out>/profile`; process i: `<dir>/process<i>`) in the layout
+TensorBoard's profile plugin and XProf read (`plugins/profile/<time>/<host>.xplane.pb`), plus
+`perfetto_trace.json.gz`. Each traced step is a `StepTraceAnnotation` ("train_step", its number); op names carry the
+compressed collectives' named scopes (`taco_encode`, `taco_psum`, ...), which `op_events` reads back from the trace."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """`taco-jax sample`: text from a run folder or a Hugging Face checkpoint, with the run's own tokenizer.
 
-    taco-jax sample --from runs/qwen --prompt "ROMEO:" --max-new-tokens 64 --temperature 0.8 --top-k 50
-
 A run folder (`train --out`) holds its `tokenizer.json`; its weights are read from its `--export-hf`
 folder when that exists, else from its latest complete checkpoint (parameters only, one device).
 An HF checkpoint folder needs a `tokenizer.json`. Stderr names the weights read (folder and step).
-Generation: `models.generate` (one device), drawing only ids the tokenizer has (`tokenizer_ids`).
-"""
+Generation: `models.generate` (one device), drawing only ids the tokenizer has (`tokenizer_ids`)."""
 
 from __future__ import annotations
 

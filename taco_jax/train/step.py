@@ -1,11 +1,9 @@
 """Model state on a mesh, and the jitted train / eval steps (loss and gradients inside `shard_map`, AdamW outside).
 
-Inside one `shard_map` over the mesh (data, stage, tensor) each data shard differentiates its
-own loss (scaled by 1 / data size), the pipeline runs over the stage axis (`parallel/pipeline.py`),
-and the gradients are summed over the data axis in float32 (`collectives/dp.py`, codec
-`CommPolicy.dp_grads`). With `dp_grads` exact this equals differentiating the mean loss from
-outside to float rounding (~1e-7 relative; tests/test_3d.py).
-"""
+Inside one `shard_map` over the mesh (data, stage, tensor) each data shard differentiates its own loss (scaled by 1
+/ data size), the pipeline runs over the stage axis (`parallel/pipeline.py`), and the gradients are summed over the
+data axis in float32 (`collectives/dp.py`, codec `CommPolicy.dp_grads`). With `dp_grads` exact this equals
+differentiating the mean loss from outside to float rounding (~1e-7 relative; tests/test_3d.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ class Trainer:
     """Everything a run needs: mesh, parameter specs, optimizer, and the two jitted steps
     `train_step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)` and
     `eval_step(params, inputs, targets) -> mean loss`; inputs/targets: int32 [B, T] global. With
-    `staged` set the parameters are in pipeline layout (`staged.unstack_layers` undoes it).
-    """
+    `staged` set the parameters are in pipeline layout (`staged.unstack_layers` undoes it)."""
 
     cfg: TrainConfig
     mesh: jax.sharding.Mesh
@@ -119,12 +116,10 @@ def compiled_memory(compiled) -> dict | None:
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Learning rate of the update with optax step count c = 0, 1, ... (training step k = c + 1).
 
-    Linear warmup lr · k / W for k = 1..W (step 1 already moves the parameters; the peak first
-    applies at step W), then cosine decay from lr at step W to exactly lr · min_lr_ratio at the
-    last step (`cfg.training.steps`). With W = 0 the first step runs at the peak. Source: nanoGPT
-    `get_lr` / GPT-NeoX, which index the schedule by the step being taken (the off-by-one of
-    `optax.warmup_cosine_decay_schedule(0, ...)`, whose step 1 runs at lr 0).
-    """
+    Linear warmup lr · k / W for k = 1..W (step 1 already moves the parameters; the peak first applies at step W),
+    then cosine decay from lr at step W to exactly lr · min_lr_ratio at the last step (`cfg.training.steps`). With W
+    = 0 the first step runs at the peak. Source: nanoGPT `get_lr` / GPT-NeoX, which index the schedule by the step
+    being taken (the off-by-one of `optax.warmup_cosine_decay_schedule(0, ...)`, whose step 1 runs at lr 0)."""
     t = cfg.training
     peak, floor, w, n = t.lr, t.lr * t.min_lr_ratio, t.warmup, t.steps
     start = max(w, 1)  # the step the cosine starts at (the peak)
@@ -142,8 +137,7 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 def make_optimizer(cfg: TrainConfig, decay_mask=None) -> optax.GradientTransformation:
     """AdamW (β1, β2 = `cfg.training.adam_b1`, `adam_b2`) with `lr_schedule` and global-norm clipping
     (nanoGPT recipe). decay_mask: pytree of bools, or params -> pytree of bools; default: by role
-    (`taco_jax.models.decays`: kernels and embeddings decayed, biases and norm scales never).
-    """
+    (`taco_jax.models.decays`: kernels and embeddings decayed, biases and norm scales never)."""
     if decay_mask is None:
         decay_mask = role_decay_mask
     return optax.chain(
@@ -162,8 +156,7 @@ def role_decay_mask(params):
 class Steps:
     """The sharded `value_and_grad(params, inputs, targets) -> (mean loss, gradients)` and
     `loss(params, inputs, targets) -> mean loss` of a model (what `make_trainer` jits): global arrays
-    in and out. `specs`: PartitionSpecs of the parameters (pipeline layout when `staged` is set).
-    """
+    in and out. `specs`: PartitionSpecs of the parameters (pipeline layout when `staged` is set)."""
 
     value_and_grad: callable
     loss: callable
@@ -175,12 +168,9 @@ class Steps:
 
 def make_steps(model_cfg, mesh, policy, *, sequence_parallel: bool = False, microbatches: int = 1,
                schedule: str = "gpipe", pipelined: bool | None = None, tap=None, tp_overlap: str = "none") -> Steps:
-    """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor).
-
-    pipelined: run the pipeline schedules (stacked layers); default: `pp.pipelined_layout`.
-    tap: observer of the TP messages given to `ParallelContext` (`train/capture.py`); None: none.
-    tp_overlap: `ParallelContext.tp_overlap` ("none" | "collective-matmul", with sequence_parallel).
-    """
+    """Loss and gradient of `model_cfg` (GPT or Qwen config) over `mesh` (axes data / stage / tensor). `pipelined`:
+    run the pipeline schedules (default: `pp.pipelined_layout`); `tap`: observer of the TP messages given to
+    `ParallelContext` (`train/capture.py`); `tp_overlap`: `ParallelContext.tp_overlap`."""
     tensor_axis = TENSOR if TENSOR in mesh.axis_names else None
     stage_axis = STAGE if STAGE in mesh.axis_names else None
     data_axis = DATA if DATA in mesh.axis_names else None

@@ -1,12 +1,7 @@
 """`taco-jax train --tensorboard`: the scalars of `metrics.jsonl` as TensorBoard event files in
 `<out>/tensorboard` (process 0; a loop hook), written with tensorboardX (no TensorFlow needed;
-`pip install 'taco_jax[tensorboard]'`). View with `tensorboard --logdir <out>/tensorboard`.
-
-Tags (x axis: the step): `train/loss`, `train/grad_norm`, `train/lr`, `train/tokens_per_s`, `train/step_s`,
-`val/loss` (evaluated steps), `wire_bytes_per_step/<axis>` (the compiled step's, every step),
-`monitor/<site>/sqnr_db` and `monitor/<site>/min_sqnr_db` (`--monitor-every` steps). Non-finite
-values are written as they are (TensorBoard shows NaN / Inf).
-"""
+`pip install 'taco_jax[tensorboard]'`). Tags: `TAGS` (x axis: the step), `wire_bytes_per_step/<axis>` and
+`monitor/<site>/...` (docs/training.md). Non-finite values are written as they are."""
 
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ class TensorBoard(Hook):
     """Writes each step's record (and the run's wire bytes per step by mesh axis) to `directory`.
 
     start: the step the run starts after (a resumed run: its checkpoint's step). Events of later
-    steps already in `directory` are purged (tensorboardX `purge_step`), as metrics.jsonl.
-    """
+    steps already in `directory` are purged (tensorboardX `purge_step`), as metrics.jsonl."""
 
     def __init__(self, directory, wire_bytes: dict[str, int], *, start: int = 0):
         from tensorboardX import SummaryWriter

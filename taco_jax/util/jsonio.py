@@ -1,12 +1,9 @@
 """Strict JSON (RFC 8259) for every file and line the project writes: non-finite floats become strings;
 and `read_table`, the one reader of the TOML / JSON files a user hands in (`--config`, `--hardware`).
 
-Python's `json` writes NaN / ±Inf as the bare tokens `NaN`, `Infinity`, `-Infinity`, which are not
-JSON (`jq`, browsers and most parsers reject them). Here a non-finite float is written as the
-*string* "NaN", "Infinity" or "-Infinity" (the sign of an infinity is kept; `null` would lose it),
-and `float(value)` reads it back in Python. numpy scalars become Python numbers. Documented in
-docs/training.md ("Outputs").
-"""
+Python's `json` writes NaN / ±Inf as bare tokens that are not JSON; here a non-finite float is written as the
+*string* "NaN", "Infinity" or "-Infinity" (`null` would lose the sign), which `float(value)` reads back. numpy scalars
+become Python numbers. docs/training.md ("Outputs")."""
 
 from __future__ import annotations
 
@@ -80,10 +77,8 @@ def read_table(path, what: str) -> dict:
     """The top-level table of TOML file `path`, or of JSON file `path` when its suffix is ".json".
     `what` names the file in errors (e.g. "--config", "hardware file").
 
-    Raises ValueError naming `what` and the file when it cannot be read, is not UTF-8 (naming the byte,
-    its offset and line), does not parse, repeats a key in one object, or does not hold a table / object
-    at the top.
-    """
+    Raises ValueError naming `what` and the file when it cannot be read, is not UTF-8 (naming the byte, its offset
+    and line), does not parse, repeats a key in one object, or does not hold a table / object at the top."""
     path = pathlib.Path(path)
     try:
         raw = path.read_bytes()

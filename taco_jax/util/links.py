@@ -3,8 +3,7 @@
 `taco-jax launch --link` measures the links of its network namespaces (`emulate.Cluster.measure_links`)
 and hands every process the description as the config field `--emulated-link JSON` (so config.json
 records it); the config's check, `--min-bytes auto`, the step watchdog and summary.json all read it
-through `EmulatedLink.parse`, which parses a given text once.
-"""
+through `EmulatedLink.parse`, which parses a given text once."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ class EmulatedLink:
         {"requested_bit_per_s", "measured_bit_per_s" (TCP payload, median over the tier's links),
         "measured_wire_bit_per_s", "mss", "measured_min_bit_per_s", "burst_bytes",
         "receive_burst_bytes"}} (a hand-written description may hold fewer numbers).
-      tensor_tier: the tier the tensor axis runs over ("intra" when there are nodes, else the one
-        tier), or None.
+      tensor_tier: the tier the tensor axis runs over ("intra" when there are nodes, else the one tier), or None.
       record: the whole description as measured (adds "link" (the `--link` text), "processes",
         "nodes", "node_of_process", "addresses", "links" (each measured link), "method"); what
         summary.json records as "emulated_link".

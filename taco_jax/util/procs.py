@@ -17,9 +17,8 @@ def cli_command(*args: str) -> list[str]:
 
 
 def child_env(env: dict) -> dict:
-    """A copy of `env` for a `python -P` child that imports this taco_jax: the folder holding the package
-    first on PYTHONPATH, unless it is a site-packages folder (where the child finds it anyway) or
-    already on PYTHONPATH."""
+    """A copy of `env` for a `python -P` child that imports this taco_jax: the folder holding the package first on
+    PYTHONPATH, unless it is a site-packages folder (where the child finds it anyway) or already on PYTHONPATH."""
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env = dict(env)
     sites = {str(pathlib.Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
