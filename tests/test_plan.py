@@ -25,6 +25,7 @@ from taco_jax.perf import uncertainty
 from taco_jax.perf.hardware import CODEC_STATUS, get_hardware, load_hardware
 from taco_jax.train import loop
 from taco_jax.train import plan as planner
+from taco_jax.train import plan_report as report
 from taco_jax.train.config import TrainConfig
 
 pytestmark = pytest.mark.fast
@@ -58,7 +59,7 @@ def test_plan_matches_a_real_run_in_the_same_process(model, tmp_path):
     assert mem["analysis"] and mem["argument"] > 0 and mem["temp"] > 0
     assert mem["params"] + mem["opt_state"] + mem["batch"] == pytest.approx(mem["argument"], rel=0.01)
     # on the CPU mesh the terminal leads with the GPU estimate and labels XLA:CPU's own analysis
-    text = planner.lines(result)
+    text = report.lines(result)
     at = next(i for i, line in enumerate(text) if line.startswith("memory per device"))
     assert text[at].startswith("memory per device, GPU estimate: parameters + optimizer state + FP32 gradients")
     assert text[at + 2].startswith("  XLA:CPU's analysis of this compile, not a GPU's") and " peak " in text[at + 2]
@@ -106,7 +107,7 @@ def test_predict_reproduces_the_emulated_gpu_table():
             assert f"{row[k]:.2f}× [{lo:.2f}, {hi:.2f}]" == cell
         assert row["published"].replace("x", "×") == cells[6].split(" (")[0]
         assert row["range"][0] <= row["taco_tp"] <= row["range"][1]
-    head, *body = planner.paper_lines(rows)  # what `predict --paper` prints: a header over aligned columns
+    head, *body = report.paper_lines(rows)  # what `predict --paper` prints: a header over aligned columns
     assert head.split()[:2] == ["setting", "TP"] and "TP share" in head and head.endswith("published")
     assert len(body) == len(rows)
     for line, row in zip(body, rows, strict=True):

@@ -161,7 +161,7 @@ def _report(args, result: dict, spec) -> int:
     `EXIT_NO_FIT` when XLA:GPU's memory verdict says the step does not fit `spec`'s GPU."""
     import pathlib
 
-    from taco_jax.train import plan as planner
+    from taco_jax.train import plan_report as report
     from taco_jax.util import jsonio
 
     if args.command == "plan":
@@ -170,11 +170,11 @@ def _report(args, result: dict, spec) -> int:
             say(f"plan: replacing the previous plan in {out} (give another --out to keep it)")
         out.mkdir(parents=True, exist_ok=True)
         jsonio.write(out / "plan.json", result)
-        (out / "plan.md").write_text(planner.markdown(result))
+        (out / "plan.md").write_text(report.markdown(result))
     if args.json:
         print(jsonio.dumps(result, indent=2))
     else:
-        print("\n".join(planner.lines(result)))
+        print("\n".join(report.lines(result)))
         if args.command == "plan":
             print(f"written: {pathlib.Path(args.out) / 'plan.json'}, {pathlib.Path(args.out) / 'plan.md'}")
     verdict = result.get("compiled", {}).get("verdict")
@@ -184,13 +184,13 @@ def _report(args, result: dict, spec) -> int:
     return 0
 
 
-
 def _paper(args, ctx) -> int:
     """`predict --paper`: the model's GPU table at the paper's fixed settings (refused with another
     flag, which it would ignore)."""
     import json
 
     from taco_jax.train import plan as planner
+    from taco_jax.train import plan_report as report
 
     refused = _paper_refusal(args, ctx)
     if refused:
@@ -199,7 +199,7 @@ def _paper(args, ctx) -> int:
         rows = planner.paper_table()
     except ValueError as e:
         return error(e, EXIT_BAD_INPUT)
-    print(json.dumps(rows, indent=2) if args.json else "\n".join([PAPER_NOTE, *planner.paper_lines(rows)]))
+    print(json.dumps(rows, indent=2) if args.json else "\n".join([PAPER_NOTE, *report.paper_lines(rows)]))
     return 0
 
 
