@@ -396,7 +396,7 @@ def test_a_usage_error_is_one_line_naming_the_flag(argv, message, capsys):
 def test_a_schedule_without_a_pipeline_is_a_warning():
     """`--schedule 1f1b` on a run with stage = 1 and one microbatch orders nothing: a warning, not silence;
     with a pipeline (microbatches > 1) none."""
-    from taco_jax.train.config import FlagWarning
+    from taco_jax.train.settings import FlagWarning
 
     with pytest.warns(FlagWarning, match=r"schedule='1f1b' has no effect: this run has no pipeline"):
         TrainConfig.from_flags(schedule="1f1b")
@@ -410,7 +410,7 @@ def test_the_command_line_prints_each_flag_warning_once(capsys):
     """A config checked again where a command derives one from it (compare, plan) warns again; the command
     line prints each warning once."""
     from taco_jax.cli.common import show_warning
-    from taco_jax.train.config import FlagWarning
+    from taco_jax.train.settings import FlagWarning
 
     text = "test-only flag warning printed once"
     for _ in range(3):

@@ -259,7 +259,7 @@ def test_overwrite_export_is_not_handed_on_by_config_json_and_a_bom_is_read(tmp_
 def test_errors_are_structured_naming_field_and_flag():
     """A bad setting raises `ConfigError(field, flag, message)` (a ValueError): a section's own check,
     a rule joining sections, and a lower layer's check (the codec's, the model's) alike."""
-    from taco_jax.train.config import ConfigError
+    from taco_jax.train.settings import ConfigError
 
     for flags, field, flag, table in ((dict(lr=-1.0), "lr", "lr", "[training] lr"),
                                       (dict(batch_size=3), "batch_size", "batch_size", "[data] batch_size"),
@@ -275,7 +275,8 @@ def test_errors_are_structured_naming_field_and_flag():
 def test_construction_reads_no_file_and_resolve_does(tmp_path):
     """`TrainConfig(...)` is pure: a `data` folder is not read until `resolve` (which `from_flags`
     calls), and its error names the flag."""
-    from taco_jax.train.config import ConfigError, resolve
+    from taco_jax.train.config import resolve
+    from taco_jax.train.settings import ConfigError
 
     cfg = TrainConfig(data=DataSection(path=str(tmp_path / "none")))
     assert cfg.reads and cfg.model.vocab_size == 0

@@ -119,7 +119,7 @@ def test_min_bytes_auto_resolution():
 
 
 def test_cli_min_bytes_accepts_auto_and_integers():
-    from taco_jax.train.config import int_or_auto
+    from taco_jax.train.settings import int_or_auto
 
     parse = int_or_auto("min_bytes", 0)
     assert parse("auto") == "auto" and parse("65536") == 65536

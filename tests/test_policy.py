@@ -9,7 +9,8 @@ from taco_jax.codec import CodecConfig
 from taco_jax.collectives.policy import SITES, CommPolicy
 from taco_jax.train.calibrate import calibrate, candidates, split_messages
 from taco_jax.train.capture import load_captures
-from taco_jax.train.config import CommFlags, TrainConfig
+from taco_jax.train.comm_flags import CommFlags
+from taco_jax.train.config import TrainConfig
 
 pytestmark = pytest.mark.fast
 

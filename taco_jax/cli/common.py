@@ -105,7 +105,7 @@ def show_warning(message, category, *rest, **kw):
     """warnings.showwarning of the command line: a `FlagWarning` as "[taco-jax] warning: ..." on
     stderr, once per process (a config is checked again where a command derives one from it); any
     other warning as Python shows it."""
-    from taco_jax.train.config import FlagWarning
+    from taco_jax.train.settings import FlagWarning
 
     if issubclass(category, FlagWarning):
         if str(message) not in show_warning.shown:

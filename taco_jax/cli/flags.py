@@ -10,7 +10,7 @@ from taco_jax.cli.common import say
 
 
 def add_flag(sp, flag, explicit: bool = False, hidden: bool = False) -> None:
-    """Adds `flag` (a `config.Flag`) to `sp`; `explicit`: no default (only given flags are set);
+    """Adds `flag` (a `settings.Flag`) to `sp`; `explicit`: no default (only given flags are set);
     `hidden`: accepted, not listed by --help."""
     names = (*flag.aliases, "--" + flag.name.replace("_", "-"))
     kw = {"default": argparse.SUPPRESS if explicit else ([] if flag.append else flag.field.default),
@@ -123,7 +123,7 @@ def deprecated(note: str) -> None:
     if note:
         import warnings
 
-        from taco_jax.train.config import FlagWarning
+        from taco_jax.train.settings import FlagWarning
 
         warnings.warn(note, FlagWarning, stacklevel=2)
 

@@ -18,7 +18,7 @@ PAPER_NOTE = ("cost-model predictions, not measurements (taco_jax/perf/model.py:
 
 def _positive_int(name: str):
     """argparse type of an integer >= 1."""
-    from taco_jax.train.config import rule_error
+    from taco_jax.train.settings import rule_error
 
     def parse(text: str) -> int:
         try:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from taco_jax.collectives.policy import CommPolicy
 from taco_jax.data import data_label, training_data
 from taco_jax.train import distributed as dist
-from taco_jax.train.config import AXIS_SITES, OUT_DIR, TrainConfig, flag_values, policy_label
+from taco_jax.train.comm_flags import AXIS_SITES, policy_label
+from taco_jax.train.config import OUT_DIR, TrainConfig, flag_values
 from taco_jax.train.loop import check_export_dir, check_out_dir, check_resumable, train
 from taco_jax.train.plots import plot_losses
 from taco_jax.util import jsonio

@@ -1,8 +1,6 @@
-"""Typed training configuration: `TrainConfig` (one run, in sections: model, data, training,
-parallelism, communication, checkpoint, logging; `communication.policy` holds every codec setting),
-`CommFlags` (the command line's communication flags, mapped to that policy in one place) and
-`read_config_file` (`--config FILE`: TOML tables mirror the sections). Each setting is declared
-once (`setting`); `resolve(cfg)` is the one step that reads files."""
+"""Typed training configuration: `TrainConfig` (one run, in sections: model, data, training, parallelism,
+communication, checkpoint, logging), the tables derived from its settings, and `read_config_file`
+(`--config FILE`: TOML tables mirror the sections). `resolve(cfg)` is the one step that reads files."""
 
 from __future__ import annotations
 
@@ -15,343 +13,48 @@ import os
 import pathlib
 import warnings
 
-from taco_jax.codec import NONE, CodecConfig, codec_kinds, get_kind
 from taco_jax.codec.config import TRANSPORTS
-from taco_jax.codec.kinds import registered as registered_kinds
-from taco_jax.collectives.policy import SITES, TENSOR_SITES, CommPolicy
+from taco_jax.collectives.policy import CommPolicy
 from taco_jax.models import PRESETS, GPTConfig, get_config
 from taco_jax.parallel.context import check_tp_overlap
 from taco_jax.parallel.layers import check_compute
 from taco_jax.parallel.mesh import DATA, STAGE, TENSOR, parse_mesh
 from taco_jax.parallel.pipeline import check_pipeline, pipelined_layout
+from taco_jax.train.comm_flags import CommFlags, policy_label
+from taco_jax.train.settings import (
+    HOMES,
+    ConfigError,
+    Flag,
+    FlagWarning,
+    declared,
+    flag_error,
+    seconds_or_auto,
+    setting,
+)
 from taco_jax.util.links import EmulatedLink
 
 #: The model of a run without `--model` and `--init-from`.
 DEFAULT_MODEL = "gpt2-tiny"
 #: Entries of the Shakespeare BPE (and the vocabulary of a CPU-sized preset on it) without `--vocab-size`.
 DEFAULT_VOCAB = 2048
-#: The policy sites of the tensor-axis all-reduce: `--algorithm`, `--chunks`, `--reduce-domain` apply there
-#: (`collectives.megatron`).
-AR_SITES = ("ar_fwd", "ar_bwd")
-#: Mesh axis -> the policy sites whose messages travel on it.
-AXIS_SITES = {TENSOR: TENSOR_SITES, DATA: ("dp_grads",), STAGE: ("pp_send",)}
-
-
-class FlagWarning(UserWarning):
-    """A flag that has no effect on this run (`CommFlags._check_effect`), or a deprecated spelling
-    (`--codec-kind`, a flat `--config` key); `taco-jax` prints it as "[taco-jax] warning: ..."."""
-
-
-class ConfigError(ValueError):
-    """A bad setting (a ValueError): its dataclass `field`, its `flag` (underscores) and a message
-    naming the value, ending "; set by --FLAG or [SECTION] FIELD"."""
-
-    def __init__(self, field: str, flag: str, message: str):
-        super().__init__(message)
-        self.field, self.flag = field, flag
-
-
-#: `setting(applies=...)` -> the commands whose `--help` lists the flag (the others accept it: `PLAN_UNUSED`).
-APPLIES = {"both": ("train", "plan", "predict"), "train": ("train",), "train,plan": ("train", "plan")}
-#: Placeholders of a setting's help -> the registry listing that replaces them.
-LISTINGS = {"{kinds}": lambda: " | ".join(codec_kinds()[1:]), "{presets}": lambda: ", ".join(sorted(PRESETS))}
-
-
-def setting(default, help: str, *, order: int, flag: str = "", applies: str = "both", parse=None, metavar=None,
-            choices=None, aliases: tuple[str, ...] = (), append: bool = False, path: bool = False):
-    """A dataclass field that is a command-line setting: `help` (with `LISTINGS`), `order` in
-    `--help`, `flag` (where not the field's name), `applies` (`APPLIES`), `parse` / `choices`
-    (functions returning the argparse type / choices), `metavar`, `aliases`, `append` (repeatable),
-    `path` (recorded absolute). `flags()` and the CLI derive everything else from it."""
-    if applies not in APPLIES:
-        raise ValueError(f"applies={applies!r} must be one of {sorted(APPLIES)}")
-    return dataclasses.field(default=default, metadata={
-        "flag": flag, "help": help, "order": order, "applies": APPLIES[applies], "parse": parse,
-        "metavar": metavar, "choices": choices, "aliases": aliases, "append": append, "path": path})
-
-
-@dataclasses.dataclass(frozen=True)
-class Flag:
-    """One `setting` declaration: flag `name`, `section` (its `--config` table), `field`, `owner` (its
-    class); the declaration's keywords read as attributes."""
-
-    name: str
-    section: str
-    field: dataclasses.Field
-    owner: type
-
-    def __getattr__(self, key):
-        try:
-            return self.field.metadata[key]
-        except KeyError:
-            raise AttributeError(key) from None
-
-    @property
-    def stored(self) -> bool:
-        """Whether `TrainConfig` stores the value (False: a `CommFlags` flag, mapped to the policy)."""
-        return self.owner is not CommFlags
-
-    @property
-    def text(self) -> str:
-        """The help line, with the registries' listings filled in (`LISTINGS`)."""
-        out = self.help
-        for key, listing in LISTINGS.items():
-            if key in out:
-                out = out.replace(key, listing())
-        return out
-
-
-def _declared(cls, section: str) -> list[Flag]:
-    return [Flag(f.metadata["flag"] or f.name, section, f, cls) for f in dataclasses.fields(cls) if f.metadata]
 
 
 def flags() -> list[Flag]:
     """Every flag of `train` / `compare` in `--help` order: the sections', then `CommFlags`'."""
     if not _FLAGS:
-        stored = sorted((fl for s, cls in SECTIONS.items() for fl in _declared(cls, s)), key=lambda fl: fl.order)
-        _FLAGS.extend(stored + sorted(_declared(CommFlags, "communication"), key=lambda fl: fl.order))
+        stored = sorted((fl for s, cls in SECTIONS.items() for fl in declared(cls, s)), key=lambda fl: fl.order)
+        _FLAGS.extend(stored + sorted(declared(CommFlags, "communication", stored=False),
+                                       key=lambda fl: fl.order))
     return list(_FLAGS)
 
 
 _FLAGS: list[Flag] = []
 
 
-def int_or_auto(name: str, low: int):
-    """argparse type of a flag that takes "auto" or an integer >= `low`."""
-    return _or_auto(name, int, lambda v: v >= low, f"an integer >= {low}", show=str)
-
-
-def rule_error(name: str, shown: str, rule: str):
-    """argparse.ArgumentTypeError "{name}={shown} {rule}", `rule` kept as an attribute."""
-    import argparse
-
-    err = argparse.ArgumentTypeError(f"{name}={shown} {rule}")
-    err.rule = rule
-    return err
-
-
-def _or_auto(name: str, convert, ok, need: str, show=repr):
-    """argparse type of a flag that takes "auto" or a number `convert(text)` with `ok(number)`; a bad
-    value is reported by argparse (exit 2) naming it: "{name}={value} must be {need} or 'auto'"."""
-    rule = f"must be {need} or 'auto'"
-
-    def parse(text: str):
-        if text == "auto":
-            return text
-        try:
-            value = convert(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise rule_error(name, repr(text) if value is None or not show else show(value), rule)
-        return value
-
-    return parse
-
-
-#: argparse type of --step-timeout: "auto" or seconds >= 0 (finite).
-seconds_or_auto = _or_auto("step_timeout", float, lambda v: 0 <= v < float("inf"), "seconds >= 0", show=None)
-
-
-@dataclasses.dataclass(frozen=True)
-class CommFlags:
-    """The communication flags of `taco-jax train`, as typed (each field is a flag: underscores -> dashes).
-
-    `policy()` is the one place they become the run's `CommPolicy`. Precedence, later wins:
-      1. `--comm` (with `--codec-kind`, `--fmt`, `--group-size`, `--scale-layout`, `--group-axis`,
-         `--nonfinite`, `--backend`) on every tensor-axis site; `--dp-comm` / `--pp-comm` on the data /
-         stage axis (with the same `--fmt`, `--group-size`, `--nonfinite` and `--backend`);
-      2. `--policy FILE`: the sites it names (sites left out keep step 1's codec; docs/training.md);
-      3. `--site SITE:field=value,...` (repeatable): that site's codec with these `CodecConfig` fields.
-    """
-
-    comm: str = setting("taco", "tensor-axis codec (every TP site): none (exact) | {kinds}", order=500)
-    dp_comm: str = setting("none", "data-axis gradient all-reduce codec: none | {kinds}", order=510)
-    pp_comm: str = setting("none", "stage-axis send/recv codec: none | {kinds}", order=520)
-    codec_kind: str = setting("taco", "kind of `--comm taco` (= `--comm KIND`; deprecated, write --comm KIND): "
-                              "{kinds}", order=530)
-    fmt: str = setting("e4m3", "FP8 format, every axis (also --dp-comm / --pp-comm): e4m3 | e5m2", order=540)
-    group_size: int = setting(128, "G, every axis (also --dp-comm / --pp-comm): 32..512", order=550)
-    scale_layout: str = setting("dual", "taco on the tensor axis: dual (two FP32 scales / group) | folded (one)",
-                                order=560)
-    group_axis: str = setting("hidden", "tensor axis: groups along hidden (channels) | token (one channel across "
-                              "tokens)", order=570)
-    nonfinite: str = setting("propagate", "NaN/Inf in a message, every axis: propagate | zero | error (raise naming "
-                             "the site)", order=580)
-    backend: str = setting("auto", "taco group math: auto (CPU: ffi if built; GPU kernels) | reference | pallas | "
-                           "triton | ffi", order=590)
-    algorithm: str = setting("two_shot", "compressed all-reduce: two_shot | one_shot", order=600)
-    min_bytes: int | str = setting(0, "messages below this many bytes stay uncompressed; auto: the cost model's "
-                                   "break-even size", order=610, parse=lambda: int_or_auto("min_bytes", 0),
-                                   metavar="BYTES|auto")
-    reduce_domain: str = setting("signal", "two-shot taco all-reduce: signal (decode, sum, encode) | hadamard "
-                                 "(transformed sum)", order=620)
-    chunks: int | str = setting(1, "two-shot all-reduce: independent chunks K >= 1 (pipelining) | auto (from the "
-                                "message size)", order=630, parse=lambda: int_or_auto("chunks", 1), metavar="K|auto")
-    policy_file: str = setting("", "JSON policy (docs/training.md; `taco-jax calibrate`); overrides the sites it names",
-                               order=640, aliases=("--policy",), metavar="FILE")
-    site: tuple[str, ...] = setting((), "per-site codec, repeatable: SITE:field=value,... e.g. "
-                                    "ar_bwd:fmt=e5m2,group_size=64", order=650, append=True,
-                                    metavar="SITE:FIELD=VALUE,...")
-
-    def tensor_codec(self) -> CodecConfig:
-        """The codec of every tensor-axis site (`--comm` and the codec flags)."""
-        if self.comm not in codec_kinds():
-            raise flag_error("comm", f"comm={self.comm!r} is not supported; choose 'none' or a codec kind "
-                             f"{codec_kinds()[1:]}")
-        kind = self.codec_kind if self.comm == "taco" else self.comm
-        if self.comm not in ("none", "taco") and self.codec_kind not in ("taco", self.comm):
-            raise flag_error("comm", f"comm={self.comm!r} and codec_kind={self.codec_kind!r} disagree; give one of "
-                             "them")
-        if kind == "none":
-            return NONE
-        return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, scale_layout=self.scale_layout,
-                           backend=self.backend, group_axis=self.group_axis, nonfinite=self.nonfinite)
-
-    def axis_codec(self, kind: str, flag: str) -> CodecConfig:
-        """Codec of the data / stage axis (`--dp-comm`, `--pp-comm`): NONE, or `kind` with this run's
-        group size, FP8 format, non-finite policy and backend, and Hadamard smoothing where the kind
-        offers it. Raises ValueError naming `flag` for an unknown kind."""
-        if kind == "none":
-            return NONE
-        if kind not in codec_kinds():
-            raise flag_error(flag, f"{flag}={kind!r} is not supported; choose one of {codec_kinds()}")
-        return CodecConfig(kind=kind, fmt=self.fmt, group_size=self.group_size, nonfinite=self.nonfinite,
-                           backend=self.backend, hadamard=get_kind(kind).hadamard == "optional")
-
-    def policy(self) -> CommPolicy:
-        """The run's policy (see the class docstring). Raises ValueError naming the bad flag or value;
-        a FlagWarning for the deprecated `codec_kind`."""
-        tensor = self.tensor_codec()
-        policy = CommPolicy(**dict.fromkeys(TENSOR_SITES, tensor), dp_grads=self.axis_codec(self.dp_comm, "dp_comm"),
-                            pp_send=self.axis_codec(self.pp_comm, "pp_comm"),
-                            all_reduce_algorithm=self.algorithm, min_bytes=self.min_bytes,
-                            reduce_domain=self.reduce_domain, chunks=self.chunks)
-        if self.policy_file:  # unknown site or field -> ValueError naming the file
-            policy = CommPolicy.from_json(self.policy_file, base=policy)
-        for spec in self.site:
-            name, fields = parse_site(spec)
-            policy = policy.with_sites({name: site_codec(getattr(policy, name), fields, spec, self)})
-        self._check_effect(policy)
-        if self.codec_kind != CommFlags.codec_kind:  # accepted, as before; named once the policy is built
-            warnings.warn(f"codec_kind={self.codec_kind!r} (--codec-kind) is deprecated; write --comm "
-                          f"{self.codec_kind} (kind={self.codec_kind} in a --site or --policy file)", FlagWarning,
-                          stacklevel=3)
-        return policy
-
-    def _check_effect(self, policy: CommPolicy) -> None:
-        """A codec flag set away from its default must reach a codec of `policy`, so that it is never
-        silently ignored. Where the run compresses something, one that reaches none is an error
-        (ValueError naming it: `--comm int8 --fmt e5m2`, int8 has no FP8 format); where the whole
-        policy is exact (`--comm none`, the baseline of a configured run) a FlagWarning names it. A
-        `--policy` file's own all-reduce settings that override a flag, and the two-shot settings with
-        `--algorithm one_shot`, are errors too."""
-        codecs = [(s, c) for s, c in ((s, getattr(policy, s)) for s in SITES) if c.kind != "none"]
-        spec = {c.kind: get_kind(c.kind) for _, c in codecs}
-        chunked = self.chunks != 1
-        applies = {  # flag -> (whether some codec takes its value, what it needs)
-            "codec_kind": (self.comm in ("taco", self.codec_kind), "--comm taco (it names the kind of that codec; "
-                           "or write --comm KIND)"),
-            "fmt": (any(spec[c.kind].fp8 and c.fmt == self.fmt for _, c in codecs), "a codec with FP8 codes"),
-            "group_size": (any((spec[c.kind].grouped or chunked) and c.group_size == self.group_size
-                               for _, c in codecs), "a codec with per-group scales (or --chunks)"),
-            "scale_layout": (any(c.scale_layout == self.scale_layout for s, c in codecs if s in TENSOR_SITES),
-                             "a taco codec on the tensor axis"),
-            "group_axis": (any(c.group_axis == self.group_axis for s, c in codecs if s in TENSOR_SITES),
-                           "a codec on the tensor axis"),
-            "nonfinite": (any(c.nonfinite == self.nonfinite for _, c in codecs), "a codec"),
-            "backend": (any(spec[c.kind].backends and c.backend == self.backend for _, c in codecs),
-                        "a codec of a kind with group backends (" +
-                        ", ".join(k.name for k in registered_kinds() if k.backends) + ")"),
-            "reduce_domain": (any(spec[c.kind].transform_reduce for s, c in codecs if s in AR_SITES),
-                              "a tensor-axis all-reduce codec that sums in its transform domain (" +
-                              ", ".join(k.name for k in registered_kinds() if k.transform_reduce) + ")"),
-            **{f: (any(s in AR_SITES for s, _ in codecs), "a codec on the tensor-axis all-reduce (ar_fwd, ar_bwd)")
-               for f in ("algorithm", "chunks")},
-            "min_bytes": (bool(codecs), "a codec"),
-        }
-        default = CommFlags()
-        for flag, field in (("algorithm", "all_reduce_algorithm"), ("min_bytes", "min_bytes"),
-                            ("reduce_domain", "reduce_domain"), ("chunks", "chunks")):
-            if self.policy_file and getattr(self, flag) != getattr(default, flag) and \
-                    getattr(policy, field) != getattr(self, flag):
-                raise flag_error(flag, f"{flag}={getattr(self, flag)!r} has no effect: the policy file "
-                                 f"{self.policy_file!r} sets {field}={getattr(policy, field)!r}; drop the flag or "
-                                 "change the file")
-        if self.algorithm == "one_shot":  # the one-shot all-reduce sends whole messages: no chunks, no domain
-            for flag in ("chunks", "reduce_domain"):
-                if getattr(self, flag) != getattr(default, flag):
-                    raise flag_error(flag, f"{flag}={getattr(self, flag)!r} has no effect with algorithm='one_shot' "
-                                     "(it applies to the two-shot all-reduce); drop one of them")
-        for flag, (reached, needs) in applies.items():
-            if getattr(self, flag) == getattr(default, flag) or reached:
-                continue
-            used = ", ".join(f"{s}={getattr(self, s)!r}" for s in ("comm", "dp_comm", "pp_comm"))
-            tail = (" with its --policy / --site (set the field there, e.g. --site ar_bwd:kind=taco,fmt=e5m2)"
-                    if self.policy_file or self.site else "")
-            msg = f"{flag}={getattr(self, flag)!r} has no effect: it needs {needs}, and this run has {used}{tail}"
-            if not codecs:
-                warnings.warn(f"{msg}; the run is exact, so it is ignored", FlagWarning, stacklevel=4)
-                continue
-            raise flag_error(flag, f"{msg}; drop the flag or choose a codec it applies to")
-
-
-def parse_site(spec: str) -> tuple[str, dict]:
-    """"ar_bwd:fmt=e5m2,group_size=64" -> ("ar_bwd", {"fmt": "e5m2", "group_size": 64}) (values typed
-    like `CodecConfig`'s fields). Raises ValueError naming `spec` for a malformed entry."""
-    name, sep, rest = spec.partition(":")
-    if not sep or name not in SITES:
-        raise ValueError(f"site={spec!r}: write SITE:field=value,... with SITE one of {SITES}")
-    types = {f.name: type(f.default) for f in dataclasses.fields(CodecConfig)}
-    fields = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if not eq or key not in types:
-            raise ValueError(f"site={spec!r}: {item!r} is not field=value with a field among {sorted(types)}")
-        try:
-            if types[key] is bool:
-                if value.lower() not in ("true", "false"):
-                    raise ValueError(value)
-                fields[key] = value.lower() == "true"
-            else:
-                fields[key] = types[key](value)
-        except ValueError:
-            article = "an" if types[key] is int else "a"
-            raise ValueError(f"site={spec!r}: {key}={value!r} is not {article} {types[key].__name__}") from None
-    if not fields:
-        raise ValueError(f"site={spec!r} gives no field; write e.g. ar_bwd:fmt=e5m2,group_size=64")
-    return name, fields
-
-
-def site_codec(base: CodecConfig, fields: dict, spec: str, flags: CommFlags) -> CodecConfig:
-    """`base` (the site's codec so far) with `fields` replaced. A new `kind` starts from `CodecConfig`'s
-    defaults plus the run's `--backend` and `--nonfinite`. Raises ValueError naming `spec`."""
-    if "kind" in fields and fields["kind"] != base.kind:
-        start = {"kind": fields["kind"], "backend": flags.backend, "nonfinite": flags.nonfinite}
-    elif base.kind == "none":
-        raise ValueError(f"site={spec!r}: the site is exact (kind='none'); give kind=... to compress it")
-    else:
-        start = {f.name: getattr(base, f.name) for f in dataclasses.fields(CodecConfig) if f.name != "site"}
-    return CodecConfig.from_dict({**start, **fields}, where=f"site={spec!r}")
-
-
-def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
-    """"none", the one codec's name (e.g. "taco-e4m3-G128-dual") or "per-site" for `sites` of `policy`."""
-    names = {getattr(policy, s).name for s in sites}
-    return names.pop() if len(names) == 1 else "per-site"
-
-
 def _invalid(section: str, field: str, value, rule: str) -> ConfigError:
     """The error of a bad field value: names the value, its flag and its `--config` table, e.g.
     "lr=-1.0 must be positive and finite; set by --lr or [training] lr"."""
     return flag_error(FIELD_FLAGS[section, field], f"{field}={value!r} {rule}")
-
-
-def flag_error(flag: str, message: str) -> ConfigError:
-    """The `ConfigError` of `flag`: `message` ending "; set by --FLAG or [SECTION] FIELD"."""
-    section, field = FLAGS[flag] if flag in FLAGS else ("communication", flag)
-    suffix = f"; set by --{flag.replace('_', '-')} or [{section}] {field}"
-    return ConfigError(field, flag, message if message.endswith(suffix) else message + suffix)
 
 
 def _blame(err: ValueError, flag: str = "") -> ValueError:
@@ -633,6 +336,7 @@ SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSect
 
 #: Every flag stored in `TrainConfig` -> (section, field), in `--help` order.
 FLAGS = {fl.name: (fl.section, fl.field.name) for fl in flags() if fl.stored}
+HOMES.update(FLAGS)
 #: The flags of `CommFlags` (`[communication]`): they build `communication.policy`.
 COMM_FLAGS = tuple(fl.name for fl in flags() if not fl.stored)
 #: (section, field) -> its flag; `policy` is `communication.policy`.

@@ -29,7 +29,8 @@ from taco_jax.parallel.pipeline import schedule_stats
 from taco_jax.train import capture, hooks, tensorboard
 from taco_jax.train import distributed as dist
 from taco_jax.train.checkpoint import Checkpoints, saved_steps
-from taco_jax.train.config import AXIS_SITES, OUT_DIR, TrainConfig, flag_values
+from taco_jax.train.comm_flags import AXIS_SITES
+from taco_jax.train.config import OUT_DIR, TrainConfig, flag_values
 from taco_jax.train.monitor import Monitor
 from taco_jax.train.plots import plot_losses, plot_monitor
 from taco_jax.train.profile import ProfileSteps, profile_dir

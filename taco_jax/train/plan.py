@@ -27,7 +27,8 @@ from taco_jax.perf import hardware as hwt
 from taco_jax.perf import model, uncertainty
 from taco_jax.perf.hardware import HardwareSpec, with_tp_span
 from taco_jax.train import deviceless
-from taco_jax.train.config import AXIS_SITES, TrainConfig
+from taco_jax.train.comm_flags import AXIS_SITES
+from taco_jax.train.config import TrainConfig
 from taco_jax.util.console import format_bytes
 
 #: Element types of compressed wire buffers in compiled HLO (codes and scales travel as bytes).

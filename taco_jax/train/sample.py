@@ -30,7 +30,8 @@ def _checkpoint_params(run: pathlib.Path, conf: dict):
 
     from taco_jax.models.generate import InferenceModel
     from taco_jax.train.checkpoint import Checkpoints
-    from taco_jax.train.config import FlagWarning, TrainConfig
+    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.settings import FlagWarning
     from taco_jax.util.console import say
 
     with warnings.catch_warnings():  # the run's training flags (e.g. a schedule with no effect) are not this command's
