@@ -138,7 +138,8 @@ def test_schedule_estimate_reads_the_statistics_at_the_end_of_the_dump(tmp_path)
         "hlo_module {\n" + "  x: 1\n" * 5000 + "}\ncomputation_schedules {\n  scheduler_statistics {\n"
         "    all_gather_wasted_cycles: 300\n    total_wasted_cycles: 500\n    total_cycles: 4000\n  }\n"
         "  cycles_per_microsecond: 2\n}\n")
-    assert schedule_estimate(str(tmp_path)) == {"step_s": 2e-3, "waiting_s": 2.5e-4, "waiting_by_op": {"all_gather": 1.5e-4}}
+    assert schedule_estimate(str(tmp_path)) == {"step_s": 2e-3, "waiting_s": 2.5e-4,
+                                                "waiting_by_op": {"all_gather": 1.5e-4}}
 
 
 def _toml(table, skip=()):
