@@ -245,6 +245,9 @@ def test_default_flags_give_the_default_policy():
     (dict(site=["ar_bwd:group_size=48"]), r"site='ar_bwd:group_size=48': group_size=48"),
     (dict(site=["ar_bwd:hadamard=maybe"]), r"hadamard='maybe' is not a bool"),
     (dict(comm="none", site=["ar_bwd:fmt=e5m2"]), r"exact \(kind='none'\); give kind="),
+    (dict(site=["ar_fwd:site=ar_bwd"]), r"'site=ar_bwd' is not field=value"),  # SITE names the site
+    (dict(site=["ar_fwd:kind=int8,fmt=e5m2"]), r"fmt='e5m2' has no effect on kind='int8': it needs a codec with FP8"),
+    (dict(site=["ar_fwd:kind=fp8_tensor,group_size=64"]), r"group_size=64 has no effect on kind='fp8_tensor'"),
     (dict(comm="int8", codec_kind="tah"), r"comm='int8' and codec_kind='tah' disagree"),
     (dict(dp_comm="zip"), r"dp_comm='zip'"),
 ])

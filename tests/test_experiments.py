@@ -171,3 +171,12 @@ def test_shell_scripts_start_the_package_without_the_working_folder():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if re.search(r"-m taco_jax\b", line) and not re.search(r"\s-P\s+-m taco_jax\b", line)]
     assert bare == [], f"start the package with `python -P -m taco_jax...` at {bare}"
+
+
+def test_hlo_dump_answers_help_and_refuses_a_flag_as_its_folder(capsys, tmp_path, monkeypatch):
+    """`--help` prints the usage (no run, no folder named "--help"); a flag where OUT_DIR goes is refused."""
+    from experiments.step import hlo_dump
+
+    monkeypatch.chdir(tmp_path)
+    assert hlo_dump.main(["--help"]) == 0 and "experiments.step.hlo_dump OUT_DIR" in capsys.readouterr().out
+    assert hlo_dump.main(["--out", "--", "--comm", "taco"]) == 2 and not list(tmp_path.iterdir())

@@ -38,8 +38,12 @@ def strip_metadata(hlo: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 1 or (len(argv) > 1 and argv[1] != "--"):
-        print("usage: python -m experiments.hlo_dump OUT_DIR -- TRAIN_FLAGS...", file=sys.stderr)
+    usage = "usage: python -m experiments.step.hlo_dump OUT_DIR -- TRAIN_FLAGS..."
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
+    if len(argv) < 1 or (len(argv) > 1 and argv[1] != "--") or argv[0].startswith("-"):
+        print(usage, file=sys.stderr)
         return 2
     out = pathlib.Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)

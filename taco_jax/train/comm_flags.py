@@ -64,6 +64,9 @@ class CommFlags:
         if self.comm not in codec_kinds():
             raise flag_error("comm", f"comm={self.comm!r} is not supported; choose 'none' or a codec kind "
                              f"{codec_kinds()[1:]}")
+        if self.codec_kind not in codec_kinds():
+            raise flag_error("codec_kind", f"codec_kind={self.codec_kind!r} is not supported; choose one of "
+                             f"{codec_kinds()}")
         kind = self.codec_kind if self.comm == "taco" else self.comm
         if self.comm not in ("none", "taco") and self.codec_kind not in ("taco", self.comm):
             raise flag_error("comm", f"comm={self.comm!r} and codec_kind={self.codec_kind!r} disagree; give one of "
@@ -167,7 +170,7 @@ def parse_site(spec: str) -> tuple[str, dict]:
     name, sep, rest = spec.partition(":")
     if not sep or name not in SITES:
         raise ValueError(f"site={spec!r}: write SITE:field=value,... with SITE one of {SITES}")
-    types = {f.name: type(f.default) for f in dataclasses.fields(CodecConfig)}
+    types = {f.name: type(f.default) for f in dataclasses.fields(CodecConfig) if f.name != "site"}  # SITE names it
     fields = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = (s.strip() for s in item.partition("="))
@@ -197,7 +200,18 @@ def site_codec(base: CodecConfig, fields: dict, spec: str, flags: CommFlags) -> 
         raise ValueError(f"site={spec!r}: the site is exact (kind='none'); give kind=... to compress it")
     else:
         start = {f.name: getattr(base, f.name) for f in dataclasses.fields(CodecConfig) if f.name != "site"}
-    return CodecConfig.from_dict({**start, **fields}, where=f"site={spec!r}")
+    codec = CodecConfig.from_dict({**start, **fields}, where=f"site={spec!r}")
+    kind = get_kind(codec.kind)
+    takes = {"fmt": (kind.fp8, "a codec with FP8 codes"),
+             "group_size": (kind.grouped or flags.chunks != 1, "a codec with per-group scales (or --chunks)"),
+             "backend": (kind.backends, "a codec of a kind with group backends"),
+             "hadamard": (kind.hadamard == "optional" or fields.get("hadamard") == (kind.hadamard == "always"),
+                          "a kind whose Hadamard transform is optional")}
+    for field, (ok, need) in takes.items():  # a field the site's codec ignores is refused, as the flag is
+        if field in fields and not ok:
+            raise ValueError(f"site={spec!r}: {field}={fields[field]!r} has no effect on kind={codec.kind!r}: it "
+                             f"needs {need}")
+    return codec
 
 
 def policy_label(policy: CommPolicy, sites=TENSOR_SITES) -> str:
