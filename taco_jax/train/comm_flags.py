@@ -120,17 +120,16 @@ class CommFlags:
         applies = {  # flag -> (whether some codec takes its value, what it needs)
             "codec_kind": (self.comm in ("taco", self.codec_kind), "--comm taco (it names the kind of that codec; "
                            "or write --comm KIND)"),
-            "fmt": (any(spec[c.kind].fp8 and c.fmt == self.fmt for _, c in codecs), "a codec with FP8 codes"),
+            "fmt": (any(spec[c.kind].fp8 and c.fmt == self.fmt for _, c in codecs), _need("fmt")),
             "group_size": (any((spec[c.kind].grouped or chunked) and c.group_size == self.group_size
-                               for _, c in codecs), "a codec with per-group scales (or --chunks)"),
+                               for _, c in codecs), _need("group_size")),
             "scale_layout": (any(c.scale_layout == self.scale_layout for s, c in codecs if s in TENSOR_SITES),
                              "a taco codec on the tensor axis"),
             "group_axis": (any(c.group_axis == self.group_axis for s, c in codecs if s in TENSOR_SITES),
                            "a codec on the tensor axis"),
             "nonfinite": (any(c.nonfinite == self.nonfinite for _, c in codecs), "a codec"),
             "backend": (any(spec[c.kind].backends and c.backend == self.backend for _, c in codecs),
-                        "a codec of a kind with group backends (" +
-                        ", ".join(k.name for k in registered_kinds() if k.backends) + ")"),
+                        _need("backend")),
             "reduce_domain": (any(spec[c.kind].transform_reduce for s, c in codecs if s in AR_SITES),
                               "a tensor-axis all-reduce codec that sums in its transform domain (" +
                               ", ".join(k.name for k in registered_kinds() if k.transform_reduce) + ")"),
@@ -162,6 +161,14 @@ class CommFlags:
                 warnings.warn(f"{msg}; the run is exact, so it is ignored", FlagWarning, stacklevel=4)
                 continue
             raise flag_error(flag, f"{msg}; drop the flag or choose a codec it applies to")
+
+
+def _need(field: str) -> str:
+    """What a codec field (a flag, or a `--site` field) set away from its default needs to take effect."""
+    return {"fmt": "a codec with FP8 codes", "group_size": "a codec with per-group scales (or --chunks)",
+            "backend": "a codec of a kind with group backends (" +
+                       ", ".join(k.name for k in registered_kinds() if k.backends) + ")",
+            "hadamard": "a kind whose Hadamard transform is optional"}[field]
 
 
 def parse_site(spec: str) -> tuple[str, dict]:
@@ -202,15 +209,12 @@ def site_codec(base: CodecConfig, fields: dict, spec: str, flags: CommFlags) -> 
         start = {f.name: getattr(base, f.name) for f in dataclasses.fields(CodecConfig) if f.name != "site"}
     codec = CodecConfig.from_dict({**start, **fields}, where=f"site={spec!r}")
     kind = get_kind(codec.kind)
-    takes = {"fmt": (kind.fp8, "a codec with FP8 codes"),
-             "group_size": (kind.grouped or flags.chunks != 1, "a codec with per-group scales (or --chunks)"),
-             "backend": (kind.backends, "a codec of a kind with group backends"),
-             "hadamard": (kind.hadamard == "optional" or fields.get("hadamard") == (kind.hadamard == "always"),
-                          "a kind whose Hadamard transform is optional")}
-    for field, (ok, need) in takes.items():  # a field the site's codec ignores is refused, as the flag is
+    takes = {"fmt": kind.fp8, "group_size": kind.grouped or flags.chunks != 1, "backend": kind.backends,
+             "hadamard": kind.hadamard == "optional" or fields.get("hadamard") == (kind.hadamard == "always")}
+    for field, ok in takes.items():  # a field the site's codec ignores is refused, as the flag is
         if field in fields and not ok:
             raise ValueError(f"site={spec!r}: {field}={fields[field]!r} has no effect on kind={codec.kind!r}: it "
-                             f"needs {need}")
+                             f"needs {_need(field)}")
     return codec
 
 
